@@ -1,0 +1,92 @@
+"""The body of the Hydra apps (``examples/train.py``): validate, launch ranks, train, summarise.
+
+Everything that can be wrong with a configuration is checked in the launching process, before
+any rank, process group or file exists; a bad value ends the app with one ``error:`` line and
+exit code 2 instead of a traceback from every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_3d.config import build_strategy, world_size_of
+from lightning_3d.launch import already_launched, launch_job
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ``ValueError`` for any inconsistent value in ``cfg`` (no side effects)."""
+    world = world_size_of(cfg.trainer)
+    strategy = build_strategy(cfg.parallelism, cfg.get("offload"))
+    layout = strategy.layout.resolve(world)
+    batch_size = cfg.data.get("batch_size") if "data" in cfg else None
+    if batch_size is not None and batch_size % layout.data:
+        raise ValueError(
+            f"global data.batch_size ({batch_size}) is not divisible by data-parallel size ({layout.data})"
+        )
+
+
+def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
+    """Train on this rank (the world is already launched, or has one process)."""
+    import lightning as L
+    from hydra.utils import instantiate
+
+    from lightning_3d.callbacks import RunSummary
+
+    L.seed_everything(cfg.seed, verbose=False)
+    model = instantiate(cfg.model)
+    datamodule = instantiate(cfg.data)
+    summary = RunSummary(out_dir=output_dir)
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer = L.Trainer(
+        **trainer_kwargs,
+        strategy=build_strategy(cfg.parallelism, cfg.get("offload")),
+        callbacks=[summary],
+        default_root_dir=output_dir,
+    )
+    trainer.fit(model, datamodule)
+    return summary.summary
+
+
+def run(cfg: DictConfig, script: str) -> int:
+    """Entry point shared by the example apps; returns the process exit code."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    output_dir = hydra_cfg.runtime.output_dir
+    try:
+        validate(cfg)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    world = world_size_of(cfg.trainer)
+    if world > 1 and not already_launched():
+        if cfg.trainer.get("num_nodes", 1) > 1:
+            print("error: multi-node runs are started by torchrun or SLURM, one launcher per node", file=sys.stderr)
+            return 2
+        threads = max(1, (os.cpu_count() or 1) // world)
+        code = launch_job(world, script, list(hydra_cfg.overrides.task), output_dir, threads)
+        if code == 0:
+            _report(Path(output_dir) / "summary.json")
+        return code
+    summary = train(cfg, output_dir)
+    if world == 1:
+        _report(Path(output_dir) / "summary.json", summary)
+    return 0
+
+
+def _report(path: Path, summary: dict[str, Any] | None = None) -> None:
+    if summary is None:
+        if not path.exists():
+            return
+        summary = json.loads(path.read_text())
+    losses = summary.get("losses") or [float("nan")]
+    print(
+        f"done: {summary['steps']} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+        f"{summary['tokens_per_s']:.0f} tokens/s; summary: {path}"
+    )

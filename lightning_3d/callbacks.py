@@ -1,0 +1,129 @@
+"""``RunSummary``: per-step global loss, throughput and per-rank memory, written to summary.json."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_3d.memory import model_state_bytes, peak_rss_mb
+
+
+def _dp_size(trainer: pl.Trainer) -> int:
+    return getattr(trainer.strategy, "dp_size", trainer.world_size)
+
+
+def _batch_tokens(batch: Any) -> int:
+    first = batch[0] if isinstance(batch, (list, tuple)) else batch
+    return first.numel() if isinstance(first, torch.Tensor) else 0
+
+
+def describe_layout(trainer: pl.Trainer) -> dict[str, Any]:
+    """The run's parallel layout, for any strategy (a plain single-process run included)."""
+    layout = getattr(trainer.strategy, "layout", None)
+    sizes = layout.as_dict() if layout is not None else {"data": trainer.world_size, "tensor": 1, "pipeline": 1}
+    sizes.setdefault("zero_stage", 0)
+    return {
+        "world_size": trainer.world_size,
+        **sizes,
+        "strategy": type(trainer.strategy).__name__,
+        "precision": str(trainer.precision),
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+    }
+
+
+class RunSummary(Callback):
+    """Record what a run did, the same way in every layout, and write ``summary.json``.
+
+    - ``losses``: the global mean training loss of every optimizer step (mean over the
+      accumulated micro-batches of the step, then over data-parallel ranks);
+    - ``tokens_per_s``: median over steps after ``warmup_steps`` of global tokens / step time;
+    - ``ranks``: per rank, peak RSS and the model-state bytes resident at the end of backward,
+      just before the optimizer step (see :func:`lightning_3d.memory.model_state_bytes`).
+
+    Tokens/s is also shown on the progress bar as ``tok/s``.
+    """
+
+    def __init__(self, out_dir: Optional[str] = None, warmup_steps: int = 3, filename: str = "summary.json") -> None:
+        self.out_dir = out_dir
+        self.warmup_steps = warmup_steps
+        self.filename = filename
+        self.losses: list[float] = []
+        self.step_times: list[float] = []
+        self.step_tokens: list[int] = []
+        self.memory: dict[str, int] = {}
+        self.summary: dict[str, Any] = {}
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._tokens = 0
+        self._t0: Optional[float] = None
+        self._last_step = 0
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._t0 is None:
+            self._t0 = time.perf_counter()
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        # End of backward, gradients reduced, optimizer not yet stepped: the ZeRO accounting point.
+        self.memory = model_state_bytes(pl_module, trainer.optimizers)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            # Lightning divides each micro-batch loss by accumulate_grad_batches: summing gives the mean.
+            loss = loss.detach().float()
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        self._tokens += _batch_tokens(batch) * _dp_size(trainer)
+        if trainer.global_step == self._last_step:
+            return  # still accumulating
+        self._last_step = trainer.global_step
+        step_loss = trainer.strategy.reduce(self._loss_sum, reduce_op="mean") if self._loss_sum is not None else None
+        self.losses.append(float(step_loss) if step_loss is not None else float("nan"))
+        now = time.perf_counter()
+        self.step_times.append(now - self._t0)
+        self.step_tokens.append(self._tokens)
+        pl_module.log("tok/s", self._tokens / max(now - self._t0, 1e-9), prog_bar=True, on_step=True, logger=True)
+        self._t0, self._tokens, self._loss_sum = now, 0, None
+
+    def tokens_per_s(self) -> float:
+        rates = [n / t for n, t in zip(self.step_tokens, self.step_times) if t > 0]
+        steady = rates[self.warmup_steps :] or rates
+        return statistics.median(steady) if steady else 0.0
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        mine = {"rank": trainer.global_rank, "peak_rss_mb": round(peak_rss_mb(), 1), **self.memory}
+        ranks = [mine]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, mine)
+        self.summary = {
+            "layout": describe_layout(trainer),
+            "num_params": sum(p.numel() for p in pl_module.parameters()),  # DTensor numel is global
+            "steps": len(self.losses),
+            "losses": self.losses,
+            "tokens_per_s": self.tokens_per_s(),
+            "step_time_s": statistics.median(self.step_times) if self.step_times else None,
+            "ranks": ranks,
+        }
+        if trainer.is_global_zero:
+            out = Path(self.out_dir or trainer.default_root_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / self.filename).write_text(json.dumps(self.summary, indent=2))
+

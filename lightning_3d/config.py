@@ -1,0 +1,76 @@
+"""Typed configuration for the Hydra apps, and the one function that turns it into a strategy.
+
+The dataclasses are registered in Hydra's ``ConfigStore`` as schemas, so a typo in a key
+(``parallelism.zero_stag=2``) or a wrong type (``parallelism.tensor=two``) is refused by Hydra
+before anything runs; values are range-checked by :class:`~lightning_3d.layout.Layout`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+from lightning_3d.strategy import ThreeDStrategy
+
+
+@dataclass
+class ParallelismConfig:
+    """The parallel layout (see :class:`lightning_3d.ThreeDStrategy`)."""
+
+    data: Any = "auto"  # data-parallel size, or "auto" = world / (tensor * pipeline)
+    tensor: int = 1  # tensor-parallel size
+    pipeline: int = 1  # pipeline-parallel size
+    zero_stage: int = 0  # 0 replicate, 1 shard optimizer state, 2 + gradients, 3 + parameters
+    bucket_size_mb: float = 25.0  # gradient bucket size for zero stages 0-2
+
+
+@dataclass
+class OffloadConfig:
+    """Where optimizer state lives. Only ``none`` exists in this version."""
+
+    device: str = "none"  # none | cpu | nvme
+    path: Optional[str] = None  # directory for nvme offload
+
+
+def register_configs(store: Optional[ConfigStore] = None) -> None:
+    """Register the schemas that ``conf/parallelism/*.yaml`` and ``conf/offload/*.yaml`` extend."""
+    store = store or ConfigStore.instance()
+    store.store(group="parallelism", name="schema", node=ParallelismConfig)
+    store.store(group="offload", name="schema", node=OffloadConfig)
+
+
+def build_strategy(parallelism: Any, offload: Any = None) -> ThreeDStrategy:
+    """Turn a ``parallelism`` config (dataclass, DictConfig or mapping) into a ``ThreeDStrategy``."""
+    options = dict(parallelism if isinstance(parallelism, dict) else _to_dict(parallelism))
+    if offload is not None and _to_dict(offload).get("device", "none") != "none":
+        raise ValueError(
+            f"offload.device={_to_dict(offload)['device']!r} is not available in this version; use offload=none"
+        )
+    return ThreeDStrategy(**options)
+
+
+def world_size_of(trainer_cfg: Any) -> int:
+    """Processes a Trainer config asks for: ``devices * num_nodes`` (``devices`` must be a count)."""
+    cfg = _to_dict(trainer_cfg)
+    devices, nodes = cfg.get("devices", 1), cfg.get("num_nodes", 1)
+    if isinstance(devices, (list, tuple)):
+        devices = len(devices)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise ValueError(f"trainer.devices={devices!r} must be a positive number of processes")
+    if not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"trainer.num_nodes={nodes!r} must be a positive integer")
+    return devices * nodes
+
+
+def _to_dict(cfg: Any) -> dict:
+    from dataclasses import asdict, is_dataclass
+
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
+    if is_dataclass(cfg):
+        return asdict(cfg)
+    return dict(cfg)

@@ -1,0 +1,74 @@
+"""Count the bytes of model state actually resident on this rank.
+
+Peak RSS on CPU hides most of what sharding saves (glibc keeps freed memory in its arenas), so
+the ZeRO figures are counted from the tensors themselves: every distinct storage reachable from
+parameters, gradients and optimizer state, counted once. A parameter that is a view into a flat
+bucket counts the whole bucket (padding included); a ``DTensor`` counts its local shard.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: Tensor) -> Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = _local(t).untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def _optimizer_params(optimizers: Iterable[torch.optim.Optimizer]) -> list[Tensor]:
+    return [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+
+
+def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state resident on this rank.
+
+    ``unsharded_param_bytes`` is the part of ``param_bytes`` held by parameters that are plain
+    (non-``DTensor``) tensors: everything under ZeRO 0–2, and whatever FSDP2 did not shard.
+    """
+    optimizers = [getattr(opt, "_optimizer", opt) for opt in optimizers]  # unwrap LightningOptimizer
+    params = list(module.parameters())
+    seen: set[int] = set()
+    param_bytes = _storage_bytes(params, seen)
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    unsharded = _storage_bytes(plain, set())
+    grads = [p.grad for p in params + _optimizer_params(optimizers)]
+    grad_bytes = _storage_bytes(grads, seen)
+    state = [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
+    state_bytes = _storage_bytes(state, seen)
+    return {
+        "param_bytes": param_bytes,
+        "grad_bytes": grad_bytes,
+        "optimizer_state_bytes": state_bytes,
+        "unsharded_param_bytes": unsharded,
+    }
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process in MiB (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def zero_formula_bytes(num_params: int, stage: int, data: int) -> int:
+    """Model-state bytes per rank for fp32 Adam under ZeRO, from the paper (Ψ = ``num_params``)."""
+    psi, n = num_params, data
+    return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]

@@ -1,0 +1,187 @@
+"""A small byte-level GPT decoder.
+
+Plain ``nn.Module`` code with no parallelism baked in: tensor/pipeline
+parallel strategies rewrite or slice these modules from the outside, so the
+forward passes are written to tolerate sharded layers (see
+``CausalSelfAttention.forward`` and ``MLP.forward``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    """Hyper-parameters of :class:`GPT`.
+
+    Attributes:
+        vocab_size: Number of token ids; 256 for raw bytes.
+        block_size: Maximum sequence length (size of the positional table).
+        n_layer: Number of transformer blocks.
+        n_head: Number of attention heads; must divide ``n_embd``.
+        n_embd: Width of the residual stream.
+        mlp_ratio: MLP hidden width as a multiple of ``n_embd``.
+        dropout: Dropout probability for embeddings, attention and residuals.
+        bias: Whether Linear and LayerNorm layers carry a bias.
+    """
+
+    vocab_size: int = 256
+    block_size: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        sizes = {
+            "vocab_size": self.vocab_size,
+            "block_size": self.block_size,
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "n_embd": self.n_embd,
+            "mlp_ratio": self.mlp_ratio,
+        }
+        bad = {k: v for k, v in sizes.items() if v <= 0}
+        if bad:
+            raise ValueError(f"GPTConfig sizes must be positive, got {bad}")
+        if self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        d = config.n_embd
+        self.wq = nn.Linear(d, d, bias=config.bias)
+        self.wk = nn.Linear(d, d, bias=config.bias)
+        self.wv = nn.Linear(d, d, bias=config.bias)
+        self.wo = nn.Linear(d, d, bias=config.bias)
+        self.resid_drop = nn.Dropout(config.dropout)
+        # Only head_dim is fixed; the number of heads is read off the
+        # projection output so a column-sharded wq/wk/wv (local heads) works.
+        self.head_dim = d // config.n_head
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(
+            q, k, v,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=True,
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
+        return self.resid_drop(self.wo(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        hidden = config.mlp_ratio * config.n_embd
+        self.fc1 = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The hidden width is whatever fc1 emits, so a sharded fc1/fc2 pair works.
+        return self.drop(self.fc2(self.act(self.fc1(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.mlp_norm = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        x = x + self.mlp(self.mlp_norm(x))
+        return x
+
+
+class GPT(nn.Module):
+    # Output projections of each residual branch; their init is shrunk so the
+    # residual stream's variance does not grow with depth (GPT-2 trick).
+    _RESIDUAL_PROJ = ("attn.wo", "mlp.fc2")
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        # Build on meta and materialise afterwards, so that init_weights() is
+        # the ONLY consumer of the RNG. That makes
+        #   torch.manual_seed(s); GPT(cfg)
+        # bit-identical to
+        #   GPT(cfg) on meta -> to_empty() -> torch.manual_seed(s); init_weights()
+        # and skips PyTorch's default init, which we would overwrite anyway.
+        target = torch.empty(()).device  # respects `with torch.device(...)`
+        with torch.device("meta"):
+            self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+            self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
+            self.drop = nn.Dropout(config.dropout)
+            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+            self.norm = nn.LayerNorm(config.n_embd, bias=config.bias)
+            # Deliberately not tied to tok_emb: tied weights would have to live
+            # on both the first and the last pipeline stage.
+            self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if target.type != "meta":
+            self.to_empty(device=target)
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re-)initialise every parameter in place.
+
+        Deterministic given the global RNG state; modules are visited in
+        ``named_modules()`` order. Safe to call after ``to_empty()``.
+        """
+        std = 0.02
+        proj_std = std / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                s = proj_std if name.endswith(self._RESIDUAL_PROJ) else std
+                nn.init.normal_(module.weight, mean=0.0, std=s)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.LayerNorm):
+                if module.weight is not None:
+                    nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Map token ids ``idx`` (B, T) to next-token logits (B, T, vocab)."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(
+                f"sequence length {T} exceeds block_size {self.config.block_size}"
+            )
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)  # (B, T, C)
+        return self.lm_head(self.norm(x))  # (B, T, vocab)
+
+    def num_params(self) -> int:
+        """Total number of parameter elements (embeddings included)."""
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,123 @@
+"""LightningModule wrapping :class:`GPT` for next-byte prediction."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+import torchmetrics
+
+from lightning_3d.models.gpt import GPT, GPTConfig
+
+
+def warmup_cosine_factor(
+    step: int, warmup_steps: int, max_steps: float | None, min_lr_ratio: float
+) -> float:
+    """LR multiplier: linear warmup, then cosine decay to ``min_lr_ratio``.
+
+    ``max_steps=None`` (or inf) means "no known horizon": stay at the peak
+    after warmup instead of guessing a decay length.
+    """
+    if warmup_steps > 0 and step < warmup_steps:
+        # step + 1 so that the very first optimizer step already moves.
+        return (step + 1) / warmup_steps
+    if max_steps is None or math.isinf(max_steps):
+        return 1.0
+    progress = (step - warmup_steps) / max(1.0, max_steps - warmup_steps)
+    progress = min(max(progress, 0.0), 1.0)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * cosine
+
+
+class LitGPT(pl.LightningModule):
+    """GPT language model trained with token-mean cross-entropy.
+
+    All constructor arguments are plain keywords so Hydra can build it with
+    ``_target_: lightning_3d.models.LitGPT``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        mlp_ratio: int = 4,
+        dropout: float = 0.0,
+        bias: bool = False,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: Sequence[float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        max_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = GPTConfig(
+            vocab_size=vocab_size,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            mlp_ratio=mlp_ratio,
+            dropout=dropout,
+            bias=bias,
+        )
+        self.model = GPT(self.config)
+        # A metric object (not a plain tensor) so that torchmetrics does the
+        # cross-process reduction with the right token weighting.
+        self.val_loss = torchmetrics.MeanMetric()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)  # (B, T, vocab)
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        loss = self._loss(batch)
+        # Weight by tokens so the epoch value is the true per-token mean even
+        # if batches were ever of different sizes.
+        self.val_loss.update(loss, weight=batch[1].numel())
+        self.log("val_loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        if self.val_loss.update_count == 0:
+            return
+        # compute() syncs across processes and caches the result, so the
+        # logger connector's own compute of val_loss later sees the same value.
+        mean_loss = self.val_loss.compute()
+        self.log("val_ppl", torch.exp(mean_loss))
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        # Matrices and embeddings decay; norms and biases do not, since
+        # shrinking them toward zero only fights the normalisation.
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": hp.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        opt = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+
+        max_steps = hp.max_steps
+        if max_steps is None:
+            max_steps = self.trainer.estimated_stepping_batches
+        warmup, min_ratio = hp.warmup_steps, hp.min_lr_ratio
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: warmup_cosine_factor(step, warmup, max_steps, min_ratio)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,281 @@
+"""``ThreeDStrategy``: data × tensor × pipeline parallelism with ZeRO, as one Lightning strategy."""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_3d.layout import Layout, MeshAxis, build_mesh
+from lightning_3d.parallel.fsdp import apply_zero3
+from lightning_3d.parallel.zero import ZeroDataParallel
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+_OPTIONS = ("data", "tensor", "pipeline", "zero_stage", "bucket_size_mb", "process_group_backend", "timeout")
+
+
+class ThreeDStrategy(ParallelStrategy):
+    """Pipeline × data × tensor parallelism with ZeRO sharding on the data axis.
+
+    Args:
+        data: data-parallel size, or ``"auto"`` for ``world_size / (tensor * pipeline)``.
+        tensor: tensor-parallel size (Megatron-style layer splitting).
+        pipeline: pipeline-parallel size (layers split into stages).
+        zero_stage: 0 replicates everything and all-reduces gradients; 1 shards optimizer state;
+            2 also gradients; 3 also parameters (FSDP2).
+        bucket_size_mb: size of the flat gradient buckets used by zero stages 0–2.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; default follows the device.
+        timeout: collective timeout.
+
+    Example::
+
+        import lightning as L
+        import lightning_3d  # registers "3d", "3d_zero1", "3d_zero2", "3d_zero3"
+
+        trainer = L.Trainer(accelerator="cpu", devices=4, strategy="3d_zero3")
+        trainer = L.Trainer(devices=8, strategy=lightning_3d.ThreeDStrategy(zero_stage=2))
+    """
+
+    strategy_name = "3d"
+
+    def __init__(
+        self,
+        data: Union[int, str] = "auto",
+        tensor: int = 1,
+        pipeline: int = 1,
+        zero_stage: int = 0,
+        bucket_size_mb: float = 25.0,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise ValueError(
+                f"unknown ThreeDStrategy option(s) {sorted(unknown)}; valid options are {list(_OPTIONS)}"
+            )
+        if not bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
+        self.layout = Layout(data=data, tensor=tensor, pipeline=pipeline, zero_stage=zero_stage)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._bucket_size_mb = bucket_size_mb
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._device_mesh: Optional[DeviceMesh] = None
+        self._engines: list[ZeroDataParallel] = []
+        self._sync_grads = True
+        self.num_nodes = 1
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        """Register ``"3d"`` and the ZeRO presets in Lightning's ``StrategyRegistry``."""
+        registry.register("3d", cls, description="lightning_3d: data x tensor x pipeline + ZeRO", override=True)
+        for stage in (1, 2, 3):
+            registry.register(
+                f"3d_zero{stage}", cls, description=f"lightning_3d with ZeRO stage {stage}",
+                zero_stage=stage, override=True,
+            )
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists only after the processes have started (setup_environment)")
+        return self._device_mesh
+
+    @property
+    def dp_size(self) -> int:
+        return self.device_mesh[MeshAxis.DATA.value].size()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.device_mesh[MeshAxis.DATA.value].get_local_rank()
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self.parallel_devices is None:
+            raise RuntimeError("root_device is unknown until the Trainer has assigned devices")
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Ranks that share a data-parallel coordinate (tensor / pipeline peers) read the same data.
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    # ------------------------------------------------------------------ launch and setup
+    @override
+    def _configure_launcher(self) -> None:
+        # Called while the Trainer is constructed: the last moment to reject a bad layout
+        # before any process, process group or file exists.
+        self.layout = self.layout.resolve(self.num_nodes * self.num_processes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        self.layout = self.layout.resolve(self.world_size)
+        self._device_mesh = build_mesh(self.layout, self.root_device.type)
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.accelerator.setup(trainer)
+        if self.layout.tensor > 1 or self.layout.pipeline > 1:
+            raise NotImplementedError(
+                f"tensor={self.layout.tensor}, pipeline={self.layout.pipeline}: only data parallelism "
+                "(tensor=1, pipeline=1) is implemented in this version"
+            )
+        self.model_to_device()
+        self.model = self.precision_plugin.convert_module(self.model)
+        dp_mesh = self.device_mesh[MeshAxis.DATA.value]
+        if self.layout.zero_stage == 3:
+            apply_zero3(self.lightning_module, dp_mesh)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if self.layout.zero_stage < 3:
+                self._attach_engines(dp_mesh)
+        self.setup_precision_plugin()
+        self.barrier()
+
+    def _attach_engines(self, dp_mesh: DeviceMesh) -> None:
+        for engine in self._engines:
+            engine.detach()
+        bucket_numel = max(1, int(self._bucket_size_mb * 2**20) // 4)
+        self._engines = []
+        for optimizer in self.optimizers:
+            engine = ZeroDataParallel(dp_mesh, self.layout.zero_stage, bucket_numel=bucket_numel)
+            engine.attach(optimizer)
+            self._engines.append(engine)
+
+    @override
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ training hooks
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning enters this on accumulation micro-batches: reduce only on the last one.
+        self._sync_grads = False
+        try:
+            yield
+        finally:
+            self._sync_grads = True
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        for engine in self._engines:
+            engine.prepare_backward(sync=self._sync_grads)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        for engine in self._engines:
+            engine.finish_backward()
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        for engine, opt in zip(self._engines, self.optimizers):
+            if opt is raw:
+                engine.after_step()
+        return output
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def teardown(self) -> None:
+        for engine in self._engines:
+            engine.detach()
+        self._engines = []
+        super().teardown()

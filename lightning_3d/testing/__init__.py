@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks: multi-process gloo worlds and reference training runs."""

@@ -1,0 +1,62 @@
+"""A reference training run of the project's GPT, reused by parity tests and benchmarks.
+
+``fit_gpt`` trains ``LitGPT`` on the embedded text for a few steps with a fixed seed and
+returns the per-step global losses, the full updated weights and the run summary, so a parallel
+layout can be compared with a single-process run number by number.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any, Optional
+
+TINY_MODEL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, warmup_steps=2, max_steps=20)
+TINY_DATA = dict(corpus="stdlib", block_size=32, batch_size=8, max_bytes=400_000, val_fraction=0.05)
+
+
+def fit_gpt(
+    rank: int = 0,
+    strategy: Optional[dict[str, Any]] = None,
+    devices: int = 1,
+    steps: int = 5,
+    seed: int = 1234,
+    model: Optional[dict[str, Any]] = None,
+    data: Optional[dict[str, Any]] = None,
+    trainer: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Train for ``steps`` optimizer steps; ``strategy=None`` means Lightning's plain single device.
+
+    ``strategy`` holds ``ThreeDStrategy`` keyword arguments. Returns ``losses`` and ``summary`` on
+    every rank and ``state`` (full weights, CPU) on rank 0 only.
+    """
+    import lightning as L
+
+    from lightning_3d import ThreeDStrategy
+    from lightning_3d.callbacks import RunSummary
+    from lightning_3d.data import TextDataModule
+    from lightning_3d.models import LitGPT
+    from lightning_3d.state import full_state_dict
+
+    L.seed_everything(seed, verbose=False)
+    module = LitGPT(**{**TINY_MODEL, **(model or {})})
+    datamodule = TextDataModule(seed=seed, **{**TINY_DATA, **(data or {})})
+    summary = RunSummary()
+    with tempfile.TemporaryDirectory() as root:
+        fit = L.Trainer(
+            accelerator="cpu",
+            devices=devices,
+            strategy=ThreeDStrategy(**strategy) if strategy is not None else "auto",
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            callbacks=[summary],
+            default_root_dir=root,
+            **(trainer or {}),
+        )
+        fit.fit(module, datamodule)
+    state = full_state_dict(module)
+    return {"losses": summary.losses, "summary": summary.summary, "state": state if rank == 0 else None}
