@@ -1,0 +1,58 @@
+"""What "the same run" means for parity tests, in one place.
+
+Losses must agree within ``rtol`` relative. Weights are compared per tensor: the relative
+Frobenius error ``||a - b|| / ||b||`` must be within ``rtol``, and no element may differ by more
+than ``atol``. Elementwise relative error is deliberately not used: Adam divides by
+``sqrt(v) + eps``, so for an embedding row of a byte seen once or twice, a last-ulp difference
+in the gradient sum (ranks add in a different order) becomes a 1e-4 relative change of a
+near-zero update. A real bug (a missing rank, a wrong average, a local clip norm) moves
+whole tensors by about the learning rate, orders of magnitude above these bounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+from torch import Tensor
+
+
+def loss_mismatches(losses: list[float], reference: list[float], rtol: float = 1e-5) -> list[str]:
+    if len(losses) != len(reference):
+        return [f"{len(losses)} losses vs {len(reference)} in the reference"]
+    return [
+        f"step {i}: {a:.8f} vs {b:.8f}"
+        for i, (a, b) in enumerate(zip(losses, reference))
+        if not math.isclose(a, b, rel_tol=rtol, abs_tol=0.0)
+    ]
+
+
+def weight_mismatches(
+    state: dict[str, Tensor], reference: dict[str, Tensor], rtol: float = 1e-5, atol: float = 1e-5
+) -> list[str]:
+    if set(state) != set(reference):
+        return [f"keys differ: {sorted(set(state) ^ set(reference))}"]
+    problems = []
+    for name, ref in reference.items():
+        got = state[name].float()
+        ref = ref.float()
+        if got.shape != ref.shape:
+            problems.append(f"{name}: shape {tuple(got.shape)} vs {tuple(ref.shape)}")
+            continue
+        diff = got - ref
+        rel = (diff.norm() / ref.norm().clamp_min(1e-12)).item()
+        worst = diff.abs().max().item() if diff.numel() else 0.0
+        if rel > rtol or worst > atol:
+            problems.append(f"{name}: relative error {rel:.2e} (max {rtol:.0e}), max abs {worst:.2e} (max {atol:.0e})")
+    return problems
+
+
+def assert_same_run(run: dict, reference: dict, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    """Raise ``AssertionError`` listing every loss and weight that differs from the reference."""
+    problems = loss_mismatches(run["losses"], reference["losses"], rtol)
+    problems += weight_mismatches(run["state"], reference["state"], rtol, atol)
+    if problems:
+        raise AssertionError("run differs from the reference:\n  " + "\n  ".join(problems))
+
+
+__all__ = ["assert_same_run", "loss_mismatches", "weight_mismatches"]

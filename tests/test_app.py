@@ -1,0 +1,166 @@
+"""End to end through the Hydra CLI (``python examples/train.py ...``), as a user runs it."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = "examples/train.py"
+# Small and fast: tiny model, a 300 kB corpus, a global batch of 8.
+SMALL = ["model=gpt_tiny", "data.batch_size=8", "data.max_bytes=300000", "trainer.limit_val_batches=2"]
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # A stray launcher variable would make the app think it is a rank already; a set
+    # HYDRA_FULL_ERROR would turn Hydra's one-paragraph errors into tracebacks.
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_PROCID", "HYDRA_FULL_ERROR"):
+        env.pop(key, None)
+    return env
+
+
+def _start(args):
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, *args], cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _run(args, timeout):
+    return subprocess.run(
+        [sys.executable, SCRIPT, *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _describe(proc):
+    return f"exit {proc.returncode}\n--- stdout (tail)\n{proc.stdout[-3000:]}\n--- stderr (tail)\n{proc.stderr[-3000:]}"
+
+
+# ------------------------------------------------------------------ bad input
+# (overrides, exit code, substrings the error must contain)
+BAD = {
+    "tensor_does_not_divide_world": (["parallelism.tensor=2", "trainer.devices=3"], 2, ["tensor(2)", "world size 3"]),
+    "zero_stage_out_of_range": (["parallelism.zero_stage=7"], 2, ["zero_stage=7", "[0, 1, 2, 3]"]),
+    "batch_not_divisible": (["data.batch_size=30", "trainer.devices=4"], 2, ["(30)", "(4)"]),
+    "data_zero": (["parallelism.data=0"], 2, ["data=0"]),
+    "unknown_key": (["parallelism.foo=1"], None, ["foo"]),  # Hydra's own error, its own exit code
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory):
+    """Run every bad-input case at once (each is ~8 s of imports, nothing else)."""
+    started = {}
+    for name, (overrides, _, _) in BAD.items():
+        run_dir = tmp_path_factory.mktemp(name)
+        started[name] = (run_dir, _start([*overrides, f"hydra.run.dir={run_dir}"]))
+    finished = {}
+    try:
+        for name, (run_dir, proc) in started.items():
+            stdout, stderr = proc.communicate(timeout=180)
+            finished[name] = (run_dir, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+    finally:
+        for _, proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return finished
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_cli_bad_input(case, bad_runs):
+    _, expected_code, named = BAD[case]
+    run_dir, proc = bad_runs[case]
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, _describe(proc)
+    if expected_code is not None:
+        assert proc.returncode == expected_code, _describe(proc)
+    assert "Traceback" not in output, _describe(proc)
+    assert not (run_dir / "summary.json").exists()
+    assert not (run_dir / "lightning_logs").exists()  # no rank ever started
+    if case == "unknown_key":
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        # Hydra's paragraph (what was wrong, the key, how to append), not a traceback wall.
+        assert len(lines) < 10, _describe(proc)
+        assert any("foo" in line for line in lines), _describe(proc)
+        return
+    error_lines = [line for line in output.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, _describe(proc)
+    assert error_lines[0].startswith("error: ")
+    assert error_lines[0] in proc.stderr
+    for part in named:
+        assert part in error_lines[0], _describe(proc)
+
+
+# ------------------------------------------------------------------ a real run
+def test_cli_real_run_zero2(tmp_path):
+    proc = _run(
+        [
+            *SMALL,
+            "trainer.max_steps=12",
+            "trainer.devices=2",
+            "parallelism.zero_stage=2",
+            "trainer.val_check_interval=6",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        timeout=300,
+    )
+    assert proc.returncode == 0, _describe(proc)
+    assert "Traceback" not in proc.stderr, _describe(proc)
+    assert "done:" in proc.stdout, _describe(proc)
+    summary_path = tmp_path / "summary.json"
+    assert f"summary: {summary_path}" in proc.stdout
+    summary = json.loads(summary_path.read_text())
+
+    layout = summary["layout"]
+    assert layout["world_size"] == 2
+    assert layout["data"] == 2
+    assert layout["tensor"] == 1 and layout["pipeline"] == 1
+    assert layout["zero_stage"] == 2
+    assert layout["strategy"] == "ThreeDStrategy"
+
+    losses = summary["losses"]
+    assert len(losses) == 12
+    assert summary["steps"] == 12
+    assert all(isinstance(x, float) and math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0]
+    assert summary["tokens_per_s"] > 0
+
+    ranks = summary["ranks"]
+    assert len(ranks) == 2
+    assert sorted(r["rank"] for r in ranks) == [0, 1]
+    for rank in ranks:
+        for key in ("peak_rss_mb", "param_bytes", "grad_bytes", "optimizer_state_bytes"):
+            assert rank[key] > 0, (key, rank)
+    # One summary per job: the ranks write into the job directory, rank 0 only.
+    assert sorted(p.name for p in tmp_path.glob("**/summary.json")) == ["summary.json"]
+
+
+# ------------------------------------------------------------------ a -m sweep
+def test_cli_sweep_zero_stages(tmp_path):
+    proc = _run(
+        [
+            "-m",
+            "parallelism.zero_stage=0,3",
+            *SMALL,
+            "trainer.max_steps=3",
+            "trainer.devices=2",
+            "trainer.val_check_interval=3",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        timeout=400,
+    )
+    assert proc.returncode == 0, _describe(proc)
+    assert proc.stdout.count("done:") == 2, _describe(proc)
+    for job, stage in ((0, 0), (1, 3)):
+        summary = json.loads((tmp_path / str(job) / "summary.json").read_text())
+        assert summary["layout"]["zero_stage"] == stage
+        assert summary["layout"]["world_size"] == 2
+        assert summary["steps"] == 3
+        assert all(math.isfinite(x) for x in summary["losses"])
+    # Each job ran only its own overrides: no nested sweep directories, no third job.
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["0", "1"]

@@ -1,0 +1,181 @@
+"""Bad input to the strategy, the Trainer and the app's validation fails early, by name, without side effects."""
+
+import os
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch.distributed as dist
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_3d  # noqa: F401  (registers the "3d*" strategies)
+from lightning_3d import ThreeDStrategy
+from lightning_3d.config import ParallelismConfig, build_strategy, world_size_of
+from lightning_3d.data import TextDataModule
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def _quiet_trainer(**kwargs):
+    return L.Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, **kwargs
+    )
+
+
+# ------------------------------------------------------------------ strategy constructor
+def test_unknown_option_is_named():
+    with pytest.raises(ValueError) as err:
+        ThreeDStrategy(zero_stag=2)
+    message = str(err.value)
+    assert "zero_stag" in message
+    assert "zero_stage" in message  # the valid options are listed
+
+
+def test_several_unknown_options_are_all_named():
+    with pytest.raises(ValueError) as err:
+        ThreeDStrategy(foo=1, offload="cpu")
+    assert "foo" in str(err.value) and "offload" in str(err.value)
+
+
+@pytest.mark.parametrize("stage", [5, -1, "3"])
+def test_bad_zero_stage(stage):
+    with pytest.raises(ValueError, match=rf"zero_stage={stage!r}"):
+        ThreeDStrategy(zero_stage=stage)
+
+
+@pytest.mark.parametrize("kwargs, named", [(dict(tensor=0), "tensor=0"), (dict(data=-2), "data=-2")])
+def test_bad_sizes(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        ThreeDStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("size", [0, -1.0])
+def test_bad_bucket_size(size):
+    with pytest.raises(ValueError, match="bucket_size_mb"):
+        ThreeDStrategy(bucket_size_mb=size)
+
+
+def test_good_options_are_kept():
+    strategy = ThreeDStrategy(data=2, tensor=1, pipeline=1, zero_stage=2, bucket_size_mb=1.5)
+    assert strategy.layout.zero_stage == 2 and strategy.layout.data == 2
+    with pytest.raises(RuntimeError, match="device mesh"):
+        strategy.device_mesh  # only exists after the processes have started
+
+
+# ------------------------------------------------------------------ Trainer construction
+def test_trainer_rejects_layout_that_does_not_tile_world(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as err:
+        L.Trainer(accelerator="cpu", devices=3, strategy=ThreeDStrategy(tensor=2), default_root_dir=tmp_path)
+    message = str(err.value)
+    assert "tensor(2)" in message
+    assert "world size 3" in message
+    assert not dist.is_initialized()
+    assert list(tmp_path.iterdir()) == []  # no logs, checkpoints or other files
+    assert "LOCAL_RANK" not in os.environ  # no launcher set up a world
+
+
+def test_trainer_counts_nodes_in_world_size(tmp_path):
+    with pytest.raises(ValueError, match=r"tensor\(3\) = 3 does not divide world size 4"):
+        _quiet_trainer(devices=2, num_nodes=2, strategy=ThreeDStrategy(tensor=3), default_root_dir=tmp_path)
+    assert not dist.is_initialized()
+
+
+def test_trainer_rejects_explicit_data_size(tmp_path):
+    with pytest.raises(ValueError, match=r"data\(4\) \* tensor\(1\) = 4 does not equal world size 2"):
+        _quiet_trainer(devices=2, strategy=ThreeDStrategy(data=4), default_root_dir=tmp_path)
+
+
+def test_trainer_resolves_layout_at_construction(tmp_path):
+    trainer = _quiet_trainer(devices=2, strategy=ThreeDStrategy(zero_stage=1), default_root_dir=tmp_path)
+    assert trainer.strategy.layout.data == 2
+    assert trainer.strategy.layout.zero_stage == 1
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("name, stage", [("3d", 0), ("3d_zero1", 1), ("3d_zero2", 2), ("3d_zero3", 3)])
+def test_registered_strategy_names(name, stage, tmp_path):
+    assert name in StrategyRegistry
+    trainer = _quiet_trainer(devices=1, strategy=name, default_root_dir=tmp_path)
+    assert isinstance(trainer.strategy, ThreeDStrategy)
+    assert trainer.strategy.layout.zero_stage == stage
+    assert trainer.strategy.layout.data == 1
+    assert not dist.is_initialized()
+
+
+# ------------------------------------------------------------------ global batch
+def test_check_batch_not_divisible():
+    with pytest.raises(ValueError) as err:
+        TextDataModule.check_batch(10, 4)
+    assert "(10)" in str(err.value) and "(4)" in str(err.value)
+
+
+@pytest.mark.parametrize("batch, dp, per_rank", [(8, 4, 2), (8, 1, 8), (6, 6, 1)])
+def test_check_batch_divisible(batch, dp, per_rank):
+    assert TextDataModule.check_batch(batch, dp) == per_rank
+
+
+def test_check_batch_zero_dp():
+    with pytest.raises(ValueError):
+        TextDataModule.check_batch(8, 0)
+
+
+# ------------------------------------------------------------------ the app's config checks (in process)
+@pytest.fixture
+def compose():
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from lightning_3d.config import register_configs
+
+    register_configs()
+
+    def _compose(*overrides):
+        with initialize_config_dir(config_dir=str(CONF), version_base=None):
+            return hydra_compose(config_name="train", overrides=list(overrides))
+
+    return _compose
+
+
+def test_validate_accepts_default_config(compose):
+    from lightning_3d.app import validate
+
+    validate(compose())  # no exception
+    validate(compose("trainer.devices=4", "parallelism.tensor=2", "data.batch_size=30"))  # 30 % dp(2) == 0
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["data.batch_size=30", "trainer.devices=4"], ["(30)", "(4)"]),
+        (["parallelism.tensor=2", "trainer.devices=3"], ["tensor(2)", "world size 3"]),
+        (["parallelism.zero_stage=7"], ["zero_stage=7"]),
+        (["parallelism.data=0"], ["data=0"]),
+        (["trainer.devices=auto"], ["'auto'"]),
+        (["offload.device=cpu"], ["offload.device='cpu'"]),
+    ],
+)
+def test_validate_rejects(compose, overrides, named):
+    from lightning_3d.app import validate
+
+    with pytest.raises(ValueError) as err:
+        validate(compose(*overrides))
+    for part in named:
+        assert part in str(err.value)
+
+
+def test_world_size_of():
+    assert world_size_of({"devices": 2}) == 2
+    assert world_size_of({"devices": [0, 1, 2], "num_nodes": 2}) == 6
+    for devices in (0, "auto", True):
+        with pytest.raises(ValueError, match="trainer.devices"):
+            world_size_of({"devices": devices})
+    with pytest.raises(ValueError, match="trainer.num_nodes"):
+        world_size_of({"devices": 1, "num_nodes": 0})
+
+
+def test_build_strategy_from_dataclass_and_mapping():
+    assert build_strategy(ParallelismConfig(zero_stage=3)).layout.zero_stage == 3
+    assert build_strategy({"tensor": 2}).layout.tensor == 2
+    with pytest.raises(ValueError, match="foo"):
+        build_strategy({"foo": 1})
