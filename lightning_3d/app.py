@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ def run(cfg: DictConfig, script: str) -> int:
         validate(cfg)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
+        _discard_run_dir(Path(output_dir), hydra_cfg.job.name)
         return 2
     world = world_size_of(cfg.trainer)
     if world > 1 and not already_launched():
@@ -78,6 +80,13 @@ def run(cfg: DictConfig, script: str) -> int:
     if world == 1:
         _report(Path(output_dir) / "summary.json", summary)
     return 0
+
+
+def _discard_run_dir(path: Path, job_name: str) -> None:
+    """Remove a run directory that holds only what Hydra wrote before the config was refused."""
+    hydra_only = {".hydra", f"{job_name}.log"}
+    if path.is_dir() and {p.name for p in path.iterdir()} <= hydra_only:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _report(path: Path, summary: dict[str, Any] | None = None) -> None:

@@ -273,6 +273,18 @@ class ThreeDStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self.layout.zero_stage > 0:
+            # Rank 0 alone holds only its shard of optimizer state (and, at stage 3, of the
+            # weights): writing that as if it were the whole state would corrupt a resume.
+            raise NotImplementedError(
+                f"saving checkpoints with zero_stage={self.layout.zero_stage} is not supported yet; "
+                "use zero_stage=0 or Trainer(enable_checkpointing=False)"
+            )
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
     @override
     def teardown(self) -> None:
         for engine in self._engines:

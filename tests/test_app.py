@@ -56,7 +56,7 @@ def bad_runs(tmp_path_factory):
     """Run every bad-input case at once (each is ~8 s of imports, nothing else)."""
     started = {}
     for name, (overrides, _, _) in BAD.items():
-        run_dir = tmp_path_factory.mktemp(name)
+        run_dir = tmp_path_factory.mktemp(name) / "run"  # does not exist yet: Hydra makes it
         started[name] = (run_dir, _start([*overrides, f"hydra.run.dir={run_dir}"]))
     finished = {}
     try:
@@ -80,6 +80,8 @@ def test_cli_bad_input(case, bad_runs):
     if expected_code is not None:
         assert proc.returncode == expected_code, _describe(proc)
     assert "Traceback" not in output, _describe(proc)
+    if expected_code == 2:  # our validation: the run directory Hydra made is removed again
+        assert not run_dir.exists(), sorted(p.name for p in run_dir.iterdir())
     assert not (run_dir / "summary.json").exists()
     assert not (run_dir / "lightning_logs").exists()  # no rank ever started
     if case == "unknown_key":
