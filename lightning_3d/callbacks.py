@@ -109,6 +109,9 @@ class RunSummary(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         mine = {"rank": trainer.global_rank, "peak_rss_mb": round(peak_rss_mb(), 1), **self.memory}
+        for key in ("logits_bytes", "logits_dense_bytes"):  # set by ThreeDStrategy under tensor > 1
+            if getattr(trainer.strategy, key, 0):
+                mine[key] = getattr(trainer.strategy, key)
         ranks = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             ranks = [None] * dist.get_world_size()

@@ -43,6 +43,8 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
 
     ``unsharded_param_bytes`` is the part of ``param_bytes`` held by parameters that are plain
     (non-``DTensor``) tensors: everything under ZeRO 0–2, and whatever FSDP2 did not shard.
+    ``tp_split_param_bytes`` / ``tp_split_dense_bytes``: local and full bytes of the parameters
+    that tensor parallelism split (ZeRO 0–2; under ZeRO-3 they are also split on ``dp``).
     """
     optimizers = [getattr(opt, "_optimizer", opt) for opt in optimizers]  # unwrap LightningOptimizer
     params = list(module.parameters())
@@ -54,12 +56,22 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
     grad_bytes = _storage_bytes(grads, seen)
     state = [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
     state_bytes = _storage_bytes(state, seen)
+    split = [p for p in params if _tp_sharded(p)]
     return {
+        "tp_split_param_bytes": sum(_local(p).numel() * p.element_size() for p in split),
+        "tp_split_dense_bytes": sum(p.numel() * p.element_size() for p in split),
         "param_bytes": param_bytes,
         "grad_bytes": grad_bytes,
         "optimizer_state_bytes": state_bytes,
         "unsharded_param_bytes": unsharded,
     }
+
+
+def _tp_sharded(p: Tensor) -> bool:
+    """A parameter split by tensor parallelism alone (a 1-D ``tp`` mesh, sharded)."""
+    if not isinstance(p, DTensor) or p.device_mesh.mesh_dim_names != ("tp",):
+        return False
+    return any(not pl.is_replicate() for pl in p.placements)
 
 
 def peak_rss_mb() -> float:

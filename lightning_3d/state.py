@@ -5,6 +5,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_3d.parallel.tensor import FUSED_ROWS_ATTR, regroup_fused_rows
+
 
 def full_state_dict(module: nn.Module, to_cpu: bool = True) -> dict[str, Tensor]:
     """Every parameter and buffer at full size, keyed by its name in ``module``.
@@ -12,10 +14,17 @@ def full_state_dict(module: nn.Module, to_cpu: bool = True) -> dict[str, Tensor]
     A collective when the module holds ``DTensor`` s (ZeRO-3, tensor parallel): call it on every
     rank. Parameters that are views of ZeRO flat buffers are cloned out of them.
     """
+    fused = {
+        f"{name}.{pname}" if name else pname: getattr(mod, FUSED_ROWS_ATTR)
+        for name, mod in module.named_modules()
+        if hasattr(mod, FUSED_ROWS_ATTR)
+        for pname, _ in mod.named_parameters(recurse=False)
+    }
     state: dict[str, Tensor] = {}
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if name in fused:  # undo FusedColwiseParallel's row regrouping
+            full = regroup_fused_rows(full, *fused[name], inverse=True)
         full = full.detach()
         state[name] = full.to("cpu", copy=True) if to_cpu else full.clone()
     return state
-

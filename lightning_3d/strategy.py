@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
-from contextlib import contextmanager
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
@@ -27,14 +27,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_3d.layout import Layout, MeshAxis, build_mesh
+from lightning_3d.parallel.clip import clip_grad_norm_
 from lightning_3d.parallel.fsdp import apply_zero3
+from lightning_3d.parallel.tensor import apply_tensor_parallel
 from lightning_3d.parallel.zero import ZeroDataParallel
+from lightning_3d.plans import build_plan
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
-_OPTIONS = ("data", "tensor", "pipeline", "zero_stage", "bucket_size_mb", "process_group_backend", "timeout")
+_OPTIONS = (
+    "data", "tensor", "pipeline", "zero_stage", "tp_plan", "sequence_parallel", "bucket_size_mb",
+    "process_group_backend", "timeout",
+)
 
 
 class ThreeDStrategy(ParallelStrategy):
@@ -46,6 +52,10 @@ class ThreeDStrategy(ParallelStrategy):
         pipeline: pipeline-parallel size (layers split into stages).
         zero_stage: 0 replicates everything and all-reduces gradients; 1 shards optimizer state;
             2 also gradients; 3 also parameters (FSDP2).
+        tp_plan: explicit tensor-parallel plan, ``{module-name pattern: style or style name}``;
+            default: recognise the architecture (reference GPT, Llama-style, GPT-2-style).
+        sequence_parallel: with ``tensor > 1``, also shard norms and the residual stream along
+            the sequence.
         bucket_size_mb: size of the flat gradient buckets used by zero stages 0–2.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default follows the device.
         timeout: collective timeout.
@@ -67,6 +77,8 @@ class ThreeDStrategy(ParallelStrategy):
         tensor: int = 1,
         pipeline: int = 1,
         zero_stage: int = 0,
+        tp_plan: Optional[Mapping[str, Any]] = None,
+        sequence_parallel: bool = False,
         bucket_size_mb: float = 25.0,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -91,12 +103,15 @@ class ThreeDStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        self._tp_plan = dict(tp_plan) if tp_plan else None
+        self._sequence_parallel = bool(sequence_parallel)
         self._bucket_size_mb = bucket_size_mb
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._device_mesh: Optional[DeviceMesh] = None
         self._engines: list[ZeroDataParallel] = []
         self._sync_grads = True
+        self.logits_bytes = self.logits_dense_bytes = 0
         self.num_nodes = 1
 
     @classmethod
@@ -182,30 +197,59 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
-        if self.layout.tensor > 1 or self.layout.pipeline > 1:
+        if self.layout.pipeline > 1:
             raise NotImplementedError(
-                f"tensor={self.layout.tensor}, pipeline={self.layout.pipeline}: only data parallelism "
-                "(tensor=1, pipeline=1) is implemented in this version"
+                f"pipeline={self.layout.pipeline}: pipeline parallelism is not implemented in this version"
             )
         self.model_to_device()
         self.model = self.precision_plugin.convert_module(self.model)
-        dp_mesh = self.device_mesh[MeshAxis.DATA.value]
+        # The recipe, in order. Tensor parallelism first: it replaces weights by tp-sharded
+        # DTensors, which ZeRO then shards (stage 3) or buckets (stages 0-2) on the data axis.
+        if self.layout.tensor > 1:
+            plan = build_plan(self.lightning_module, self._tp_plan, self._sequence_parallel)
+            resolved = apply_tensor_parallel(self.lightning_module, self.device_mesh[MeshAxis.TENSOR.value], plan)
+            self._watch_logits(resolved)
         if self.layout.zero_stage == 3:
-            apply_zero3(self.lightning_module, dp_mesh)
+            apply_zero3(self.lightning_module, self.device_mesh[MeshAxis.DATA.value])
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.layout.zero_stage < 3:
-                self._attach_engines(dp_mesh)
+                self._attach_engines(self.device_mesh[MeshAxis.DATA.value, MeshAxis.TENSOR.value])
         self.setup_precision_plugin()
+        self._use_global_norm_clipping()
         self.barrier()
 
-    def _attach_engines(self, dp_mesh: DeviceMesh) -> None:
+    def _watch_logits(self, resolved: Mapping[str, Any]) -> None:
+        """Record the bytes of vocab-parallel logits (local and full) for the run summary."""
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import ColwiseParallel
+
+        def record(module: Any, inputs: Any, output: Any) -> None:
+            if isinstance(output, DTensor):
+                self.logits_bytes = output._local_tensor.numel() * output.element_size()
+                self.logits_dense_bytes = output.numel() * output.element_size()
+
+        for name, style in resolved.items():
+            if isinstance(style, ColwiseParallel) and not style.use_local_output:  # the loss-parallel head
+                self.lightning_module.get_submodule(name).register_forward_hook(record)
+
+    def _use_global_norm_clipping(self) -> None:
+        # Lightning clips through the precision plugin with torch's clip_grad_norm_, which
+        # cannot mix plain tensors with DTensors of different placements (TP + ZeRO).
+        plugin = self.precision_plugin
+
+        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
+            clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+
+        plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    def _attach_engines(self, mesh: DeviceMesh) -> None:
         for engine in self._engines:
             engine.detach()
         bucket_numel = max(1, int(self._bucket_size_mb * 2**20) // 4)
         self._engines = []
         for optimizer in self.optimizers:
-            engine = ZeroDataParallel(dp_mesh, self.layout.zero_stage, bucket_numel=bucket_numel)
+            engine = ZeroDataParallel(mesh, self.layout.zero_stage, bucket_numel=bucket_numel)
             engine.attach(optimizer)
             self._engines.append(engine)
 
@@ -223,6 +267,40 @@ class ThreeDStrategy(ParallelStrategy):
             yield
         finally:
             self._sync_grads = True
+
+    def _step_context(self):
+        # Vocab-parallel logits (a DTensor sharded on the vocabulary) need loss_parallel for
+        # cross-entropy, in the forward and in the backward.
+        if self.layout.tensor > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return nullcontext()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return _plain(super().training_step(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return _plain(super().validation_step(*args, **kwargs))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return _plain(super().test_step(*args, **kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            return super().predict_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        with self._step_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -291,3 +369,14 @@ class ThreeDStrategy(ParallelStrategy):
             engine.detach()
         self._engines = []
         super().teardown()
+
+
+def _plain(output: Any) -> Any:
+    """A replicated DTensor loss (from ``loss_parallel``) as a plain tensor, keeping its graph."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(output, DTensor):
+        return output.full_tensor()
+    if isinstance(output, dict) and isinstance(output.get("loss"), DTensor):
+        return {**output, "loss": output["loss"].full_tensor()}
+    return output

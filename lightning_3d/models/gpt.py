@@ -75,10 +75,13 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (B, T, nh * hs) each
+        # B and T come from the projection, not from x: under sequence parallelism x holds
+        # only this rank's T / tp positions, and the column-parallel projection gathers them.
+        B, T, _ = q.shape
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(
             q, k, v,
             dropout_p=self.dropout if self.training else 0.0,

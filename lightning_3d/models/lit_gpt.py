@@ -68,10 +68,14 @@ class LitGPT(pl.LightningModule):
             dropout=dropout,
             bias=bias,
         )
-        self.model = GPT(self.config)
+        self.model = self.build_model()
         # A metric object (not a plain tensor) so that torchmetrics does the
         # cross-process reduction with the right token weighting.
         self.val_loss = torchmetrics.MeanMetric()
+
+    def build_model(self) -> torch.nn.Module:
+        """The network trained; subclasses swap in other architectures with the same interface."""
+        return GPT(self.config)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

@@ -21,13 +21,13 @@ parameter buffers (in place, since the slice is a view of the buffer).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -41,8 +41,7 @@ class _Bucket:
     offsets: list[int]
     flat: Tensor  # (padded,) every parameter of the bucket, replicated; params are views of it
     shard_numel: int  # padded / data-parallel size
-    grad: Optional[Tensor] = None  # (padded,) stages 0-1: parameter grads are views of it
-    grad_views: list[Tensor] = field(default_factory=list)
+    grad: Optional[Tensor] = None  # (padded,) stages 0-1: reduced (or accumulating) gradients
     shard_grad: Optional[Tensor] = None  # (padded / N,) stage 2: this rank's reduced grads
     staging: Optional[Tensor] = None  # (padded,) stage 2: grads of one backward, then freed
     slice: Optional[nn.Parameter] = None  # stages 1-2: DTensor view of this rank's slice
@@ -66,14 +65,18 @@ class ZeroDataParallel:
             engine.after_step()
     """
 
-    def __init__(self, dp_mesh: DeviceMesh, stage: int, bucket_numel: int = 2**23) -> None:
+    def __init__(self, mesh: DeviceMesh, stage: int, bucket_numel: int = 2**23) -> None:
+        """``mesh`` is the data axis, or the (data, tensor) mesh when parameters are tensor-parallel."""
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroDataParallel handles zero_stage 0, 1 and 2, got {stage}")
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
-        self.mesh = dp_mesh
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"expected a 1-D (dp) or 2-D (dp, tp) mesh, got {mesh.ndim} dimensions")
+        self.mesh = mesh
         self.stage = stage
         self.bucket_numel = bucket_numel
+        dp_mesh = mesh[mesh.mesh_dim_names[0]] if mesh.ndim == 2 else mesh
         self.group = dp_mesh.get_group()
         self.size = dp_mesh.size()
         self.rank = dp_mesh.get_local_rank()
@@ -102,36 +105,36 @@ class ZeroDataParallel:
         chunks: list[list[nn.Parameter]] = []
         numel = 0
         for p in params:
-            same_kind = chunks and chunks[-1][0].dtype == p.dtype and chunks[-1][0].device == p.device
-            if not same_kind or numel + p.numel() > self.bucket_numel:
+            same_kind = chunks and _kind(chunks[-1][0]) == _kind(p)
+            if not same_kind or numel + _local(p).numel() > self.bucket_numel:
                 chunks.append([])
                 numel = 0
             chunks[-1].append(p)
-            numel += p.numel()
+            numel += _local(p).numel()
         return chunks
 
     def _make_bucket(self, params: list[nn.Parameter]) -> _Bucket:
-        numel = sum(p.numel() for p in params)
+        # Tensor-parallel parameters contribute their local shard: the bucket is per tp rank.
+        locals_ = [_local(p) for p in params]
+        numel = sum(t.numel() for t in locals_)
         padded = -(-numel // self.size) * self.size  # ceil to a multiple of N: equal slices
-        ref = params[0]
-        flat = torch.zeros(padded, dtype=ref.dtype, device=ref.device)
+        flat = torch.zeros(padded, dtype=locals_[0].dtype, device=locals_[0].device)
         offsets = []
         offset = 0
-        for p in params:
-            flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = flat[offset : offset + p.numel()].view_as(p)
+        for t in locals_:
+            flat[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
+            t.data = flat[offset : offset + t.numel()].view_as(t)
             offsets.append(offset)
-            offset += p.numel()
+            offset += t.numel()
         # Identical start on every rank, whatever the seeding: data-parallel rank 0 wins.
         dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
         bucket = _Bucket(params=params, offsets=offsets, flat=flat, shard_numel=padded // self.size)
         if self.stage <= 1:
             bucket.grad = torch.zeros_like(flat)
-            bucket.grad_views = [bucket.grad[o : o + p.numel()].view_as(p) for p, o in zip(params, offsets)]
         else:
             bucket.shard_grad = torch.zeros(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
         if self.stage >= 1:
-            bucket.slice = nn.Parameter(self._as_dtensor(self._own(flat, bucket)))
+            bucket.slice = nn.Parameter(self._slice_dtensor(self._own(flat, bucket), params[0]))
         for index, p in enumerate(params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(bucket, index)))
         return bucket
@@ -139,8 +142,13 @@ class ZeroDataParallel:
     def _own(self, full: Tensor, bucket: _Bucket) -> Tensor:
         return full[self.rank * bucket.shard_numel : (self.rank + 1) * bucket.shard_numel]
 
-    def _as_dtensor(self, local: Tensor) -> DTensor:
-        return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False)
+    def _slice_dtensor(self, local: Tensor, like: nn.Parameter) -> DTensor:
+        """This rank's slice as a DTensor: sharded over dp; over tp sharded or replicated like
+        the bucket's parameters, so global norms count every element exactly once."""
+        placements = [Shard(0)]
+        if self.mesh.ndim == 2:
+            placements.append(Shard(0) if _kind(like)[2] else Replicate())
+        return DTensor.from_local(local, self.mesh, placements, run_check=False)
 
     def detach(self) -> None:
         """Remove the gradient hooks (parameters stay views of the flat buffers)."""
@@ -155,23 +163,23 @@ class ZeroDataParallel:
         self._sync = sync or self.stage == 2
         for bucket in self.buckets:
             bucket.ready = 0
-            for p, view in zip(bucket.params, bucket.grad_views):
-                if p.grad is not view:  # optimizer.zero_grad() set it to None: point it back
-                    p.grad = view
+            for p in bucket.params:
+                p.grad = None  # the hook adds autograd's fresh gradient into our buffer
 
     def _grad_hook(self, bucket: _Bucket, index: int):
         def hook(p: nn.Parameter) -> None:
             if self.stage <= 1:
-                view = bucket.grad_views[index]
-                if p.grad is not view:  # autograd replaced rather than accumulated: keep ours
-                    view.add_(p.grad)
-                    p.grad = view
+                target = bucket.grad
             else:
                 if bucket.staging is None:
                     bucket.staging = torch.zeros_like(bucket.flat)
-                offset = bucket.offsets[index]
-                bucket.staging[offset : offset + p.numel()].add_(p.grad.reshape(-1))
-                p.grad = None  # the staging buffer holds it now; free the per-parameter copy
+                target = bucket.staging
+            grad = p.grad
+            if isinstance(grad, DTensor):  # e.g. a partial sum under sequence parallelism
+                grad = grad.redistribute(p.device_mesh, p.placements).to_local()
+            offset = bucket.offsets[index]
+            target[offset : offset + grad.numel()].add_(grad.reshape(-1))
+            p.grad = None  # the bucket holds it now; free autograd's copy
             bucket.ready += 1
             if bucket.ready == len(bucket.params) and self._sync:
                 self._launch(bucket)
@@ -207,9 +215,12 @@ class ZeroDataParallel:
                 bucket.shard_grad.add_(bucket.reduced)
                 bucket.staging = None
             bucket.reduced = None
-            if self.stage >= 1:
+            if self.stage == 0:  # the optimizer steps the parameters: give them the reduced grads
+                for p, offset in zip(bucket.params, bucket.offsets):
+                    p.grad = _like(p, bucket.grad[offset : offset + _local(p).numel()])
+            else:
                 own = self._own(bucket.grad, bucket) if self.stage == 1 else bucket.shard_grad
-                bucket.slice.grad = self._as_dtensor(own)
+                bucket.slice.grad = self._slice_dtensor(own, bucket.params[0])
 
     # ---------------------------------------------------------------- step
     def after_step(self) -> None:
@@ -228,6 +239,26 @@ class ZeroDataParallel:
                 bucket.shard_grad.zero_()
             if bucket.slice is not None:
                 bucket.slice.grad = None
+            for p in bucket.params:
+                p.grad = None
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for b in self.buckets for p in b.params]
+
+
+def _local(p: Tensor) -> Tensor:
+    return p._local_tensor if isinstance(p, DTensor) else p
+
+
+def _kind(p: Tensor) -> tuple:
+    """Parameters that can share a bucket: same dtype, device, and tensor-parallel sharding."""
+    sharded = isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements)
+    return (p.dtype, _local(p).device, sharded)
+
+
+def _like(p: Tensor, flat_view: Tensor) -> Tensor:
+    """``flat_view`` shaped as ``p``'s (local) data, a DTensor when ``p`` is one."""
+    local = flat_view.view_as(_local(p))
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False)
+    return local

@@ -23,8 +23,11 @@ def fit_gpt(
     model: Optional[dict[str, Any]] = None,
     data: Optional[dict[str, Any]] = None,
     trainer: Optional[dict[str, Any]] = None,
+    arch: str = "gpt",
 ) -> dict[str, Any]:
     """Train for ``steps`` optimizer steps; ``strategy=None`` means Lightning's plain single device.
+
+    ``arch`` is ``"gpt"`` (the reference model) or ``"llama"`` / ``"gpt2"`` (tiny test models).
 
     ``strategy`` holds ``ThreeDStrategy`` keyword arguments. Returns ``losses`` and ``summary`` on
     every rank and ``state`` (full weights, CPU) on rank 0 only.
@@ -36,9 +39,14 @@ def fit_gpt(
     from lightning_3d.data import TextDataModule
     from lightning_3d.models import LitGPT
     from lightning_3d.state import full_state_dict
+    from lightning_3d.testing.tiny_models import LitTinyLM
 
     L.seed_everything(seed, verbose=False)
-    module = LitGPT(**{**TINY_MODEL, **(model or {})})
+    kwargs = {**TINY_MODEL, **(model or {})}
+    if arch == "gpt":
+        module = LitGPT(**kwargs)
+    else:
+        module = LitTinyLM(arch=arch, n_kv_head=kwargs.pop("n_kv_head", 2), **kwargs)
     datamodule = TextDataModule(seed=seed, **{**TINY_DATA, **(data or {})})
     summary = RunSummary()
     with tempfile.TemporaryDirectory() as root:

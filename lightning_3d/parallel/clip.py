@@ -1,0 +1,61 @@
+"""Global gradient-norm clipping over any mix of plain tensors and DTensors.
+
+Parameters of one model can be plain tensors (replicated everywhere), tensor-parallel DTensors
+(sharded on ``tp``, replicated on ``tp``), ZeRO slices or FSDP2 shards (sharded on ``dp``, and
+on ``tp`` too in 2-D). The squared norm is summed locally per group of equal sharding, then
+all-reduced over exactly the mesh dimensions that group is sharded on, so every element counts
+once. PyTorch's ``clip_grad_norm_`` cannot stack norms of DTensors with different placements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def global_grad_norm(parameters: Iterable[Tensor]) -> Tensor:
+    """The 2-norm of all gradients of ``parameters`` across every rank that holds a part of them.
+
+    A collective: every rank of the groups involved must call it with the same parameter order.
+    """
+    groups: dict[tuple, list] = {}  # (mesh id, sharded dims) -> [mesh, sharded dims, sum of squares]
+    device = None
+    for p in parameters:
+        grad = p.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            if any(pl.is_partial() for pl in grad.placements):  # squares of partial sums are no use
+                grad = grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements])
+            mesh = grad.device_mesh
+            # Every non-replicated placement splits elements across that mesh dimension
+            # (Shard, and FSDP2's _StridedShard, which does not report is_shard()).
+            dims = tuple(i for i, pl in enumerate(grad.placements) if not pl.is_replicate())
+            local = grad._local_tensor
+        else:
+            mesh, dims, local = None, (), grad
+        device = local.device
+        entry = groups.setdefault((id(mesh), dims), [mesh, dims, torch.zeros((), device=device)])
+        entry[2] += local.detach().float().pow(2).sum()
+    total = torch.zeros((), device=device or "cpu")
+    for mesh, dims, squares in groups.values():
+        for dim in dims:
+            dist.all_reduce(squares, group=mesh.get_group(dim))
+        total += squares
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+    """Scale gradients in place so their global 2-norm is at most ``max_norm``; return the norm."""
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = global_grad_norm(parameters)
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in parameters:
+        grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+        grad.mul_(scale.to(grad.device, grad.dtype))
+    return norm

@@ -1,0 +1,45 @@
+"""Tensor-parallel plans: per-architecture mappings from module-name patterns to DTensor styles.
+
+Built-in plans are recognised from module names (:func:`detect_plan`); any other model passes
+its own mapping (``ThreeDStrategy(tensor=2, tp_plan={...})`` or ``parallelism.tp_plan`` in
+Hydra, with style names as strings: see :func:`plan_from_names`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_3d.plans.common import TransformerNames, plan_from_names, transformer_plan
+from lightning_3d.plans.gpt import GPT_NAMES
+from lightning_3d.plans.gpt2 import GPT2_NAMES
+from lightning_3d.plans.llama import LLAMA_NAMES
+
+BUILTIN: dict[str, TransformerNames] = {"gpt": GPT_NAMES, "llama": LLAMA_NAMES, "gpt2": GPT2_NAMES}
+
+
+def detect_plan(module: nn.Module, sequence_parallel: bool = False) -> tuple[str, dict[str, ParallelStyle]]:
+    """Recognise the architecture of ``module`` by its module names; return (name, plan)."""
+    import fnmatch
+
+    names = [n for n, _ in module.named_modules() if n]
+    for arch, spec in BUILTIN.items():
+        if all(any(fnmatch.fnmatchcase(n, p) for n in names) for p in spec.signature):
+            return arch, transformer_plan(spec, sequence_parallel)
+    looked_for = {arch: list(spec.signature) for arch, spec in BUILTIN.items()}
+    raise ValueError(
+        f"no tensor-parallel plan matches {type(module).__name__}: looked for module names {looked_for}; "
+        "pass an explicit plan (tp_plan={pattern: style})"
+    )
+
+
+def build_plan(module: nn.Module, plan: Mapping | None, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The plan to apply: ``plan`` if given (styles or style names), else the detected built-in."""
+    if plan:
+        return plan_from_names(plan, sequence_parallel)
+    return detect_plan(module, sequence_parallel)[1]
+
+
+__all__ = ["BUILTIN", "TransformerNames", "build_plan", "detect_plan", "plan_from_names", "transformer_plan"]

@@ -1,0 +1,86 @@
+"""The Megatron layout shared by decoder-only transformers, expressed once over module names.
+
+Per block: attention input projections column-parallel (heads split across ranks), output
+projection row-parallel; MLP up/gate column-parallel, down row-parallel. Token embedding
+vocab-parallel; LM head column-parallel with vocab-sharded logits for ``loss_parallel``, so full
+vocabulary logits never exist on one rank. With sequence parallelism the norms (and what lies
+between blocks) hold T / tp positions per rank: row-parallel outputs are reduce-scattered along
+the sequence and column-parallel inputs all-gathered, instead of one all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from lightning_3d.parallel.tensor import FusedColwiseParallel
+
+
+@dataclass(frozen=True)
+class TransformerNames:
+    """Module-name patterns (fnmatch, ``*`` crosses dots) of one architecture's parts."""
+
+    signature: tuple[str, ...]  # all must match for the architecture to be recognised
+    embedding: str
+    first_block: str  # where the replicated residual stream becomes sequence-sharded (SP)
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+    norms: tuple[str, ...]
+    head: str
+    fused_colwise: Mapping[str, int] = None  # pattern -> number of fused chunks (q, k, v)
+
+
+def transformer_plan(names: TransformerNames, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    sp = sequence_parallel
+    seq = Shard(1)  # activations are (B, T, C): dim 1 is the sequence
+    plan: dict[str, ParallelStyle] = {
+        # Vocab-parallel embedding: each rank looks up its vocabulary rows, partial sums all-reduced.
+        names.embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    }
+    if sp:
+        plan[names.first_block] = PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(seq,), use_local_output=True
+        )
+        for pattern in names.norms:
+            plan[pattern] = SequenceParallel()
+    col_in = seq if sp else Replicate()
+    for pattern, chunks in (names.fused_colwise or {}).items():
+        plan[pattern] = FusedColwiseParallel(chunks, input_layouts=col_in)
+    for pattern in names.colwise:
+        plan[pattern] = ColwiseParallel(input_layouts=col_in)
+    for pattern in names.rowwise:
+        plan[pattern] = RowwiseParallel(output_layouts=seq if sp else Replicate())
+    plan[names.head] = ColwiseParallel(input_layouts=col_in, output_layouts=Shard(-1), use_local_output=False)
+    return plan
+
+
+_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+
+
+def plan_from_names(plan: Mapping, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """Accept styles or their names (``"colwise"``, ``"rowwise"``, ``"sequence"``, ``"vocab"``,
+    ``"head"`` for the loss-parallel LM head) so a plan can be written in YAML."""
+    out: dict[str, ParallelStyle] = {}
+    col_in = Shard(1) if sequence_parallel else Replicate()
+    for pattern, style in plan.items():
+        if isinstance(style, ParallelStyle):
+            out[pattern] = style
+        elif style == "vocab":
+            out[pattern] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif style == "head":
+            out[pattern] = ColwiseParallel(input_layouts=col_in, output_layouts=Shard(-1), use_local_output=False)
+        elif style in _STYLES:
+            out[pattern] = _STYLES[style]()
+        else:
+            known = sorted([*_STYLES, "vocab", "head"])
+            raise ValueError(f"unknown parallel style {style!r} for pattern {pattern!r}; known: {known}")
+    return out
