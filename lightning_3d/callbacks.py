@@ -98,7 +98,8 @@ class RunSummary(Callback):
         now = time.perf_counter()
         self.step_times.append(now - self._t0)
         self.step_tokens.append(self._tokens)
-        pl_module.log("tok/s", self._tokens / max(now - self._t0, 1e-9), prog_bar=True, on_step=True, logger=True)
+        rate = self._tokens / max(now - self._t0, 1e-9)
+        pl_module.log("tok/s", rate, prog_bar=True, on_step=True, logger=bool(trainer.loggers))
         self._t0, self._tokens, self._loss_sum = now, 0, None
 
     def tokens_per_s(self) -> float:

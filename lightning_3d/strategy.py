@@ -29,6 +29,7 @@ from typing_extensions import override
 from lightning_3d.layout import Layout, MeshAxis, build_mesh
 from lightning_3d.parallel.clip import clip_grad_norm_
 from lightning_3d.parallel.fsdp import apply_zero3
+from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.tensor import apply_tensor_parallel
 from lightning_3d.parallel.zero import ZeroDataParallel
 from lightning_3d.plans import build_plan
@@ -112,6 +113,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._engines: list[ZeroDataParallel] = []
         self._sync_grads = True
         self.logits_bytes = self.logits_dense_bytes = 0
+        self._parallelized: Optional[pl.LightningModule] = None
         self.num_nodes = 1
 
     @classmethod
@@ -203,14 +205,9 @@ class ThreeDStrategy(ParallelStrategy):
             )
         self.model_to_device()
         self.model = self.precision_plugin.convert_module(self.model)
-        # The recipe, in order. Tensor parallelism first: it replaces weights by tp-sharded
-        # DTensors, which ZeRO then shards (stage 3) or buckets (stages 0-2) on the data axis.
-        if self.layout.tensor > 1:
-            plan = build_plan(self.lightning_module, self._tp_plan, self._sequence_parallel)
-            resolved = apply_tensor_parallel(self.lightning_module, self.device_mesh[MeshAxis.TENSOR.value], plan)
-            self._watch_logits(resolved)
-        if self.layout.zero_stage == 3:
-            apply_zero3(self.lightning_module, self.device_mesh[MeshAxis.DATA.value])
+        if self._parallelized is not self.lightning_module:  # e.g. trainer.validate() after fit()
+            self._parallelize(self.lightning_module)
+            self._parallelized = self.lightning_module
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.layout.zero_stage < 3:
@@ -218,6 +215,17 @@ class ThreeDStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         self._use_global_norm_clipping()
         self.barrier()
+
+    def _parallelize(self, module: pl.LightningModule) -> None:
+        # The recipe, in order. Tensor parallelism first: it replaces weights by tp-sharded
+        # DTensors, which ZeRO then shards (stage 3) or buckets (stages 0-2, at optimizer
+        # setup) on the data axis.
+        if self.layout.tensor > 1:
+            plan = build_plan(module, self._tp_plan, self._sequence_parallel)
+            resolved = apply_tensor_parallel(module, self.device_mesh[MeshAxis.TENSOR.value], plan)
+            self._watch_logits(resolved)
+        if self.layout.zero_stage == 3:
+            apply_zero3(module, self.device_mesh[MeshAxis.DATA.value])
 
     def _watch_logits(self, resolved: Mapping[str, Any]) -> None:
         """Record the bytes of vocab-parallel logits (local and full) for the run summary."""
@@ -271,11 +279,7 @@ class ThreeDStrategy(ParallelStrategy):
     def _step_context(self):
         # Vocab-parallel logits (a DTensor sharded on the vocabulary) need loss_parallel for
         # cross-entropy, in the forward and in the backward.
-        if self.layout.tensor > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return nullcontext()
+        return vocab_parallel_loss() if self.layout.tensor > 1 else nullcontext()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

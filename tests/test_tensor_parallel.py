@@ -64,3 +64,13 @@ def test_tensor_parallel_memory_per_rank():
         assert rank["tp_split_param_bytes"] * 2 == rank["tp_split_dense_bytes"]
         assert rank["logits_bytes"] > 0
         assert rank["logits_bytes"] * 2 == rank["logits_dense_bytes"]
+
+
+def test_validation_metrics_match_single_process():
+    """validate() under tensor=2 + sequence parallel: vocab-parallel loss, torchmetrics synced."""
+    reference = fit_gpt(0, None, 1, 2, SEED, None, None, TRAINER, "gpt", True)["val"]
+    world = run_world(fit_gpt, 2, {"tensor": 2, "sequence_parallel": True}, 2, 2, SEED, None, None, TRAINER, "gpt", True)
+    for rank in world:
+        assert set(rank["val"]) == {"val_loss", "val_ppl"}
+        for key, value in reference.items():
+            assert rank["val"][key] == pytest.approx(value, rel=1e-5), key

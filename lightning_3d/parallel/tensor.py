@@ -61,13 +61,18 @@ def regroup_fused_rows(t: torch.Tensor, chunks: int, tp: int, inverse: bool = Fa
     return t.reshape(chunks, tp, -1, *rest).transpose(0, 1).reshape(t.shape)
 
 
+def name_matches(name: str, pattern: str) -> bool:
+    """``fnmatch`` over a full module name; ``"*.norm"`` also matches a top-level ``norm``."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase("." + name, pattern)
+
+
 def resolve_plan(module: nn.Module, plan: Mapping[str, ParallelStyle], tp: int) -> dict[str, ParallelStyle]:
     """Expand ``plan`` to concrete module names; ``ValueError`` for unmatched or indivisible."""
     names = [name for name, _ in module.named_modules() if name]
     resolved: dict[str, ParallelStyle] = {}
     unmatched = []
     for pattern, style in plan.items():
-        hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+        hits = [n for n in names if name_matches(n, pattern)]
         if not hits:
             unmatched.append(pattern)
         for name in hits:

@@ -15,8 +15,12 @@ global norms by themselves.
     stage 2: each bucket's grads are reduce-scattered as soon   4Ψ + 12Ψ/N
              as backward has produced them, then dropped
 
-After the optimizer step, stages 1 and 2 all-gather the updated slices back into the flat
-parameter buffers (in place, since the slice is a view of the buffer).
+A post-accumulate-grad hook adds each parameter's fresh gradient into its bucket and frees it;
+a full bucket starts its reduction at once, overlapping with the rest of backward. After the
+optimizer step, stages 1 and 2 all-gather the updated slices back into the flat parameter
+buffers (in place, since the slice is a view of the buffer). Tensor-parallel parameters
+(DTensors on ``tp``) contribute their local shards; buckets never mix tp-sharded with
+tp-replicated parameters, so each slice can say which it is.
 """
 
 from __future__ import annotations

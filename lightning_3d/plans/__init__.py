@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from lightning_3d.parallel.tensor import name_matches
 from lightning_3d.plans.common import TransformerNames, plan_from_names, transformer_plan
 from lightning_3d.plans.gpt import GPT_NAMES
 from lightning_3d.plans.gpt2 import GPT2_NAMES
@@ -22,11 +23,9 @@ BUILTIN: dict[str, TransformerNames] = {"gpt": GPT_NAMES, "llama": LLAMA_NAMES, 
 
 def detect_plan(module: nn.Module, sequence_parallel: bool = False) -> tuple[str, dict[str, ParallelStyle]]:
     """Recognise the architecture of ``module`` by its module names; return (name, plan)."""
-    import fnmatch
-
     names = [n for n, _ in module.named_modules() if n]
     for arch, spec in BUILTIN.items():
-        if all(any(fnmatch.fnmatchcase(n, p) for n in names) for p in spec.signature):
+        if all(any(name_matches(n, p) for n in names) for p in spec.signature):
             return arch, transformer_plan(spec, sequence_parallel)
     looked_for = {arch: list(spec.signature) for arch, spec in BUILTIN.items()}
     raise ValueError(

@@ -68,9 +68,18 @@ _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": S
 
 def plan_from_names(plan: Mapping, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     """Accept styles or their names (``"colwise"``, ``"rowwise"``, ``"sequence"``, ``"vocab"``,
-    ``"head"`` for the loss-parallel LM head) so a plan can be written in YAML."""
+    ``"head"`` for the loss-parallel LM head) so a plan can be written in YAML. Names describe
+    the layout without sequence parallelism."""
+    named = sorted(p for p, style in plan.items() if not isinstance(style, ParallelStyle))
+    if sequence_parallel and named:
+        # Names describe the plain Megatron layout; where the residual stream becomes
+        # sequence-sharded is model-specific, so it must be spelled out with style objects.
+        raise ValueError(
+            f"sequence_parallel=True with style names for {named}: give ParallelStyle objects "
+            "(SequenceParallel, PrepareModuleInput, ...) for a sequence-parallel explicit plan"
+        )
     out: dict[str, ParallelStyle] = {}
-    col_in = Shard(1) if sequence_parallel else Replicate()
+    col_in = Replicate()
     for pattern, style in plan.items():
         if isinstance(style, ParallelStyle):
             out[pattern] = style

@@ -24,10 +24,12 @@ def fit_gpt(
     data: Optional[dict[str, Any]] = None,
     trainer: Optional[dict[str, Any]] = None,
     arch: str = "gpt",
+    validate: bool = False,
 ) -> dict[str, Any]:
     """Train for ``steps`` optimizer steps; ``strategy=None`` means Lightning's plain single device.
 
     ``arch`` is ``"gpt"`` (the reference model) or ``"llama"`` / ``"gpt2"`` (tiny test models).
+    ``validate=True`` also runs ``trainer.validate`` on 2 batches afterwards (``val`` metrics).
 
     ``strategy`` holds ``ThreeDStrategy`` keyword arguments. Returns ``losses`` and ``summary`` on
     every rank and ``state`` (full weights, CPU) on rank 0 only.
@@ -60,11 +62,12 @@ def fit_gpt(
             enable_progress_bar=False,
             enable_model_summary=False,
             num_sanity_val_steps=0,
-            limit_val_batches=0,
+            limit_val_batches=2 if validate else 0,
             callbacks=[summary],
             default_root_dir=root,
             **(trainer or {}),
         )
         fit.fit(module, datamodule)
+        val = fit.validate(module, datamodule, verbose=False)[0] if validate else {}
     state = full_state_dict(module)
-    return {"losses": summary.losses, "summary": summary.summary, "state": state if rank == 0 else None}
+    return {"losses": summary.losses, "summary": summary.summary, "state": state if rank == 0 else None, "val": val}
