@@ -26,6 +26,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_3d.checkpoint import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
 from lightning_3d.layout import Layout, MeshAxis, build_mesh
 from lightning_3d.parallel.clip import clip_grad_norm_
 from lightning_3d.parallel.fsdp import apply_zero3
@@ -325,10 +331,9 @@ class ThreeDStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        raw = getattr(optimizer, "_optimizer", optimizer)
-        for engine, opt in zip(self._engines, self.optimizers):
-            if opt is raw:
-                engine.after_step()
+        engine = self._engine_for(getattr(optimizer, "_optimizer", optimizer))
+        if engine is not None:
+            engine.after_step()
         return output
 
     # ------------------------------------------------------------------ collectives
@@ -356,22 +361,42 @@ class ThreeDStrategy(ParallelStrategy):
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
+    # Checkpoints are consolidated: full tensors under the LightningModule's own names, and the
+    # optimizer state as one process would have it (lightning_3d/checkpoint/consolidated.py).
+    # Every rank takes part in gathering them; rank 0 writes; any layout can load them.
+    @property
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if self.layout.zero_stage > 0:
-            # Rank 0 alone holds only its shard of optimizer state (and, at stage 3, of the
-            # weights): writing that as if it were the whole state would corrupt a resume.
-            raise NotImplementedError(
-                f"saving checkpoints with zero_stage={self.layout.zero_stage} is not supported yet; "
-                "use zero_stage=0 or Trainer(enable_checkpointing=False)"
-            )
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the parallelized model and the sharded optimizer
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return full_model_state(self.lightning_module)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        return full_optimizer_state(self.lightning_module, raw, self._engine_for(raw))
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        saved = checkpoint["optimizer_states"]
+        if len(saved) != len(self.optimizers):
+            raise ValueError(f"checkpoint has {len(saved)} optimizer states, the module configures {len(self.optimizers)}")
+        for optimizer, state in zip(self.optimizers, saved):
+            load_full_optimizer_state(self.lightning_module, optimizer, state, self._engine_for(optimizer))
+
+    def _engine_for(self, optimizer: Optimizer) -> Optional[ZeroDataParallel]:
+        return next((e for e, o in zip(self._engines, self.optimizers) if o is optimizer), None)
 
     @override
     def teardown(self) -> None:
-        for engine in self._engines:
+        for engine in self._engines:  # kept (not dropped): trainer.save_checkpoint() after fit needs them
             engine.detach()
-        self._engines = []
         super().teardown()
 
 

@@ -85,6 +85,7 @@ class ZeroDataParallel:
         self.size = dp_mesh.size()
         self.rank = dp_mesh.get_local_rank()
         self.buckets: list[_Bucket] = []
+        self.original_groups: list[list[nn.Parameter]] = []  # each param group as the user built it
         self._hooks: list = []
         self._sync = True
 
@@ -95,6 +96,7 @@ class ZeroDataParallel:
             raise ValueError("attach the ZeRO engine before the optimizer's first step (its state is not empty)")
         owned = {id(p) for b in self.buckets for p in b.params}
         for group in optimizer.param_groups:
+            self.original_groups.append(list(group["params"]))
             params = [p for p in group["params"] if p.requires_grad]
             if any(id(p) in owned for p in params):
                 raise ValueError("a parameter appears in more than one optimizer param group")
@@ -248,6 +250,47 @@ class ZeroDataParallel:
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for b in self.buckets for p in b.params]
+
+    # ---------------------------------------------------------------- checkpoints
+    def gather_param_states(self, optimizer: torch.optim.Optimizer) -> dict[int, dict]:
+        """Per-parameter optimizer state (stages 1–2): ``{id(param): {key: value}}``, each tensor
+        shaped like the parameter (a DTensor when the parameter is one). A collective over dp."""
+        states: dict[int, dict] = {}
+        for bucket in self.buckets:
+            saved = optimizer.state.get(bucket.slice, {})
+            per_param = [dict() for _ in bucket.params]
+            for key, value in saved.items():
+                if not (isinstance(value, Tensor) and value.dim() == 1):  # e.g. Adam's scalar step
+                    for entry in per_param:
+                        entry[key] = value
+                    continue
+                full = torch.empty_like(bucket.flat)
+                dist.all_gather_into_tensor(full, _local(value), group=self.group)
+                for entry, p, offset in zip(per_param, bucket.params, bucket.offsets):
+                    entry[key] = _like(p, full[offset : offset + _local(p).numel()])
+            for p, entry in zip(bucket.params, per_param):
+                if entry:
+                    states[id(p)] = entry
+        return states
+
+    def load_param_states(self, optimizer: torch.optim.Optimizer, states: dict[int, dict]) -> None:
+        """Inverse of :meth:`gather_param_states`: per-parameter (local) state into the slices."""
+        for bucket in self.buckets:
+            entries = [states.get(id(p)) for p in bucket.params]
+            if not any(entries):
+                continue
+            first = next(e for e in entries if e)
+            slice_state = {}
+            for key, value in first.items():
+                if not (isinstance(value, Tensor) and value.dim() >= 1):
+                    slice_state[key] = value
+                    continue
+                full = torch.zeros_like(bucket.flat)
+                for entry, p, offset in zip(entries, bucket.params, bucket.offsets):
+                    if entry:
+                        full[offset : offset + _local(p).numel()].copy_(_local(entry[key]).reshape(-1))
+                slice_state[key] = self._slice_dtensor(self._own(full, bucket).clone(), bucket.params[0])
+            optimizer.state[bucket.slice] = slice_state
 
 
 def _local(p: Tensor) -> Tensor:

@@ -25,11 +25,15 @@ def fit_gpt(
     trainer: Optional[dict[str, Any]] = None,
     arch: str = "gpt",
     validate: bool = False,
+    resume_from: Optional[str] = None,
+    save_to: Optional[str] = None,
 ) -> dict[str, Any]:
     """Train for ``steps`` optimizer steps; ``strategy=None`` means Lightning's plain single device.
 
     ``arch`` is ``"gpt"`` (the reference model) or ``"llama"`` / ``"gpt2"`` (tiny test models).
     ``validate=True`` also runs ``trainer.validate`` on 2 batches afterwards (``val`` metrics).
+    ``resume_from`` is a checkpoint to resume from; ``save_to`` a ``.ckpt`` path that a
+    ``ModelCheckpoint`` writes at the end of every training epoch (the usual user path).
 
     ``strategy`` holds ``ThreeDStrategy`` keyword arguments. Returns ``losses`` and ``summary`` on
     every rank and ``state`` (full weights, CPU) on rank 0 only.
@@ -51,6 +55,15 @@ def fit_gpt(
         module = LitTinyLM(arch=arch, n_kv_head=kwargs.pop("n_kv_head", 2), **kwargs)
     datamodule = TextDataModule(seed=seed, **{**TINY_DATA, **(data or {})})
     summary = RunSummary()
+    callbacks: list = [summary]
+    if save_to is not None:
+        from pathlib import Path
+
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        target = Path(save_to)
+        callbacks.append(ModelCheckpoint(dirpath=target.parent, filename=target.stem, save_on_train_epoch_end=True,
+                                         enable_version_counter=False))
     with tempfile.TemporaryDirectory() as root:
         fit = L.Trainer(
             accelerator="cpu",
@@ -58,16 +71,16 @@ def fit_gpt(
             strategy=ThreeDStrategy(**strategy) if strategy is not None else "auto",
             max_steps=steps,
             logger=False,
-            enable_checkpointing=False,
+            enable_checkpointing=save_to is not None,
             enable_progress_bar=False,
             enable_model_summary=False,
             num_sanity_val_steps=0,
             limit_val_batches=2 if validate else 0,
-            callbacks=[summary],
+            callbacks=callbacks,
             default_root_dir=root,
             **(trainer or {}),
         )
-        fit.fit(module, datamodule)
+        fit.fit(module, datamodule, ckpt_path=resume_from)
         val = fit.validate(module, datamodule, verbose=False)[0] if validate else {}
     state = full_state_dict(module)
     return {"losses": summary.losses, "summary": summary.summary, "state": state if rank == 0 else None, "val": val}
