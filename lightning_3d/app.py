@@ -30,6 +30,26 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(
             f"global data.batch_size ({batch_size}) is not divisible by data-parallel size ({layout.data})"
         )
+    if layout.tensor > 1:
+        _validate_tensor_plan(cfg, layout.tensor)
+
+
+def _validate_tensor_plan(cfg: DictConfig, tensor: int) -> None:
+    """Check the tensor-parallel plan against the model's shapes, built on ``meta`` (no memory)."""
+    import torch
+    from hydra.utils import instantiate
+
+    from lightning_3d.parallel.tensor import resolve_plan
+    from lightning_3d.plans import build_plan
+
+    try:
+        with torch.device("meta"):
+            model = instantiate(cfg.model)
+    except Exception:  # a module that cannot be built on meta is checked by the ranks instead
+        return
+    plan = cfg.parallelism.get("tp_plan")
+    plan = OmegaConf.to_container(plan) if plan is not None else None
+    resolve_plan(model, build_plan(model, plan, cfg.parallelism.get("sequence_parallel", False)), tensor)
 
 
 def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:

@@ -47,6 +47,10 @@ BAD = {
     "zero_stage_out_of_range": (["parallelism.zero_stage=7"], 2, ["zero_stage=7", "[0, 1, 2, 3]"]),
     "batch_not_divisible": (["data.batch_size=30", "trainer.devices=4"], 2, ["(30)", "(4)"]),
     "data_zero": (["parallelism.data=0"], 2, ["data=0"]),
+    "tensor_does_not_divide_heads": (
+        ["model=gpt_tiny", "model.n_head=3", "model.n_embd=48", "parallelism.tensor=2", "trainer.devices=2"],
+        2, ["heads 3", "tensor=2"],
+    ),
     "unknown_key": (["parallelism.foo=1"], None, ["foo"]),  # Hydra's own error, its own exit code
 }
 
