@@ -11,11 +11,32 @@ fails, the others are stopped rather than left hanging in a collective.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
 
-from lightning_3d.testing.world import free_port
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_rank_env(rank: int, world_size: int, port: int, threads: int) -> dict[str, str]:
+    """The variables ``torchrun`` sets for one rank of a single-node world."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "NODE_RANK": "0",
+        "GROUP_RANK": "0",
+        "OMP_NUM_THREADS": str(threads),
+    }
 
 
 def already_launched() -> bool:
@@ -28,17 +49,7 @@ def launch_job(world_size: int, script: str, overrides: list[str], output_dir: s
     port = free_port()
     procs = []
     for rank in range(world_size):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_WORLD_SIZE=str(world_size),
-            NODE_RANK="0",
-            OMP_NUM_THREADS=str(threads),
-        )
+        env = {**os.environ, **local_rank_env(rank, world_size, port, threads)}
         command = [
             sys.executable, script, *overrides,
             f"hydra.run.dir={output_dir}", "hydra.output_subdir=null", f"hydra.job.name=rank{rank}",

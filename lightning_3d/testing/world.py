@@ -12,31 +12,16 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
 import traceback
 from typing import Any, Callable
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from lightning_3d.launch import free_port, local_rank_env
 
 
 def _entry(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: Any) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        NODE_RANK="0",
-        GROUP_RANK="0",
-        OMP_NUM_THREADS="1",
-    )
+    os.environ.update(local_rank_env(rank, world_size, port, threads=1))
     import torch
 
     torch.set_num_threads(1)  # 2 cores here: ranks must not fight over intra-op threads
