@@ -24,7 +24,9 @@ class ParallelismConfig:
     pipeline: int = 1  # pipeline-parallel size
     zero_stage: int = 0  # 0 replicate, 1 shard optimizer state, 2 + gradients, 3 + parameters
     sequence_parallel: bool = False  # with tensor > 1: shard norms and the residual stream along T
-    tp_plan: Optional[dict[str, str]] = None  # {module pattern: colwise|rowwise|sequence|vocab|head}
+    # {module pattern: colwise|rowwise|sequence|vocab|head}. Typed Any: OmegaConf 2.3 cannot
+    # override an Optional[Dict] that is None from the command line.
+    tp_plan: Any = None
     bucket_size_mb: float = 25.0  # gradient bucket size for zero stages 0-2
 
 

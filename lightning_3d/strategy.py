@@ -14,6 +14,7 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
+    _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
@@ -184,6 +185,10 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        if self.root_device.type == "cpu":
+            # Ranks on one host share its cores; unless OMP_NUM_THREADS says otherwise, give each
+            # rank its share instead of letting every rank start one thread per core.
+            _set_num_threads_if_needed(num_processes=self.num_processes)
         reset_seed()
         self._set_world_ranks()
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(

@@ -153,6 +153,13 @@ def test_validate_accepts_default_config(compose):
         (["parallelism.data=0"], ["data=0"]),
         (["trainer.devices=auto"], ["'auto'"]),
         (["offload.device=cpu"], ["offload.device='cpu'"]),
+        # the tensor-parallel plan is checked against the model's shapes (built on meta)
+        (["parallelism.tensor=2", "trainer.devices=2", "model.n_head=3", "model.n_embd=48"], ["heads 3", "tensor=2"]),
+        (["parallelism.tensor=2", "trainer.devices=2", "model.vocab_size=255"], ["vocabulary) 255", "tensor=2"]),
+        (["parallelism.tensor=2", "trainer.devices=2", "parallelism.tp_plan={model.nothing.*:colwise}"],
+         ["model.nothing.*", "match no module"]),
+        (["parallelism.tensor=2", "trainer.devices=2", "parallelism.tp_plan={model.blocks.*.attn.wq:diagonal}"],
+         ["unknown parallel style 'diagonal'"]),
     ],
 )
 def test_validate_rejects(compose, overrides, named):
@@ -162,6 +169,23 @@ def test_validate_rejects(compose, overrides, named):
         validate(compose(*overrides))
     for part in named:
         assert part in str(err.value)
+
+
+def test_explicit_tp_plan_from_hydra_builds_the_styles(compose):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lightning_3d.app import validate
+
+    cfg = compose("parallelism.tensor=2", "trainer.devices=2",
+                  "parallelism.tp_plan={model.blocks.*.mlp.fc1:colwise,model.blocks.*.mlp.fc2:rowwise}")
+    validate(cfg)  # both patterns match, 512 hidden units split in 2
+    strategy = build_strategy(cfg.parallelism)
+    assert set(strategy._tp_plan) == {"model.blocks.*.mlp.fc1", "model.blocks.*.mlp.fc2"}
+    from lightning_3d.plans import plan_from_names
+
+    styles = plan_from_names(strategy._tp_plan)
+    assert isinstance(styles["model.blocks.*.mlp.fc1"], ColwiseParallel)
+    assert isinstance(styles["model.blocks.*.mlp.fc2"], RowwiseParallel)
 
 
 def test_world_size_of():
