@@ -30,15 +30,24 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(
             f"global data.batch_size ({batch_size}) is not divisible by data-parallel size ({layout.data})"
         )
-    if layout.tensor > 1:
-        _validate_tensor_plan(cfg, layout.tensor)
+    if layout.pipeline > 1 and batch_size is not None:
+        micro = strategy._pipeline_options["micro_batches"]
+        if (batch_size // layout.data) % micro:
+            raise ValueError(
+                f"per-rank batch {batch_size // layout.data} (data.batch_size {batch_size} / data {layout.data}) "
+                f"is not divisible by micro_batches={micro}"
+            )
+    if layout.tensor > 1 or layout.pipeline > 1:
+        _validate_on_meta(cfg, layout.tensor, layout.pipeline * strategy._pipeline_options["virtual_stages"])
 
 
-def _validate_tensor_plan(cfg: DictConfig, tensor: int) -> None:
-    """Check the tensor-parallel plan against the model's shapes, built on ``meta`` (no memory)."""
+def _validate_on_meta(cfg: DictConfig, tensor: int, stages: int) -> None:
+    """Check the model's shapes against the layout, with the model built on ``meta`` (no memory):
+    the tensor-parallel plan, and enough blocks for the pipeline stages."""
     import torch
     from hydra.utils import instantiate
 
+    from lightning_3d.parallel.pipeline import stage_blocks
     from lightning_3d.parallel.tensor import resolve_plan
     from lightning_3d.plans import build_plan
 
@@ -47,9 +56,12 @@ def _validate_tensor_plan(cfg: DictConfig, tensor: int) -> None:
             model = instantiate(cfg.model)
     except Exception:  # a module that cannot be built on meta is checked by the ranks instead
         return
-    plan = cfg.parallelism.get("tp_plan")
-    plan = OmegaConf.to_container(plan) if plan is not None else None
-    resolve_plan(model, build_plan(model, plan, cfg.parallelism.get("sequence_parallel", False)), tensor)
+    if tensor > 1:
+        plan = cfg.parallelism.get("tp_plan")
+        plan = OmegaConf.to_container(plan) if plan is not None else None
+        resolve_plan(model, build_plan(model, plan, cfg.parallelism.get("sequence_parallel", False)), tensor)
+    if stages > 1 and callable(getattr(model, "pipeline_spec", None)):
+        stage_blocks(len(model.get_submodule(model.pipeline_spec().blocks)), stages)
 
 
 def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:

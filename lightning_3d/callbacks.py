@@ -40,6 +40,11 @@ def describe_layout(trainer: pl.Trainer) -> dict[str, Any]:
     }
 
 
+def _count_parameters(trainer: pl.Trainer, module: pl.LightningModule) -> int:
+    count = getattr(trainer.strategy, "count_parameters", None)  # pipeline stages add up
+    return count() if callable(count) else sum(p.numel() for p in module.parameters())
+
+
 class RunSummary(Callback):
     """Record what a run did, the same way in every layout, and write ``summary.json``.
 
@@ -119,7 +124,7 @@ class RunSummary(Callback):
             dist.all_gather_object(ranks, mine)
         self.summary = {
             "layout": describe_layout(trainer),
-            "num_params": sum(p.numel() for p in pl_module.parameters()),  # DTensor numel is global
+            "num_params": _count_parameters(trainer, pl_module),
             "steps": len(self.losses),
             "losses": self.losses,
             "tokens_per_s": self.tokens_per_s(),

@@ -27,6 +27,9 @@ class ParallelismConfig:
     # {module pattern: colwise|rowwise|sequence|vocab|head}. Typed Any: OmegaConf 2.3 cannot
     # override an Optional[Dict] that is None from the command line.
     tp_plan: Any = None
+    micro_batches: Optional[int] = None  # with pipeline > 1: micro-batches per batch (default: pipeline)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
+    virtual_stages: Optional[int] = None  # stages per rank for interleaved schedules (default 2)
     bucket_size_mb: float = 25.0  # gradient bucket size for zero stages 0-2
 
 

@@ -8,11 +8,12 @@ from torch.distributed.tensor import DTensor
 from lightning_3d.parallel.tensor import FUSED_ROWS_ATTR, regroup_fused_rows
 
 
-def full_state_dict(module: nn.Module, to_cpu: bool = True) -> dict[str, Tensor]:
+def full_state_dict(module: nn.Module, to_cpu: bool = True, pp_group=None) -> dict[str, Tensor]:
     """Every parameter and buffer at full size, keyed by its name in ``module``.
 
     A collective when the module holds ``DTensor`` s (ZeRO-3, tensor parallel): call it on every
-    rank. Parameters that are views of ZeRO flat buffers are cloned out of them.
+    rank. Parameters that are views of ZeRO flat buffers are cloned out of them. With
+    ``pp_group`` (pipeline stages, each holding other parameters) the stages' dicts are merged.
     """
     fused = {
         f"{name}.{pname}" if name else pname: getattr(mod, FUSED_ROWS_ATTR)
@@ -27,4 +28,10 @@ def full_state_dict(module: nn.Module, to_cpu: bool = True) -> dict[str, Tensor]
             full = regroup_fused_rows(full, *fused[name], inverse=True)
         full = full.detach()
         state[name] = full.to("cpu", copy=True) if to_cpu else full.clone()
+    if pp_group is not None:
+        import torch.distributed as dist
+
+        parts = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, {k: v.cpu() for k, v in state.items()}, group=pp_group)
+        state = {k: v for part in parts for k, v in part.items()}
     return state

@@ -34,9 +34,11 @@ from lightning_3d.checkpoint import (
     load_full_optimizer_state,
 )
 from lightning_3d.layout import Layout, MeshAxis, build_mesh
+from lightning_3d.state import full_state_dict
 from lightning_3d.parallel.clip import clip_grad_norm_
 from lightning_3d.parallel.fsdp import apply_zero3
 from lightning_3d.parallel.loss import vocab_parallel_loss
+from lightning_3d.parallel.pipeline import MULTI_STAGE, SCHEDULES, build_schedule, split_stages, stage_ids
 from lightning_3d.parallel.tensor import apply_tensor_parallel
 from lightning_3d.parallel.zero import ZeroDataParallel
 from lightning_3d.plans import build_plan
@@ -46,8 +48,8 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 _OPTIONS = (
-    "data", "tensor", "pipeline", "zero_stage", "tp_plan", "sequence_parallel", "bucket_size_mb",
-    "process_group_backend", "timeout",
+    "data", "tensor", "pipeline", "zero_stage", "tp_plan", "sequence_parallel", "micro_batches", "schedule",
+    "virtual_stages", "bucket_size_mb", "process_group_backend", "timeout",
 )
 
 
@@ -64,6 +66,11 @@ class ThreeDStrategy(ParallelStrategy):
             default: recognise the architecture (reference GPT, Llama-style, GPT-2-style).
         sequence_parallel: with ``tensor > 1``, also shard norms and the residual stream along
             the sequence.
+        micro_batches: with ``pipeline > 1``, micro-batches each rank's batch is cut into
+            (default: ``pipeline``).
+        schedule: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"``, ``"zero_bubble"``
+            (PyTorch's interleaved zero-bubble).
+        virtual_stages: stages per rank for the interleaved schedules (default 2; 1 otherwise).
         bucket_size_mb: size of the flat gradient buckets used by zero stages 0–2.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default follows the device.
         timeout: collective timeout.
@@ -87,6 +94,9 @@ class ThreeDStrategy(ParallelStrategy):
         zero_stage: int = 0,
         tp_plan: Optional[Mapping[str, Any]] = None,
         sequence_parallel: bool = False,
+        micro_batches: Optional[int] = None,
+        schedule: str = "1f1b",
+        virtual_stages: Optional[int] = None,
         bucket_size_mb: float = 25.0,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -111,6 +121,9 @@ class ThreeDStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
+        self._pipeline_options = _pipeline_options(self.layout.pipeline, micro_batches, schedule, virtual_stages)
+        self._pipeline: Optional[_PipelineRuntime] = None
+        self._pipeline_grads: list = []
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._sequence_parallel = bool(sequence_parallel)
         self._bucket_size_mb = bucket_size_mb
@@ -210,10 +223,6 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
-        if self.layout.pipeline > 1:
-            raise NotImplementedError(
-                f"pipeline={self.layout.pipeline}: pipeline parallelism is not implemented in this version"
-            )
         self.model_to_device()
         self.model = self.precision_plugin.convert_module(self.model)
         if self._parallelized is not self.lightning_module:  # e.g. trainer.validate() after fit()
@@ -228,15 +237,35 @@ class ThreeDStrategy(ParallelStrategy):
         self.barrier()
 
     def _parallelize(self, module: pl.LightningModule) -> None:
-        # The recipe, in order. Tensor parallelism first: it replaces weights by tp-sharded
-        # DTensors, which ZeRO then shards (stage 3) or buckets (stages 0-2, at optimizer
-        # setup) on the data axis.
-        if self.layout.tensor > 1:
+        # The recipe, in order. 1. Pipeline split: keep only this rank's stages, so nothing
+        # else is ever sharded or handed to the optimizer. 2. Tensor parallelism: weights become
+        # tp-sharded DTensors. 3. ZeRO: stage 3 shards them on the data axis now; stages 0-2
+        # bucket them at optimizer setup.
+        stages = None
+        if self.layout.tensor > 1:  # recognise the architecture while the model is still whole
             plan = build_plan(module, self._tp_plan, self._sequence_parallel)
-            resolved = apply_tensor_parallel(module, self.device_mesh[MeshAxis.TENSOR.value], plan)
+        if self.layout.pipeline > 1:
+            stages = self._split_pipeline(module)
+        if self.layout.tensor > 1:
+            # Under a pipeline, patterns for other stages' modules (the head, say) match nothing here.
+            resolved = apply_tensor_parallel(
+                module, self.device_mesh[MeshAxis.TENSOR.value], plan, require_all=stages is None
+            )
             self._watch_logits(resolved)
         if self.layout.zero_stage == 3:
-            apply_zero3(module, self.device_mesh[MeshAxis.DATA.value])
+            apply_zero3(module, self.device_mesh[MeshAxis.DATA.value], roots=stages)
+        if stages is not None:
+            self._pipeline = _PipelineRuntime(self, stages)
+
+    def _split_pipeline(self, module: pl.LightningModule) -> list:
+        if not callable(getattr(module, "pipeline_spec", None)):
+            raise ValueError(
+                f"{type(module).__name__} cannot be split into pipeline stages: define "
+                "pipeline_spec() returning a lightning_3d.PipelineSpec (see the README)"
+            )
+        pp_mesh = self.device_mesh[MeshAxis.PIPELINE.value]
+        virtual = self._pipeline_options["virtual_stages"]
+        return split_stages(module, module.pipeline_spec(), pp_mesh.get_local_rank(), pp_mesh.size(), virtual)
 
     def _watch_logits(self, resolved: Mapping[str, Any]) -> None:
         """Record the bytes of vocab-parallel logits (local and full) for the run summary."""
@@ -257,8 +286,11 @@ class ThreeDStrategy(ParallelStrategy):
         # cannot mix plain tensors with DTensors of different placements (TP + ZeRO).
         plugin = self.precision_plugin
 
+        # Pipeline stages own disjoint parameters: their squared norms add up over pp.
+        pp_group = self.device_mesh[MeshAxis.PIPELINE.value].get_group() if self.layout.pipeline > 1 else None
+
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-            clip_grad_norm_(plugin.main_params(optimizer), clip_val)
+            clip_grad_norm_(plugin.main_params(optimizer), clip_val, sum_over=pp_group)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
 
@@ -295,32 +327,67 @@ class ThreeDStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_context():
+            if self._pipeline is not None:
+                return self._pipeline_training_step(*args)
             return _plain(super().training_step(*args, **kwargs))
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._step_context():
+            if self._pipeline is not None:
+                loss = self._pipeline.run(args[0], train=False)
+                self.lightning_module.log("val_loss", loss, prog_bar=True, sync_dist=True)
+                return loss
             return _plain(super().validation_step(*args, **kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_under_pipeline("test")
         with self._step_context():
             return _plain(super().test_step(*args, **kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._refuse_under_pipeline("predict")
         with self._step_context():
             return super().predict_step(*args, **kwargs)
 
+    def _pipeline_training_step(self, batch: Any, batch_idx: int = 0, *rest: Any) -> Tensor:
+        # The schedule runs forward and backward of every micro-batch here, but Lightning zeroes
+        # gradients *between* training_step and backward. So: clear stale gradients ourselves at
+        # the start of an accumulation window, set this step's aside, and hand them back in
+        # backward(), which otherwise does nothing.
+        params = list(self.lightning_module.parameters())
+        if batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0:
+            for p in params:
+                p.grad = None
+        self.pre_backward(None)
+        loss = self._pipeline.run(batch, train=True)
+        self._pipeline_grads = [(p, p.grad) for p in params if p.grad is not None]
+        for p, _ in self._pipeline_grads:
+            p.grad = None
+        self.lightning_module.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def _refuse_under_pipeline(self, what: str) -> None:
+        if self._pipeline is not None:
+            raise NotImplementedError(f"{what} under pipeline={self.layout.pipeline} is not implemented yet")
+
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is not None:  # the schedule already ran backward in training_step
+            for p, grad in self._pipeline_grads:
+                p.grad = grad if p.grad is None else p.grad + grad
+            self._pipeline_grads = []
+            self.post_backward(closure_loss)
+            return closure_loss
         with self._step_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         for engine in self._engines:
-            engine.prepare_backward(sync=self._sync_grads)
+            engine.prepare_backward(sync=self._sync_grads, early=self._pipeline is None)
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
@@ -376,6 +443,7 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._refuse_under_pipeline("saving a checkpoint")
         return full_model_state(self.lightning_module)
 
     @override
@@ -394,6 +462,21 @@ class ThreeDStrategy(ParallelStrategy):
             raise ValueError(f"checkpoint has {len(saved)} optimizer states, the module configures {len(self.optimizers)}")
         for optimizer, state in zip(self.optimizers, saved):
             load_full_optimizer_state(self.lightning_module, optimizer, state, self._engine_for(optimizer))
+
+    def count_parameters(self) -> int:
+        """Parameters of the whole model (a DTensor counts its global size; pipeline stages add
+        up). A collective under a pipeline."""
+        count = torch.tensor(sum(p.numel() for p in self.lightning_module.parameters()), dtype=torch.int64)
+        pp = self.device_mesh[MeshAxis.PIPELINE.value]
+        if pp.size() > 1:
+            dist.all_reduce(count, group=pp.get_group())
+        return int(count)
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Every parameter and buffer of the module at full size, on CPU, merged over pipeline
+        stages: what one process would hold. A collective: call on every rank."""
+        pp = self.device_mesh[MeshAxis.PIPELINE.value]
+        return full_state_dict(self.lightning_module, pp_group=pp.get_group() if pp.size() > 1 else None)
 
     def _engine_for(self, optimizer: Optimizer) -> Optional[ZeroDataParallel]:
         return next((e for e, o in zip(self._engines, self.optimizers) if o is optimizer), None)
@@ -414,3 +497,61 @@ def _plain(output: Any) -> Any:
     if isinstance(output, dict) and isinstance(output.get("loss"), DTensor):
         return {**output, "loss": output["loss"].full_tensor()}
     return output
+
+
+def _pipeline_options(pipeline: int, micro_batches: Optional[int], schedule: str, virtual: Optional[int]) -> dict:
+    """Validate the pipeline options before any process exists."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {list(SCHEDULES)}")
+    micro_batches = pipeline if micro_batches is None else micro_batches
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r} must be a positive integer")
+    if virtual is None:
+        virtual = 2 if schedule in MULTI_STAGE else 1
+    if not isinstance(virtual, int) or virtual < 1:
+        raise ValueError(f"virtual_stages={virtual!r} must be a positive integer")
+    if virtual > 1 and schedule not in MULTI_STAGE:
+        raise ValueError(f"virtual_stages={virtual} needs an interleaved schedule {list(MULTI_STAGE)}, not {schedule!r}")
+    return {"micro_batches": micro_batches, "schedule": schedule, "virtual_stages": virtual}
+
+
+class _PipelineRuntime:
+    """This rank's pipeline stages, their schedule, and one step of it inside Lightning."""
+
+    def __init__(self, strategy: ThreeDStrategy, stages: list) -> None:
+        options = strategy._pipeline_options
+        mesh = strategy.device_mesh[MeshAxis.PIPELINE.value]
+        self.group = mesh.get_group()
+        size, rank, virtual = mesh.size(), mesh.get_local_rank(), options["virtual_stages"]
+        self.num_stages = size * virtual
+        indices = stage_ids(rank, size, virtual)
+        self.is_first, self.is_last = 0 in indices, self.num_stages - 1 in indices
+        # The rank holding the last stage broadcasts the loss to its pipeline peers.
+        self.last_rank = dist.get_global_rank(self.group, (self.num_stages - 1) % size)
+        self.micro_batches = options["micro_batches"]
+        self.spec = strategy.lightning_module.pipeline_spec()
+        self.trainer = strategy.lightning_module.trainer
+        self.schedule = build_schedule(stages, indices, self.num_stages, options["schedule"], self.micro_batches,
+                                       self._loss, strategy.root_device, self.group)
+
+    def _loss(self, outputs: Any, targets: Any) -> Tensor:
+        # Each micro-batch's mean loss carries 1 / (micro_batches * k): gradients then add up to
+        # the mean over the schedule's micro-batches and Lightning's k accumulated steps. (The
+        # schedule's own scale_grads would divide p.grad after the step, but ZeRO has already
+        # moved the gradients into its buckets by then.)
+        return self.spec.loss(outputs, targets) / (self.micro_batches * self.trainer.accumulate_grad_batches)
+
+    def run(self, batch: Any, train: bool) -> Tensor:
+        inputs, targets = self.spec.split_batch(batch)
+        size = inputs.shape[0]
+        if size % self.micro_batches:
+            raise ValueError(f"per-rank batch of {size} samples is not divisible by micro_batches={self.micro_batches}")
+        args = (inputs,) if self.is_first else ()
+        losses: list[Tensor] = []
+        run = self.schedule.step if train else self.schedule.eval
+        run(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
+        scale = self.micro_batches * self.trainer.accumulate_grad_batches
+        loss = torch.stack([x.detach() for x in losses]).mean() * scale if self.is_last else torch.zeros(())
+        loss = loss.to(inputs.device).float()
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        return loss  # the batch's mean loss; Lightning divides it by k itself, as for any step

@@ -179,11 +179,20 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence length {T} exceeds block_size {self.config.block_size}"
             )
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+        x = self.embed(idx)  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
-        return self.lm_head(self.norm(x))  # (B, T, vocab)
+        return self.head(x)  # (B, T, vocab)
+
+    # embed / blocks / head: the three parts a pipeline splits across stages.
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) to the residual stream (B, T, C)."""
+        pos = torch.arange(idx.shape[1], device=idx.device)  # (T,)
+        return self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual stream (B, T, C) to logits (B, T, vocab)."""
+        return self.lm_head(self.norm(x))
 
     def num_params(self) -> int:
         """Total number of parameter elements (embeddings included)."""

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import torchmetrics
 
 from lightning_3d.models.gpt import GPT, GPTConfig
+from lightning_3d.parallel.pipeline import PipelineSpec
 
 
 def warmup_cosine_factor(
@@ -55,6 +56,7 @@ class LitGPT(pl.LightningModule):
         warmup_steps: int = 10,
         max_steps: int | None = None,
         min_lr_ratio: float = 0.1,
+        optimizer: str = "adamw",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -79,6 +81,17 @@ class LitGPT(pl.LightningModule):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
+
+    def pipeline_spec(self) -> PipelineSpec:
+        """How ``ThreeDStrategy(pipeline=...)`` splits this module into stages."""
+        return PipelineSpec(
+            blocks="model.blocks",
+            first=("model.tok_emb", "model.pos_emb", "model.drop"),
+            last=("model.norm", "model.lm_head"),
+            embed=self.model.embed,
+            head=self.model.head,
+            loss=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
+        )
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
@@ -115,7 +128,12 @@ class LitGPT(pl.LightningModule):
             {"params": decay, "weight_decay": hp.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        opt = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        if hp.optimizer == "adamw":
+            opt = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        elif hp.optimizer == "sgd":  # plain momentum SGD: unlike Adam, sensitive to the gradient's scale
+            opt = torch.optim.SGD(groups, lr=hp.lr, momentum=0.9)
+        else:
+            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {hp.optimizer!r}")
 
         max_steps = hp.max_steps
         if max_steps is None:

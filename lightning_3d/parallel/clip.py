@@ -10,6 +10,7 @@ once. PyTorch's ``clip_grad_norm_`` cannot stack norms of DTensors with differen
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -17,10 +18,11 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
 
-def global_grad_norm(parameters: Iterable[Tensor]) -> Tensor:
+def global_grad_norm(parameters: Iterable[Tensor], sum_over: Optional[dist.ProcessGroup] = None) -> Tensor:
     """The 2-norm of all gradients of ``parameters`` across every rank that holds a part of them.
 
     A collective: every rank of the groups involved must call it with the same parameter order.
+    ``sum_over``: a group whose ranks hold disjoint parameters (pipeline stages).
     """
     groups: dict[tuple, list] = {}  # (mesh id, sharded dims) -> [mesh, sharded dims, sum of squares]
     device = None
@@ -46,14 +48,16 @@ def global_grad_norm(parameters: Iterable[Tensor]) -> Tensor:
         for dim in dims:
             dist.all_reduce(squares, group=mesh.get_group(dim))
         total += squares
+    if sum_over is not None:
+        dist.all_reduce(total, group=sum_over)
     return total.sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float) -> Tensor:
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, sum_over: Optional[dist.ProcessGroup] = None) -> Tensor:
     """Scale gradients in place so their global 2-norm is at most ``max_norm``; return the norm."""
     parameters = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(parameters)
+    norm = global_grad_norm(parameters, sum_over)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in parameters:
         grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad

@@ -9,7 +9,7 @@ then all ``DTensor`` shards (dim 0 over the data axis): 16Ψ/N bytes per rank fo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from torch import nn
 
@@ -26,12 +26,15 @@ def find_blocks(module: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def apply_zero3(module: nn.Module, dp_mesh: DeviceMesh, **fsdp_kwargs) -> list[nn.Module]:
-    """Shard ``module`` with FSDP2, one unit per block plus one per top-level child.
+def apply_zero3(
+    module: nn.Module, dp_mesh: DeviceMesh, roots: Optional[list[nn.Module]] = None, **fsdp_kwargs
+) -> list[nn.Module]:
+    """Shard ``module`` with FSDP2, one unit per block plus outer units for the rest.
 
     ``module`` is typically a ``LightningModule``: its own ``forward`` may never run (Lightning
-    calls ``training_step``), so the outermost units are its direct children, whose forwards
-    do run. Returns the modules that became FSDP units.
+    calls ``training_step``), so the outer units are its direct children, whose forwards do run
+    — or, under a pipeline, ``roots``: the stage modules the schedule calls. Returns the modules
+    that became FSDP units.
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -39,7 +42,7 @@ def apply_zero3(module: nn.Module, dp_mesh: DeviceMesh, **fsdp_kwargs) -> list[n
     for block in find_blocks(module):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=True, **fsdp_kwargs)
         units.append(block)
-    for child in module.children():
+    for child in roots if roots is not None else module.children():
         has_params = any(True for _ in child.parameters())
         if has_params and not isinstance(child, FSDPModule):
             # The outer unit holds what no block owns (embeddings, final norm, head).

@@ -66,8 +66,13 @@ def name_matches(name: str, pattern: str) -> bool:
     return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase("." + name, pattern)
 
 
-def resolve_plan(module: nn.Module, plan: Mapping[str, ParallelStyle], tp: int) -> dict[str, ParallelStyle]:
-    """Expand ``plan`` to concrete module names; ``ValueError`` for unmatched or indivisible."""
+def resolve_plan(
+    module: nn.Module, plan: Mapping[str, ParallelStyle], tp: int, require_all: bool = True
+) -> dict[str, ParallelStyle]:
+    """Expand ``plan`` to concrete module names; ``ValueError`` for unmatched or indivisible.
+
+    ``require_all=False`` lets patterns match nothing (a pipeline stage lacks other stages' modules).
+    """
     names = [name for name, _ in module.named_modules() if name]
     resolved: dict[str, ParallelStyle] = {}
     unmatched = []
@@ -77,7 +82,7 @@ def resolve_plan(module: nn.Module, plan: Mapping[str, ParallelStyle], tp: int) 
             unmatched.append(pattern)
         for name in hits:
             resolved.setdefault(name, style)  # the first pattern that names a module wins
-    if unmatched:
+    if unmatched and require_all:
         raise ValueError(f"tensor-parallel plan pattern(s) {unmatched} match no module of {type(module).__name__}")
     problems = [p for name, style in resolved.items() for p in _divisibility(module, name, style, tp)]
     if problems:
@@ -107,8 +112,10 @@ def _divisibility(root: nn.Module, name: str, style: ParallelStyle, tp: int) -> 
     return problems
 
 
-def apply_tensor_parallel(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle]) -> dict:
+def apply_tensor_parallel(
+    module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle], require_all: bool = True
+) -> dict:
     """Rewrite ``module`` in place with ``plan`` on ``tp_mesh``; returns the resolved plan."""
-    resolved = resolve_plan(module, plan, tp_mesh.size())
+    resolved = resolve_plan(module, plan, tp_mesh.size(), require_all)
     parallelize_module(module, tp_mesh, resolved)
     return resolved

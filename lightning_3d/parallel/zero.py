@@ -88,6 +88,7 @@ class ZeroDataParallel:
         self.original_groups: list[list[nn.Parameter]] = []  # each param group as the user built it
         self._hooks: list = []
         self._sync = True
+        self._early = True
 
     # ---------------------------------------------------------------- setup
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
@@ -163,10 +164,16 @@ class ZeroDataParallel:
         self._hooks.clear()
 
     # ---------------------------------------------------------------- backward
-    def prepare_backward(self, sync: bool) -> None:
-        """Call before each backward. ``sync=False`` accumulates locally (stages 0–1 only)."""
+    def prepare_backward(self, sync: bool, early: bool = True) -> None:
+        """Call before each backward. ``sync=False`` accumulates locally (stages 0–1 only).
+
+        ``early=False`` when one "backward" is several (a pipeline schedule's micro-batches):
+        each parameter's hook then fires once per micro-batch, so a full bucket is not final
+        and every reduction waits for :meth:`finish_backward`.
+        """
         # Stage 2 keeps no full-size gradient, so it must reduce on every backward.
         self._sync = sync or self.stage == 2
+        self._early = early
         for bucket in self.buckets:
             bucket.ready = 0
             for p in bucket.params:
@@ -174,23 +181,27 @@ class ZeroDataParallel:
 
     def _grad_hook(self, bucket: _Bucket, index: int):
         def hook(p: nn.Parameter) -> None:
-            if self.stage <= 1:
-                target = bucket.grad
-            else:
-                if bucket.staging is None:
-                    bucket.staging = torch.zeros_like(bucket.flat)
-                target = bucket.staging
-            grad = p.grad
-            if isinstance(grad, DTensor):  # e.g. a partial sum under sequence parallelism
-                grad = grad.redistribute(p.device_mesh, p.placements).to_local()
-            offset = bucket.offsets[index]
-            target[offset : offset + grad.numel()].add_(grad.reshape(-1))
-            p.grad = None  # the bucket holds it now; free autograd's copy
+            self._consume(bucket, index, p)
             bucket.ready += 1
-            if bucket.ready == len(bucket.params) and self._sync:
+            if bucket.ready == len(bucket.params) and self._sync and self._early:
                 self._launch(bucket)
 
         return hook
+
+    def _consume(self, bucket: _Bucket, index: int, p: nn.Parameter) -> None:
+        """Add ``p.grad`` into the bucket and free it."""
+        if self.stage <= 1:
+            target = bucket.grad
+        else:
+            if bucket.staging is None:
+                bucket.staging = torch.zeros_like(bucket.flat)
+            target = bucket.staging
+        grad = p.grad
+        if isinstance(grad, DTensor):  # e.g. a partial sum under sequence parallelism
+            grad = grad.redistribute(p.device_mesh, p.placements).to_local()
+        offset = bucket.offsets[index]
+        target[offset : offset + grad.numel()].add_(grad.reshape(-1))
+        p.grad = None  # the bucket holds it now; free autograd's copy
 
     def _launch(self, bucket: _Bucket) -> None:
         # Collectives must start in the same order on every rank; buckets fill in backward order,
@@ -207,6 +218,13 @@ class ZeroDataParallel:
 
     def finish_backward(self) -> None:
         """Call after each backward: completes the reductions of a synchronising backward."""
+        for bucket in self.buckets:
+            if bucket.work is None:
+                # Gradients assigned without autograd's accumulation (zero-bubble pipeline
+                # schedules compute weight gradients separately) never fired the hook.
+                for index, p in enumerate(bucket.params):
+                    if p.grad is not None:
+                        self._consume(bucket, index, p)
         if not self._sync:
             return
         for bucket in self.buckets:  # buckets with unused parameters never fired their hook

@@ -82,5 +82,5 @@ def fit_gpt(
         )
         fit.fit(module, datamodule, ckpt_path=resume_from)
         val = fit.validate(module, datamodule, verbose=False)[0] if validate else {}
-    state = full_state_dict(module)
+    state = fit.strategy.full_state_dict() if isinstance(fit.strategy, ThreeDStrategy) else full_state_dict(module)
     return {"losses": summary.losses, "summary": summary.summary, "state": state if rank == 0 else None, "val": val}
