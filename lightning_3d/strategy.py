@@ -34,14 +34,14 @@ from lightning_3d.checkpoint import (
     load_full_optimizer_state,
 )
 from lightning_3d.layout import Layout, MeshAxis, build_mesh
-from lightning_3d.state import full_state_dict
 from lightning_3d.parallel.clip import clip_grad_norm_
 from lightning_3d.parallel.fsdp import apply_zero3
 from lightning_3d.parallel.loss import vocab_parallel_loss
-from lightning_3d.parallel.pipeline import MULTI_STAGE, SCHEDULES, build_schedule, split_stages, stage_ids
+from lightning_3d.parallel.pipeline import PipelineRuntime, pipeline_options, split_stages
 from lightning_3d.parallel.tensor import apply_tensor_parallel
 from lightning_3d.parallel.zero import ZeroDataParallel
 from lightning_3d.plans import build_plan
+from lightning_3d.state import full_state_dict
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -121,8 +121,8 @@ class ThreeDStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._pipeline_options = _pipeline_options(self.layout.pipeline, micro_batches, schedule, virtual_stages)
-        self._pipeline: Optional[_PipelineRuntime] = None
+        self._pipeline_options = pipeline_options(self.layout.pipeline, micro_batches, schedule, virtual_stages)
+        self._pipeline: Optional[PipelineRuntime] = None
         self._pipeline_grads: list = []
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._sequence_parallel = bool(sequence_parallel)
@@ -255,7 +255,8 @@ class ThreeDStrategy(ParallelStrategy):
         if self.layout.zero_stage == 3:
             apply_zero3(module, self.device_mesh[MeshAxis.DATA.value], roots=stages)
         if stages is not None:
-            self._pipeline = _PipelineRuntime(self, stages)
+            options, mesh = self._pipeline_options, self.device_mesh[MeshAxis.PIPELINE.value]
+            self._pipeline = PipelineRuntime(stages, mesh, options, module, self.root_device)
 
     def _split_pipeline(self, module: pl.LightningModule) -> list:
         if not callable(getattr(module, "pipeline_spec", None)):
@@ -497,61 +498,3 @@ def _plain(output: Any) -> Any:
     if isinstance(output, dict) and isinstance(output.get("loss"), DTensor):
         return {**output, "loss": output["loss"].full_tensor()}
     return output
-
-
-def _pipeline_options(pipeline: int, micro_batches: Optional[int], schedule: str, virtual: Optional[int]) -> dict:
-    """Validate the pipeline options before any process exists."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {list(SCHEDULES)}")
-    micro_batches = pipeline if micro_batches is None else micro_batches
-    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
-        raise ValueError(f"micro_batches={micro_batches!r} must be a positive integer")
-    if virtual is None:
-        virtual = 2 if schedule in MULTI_STAGE else 1
-    if not isinstance(virtual, int) or virtual < 1:
-        raise ValueError(f"virtual_stages={virtual!r} must be a positive integer")
-    if virtual > 1 and schedule not in MULTI_STAGE:
-        raise ValueError(f"virtual_stages={virtual} needs an interleaved schedule {list(MULTI_STAGE)}, not {schedule!r}")
-    return {"micro_batches": micro_batches, "schedule": schedule, "virtual_stages": virtual}
-
-
-class _PipelineRuntime:
-    """This rank's pipeline stages, their schedule, and one step of it inside Lightning."""
-
-    def __init__(self, strategy: ThreeDStrategy, stages: list) -> None:
-        options = strategy._pipeline_options
-        mesh = strategy.device_mesh[MeshAxis.PIPELINE.value]
-        self.group = mesh.get_group()
-        size, rank, virtual = mesh.size(), mesh.get_local_rank(), options["virtual_stages"]
-        self.num_stages = size * virtual
-        indices = stage_ids(rank, size, virtual)
-        self.is_first, self.is_last = 0 in indices, self.num_stages - 1 in indices
-        # The rank holding the last stage broadcasts the loss to its pipeline peers.
-        self.last_rank = dist.get_global_rank(self.group, (self.num_stages - 1) % size)
-        self.micro_batches = options["micro_batches"]
-        self.spec = strategy.lightning_module.pipeline_spec()
-        self.trainer = strategy.lightning_module.trainer
-        self.schedule = build_schedule(stages, indices, self.num_stages, options["schedule"], self.micro_batches,
-                                       self._loss, strategy.root_device, self.group)
-
-    def _loss(self, outputs: Any, targets: Any) -> Tensor:
-        # Each micro-batch's mean loss carries 1 / (micro_batches * k): gradients then add up to
-        # the mean over the schedule's micro-batches and Lightning's k accumulated steps. (The
-        # schedule's own scale_grads would divide p.grad after the step, but ZeRO has already
-        # moved the gradients into its buckets by then.)
-        return self.spec.loss(outputs, targets) / (self.micro_batches * self.trainer.accumulate_grad_batches)
-
-    def run(self, batch: Any, train: bool) -> Tensor:
-        inputs, targets = self.spec.split_batch(batch)
-        size = inputs.shape[0]
-        if size % self.micro_batches:
-            raise ValueError(f"per-rank batch of {size} samples is not divisible by micro_batches={self.micro_batches}")
-        args = (inputs,) if self.is_first else ()
-        losses: list[Tensor] = []
-        run = self.schedule.step if train else self.schedule.eval
-        run(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
-        scale = self.micro_batches * self.trainer.accumulate_grad_batches
-        loss = torch.stack([x.detach() for x in losses]).mean() * scale if self.is_last else torch.zeros(())
-        loss = loss.to(inputs.device).float()
-        dist.broadcast(loss, src=self.last_rank, group=self.group)
-        return loss  # the batch's mean loss; Lightning divides it by k itself, as for any step

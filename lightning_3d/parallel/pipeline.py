@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
@@ -149,3 +150,59 @@ def build_schedule(stages: list[StageModule], stage_indices: list[int], num_stag
     if schedule == "zero_bubble":
         return schedules.ScheduleInterleavedZeroBubble(pipeline_stages, micro_batches, **kwargs)
     raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {list(SCHEDULES)}")
+
+
+def pipeline_options(pipeline: int, micro_batches: Optional[int], schedule: str, virtual: Optional[int]) -> dict:
+    """Validate the pipeline options before any process exists."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {list(SCHEDULES)}")
+    micro_batches = pipeline if micro_batches is None else micro_batches
+    if not isinstance(micro_batches, int) or isinstance(micro_batches, bool) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r} must be a positive integer")
+    if virtual is None:
+        virtual = 2 if schedule in MULTI_STAGE else 1
+    if not isinstance(virtual, int) or virtual < 1:
+        raise ValueError(f"virtual_stages={virtual!r} must be a positive integer")
+    if virtual > 1 and schedule not in MULTI_STAGE:
+        raise ValueError(f"virtual_stages={virtual} needs an interleaved schedule {list(MULTI_STAGE)}, not {schedule!r}")
+    return {"micro_batches": micro_batches, "schedule": schedule, "virtual_stages": virtual}
+
+
+class PipelineRuntime:
+    """This rank's pipeline stages, their schedule, and one step of it inside Lightning."""
+
+    def __init__(self, stages: list[StageModule], mesh: Any, options: dict, module: Any, device: torch.device) -> None:
+        self.group = mesh.get_group()
+        size, rank, virtual = mesh.size(), mesh.get_local_rank(), options["virtual_stages"]
+        self.num_stages = size * virtual
+        indices = stage_ids(rank, size, virtual)
+        self.is_first, self.is_last = 0 in indices, self.num_stages - 1 in indices
+        # The rank holding the last stage broadcasts the loss to its pipeline peers.
+        self.last_rank = dist.get_global_rank(self.group, (self.num_stages - 1) % size)
+        self.micro_batches = options["micro_batches"]
+        self.spec = module.pipeline_spec()
+        self.trainer = module.trainer
+        self.schedule = build_schedule(stages, indices, self.num_stages, options["schedule"], self.micro_batches,
+                                       self._loss, device, self.group)
+
+    def _loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        # Each micro-batch's mean loss carries 1 / (micro_batches * k): gradients then add up to
+        # the mean over the schedule's micro-batches and Lightning's k accumulated steps. (The
+        # schedule's own scale_grads would divide p.grad after the step, but ZeRO has already
+        # moved the gradients into its buckets by then.)
+        return self.spec.loss(outputs, targets) / (self.micro_batches * self.trainer.accumulate_grad_batches)
+
+    def run(self, batch: Any, train: bool) -> torch.Tensor:
+        inputs, targets = self.spec.split_batch(batch)
+        size = inputs.shape[0]
+        if size % self.micro_batches:
+            raise ValueError(f"per-rank batch of {size} samples is not divisible by micro_batches={self.micro_batches}")
+        args = (inputs,) if self.is_first else ()
+        losses: list[torch.Tensor] = []
+        run = self.schedule.step if train else self.schedule.eval
+        run(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
+        scale = self.micro_batches * self.trainer.accumulate_grad_batches
+        loss = torch.stack([x.detach() for x in losses]).mean() * scale if self.is_last else torch.zeros(())
+        loss = loss.to(inputs.device).float()
+        dist.broadcast(loss, src=self.last_rank, group=self.group)
+        return loss  # the batch's mean loss; Lightning divides it by k itself, as for any step
