@@ -118,6 +118,10 @@ class RunSummary(Callback):
         for key in ("logits_bytes", "logits_dense_bytes"):  # set by ThreeDStrategy under tensor > 1
             if getattr(trainer.strategy, key, 0):
                 mine[key] = getattr(trainer.strategy, key)
+        pipeline = getattr(trainer.strategy, "_pipeline", None)
+        if pipeline is not None and pipeline.bubble_fractions:  # idle share of each schedule step
+            steady = pipeline.bubble_fractions[self.warmup_steps :] or pipeline.bubble_fractions
+            mine["bubble_fraction"] = round(statistics.median(steady), 4)
         ranks = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             ranks = [None] * dist.get_world_size()

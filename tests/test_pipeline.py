@@ -55,6 +55,8 @@ def test_pipeline_matches_single_process(reference, case):
     strategy, world = CASES[case]
     run = _pipeline_run(strategy, world, SGD, {})
     assert run["summary"]["layout"]["pipeline"] == strategy["pipeline"]
+    for rank in run["summary"]["ranks"]:  # measured idle share of each schedule step
+        assert 0.0 <= rank["bubble_fraction"] < 1.0
     assert_same_run(run, reference(SGD, {}))
 
 

@@ -11,6 +11,7 @@ remaining parameter keeps its name — and :func:`build_schedule` wraps the stag
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -133,7 +134,9 @@ def split_stages(root: nn.Module, spec: PipelineSpec, pp_rank: int, pp_size: int
 
 def build_schedule(stages: list[StageModule], stage_indices: list[int], num_stages: int, schedule: str,
                    micro_batches: int, loss_fn: Callable, device: torch.device, group: Any):
-    """``PipelineStage`` s for this rank's modules, driven by the named schedule."""
+    """``PipelineStage`` s for this rank's modules, driven by the named schedule.
+
+    Returns ``(schedule, pipeline_stages)``."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
     pipeline_stages = [
@@ -142,13 +145,13 @@ def build_schedule(stages: list[StageModule], stage_indices: list[int], num_stag
     # scale_grads=False: ``loss_fn`` already divides by the number of micro-batches.
     kwargs = dict(loss_fn=loss_fn, scale_grads=False)
     if schedule == "gpipe":
-        return schedules.ScheduleGPipe(pipeline_stages[0], micro_batches, **kwargs)
+        return schedules.ScheduleGPipe(pipeline_stages[0], micro_batches, **kwargs), pipeline_stages
     if schedule == "1f1b":
-        return schedules.Schedule1F1B(pipeline_stages[0], micro_batches, **kwargs)
+        return schedules.Schedule1F1B(pipeline_stages[0], micro_batches, **kwargs), pipeline_stages
     if schedule == "interleaved_1f1b":
-        return schedules.ScheduleInterleaved1F1B(pipeline_stages, micro_batches, **kwargs)
+        return schedules.ScheduleInterleaved1F1B(pipeline_stages, micro_batches, **kwargs), pipeline_stages
     if schedule == "zero_bubble":
-        return schedules.ScheduleInterleavedZeroBubble(pipeline_stages, micro_batches, **kwargs)
+        return schedules.ScheduleInterleavedZeroBubble(pipeline_stages, micro_batches, **kwargs), pipeline_stages
     raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {list(SCHEDULES)}")
 
 
@@ -182,8 +185,27 @@ class PipelineRuntime:
         self.micro_batches = options["micro_batches"]
         self.spec = module.pipeline_spec()
         self.trainer = module.trainer
-        self.schedule = build_schedule(stages, indices, self.num_stages, options["schedule"], self.micro_batches,
-                                       self._loss, device, self.group)
+        self.schedule, pipeline_stages = build_schedule(
+            stages, indices, self.num_stages, options["schedule"], self.micro_batches, self._loss, device, self.group
+        )
+        # Bubble accounting: time inside the stages' forward / backward computations ("busy")
+        # against the whole schedule step; the rest is waiting for neighbours (and send/recv).
+        self.bubble_fractions: list[float] = []
+        self._busy = 0.0
+        for stage in pipeline_stages:
+            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                if hasattr(stage, name):
+                    setattr(stage, name, self._timed(getattr(stage, name)))
+
+    def _timed(self, fn: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._busy += time.perf_counter() - start
+
+        return timed
 
     def _loss(self, outputs: Any, targets: Any) -> torch.Tensor:
         # Each micro-batch's mean loss carries 1 / (micro_batches * k): gradients then add up to
@@ -200,7 +222,11 @@ class PipelineRuntime:
         args = (inputs,) if self.is_first else ()
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
+        self._busy, start = 0.0, time.perf_counter()
         run(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
+        if train:
+            total = time.perf_counter() - start
+            self.bubble_fractions.append(max(0.0, 1.0 - self._busy / total))
         scale = self.micro_batches * self.trainer.accumulate_grad_batches
         loss = torch.stack([x.detach() for x in losses]).mean() * scale if self.is_last else torch.zeros(())
         loss = loss.to(inputs.device).float()
