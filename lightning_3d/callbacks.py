@@ -83,7 +83,9 @@ class RunSummary(Callback):
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         # End of backward, gradients reduced, optimizer not yet stepped: the ZeRO accounting point.
-        self.memory = model_state_bytes(pl_module, trainer.optimizers)
+        # Steady state after the first step (optimizer state exists); counted once, off the hot path.
+        if not self.memory or trainer.global_step == 1:
+            self.memory = model_state_bytes(pl_module, trainer.optimizers)
 
     @override
     def on_train_batch_end(
