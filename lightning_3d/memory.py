@@ -16,9 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-
-def _local(t: Tensor) -> Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+from lightning_3d.parallel.tensor import local_tensor as _local
 
 
 def _storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:

@@ -245,7 +245,8 @@ class ThreeDStrategy(ParallelStrategy):
         if self.layout.tensor > 1:  # recognise the architecture while the model is still whole
             plan = build_plan(module, self._tp_plan, self._sequence_parallel)
         if self.layout.pipeline > 1:
-            stages = self._split_pipeline(module)
+            spec = self._pipeline_spec(module)
+            stages = self._split_pipeline(module, spec)
         if self.layout.tensor > 1:
             # Under a pipeline, patterns for other stages' modules (the head, say) match nothing here.
             resolved = apply_tensor_parallel(
@@ -256,17 +257,21 @@ class ThreeDStrategy(ParallelStrategy):
             apply_zero3(module, self.device_mesh[MeshAxis.DATA.value], roots=stages)
         if stages is not None:
             options, mesh = self._pipeline_options, self.device_mesh[MeshAxis.PIPELINE.value]
-            self._pipeline = PipelineRuntime(stages, mesh, options, module, self.root_device)
+            self._pipeline = PipelineRuntime(stages, spec, mesh, options, module.trainer, self.root_device)
 
-    def _split_pipeline(self, module: pl.LightningModule) -> list:
+    @staticmethod
+    def _pipeline_spec(module: pl.LightningModule) -> Any:
         if not callable(getattr(module, "pipeline_spec", None)):
             raise ValueError(
                 f"{type(module).__name__} cannot be split into pipeline stages: define "
                 "pipeline_spec() returning a lightning_3d.PipelineSpec (see the README)"
             )
+        return module.pipeline_spec()
+
+    def _split_pipeline(self, module: pl.LightningModule, spec: Any) -> list:
         pp_mesh = self.device_mesh[MeshAxis.PIPELINE.value]
         virtual = self._pipeline_options["virtual_stages"]
-        return split_stages(module, module.pipeline_spec(), pp_mesh.get_local_rank(), pp_mesh.size(), virtual)
+        return split_stages(module, spec, pp_mesh.get_local_rank(), pp_mesh.size(), virtual)
 
     def _watch_logits(self, resolved: Mapping[str, Any]) -> None:
         """Record the bytes of vocab-parallel logits (local and full) for the run summary."""

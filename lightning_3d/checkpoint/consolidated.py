@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_3d.parallel.tensor import FUSED_ROWS_ATTR, regroup_fused_rows
+from lightning_3d.parallel.tensor import FUSED_ROWS_ATTR, local_tensor, regroup_fused_rows
 from lightning_3d.parallel.zero import ZeroDataParallel
 from lightning_3d.state import full_state_dict
 
@@ -45,7 +45,7 @@ def _to_local_like(full: Any, param: Tensor, fused: Optional[tuple[int, int]]) -
     """A full tensor laid out like ``param``: this rank's shard (a DTensor) if ``param`` is one."""
     if not isinstance(full, Tensor) or full.dim() == 0:
         return full.clone() if isinstance(full, Tensor) else full
-    device = (param._local_tensor if isinstance(param, DTensor) else param).device
+    device = local_tensor(param).device
     full = full.to(device=device, dtype=param.dtype)
     if fused is not None:
         full = regroup_fused_rows(full, *fused)
@@ -78,8 +78,7 @@ def load_full_model_state(module: nn.Module, state: Mapping[str, Tensor], strict
         if tuple(full.shape) != tuple(target.shape):
             raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} != model shape {tuple(target.shape)}")
         value = _to_local_like(full, target, fused.get(id(target)))
-        local = value._local_tensor if isinstance(value, DTensor) else value
-        (target._local_tensor if isinstance(target, DTensor) else target).copy_(local)
+        local_tensor(target).copy_(local_tensor(value))
 
 
 # ------------------------------------------------------------------------------ optimizer

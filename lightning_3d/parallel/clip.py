@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_3d.parallel.tensor import local_tensor
+
 
 def global_grad_norm(parameters: Iterable[Tensor], sum_over: Optional[dist.ProcessGroup] = None) -> Tensor:
     """The 2-norm of all gradients of ``parameters`` across every rank that holds a part of them.
@@ -60,6 +62,6 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, sum_over: Opt
     norm = global_grad_norm(parameters, sum_over)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in parameters:
-        grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+        grad = local_tensor(p.grad)
         grad.mul_(scale.to(grad.device, grad.dtype))
     return norm

@@ -174,7 +174,8 @@ def pipeline_options(pipeline: int, micro_batches: Optional[int], schedule: str,
 class PipelineRuntime:
     """This rank's pipeline stages, their schedule, and one step of it inside Lightning."""
 
-    def __init__(self, stages: list[StageModule], mesh: Any, options: dict, module: Any, device: torch.device) -> None:
+    def __init__(self, stages: list[StageModule], spec: PipelineSpec, mesh: Any, options: dict, trainer: Any,
+                 device: torch.device) -> None:
         self.group = mesh.get_group()
         size, rank, virtual = mesh.size(), mesh.get_local_rank(), options["virtual_stages"]
         self.num_stages = size * virtual
@@ -183,8 +184,8 @@ class PipelineRuntime:
         # The rank holding the last stage broadcasts the loss to its pipeline peers.
         self.last_rank = dist.get_global_rank(self.group, (self.num_stages - 1) % size)
         self.micro_batches = options["micro_batches"]
-        self.spec = module.pipeline_spec()
-        self.trainer = module.trainer
+        self.spec = spec
+        self.trainer = trainer
         self.schedule, pipeline_stages = build_schedule(
             stages, indices, self.num_stages, options["schedule"], self.micro_batches, self._loss, device, self.group
         )

@@ -15,13 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -51,6 +46,11 @@ class FusedColwiseParallel(ColwiseParallel):
             dist = nn.Parameter(distribute_tensor(rows, device_mesh, [Shard(0)]), requires_grad=param.requires_grad)
             module.register_parameter(pname, dist)
         setattr(module, FUSED_ROWS_ATTR, (self.chunks, tp))
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a ``DTensor``, ``t`` itself otherwise."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def regroup_fused_rows(t: torch.Tensor, chunks: int, tp: int, inverse: bool = False) -> torch.Tensor:

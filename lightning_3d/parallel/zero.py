@@ -33,6 +33,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_3d.parallel.tensor import local_tensor as _local
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -266,9 +268,6 @@ class ZeroDataParallel:
             for p in bucket.params:
                 p.grad = None
 
-    def parameters(self) -> list[nn.Parameter]:
-        return [p for b in self.buckets for p in b.params]
-
     # ---------------------------------------------------------------- checkpoints
     def gather_param_states(self, optimizer: torch.optim.Optimizer) -> dict[int, dict]:
         """Per-parameter optimizer state (stages 1–2): ``{id(param): {key: value}}``, each tensor
@@ -309,10 +308,6 @@ class ZeroDataParallel:
                         full[offset : offset + _local(p).numel()].copy_(_local(entry[key]).reshape(-1))
                 slice_state[key] = self._slice_dtensor(self._own(full, bucket).clone(), bucket.params[0])
             optimizer.state[bucket.slice] = slice_state
-
-
-def _local(p: Tensor) -> Tensor:
-    return p._local_tensor if isinstance(p, DTensor) else p
 
 
 def _kind(p: Tensor) -> tuple:
