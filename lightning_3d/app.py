@@ -38,16 +38,17 @@ def validate(cfg: DictConfig) -> None:
                 f"is not divisible by micro_batches={micro}"
             )
     if layout.tensor > 1 or layout.pipeline > 1:
-        _validate_on_meta(cfg, layout.tensor, layout.pipeline * strategy._pipeline_options["virtual_stages"])
+        options = strategy._pipeline_options
+        _validate_on_meta(cfg, layout.tensor, layout.pipeline * options["virtual_stages"], options["split"])
 
 
-def _validate_on_meta(cfg: DictConfig, tensor: int, stages: int) -> None:
+def _validate_on_meta(cfg: DictConfig, tensor: int, stages: int, split: Any = "uniform") -> None:
     """Check the model's shapes against the layout, with the model built on ``meta`` (no memory):
-    the tensor-parallel plan, and enough blocks for the pipeline stages."""
+    the tensor-parallel plan, and the pipeline split (enough blocks, split points, tied weights)."""
     import torch
     from hydra.utils import instantiate
 
-    from lightning_3d.parallel.pipeline import stage_blocks
+    from lightning_3d.parallel.stages import plan_stages
     from lightning_3d.parallel.tensor import resolve_plan
     from lightning_3d.plans import build_plan
 
@@ -61,7 +62,7 @@ def _validate_on_meta(cfg: DictConfig, tensor: int, stages: int) -> None:
         plan = OmegaConf.to_container(plan) if plan is not None else None
         resolve_plan(model, build_plan(model, plan, cfg.parallelism.get("sequence_parallel", False)), tensor)
     if stages > 1 and callable(getattr(model, "pipeline_spec", None)):
-        stage_blocks(len(model.get_submodule(model.pipeline_spec().blocks)), stages)
+        plan_stages(model, model.pipeline_spec(), stages, split)
 
 
 def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:

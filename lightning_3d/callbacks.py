@@ -124,6 +124,9 @@ class RunSummary(Callback):
         if pipeline is not None and pipeline.bubble_fractions:  # idle share of each schedule step
             steady = pipeline.bubble_fractions[self.warmup_steps :] or pipeline.bubble_fractions
             mine["bubble_fraction"] = round(statistics.median(steady), 4)
+            # Saved activations alive at once, and micro-batches between forward and backward.
+            mine["activation_peak_bytes"] = max(pipeline.activation_peaks)
+            mine["in_flight_peak"] = max(pipeline.in_flight_peaks)
         ranks = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             ranks = [None] * dist.get_world_size()

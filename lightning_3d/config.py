@@ -30,15 +30,21 @@ class ParallelismConfig:
     micro_batches: Optional[int] = None  # with pipeline > 1: micro-batches per batch (default: pipeline)
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
     virtual_stages: Optional[int] = None  # stages per rank for interleaved schedules (default 2)
+    # Blocks per stage: "uniform" (by count), "params" (balanced by parameter count), or a list
+    # of the block names that start stages 1, 2, ... (e.g. [model.blocks.3]). Typed Any (str or list).
+    split: Any = "uniform"
     bucket_size_mb: float = 25.0  # gradient bucket size for zero stages 0-2
+    activation_checkpointing: str = "none"  # none | full | every_n | selective
+    checkpoint_every_n: int = 2  # with every_n: blocks 0, n, 2n, ... recompute
 
 
 @dataclass
 class OffloadConfig:
-    """Where optimizer state lives. Only ``none`` exists in this version."""
+    """Where Adam / AdamW state and fp32 master weights live (see ``ThreeDStrategy(offload=...)``)."""
 
     device: str = "none"  # none | cpu | nvme
-    path: Optional[str] = None  # directory for nvme offload
+    path: Optional[str] = None  # directory for nvme offload (a private subdirectory is made in it)
+    chunk_mb: float = 16.0  # nvme: state streamed through RAM in chunks of this size
 
 
 def register_configs(store: Optional[ConfigStore] = None) -> None:
@@ -51,10 +57,10 @@ def register_configs(store: Optional[ConfigStore] = None) -> None:
 def build_strategy(parallelism: Any, offload: Any = None) -> ThreeDStrategy:
     """Turn a ``parallelism`` config (dataclass, DictConfig or mapping) into a ``ThreeDStrategy``."""
     options = dict(parallelism if isinstance(parallelism, dict) else _to_dict(parallelism))
-    if offload is not None and _to_dict(offload).get("device", "none") != "none":
-        raise ValueError(
-            f"offload.device={_to_dict(offload)['device']!r} is not available in this version; use offload=none"
-        )
+    if offload is not None:
+        cfg = offload if isinstance(offload, dict) else _to_dict(offload)
+        options.update(offload=cfg.get("device", "none"), offload_path=cfg.get("path"),
+                       offload_chunk_mb=cfg.get("chunk_mb", 16.0))
     return ThreeDStrategy(**options)
 
 

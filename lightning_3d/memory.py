@@ -52,8 +52,12 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
     unsharded = _storage_bytes(plain, set())
     grads = [p.grad for p in params + _optimizer_params(optimizers)]
     grad_bytes = _storage_bytes(grads, seen)
-    state = [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
-    state_bytes = _storage_bytes(state, seen)
+    # An offloaded optimizer's state lives off this device (CPU buffers or NVMe files): count
+    # what it keeps resident here (its streaming window), not the whole state it can read back.
+    offloaded = [opt for opt in optimizers if hasattr(opt, "resident_state_bytes_peak")]
+    state = [v for opt in optimizers if opt not in offloaded
+             for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
+    state_bytes = _storage_bytes(state, seen) + sum(opt.resident_state_bytes_peak for opt in offloaded)
     split = [p for p in params if _tp_sharded(p)]
     return {
         "tp_split_param_bytes": sum(_local(p).numel() * p.element_size() for p in split),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
@@ -33,7 +33,11 @@ from lightning_3d.checkpoint import (
     load_full_model_state,
     load_full_optimizer_state,
 )
+from lightning_3d.checkpoint.checks import check_against, shapes_of
+from lightning_3d.checkpoint.io import AtomicCheckpointIO
 from lightning_3d.layout import Layout, MeshAxis, build_mesh
+from lightning_3d.offload import OffloadedAdam, offload_options
+from lightning_3d.parallel.checkpointing import apply_activation_checkpointing, checkpoint_options
 from lightning_3d.parallel.clip import clip_grad_norm_
 from lightning_3d.parallel.fsdp import apply_zero3
 from lightning_3d.parallel.loss import vocab_parallel_loss
@@ -49,7 +53,8 @@ if TYPE_CHECKING:
 
 _OPTIONS = (
     "data", "tensor", "pipeline", "zero_stage", "tp_plan", "sequence_parallel", "micro_batches", "schedule",
-    "virtual_stages", "bucket_size_mb", "process_group_backend", "timeout",
+    "virtual_stages", "split", "activation_checkpointing", "checkpoint_every_n", "offload", "offload_path",
+    "offload_chunk_mb", "bucket_size_mb", "process_group_backend", "timeout",
 )
 
 
@@ -71,6 +76,16 @@ class ThreeDStrategy(ParallelStrategy):
         schedule: ``"gpipe"``, ``"1f1b"`` (default), ``"interleaved_1f1b"``, ``"zero_bubble"``
             (PyTorch's interleaved zero-bubble).
         virtual_stages: stages per rank for the interleaved schedules (default 2; 1 otherwise).
+        split: how blocks are divided into stages: ``"uniform"`` by count (default),
+            ``"params"`` balanced by parameter count, or a list of the block names that start
+            stages 1, 2, ... (e.g. ``["model.blocks.3"]``).
+        activation_checkpointing: ``"none"`` (default), ``"full"`` (every block recomputes its
+            activations in backward), ``"every_n"`` (blocks 0, n, 2n, ...), ``"selective"``
+            (every block, keeping matmul and attention outputs).
+        checkpoint_every_n: n for ``"every_n"``.
+        offload: where Adam / AdamW state (and fp32 master weights) lives: ``"none"`` (with the
+            parameters), ``"cpu"`` (CPU RAM; the step runs there) or ``"nvme"`` (files under
+            ``offload_path``, streamed in chunks of ``offload_chunk_mb``).
         bucket_size_mb: size of the flat gradient buckets used by zero stages 0–2.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default follows the device.
         timeout: collective timeout.
@@ -97,6 +112,12 @@ class ThreeDStrategy(ParallelStrategy):
         micro_batches: Optional[int] = None,
         schedule: str = "1f1b",
         virtual_stages: Optional[int] = None,
+        split: Union[str, Sequence[str]] = "uniform",
+        activation_checkpointing: str = "none",
+        checkpoint_every_n: int = 2,
+        offload: str = "none",
+        offload_path: Optional[str] = None,
+        offload_chunk_mb: float = 16.0,
         bucket_size_mb: float = 25.0,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -118,11 +139,16 @@ class ThreeDStrategy(ParallelStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            # Atomic files: a save killed half-way leaves the previous checkpoint, not a torn one.
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
-        self._pipeline_options = pipeline_options(self.layout.pipeline, micro_batches, schedule, virtual_stages)
+        self._pipeline_options = pipeline_options(
+            self.layout.pipeline, micro_batches, schedule, virtual_stages, split
+        )
         self._pipeline: Optional[PipelineRuntime] = None
+        self._checkpointing = checkpoint_options(activation_checkpointing, checkpoint_every_n)
+        self._offload = offload_options(offload, offload_path, offload_chunk_mb)
         self._pipeline_grads: list = []
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._sequence_parallel = bool(sequence_parallel)
@@ -134,6 +160,8 @@ class ThreeDStrategy(ParallelStrategy):
         self._sync_grads = True
         self.logits_bytes = self.logits_dense_bytes = 0
         self._parallelized: Optional[pl.LightningModule] = None
+        self._full_names: Optional[list[str]] = None  # state / parameter names before a pipeline split
+        self._full_param_names: Optional[list[str]] = None
         self.num_nodes = 1
 
     @classmethod
@@ -232,6 +260,7 @@ class ThreeDStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
             if self.layout.zero_stage < 3:
                 self._attach_engines(self.device_mesh[MeshAxis.DATA.value, MeshAxis.TENSOR.value])
+            self._offload_optimizers()
         self.setup_precision_plugin()
         self._use_global_norm_clipping()
         self.barrier()
@@ -242,6 +271,9 @@ class ThreeDStrategy(ParallelStrategy):
         # tp-sharded DTensors. 3. ZeRO: stage 3 shards them on the data axis now; stages 0-2
         # bucket them at optimizer setup.
         stages = None
+        # Names as one process has them (checkpoints are written and read in that form).
+        self._full_names = list(module.state_dict())
+        self._full_param_names = [name for name, _ in module.named_parameters()]
         if self.layout.tensor > 1:  # recognise the architecture while the model is still whole
             plan = build_plan(module, self._tp_plan, self._sequence_parallel)
         if self.layout.pipeline > 1:
@@ -253,11 +285,17 @@ class ThreeDStrategy(ParallelStrategy):
                 module, self.device_mesh[MeshAxis.TENSOR.value], plan, require_all=stages is None
             )
             self._watch_logits(resolved)
+        # 4. Activation checkpointing, per block: after the split (placeholders are skipped) and
+        # after tensor parallelism (its hooks run inside the recomputed region); before FSDP2,
+        # whose per-block gather / reshard hooks then wrap the checkpointed forward.
+        apply_activation_checkpointing(module, self._checkpointing["policy"], self._checkpointing["every_n"])
         if self.layout.zero_stage == 3:
             apply_zero3(module, self.device_mesh[MeshAxis.DATA.value], roots=stages)
         if stages is not None:
             options, mesh = self._pipeline_options, self.device_mesh[MeshAxis.PIPELINE.value]
-            self._pipeline = PipelineRuntime(stages, spec, mesh, options, module.trainer, self.root_device)
+            self._pipeline = PipelineRuntime(
+                stages, spec, mesh, options, module.trainer, self.root_device, self.device_mesh[MeshAxis.TENSOR.value]
+            )
 
     @staticmethod
     def _pipeline_spec(module: pl.LightningModule) -> Any:
@@ -271,7 +309,8 @@ class ThreeDStrategy(ParallelStrategy):
     def _split_pipeline(self, module: pl.LightningModule, spec: Any) -> list:
         pp_mesh = self.device_mesh[MeshAxis.PIPELINE.value]
         virtual = self._pipeline_options["virtual_stages"]
-        return split_stages(module, spec, pp_mesh.get_local_rank(), pp_mesh.size(), virtual)
+        split = self._pipeline_options["split"]
+        return split_stages(module, spec, pp_mesh.get_local_rank(), pp_mesh.size(), virtual, split)
 
     def _watch_logits(self, resolved: Mapping[str, Any]) -> None:
         """Record the bytes of vocab-parallel logits (local and full) for the run summary."""
@@ -293,12 +332,27 @@ class ThreeDStrategy(ParallelStrategy):
         plugin = self.precision_plugin
 
         # Pipeline stages own disjoint parameters: their squared norms add up over pp.
-        pp_group = self.device_mesh[MeshAxis.PIPELINE.value].get_group() if self.layout.pipeline > 1 else None
+        pp_group = self._pp_group
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
             clip_grad_norm_(plugin.main_params(optimizer), clip_val, sum_over=pp_group)
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
+
+    def _offload_optimizers(self) -> None:
+        # After ZeRO has rewritten the optimizer to its shards: only this rank's shard of the
+        # state moves to CPU / NVMe. The wrapper shares the param groups, so LR schedulers built
+        # on the user's optimizer keep steering it.
+        if self._offload["device"] == "none":
+            return
+        wrapped = []
+        for optimizer in self.optimizers:
+            offloaded = OffloadedAdam.from_optimizer(
+                optimizer, self._offload["device"], self._offload["path"], self._offload["chunk_bytes"]
+            )
+            optimizer._opt_called = True  # its step is now the wrapper's: no "scheduler before step" warning
+            wrapped.append(offloaded)
+        self.optimizers = wrapped
 
     def _attach_engines(self, mesh: DeviceMesh) -> None:
         for engine in self._engines:
@@ -339,24 +393,47 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context():
-            if self._pipeline is not None:
-                loss = self._pipeline.run(args[0], train=False)
-                self.lightning_module.log("val_loss", loss, prog_bar=True, sync_dist=True)
-                return loss
+        with self._step_context(), self._pipeline_forward(args, kwargs):
             return _plain(super().validation_step(*args, **kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._refuse_under_pipeline("test")
-        with self._step_context():
+        with self._step_context(), self._pipeline_forward(args, kwargs):
             return _plain(super().test_step(*args, **kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._refuse_under_pipeline("predict")
-        with self._step_context():
+        with self._step_context(), self._pipeline_forward(args, kwargs):
             return super().predict_step(*args, **kwargs)
+
+    @contextmanager
+    def _pipeline_forward(self, args: tuple, kwargs: dict) -> Generator[None, None, None]:
+        """Under a pipeline, run the batch through a forward-only schedule first, then let the
+        module's own step run on every rank with ``self(inputs)`` answering the last stage's
+        outputs (shared over the pipeline group): its metrics, logging and returned values are
+        then what one process computes, on every rank."""
+        if self._pipeline is None:
+            yield
+            return
+        module = self.lightning_module
+        batch = kwargs.get("batch", args[0] if args else None)
+        output = self._pipeline.outputs(batch)
+        calls: list[int] = []
+
+        def forward(*_: Any, **__: Any) -> Any:
+            if calls:
+                raise RuntimeError(
+                    f"under pipeline={self.layout.pipeline}, {type(module).__name__}'s step may call self(...) "
+                    "once per batch: the pipeline ran the batch's inputs (PipelineSpec.inputs) already"
+                )
+            calls.append(1)
+            return output
+
+        module.forward = forward  # an instance attribute shadows the class's forward
+        try:
+            yield
+        finally:
+            del module.forward
 
     def _pipeline_training_step(self, batch: Any, batch_idx: int = 0, *rest: Any) -> Tensor:
         # The schedule runs forward and backward of every micro-batch here, but Lightning zeroes
@@ -374,10 +451,6 @@ class ThreeDStrategy(ParallelStrategy):
             p.grad = None
         self.lightning_module.log("train_loss", loss, prog_bar=True)
         return loss
-
-    def _refuse_under_pipeline(self, what: str) -> None:
-        if self._pipeline is not None:
-            raise NotImplementedError(f"{what} under pipeline={self.layout.pipeline} is not implemented yet")
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
@@ -449,17 +522,22 @@ class ThreeDStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._refuse_under_pipeline("saving a checkpoint")
-        return full_model_state(self.lightning_module)
+        return full_model_state(self.lightning_module, self._pp_group, self._full_names)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         raw = getattr(optimizer, "_optimizer", optimizer)
-        return full_optimizer_state(self.lightning_module, raw, self._engine_for(raw))
+        return full_optimizer_state(
+            self.lightning_module, raw, self._engine_for(raw), self._pp_group, self._full_param_names
+        )
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict=strict)
+        # Names and shapes first (DTensors report full shapes), so a checkpoint of another model
+        # fails naming the tensors before anything is overwritten.
+        check_against(shapes_of(self.lightning_module.state_dict()), shapes_of(checkpoint["state_dict"]),
+                      strict=strict, names=self._full_names)
+        load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict, self._full_names)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -467,7 +545,10 @@ class ThreeDStrategy(ParallelStrategy):
         if len(saved) != len(self.optimizers):
             raise ValueError(f"checkpoint has {len(saved)} optimizer states, the module configures {len(self.optimizers)}")
         for optimizer, state in zip(self.optimizers, saved):
-            load_full_optimizer_state(self.lightning_module, optimizer, state, self._engine_for(optimizer))
+            load_full_optimizer_state(
+                self.lightning_module, optimizer, state, self._engine_for(optimizer), self._pp_group,
+                self._full_param_names,
+            )
 
     def count_parameters(self) -> int:
         """Parameters of the whole model (a DTensor counts its global size; pipeline stages add
@@ -481,8 +562,13 @@ class ThreeDStrategy(ParallelStrategy):
     def full_state_dict(self) -> dict[str, Tensor]:
         """Every parameter and buffer of the module at full size, on CPU, merged over pipeline
         stages: what one process would hold. A collective: call on every rank."""
+        return full_state_dict(self.lightning_module, pp_group=self._pp_group)
+
+    @property
+    def _pp_group(self) -> Any:
+        """The pipeline group when stages hold different parameters, else ``None``."""
         pp = self.device_mesh[MeshAxis.PIPELINE.value]
-        return full_state_dict(self.lightning_module, pp_group=pp.get_group() if pp.size() > 1 else None)
+        return pp.get_group() if pp.size() > 1 else None
 
     def _engine_for(self, optimizer: Optimizer) -> Optional[ZeroDataParallel]:
         return next((e for e, o in zip(self._engines, self.optimizers) if o is optimizer), None)
@@ -491,7 +577,15 @@ class ThreeDStrategy(ParallelStrategy):
     def teardown(self) -> None:
         for engine in self._engines:  # kept (not dropped): trainer.save_checkpoint() after fit needs them
             engine.detach()
-        super().teardown()
+        # Lightning moves optimizer state to CPU here; an offloaded state is already off the
+        # device (reading it would stream the whole NVMe file). Its files stay until the
+        # optimizer is dropped or the process exits, so a checkpoint after fit still has them.
+        kept = self._optimizers
+        self._optimizers = [o for o in kept if not isinstance(o, OffloadedAdam)]
+        try:
+            super().teardown()
+        finally:
+            self._optimizers = kept
 
 
 def _plain(output: Any) -> Any:

@@ -152,7 +152,9 @@ def test_validate_accepts_default_config(compose):
         (["parallelism.zero_stage=7"], ["zero_stage=7"]),
         (["parallelism.data=0"], ["data=0"]),
         (["trainer.devices=auto"], ["'auto'"]),
-        (["offload.device=cpu"], ["offload.device='cpu'"]),
+        (["offload.device=disk"], ["offload='disk'"]),
+        (["offload=nvme", "offload.path=/no/such/dir"], ["'/no/such/dir' does not exist"]),
+        (["parallelism.activation_checkpointing=half"], ["policy 'half'"]),
         # the tensor-parallel plan is checked against the model's shapes (built on meta)
         (["parallelism.tensor=2", "trainer.devices=2", "model.n_head=3", "model.n_embd=48"], ["heads 3", "tensor=2"]),
         (["parallelism.tensor=2", "trainer.devices=2", "model.vocab_size=255"], ["vocabulary) 255", "tensor=2"]),
@@ -160,6 +162,9 @@ def test_validate_accepts_default_config(compose):
          ["model.nothing.*", "match no module"]),
         (["parallelism.tensor=2", "trainer.devices=2", "parallelism.tp_plan={model.blocks.*.attn.wq:diagonal}"],
          ["unknown parallel style 'diagonal'"]),
+        # the pipeline split is checked against the model (built on meta)
+        (["parallelism=pp2", "parallelism.split=[model.blocks.9]"], ["'model.blocks.9' names no module"]),
+        (["parallelism=pp2", "parallelism.split=zigzag"], ["unknown pipeline split 'zigzag'"]),
     ],
 )
 def test_validate_rejects(compose, overrides, named):

@@ -7,6 +7,7 @@ across stages.
 """
 
 import pytest
+import torch
 
 from lightning_3d.parallel.pipeline import stage_blocks, stage_ids
 from lightning_3d.testing.parity import assert_same_run
@@ -39,6 +40,20 @@ def _pipeline_run(strategy, world, model, trainer):
     return runs[0]
 
 
+@pytest.fixture(scope="module")
+def case_runs():
+    """Each parity case's run, shared by the tests that look at it from different sides."""
+    cache = {}
+
+    def get(case):
+        if case not in cache:
+            strategy, world = CASES[case]
+            cache[case] = _pipeline_run(strategy, world, SGD, {})
+        return cache[case]
+
+    return get
+
+
 CASES = {
     "gpipe": ({"pipeline": 2, "schedule": "gpipe", "micro_batches": 4}, 2),
     "1f1b": ({"pipeline": 2, "schedule": "1f1b", "micro_batches": 4}, 2),
@@ -47,17 +62,33 @@ CASES = {
     "pp4": ({"pipeline": 4, "micro_batches": 4}, 4),
     "pp2_dp2_zero1": ({"pipeline": 2, "data": 2, "zero_stage": 1, "micro_batches": 2}, 4),
     "pp2_dp2_zero3": ({"pipeline": 2, "data": 2, "zero_stage": 3, "micro_batches": 2}, 4),
+    # 1 block on the first stage, 3 on the second
+    "explicit_split": ({"pipeline": 2, "micro_batches": 2, "split": ["model.blocks.1"]}, 2),
+    "balanced_split": ({"pipeline": 2, "micro_batches": 2, "split": "params"}, 2),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_pipeline_matches_single_process(reference, case):
-    strategy, world = CASES[case]
-    run = _pipeline_run(strategy, world, SGD, {})
+def test_pipeline_matches_single_process(reference, case_runs, case):
+    strategy, _ = CASES[case]
+    run = case_runs(case)
     assert run["summary"]["layout"]["pipeline"] == strategy["pipeline"]
     for rank in run["summary"]["ranks"]:  # measured idle share of each schedule step
         assert 0.0 <= rank["bubble_fraction"] < 1.0
     assert_same_run(run, reference(SGD, {}))
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe(case_runs):
+    """Measured in the runs: micro-batches between their forward and backward, and bytes of
+    activations saved for backward, at their peak in a step (m = 4 micro-batches, p = 2)."""
+    gpipe, one_f_one_b = case_runs("gpipe")["summary"]["ranks"], case_runs("1f1b")["summary"]["ranks"]
+    assert [r["in_flight_peak"] for r in gpipe] == [4, 4]
+    assert [r["in_flight_peak"] for r in one_f_one_b] == [2, 1]  # rank r: p - r
+    for g, f in zip(gpipe, one_f_one_b):
+        # Every micro-batch saves the same activations; 1F1B holds p - r micro-batches' worth, GPipe
+        # m (within one micro-batch's worth: what is sent / received next is also alive).
+        ratio = f["activation_peak_bytes"] / g["activation_peak_bytes"]
+        assert ratio <= (f["in_flight_peak"] + 1) / g["in_flight_peak"]
 
 
 def test_pipeline_clips_by_the_norm_over_all_stages(reference):
@@ -81,11 +112,25 @@ def test_three_d_pipeline_x_data_x_tensor(reference):
     assert_same_run(run, reference(SGD, {}))
 
 
-def test_validation_runs_a_forward_only_schedule(reference):
-    ref = fit_gpt(0, None, 1, 2, SEED, ADAM, None, {}, "gpt", True)["val"]
-    runs = run_world(fit_gpt, 2, {"pipeline": 2, "micro_batches": 2}, 2, 2, SEED, ADAM, None, {}, "gpt", True)
+@pytest.fixture(scope="module")
+def evaluated():
+    return fit_gpt(0, None, 1, 2, SEED, ADAM, None, {}, "gpt", True)
+
+
+@pytest.mark.parametrize("strategy, world", [
+    ({"pipeline": 2, "micro_batches": 2}, 2),
+    ({"pipeline": 2, "tensor": 2, "micro_batches": 2, "schedule": "interleaved_1f1b"}, 4),
+], ids=["pp2", "pp2_tp2_interleaved"])
+def test_validate_test_predict_run_forward_only_schedules(evaluated, strategy, world):
+    """The module's own steps and metrics (val_loss/val_ppl, test_loss/test_ppl, predictions)
+    equal one process's, on every rank; with tensor 2 the shared outputs are vocab-sharded."""
+    runs = run_world(fit_gpt, world, strategy, world, 2, SEED, ADAM, None, {}, "gpt", True)
     for rank in runs:
-        assert rank["val"]["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
+        for split in ("val", "test"):
+            assert rank[split].keys() == evaluated[split].keys()
+            for key, value in evaluated[split].items():
+                assert rank[split][key] == pytest.approx(value, rel=1e-5), (split, key)
+        assert torch.equal(rank["predictions"], evaluated["predictions"])
 
 
 # ------------------------------------------------------------------ no processes
@@ -139,3 +184,75 @@ def _bad_split(rank, strategy, model):
 def test_bad_pipeline_layouts_are_refused(strategy, model, message):
     errors = run_world(_bad_split, 2, strategy, model)
     assert all(message in e for e in errors), errors
+
+
+# ------------------------------------------------------------------ stage splits (no processes)
+def _meta_gpt(**kwargs):
+    from lightning_3d.models import LitGPT
+
+    with torch.device("meta"):
+        return LitGPT(**{"n_layer": 6, "n_embd": 32, "n_head": 4, **kwargs})
+
+
+def test_balanced_split_minimises_the_heaviest_stage():
+    from lightning_3d.parallel.stages import balanced_blocks
+
+    assert [list(r) for r in balanced_blocks([1, 1, 1, 1], 2)] == [[0, 1], [2, 3]]
+    assert [list(r) for r in balanced_blocks([5, 1, 1, 1], 2)] == [[0], [1, 2, 3]]
+    # A heavy head on the last stage pushes blocks to the first.
+    assert [list(r) for r in balanced_blocks([1] * 6, 2, first_cost=0, last_cost=4)] == [[0, 1, 2, 3, 4], [5]]
+    assert [len(r) for r in balanced_blocks([2, 3, 1, 4, 2, 2], 3)] == [2, 2, 2]
+
+
+def test_split_by_parameters_counts_embedding_and_head():
+    from lightning_3d.parallel.stages import plan_stages
+
+    model = _meta_gpt(vocab_size=4096)  # embedding and head of 4096 x 32 each outweigh a block (12k)
+    runs = plan_stages(model, model.pipeline_spec(), 3, "params")
+    assert [len(r) for r in runs] == [1, 4, 1]
+    assert [len(r) for r in plan_stages(model, model.pipeline_spec(), 3, "uniform")] == [2, 2, 2]
+
+
+def test_explicit_split_points():
+    from lightning_3d.parallel.stages import plan_stages
+
+    model = _meta_gpt()
+    runs = plan_stages(model, model.pipeline_spec(), 3, ["model.blocks.1", "model.blocks.5"])
+    assert [list(r) for r in runs] == [[0], [1, 2, 3, 4], [5]]
+
+
+@pytest.mark.parametrize("points, message", [
+    (["model.blocks.9"], "'model.blocks.9' names no module in the model; blocks are 'model.blocks'"),
+    (["model.lm_head"], "'model.lm_head' is not a block of 'model.blocks'"),
+    (["model.blocks.0"], "must be increasing blocks after model.blocks.0"),
+    (["model.blocks.1", "model.blocks.2"], "2 split point(s) ['model.blocks.1', 'model.blocks.2'] for 2 pipeline"),
+])
+def test_bad_split_points(points, message):
+    from lightning_3d.parallel.stages import plan_stages
+
+    model = _meta_gpt()
+    with pytest.raises(ValueError, match=__import__("re").escape(message)):
+        plan_stages(model, model.pipeline_spec(), 2, points)
+
+
+@pytest.mark.parametrize("split, message", [
+    ("zigzag", "unknown pipeline split 'zigzag'"),
+    (3, "pipeline split 3 must be one of"),
+    (["model.blocks.1", "model.blocks.2"], "2 split point(s)"),
+])
+def test_bad_split_option_is_refused_by_the_strategy(split, message):
+    from lightning_3d import ThreeDStrategy
+
+    with pytest.raises(ValueError, match=__import__("re").escape(message)):
+        ThreeDStrategy(pipeline=2, split=split)
+
+
+def test_tied_weights_across_stages_are_refused():
+    from lightning_3d.parallel.stages import plan_stages
+
+    model = _meta_gpt()
+    model.model.lm_head.weight = model.model.tok_emb.weight  # GPT-2-style tying
+    with pytest.raises(ValueError, match="model.lm_head.weight .stage 1. is the same tensor as|"
+                                         "model.tok_emb.weight .stage 0. is the same tensor as model.lm_head.weight"):
+        plan_stages(model, model.pipeline_spec(), 2)
+

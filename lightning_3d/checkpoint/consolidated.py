@@ -7,6 +7,12 @@ look in one process (state keyed by parameter index, in the user's param-group o
 checkpoint loads into plain Lightning and resumes under any other layout: each rank takes its
 own part on load. The cost is that saving gathers everything (every rank takes part, rank 0
 writes) — fine for models whose state fits in one host's memory.
+
+Under a pipeline each stage holds other parameters. Stages merge their parts over the pipeline
+group (``pp_group``), and the optimizer's parameter indices are those of one process: each
+param group's parameters ordered by their position in the whole model (``order``, the
+parameter names before the split) — which is how a group built from ``self.parameters()``
+(filtered or not) is ordered in one process.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -56,17 +63,20 @@ def _to_local_like(full: Any, param: Tensor, fused: Optional[tuple[int, int]]) -
 
 
 # ---------------------------------------------------------------------------------- model
-def full_model_state(module: nn.Module) -> dict[str, Tensor]:
-    """``module.state_dict()`` at full size on CPU. A collective: call on every rank."""
-    full = full_state_dict(module)
-    return {name: full[name] for name in module.state_dict() if name in full}
+def full_model_state(module: nn.Module, pp_group: Any = None, names: Optional[list[str]] = None) -> dict[str, Tensor]:
+    """``module.state_dict()`` at full size on CPU (``names``: its keys in one process, for a
+    pipeline stage that holds only some). A collective: call on every rank."""
+    full = full_state_dict(module, pp_group=pp_group)
+    return {name: full[name] for name in (names if names is not None else module.state_dict()) if name in full}
 
 
 @torch.no_grad()
-def load_full_model_state(module: nn.Module, state: Mapping[str, Tensor], strict: bool = True) -> None:
-    """Copy full tensors into ``module``'s (possibly sharded) parameters and buffers in place."""
+def load_full_model_state(module: nn.Module, state: Mapping[str, Tensor], strict: bool = True,
+                          names: Optional[list[str]] = None) -> None:
+    """Copy full tensors into ``module``'s (possibly sharded) parameters and buffers in place.
+    ``names``: the state's keys in one process (a pipeline stage loads only what it holds)."""
     own = dict([*module.named_parameters(), *module.named_buffers()])
-    expected = set(module.state_dict())
+    expected = set(names if names is not None else module.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if strict and (missing or unexpected):
         raise KeyError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
@@ -86,30 +96,52 @@ def _groups(optimizer: torch.optim.Optimizer, engine: Optional[ZeroDataParallel]
     return engine.original_groups if engine is not None else [g["params"] for g in optimizer.param_groups]
 
 
+def _param_layout(module: nn.Module, groups: list[list[Tensor]], pp_group: Any,
+                  order: Optional[list[str]]) -> tuple[dict[int, int], list[int]]:
+    """Each local parameter's index in one process's optimizer state, and the group sizes there."""
+    if pp_group is None:
+        params = [p for group in groups for p in group]
+        return {id(p): i for i, p in enumerate(params)}, [len(g) for g in groups]
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    mine = [[name_of[id(p)] for p in group] for group in groups]
+    parts: list[Any] = [None] * dist.get_world_size(pp_group)
+    dist.all_gather_object(parts, mine, group=pp_group)
+    position = {name: i for i, name in enumerate(order or [])}
+    merged = [sorted({n for part in parts for n in part[g]}, key=position.__getitem__) for g in range(len(groups))]
+    index = {name: i for i, name in enumerate(n for group in merged for n in group)}
+    return {id(p): index[name_of[id(p)]] for group in groups for p in group}, [len(g) for g in merged]
+
+
 def _sharded_by_engine(engine: Optional[ZeroDataParallel]) -> bool:
     return engine is not None and engine.stage >= 1
 
 
 def full_optimizer_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, engine: Optional[ZeroDataParallel] = None
+    module: nn.Module, optimizer: torch.optim.Optimizer, engine: Optional[ZeroDataParallel] = None,
+    pp_group: Any = None, order: Optional[list[str]] = None,
 ) -> dict[str, Any]:
     """The user's optimizer's ``state_dict()`` as one process would have it. A collective."""
     groups = _groups(optimizer, engine)
     params = [p for group in groups for p in group]
+    index_of, sizes = _param_layout(module, groups, pp_group, order)
     if _sharded_by_engine(engine):
         per_param = engine.gather_param_states(optimizer)
     else:
         per_param = {id(p): optimizer.state.get(p, {}) for p in params}
     fused = _fused_params(module)
     state = {
-        index: {key: _to_full(value, fused.get(id(p))) for key, value in per_param[id(p)].items()}
-        for index, p in enumerate(params)
+        index_of[id(p)]: {key: _to_full(value, fused.get(id(p))) for key, value in per_param[id(p)].items()}
+        for p in params
         if per_param.get(id(p))
     }
-    index_of = {id(p): i for i, p in enumerate(params)}
+    if pp_group is not None:
+        parts: list[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, state, group=pp_group)
+        state = dict(sorted((k, v) for part in parts for k, v in part.items()))
+    starts = [sum(sizes[:g]) for g in range(len(sizes))]
     param_groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [index_of[id(p)] for p in members]}
-        for group, members in zip(optimizer.param_groups, groups)
+        {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + size))}
+        for group, start, size in zip(optimizer.param_groups, starts, sizes)
     ]
     return {"state": state, "param_groups": param_groups}
 
@@ -119,10 +151,12 @@ def load_full_optimizer_state(
     optimizer: torch.optim.Optimizer,
     saved: Mapping[str, Any],
     engine: Optional[ZeroDataParallel] = None,
+    pp_group: Any = None,
+    order: Optional[list[str]] = None,
 ) -> None:
     """Inverse of :func:`full_optimizer_state`, into any layout of the same model."""
     groups = _groups(optimizer, engine)
-    sizes = [len(g) for g in groups]
+    index_of, sizes = _param_layout(module, groups, pp_group, order)
     saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
     if sizes != saved_sizes:
         raise ValueError(f"optimizer param groups differ: checkpoint has sizes {saved_sizes}, model has {sizes}")
@@ -131,7 +165,8 @@ def load_full_optimizer_state(
     params = [p for group in groups for p in group]
     fused = _fused_params(module)
     per_param = {}
-    for index, p in enumerate(params):
+    for p in params:
+        index = index_of[id(p)]
         entry = saved["state"].get(index, saved["state"].get(str(index)))
         if entry:
             per_param[id(p)] = {k: _to_local_like(v, p, fused.get(id(p))) for k, v in entry.items()}

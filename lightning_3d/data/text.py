@@ -257,3 +257,10 @@ class TextDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_dataset, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out split (the embedded corpora have one)."""
+        return self._loader(self.val_dataset, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader(self.val_dataset, shuffle=False)

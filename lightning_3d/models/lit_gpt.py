@@ -74,6 +74,7 @@ class LitGPT(pl.LightningModule):
         # A metric object (not a plain tensor) so that torchmetrics does the
         # cross-process reduction with the right token weighting.
         self.val_loss = torchmetrics.MeanMetric()
+        self.test_loss = torchmetrics.MeanMetric()
 
     def build_model(self) -> torch.nn.Module:
         """The network trained; subclasses swap in other architectures with the same interface."""
@@ -103,20 +104,38 @@ class LitGPT(pl.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], metric: torchmetrics.MeanMetric, name: str) -> None:
         loss = self._loss(batch)
         # Weight by tokens so the epoch value is the true per-token mean even
         # if batches were ever of different sizes.
-        self.val_loss.update(loss, weight=batch[1].numel())
-        self.log("val_loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
+        metric.update(loss, weight=batch[1].numel())
+        self.log(name, metric, on_step=False, on_epoch=True, prog_bar=True)
 
-    def on_validation_epoch_end(self) -> None:
-        if self.val_loss.update_count == 0:
+    def _log_perplexity(self, metric: torchmetrics.MeanMetric, name: str) -> None:
+        if metric.update_count == 0:
             return
         # compute() syncs across processes and caches the result, so the
-        # logger connector's own compute of val_loss later sees the same value.
-        mean_loss = self.val_loss.compute()
-        self.log("val_ppl", torch.exp(mean_loss))
+        # logger connector's own compute of the loss later sees the same value.
+        self.log(name, torch.exp(metric.compute()))
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, self.val_loss, "val_loss")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_perplexity(self.val_loss, "val_ppl")
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, self.test_loss, "test_loss")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_perplexity(self.test_loss, "test_ppl")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """The most likely next byte at every position, ``(B, T)``."""
+        logits = self(batch[0] if isinstance(batch, (tuple, list)) else batch)
+        if hasattr(logits, "full_tensor"):  # vocab-parallel logits under tensor parallelism
+            logits = logits.full_tensor()
+        return logits.argmax(-1)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

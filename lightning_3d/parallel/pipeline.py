@@ -18,7 +18,16 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
+
+from lightning_3d.parallel.stages import (  # noqa: F401  (re-exported: the pipeline's public names)
+    SPLITS,
+    StageModule,
+    plan_stages,
+    split_stages,
+    stage_blocks,
+    stage_ids,
+    validate_split,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 # Schedules that run several (virtual) stages per rank, placed round-robin (looped).
@@ -27,6 +36,10 @@ MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 
 def _split_batch(batch: Any) -> tuple[Any, Any]:
     return batch[0], batch[1]
+
+
+def _inputs(batch: Any) -> Any:
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
 
 
 @dataclass
@@ -51,85 +64,7 @@ class PipelineSpec:
     head: Callable[[torch.Tensor], Any]  # last stage: residual stream -> outputs
     loss: Callable[[Any, Any], torch.Tensor]  # outputs, targets -> scalar mean loss
     split_batch: Callable[[Any], tuple[Any, Any]] = field(default=_split_batch)  # batch -> (inputs, targets)
-
-
-def stage_blocks(num_blocks: int, num_stages: int) -> list[range]:
-    """Uniform split by block count: stage s gets a contiguous run; earlier stages get the extra."""
-    if num_stages > num_blocks:
-        raise ValueError(f"{num_stages} pipeline stages for {num_blocks} blocks: need at least one block per stage")
-    base, extra = divmod(num_blocks, num_stages)
-    bounds = [0]
-    for s in range(num_stages):
-        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
-    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
-
-
-def stage_ids(pp_rank: int, pp_size: int, virtual: int) -> list[int]:
-    """Stages held by ``pp_rank``: looped placement, rank r holds r, r + pp, r + 2pp, ..."""
-    return [pp_rank + v * pp_size for v in range(virtual)]
-
-
-class StageModule(nn.Module):
-    """One pipeline stage: (embed) -> its blocks -> (head). Registers every module it runs, so
-    FSDP2 and ``parameters()`` see exactly this stage's parameters."""
-
-    def __init__(self, blocks: list[nn.Module], first: list[nn.Module], last: list[nn.Module],
-                 embed: Optional[Callable], head: Optional[Callable]) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-        self.first = nn.ModuleList(first)
-        self.last = nn.ModuleList(last)
-        self._embed, self._head = embed, head
-
-    def forward(self, x: Any) -> Any:
-        if self._embed is not None:
-            x = self._embed(x)
-        for block in self.blocks:
-            x = block(x)
-        if self._head is not None:
-            x = self._head(x)
-        return x
-
-
-def _set_submodule(root: nn.Module, name: str, value: Optional[nn.Module]) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, leaf, value)
-
-
-def split_stages(root: nn.Module, spec: PipelineSpec, pp_rank: int, pp_size: int, virtual: int) -> list[StageModule]:
-    """Keep this rank's stages of ``root`` in place; return their stage modules (in order)."""
-    blocks = root.get_submodule(spec.blocks)
-    if not isinstance(blocks, nn.ModuleList):
-        raise ValueError(f"pipeline blocks {spec.blocks!r} must name an nn.ModuleList, found {type(blocks).__name__}")
-    for name in (*spec.first, *spec.last):
-        root.get_submodule(name)  # raises AttributeError naming a module that does not exist
-    num_stages = pp_size * virtual
-    runs = stage_blocks(len(blocks), num_stages)
-    mine = stage_ids(pp_rank, pp_size, virtual)
-    first = [root.get_submodule(n) for n in spec.first] if 0 in mine else []
-    last = [root.get_submodule(n) for n in spec.last] if num_stages - 1 in mine else []
-    stages = [
-        StageModule(
-            [blocks[i] for i in runs[s]],
-            first if s == 0 else [],
-            last if s == num_stages - 1 else [],
-            spec.embed if s == 0 else None,
-            spec.head if s == num_stages - 1 else None,
-        )
-        for s in mine
-    ]
-    # Drop what other ranks own. Placeholders keep block indices, so names stay as in one process.
-    owned = {i for s in mine for i in runs[s]}
-    for i in range(len(blocks)):
-        if i not in owned:
-            blocks[i] = nn.Identity()
-    if 0 not in mine:
-        for name in spec.first:
-            _set_submodule(root, name, None)
-    if num_stages - 1 not in mine:
-        for name in spec.last:
-            _set_submodule(root, name, None)
-    return stages
+    inputs: Callable[[Any], Any] = field(default=_inputs)  # batch (also a predict batch) -> inputs
 
 
 def build_schedule(stages: list[StageModule], stage_indices: list[int], num_stages: int, schedule: str,
@@ -137,25 +72,33 @@ def build_schedule(stages: list[StageModule], stage_indices: list[int], num_stag
     """``PipelineStage`` s for this rank's modules, driven by the named schedule.
 
     Returns ``(schedule, pipeline_stages)``."""
-    from torch.distributed.pipelining import PipelineStage, schedules
+    from torch.distributed.pipelining import PipelineStage
 
     pipeline_stages = [
         PipelineStage(module, index, num_stages, device, group=group) for module, index in zip(stages, stage_indices)
     ]
+    return make_schedule(schedule, pipeline_stages, micro_batches, loss_fn), pipeline_stages
+
+
+def make_schedule(schedule: str, pipeline_stages: list, micro_batches: int, loss_fn: Callable) -> Any:
+    """The named PyTorch schedule over this rank's ``PipelineStage`` s."""
+    from torch.distributed.pipelining import schedules
+
     # scale_grads=False: ``loss_fn`` already divides by the number of micro-batches.
     kwargs = dict(loss_fn=loss_fn, scale_grads=False)
     if schedule == "gpipe":
-        return schedules.ScheduleGPipe(pipeline_stages[0], micro_batches, **kwargs), pipeline_stages
+        return schedules.ScheduleGPipe(pipeline_stages[0], micro_batches, **kwargs)
     if schedule == "1f1b":
-        return schedules.Schedule1F1B(pipeline_stages[0], micro_batches, **kwargs), pipeline_stages
+        return schedules.Schedule1F1B(pipeline_stages[0], micro_batches, **kwargs)
     if schedule == "interleaved_1f1b":
-        return schedules.ScheduleInterleaved1F1B(pipeline_stages, micro_batches, **kwargs), pipeline_stages
+        return schedules.ScheduleInterleaved1F1B(pipeline_stages, micro_batches, **kwargs)
     if schedule == "zero_bubble":
-        return schedules.ScheduleInterleavedZeroBubble(pipeline_stages, micro_batches, **kwargs), pipeline_stages
+        return schedules.ScheduleInterleavedZeroBubble(pipeline_stages, micro_batches, **kwargs)
     raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {list(SCHEDULES)}")
 
 
-def pipeline_options(pipeline: int, micro_batches: Optional[int], schedule: str, virtual: Optional[int]) -> dict:
+def pipeline_options(pipeline: int, micro_batches: Optional[int], schedule: str, virtual: Optional[int],
+                     split: Any = "uniform") -> dict:
     """Validate the pipeline options before any process exists."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {list(SCHEDULES)}")
@@ -168,68 +111,212 @@ def pipeline_options(pipeline: int, micro_batches: Optional[int], schedule: str,
         raise ValueError(f"virtual_stages={virtual!r} must be a positive integer")
     if virtual > 1 and schedule not in MULTI_STAGE:
         raise ValueError(f"virtual_stages={virtual} needs an interleaved schedule {list(MULTI_STAGE)}, not {schedule!r}")
-    return {"micro_batches": micro_batches, "schedule": schedule, "virtual_stages": virtual}
+    split = validate_split(split)
+    if not isinstance(split, str) and pipeline > 1 and len(split) != pipeline * virtual - 1:
+        raise ValueError(
+            f"{len(split)} split point(s) {list(split)} for {pipeline * virtual} pipeline stages "
+            f"(pipeline={pipeline} x virtual_stages={virtual}): give {pipeline * virtual - 1}"
+        )
+    return {"micro_batches": micro_batches, "schedule": schedule, "virtual_stages": virtual, "split": split}
+
+
+class ActivationMeter:
+    """Bytes of activations saved for backward that are alive, and the most micro-batches whose
+    forward ran but whose backward has not (in flight), during one schedule step.
+
+    Counts tensors autograd saves (``saved_tensors_hooks``), each storage once, minus the
+    parameters' own storages (and views of them); a saved tensor stops counting when autograd
+    frees it. Under ZeRO-3 the weights gathered for a block and kept for its backward count too.
+    """
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+        self.in_flight = self.in_flight_peak = 0
+        self._refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+        self._param_storages: set[int] = set()
+
+    def reset(self, params: Any = ()) -> None:
+        self.peak, self.in_flight_peak, self.in_flight = self.live, 0, 0
+        self._param_storages = {_local(p).untyped_storage().data_ptr() for p in params}
+
+    def forward_done(self) -> None:
+        self.in_flight += 1
+        self.in_flight_peak = max(self.in_flight_peak, self.in_flight)
+
+    def backward_done(self) -> None:
+        self.in_flight -= 1
+
+    def hooks(self) -> Any:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        storage = _local(tensor).untyped_storage()
+        key = storage.data_ptr()
+        if key in self._param_storages:  # a parameter (or a view of one), not an activation
+            return tensor
+        entry = self._refs.setdefault(key, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.live += entry[1]
+            self.peak = max(self.peak, self.live)
+        entry[0] += 1
+        # Keep a detached alias: holding ``tensor`` itself (an op's own output, with its grad_fn)
+        # would tie the graph into a cycle through C++ nodes that nothing collects.
+        return _Saved(tensor.detach(), self, key)
+
+    def _release(self, key: int) -> None:
+        entry = self._refs.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.live -= entry[1]
+            del self._refs[key]
+
+
+class _Saved:
+    """A saved activation; its release (when autograd frees the graph) updates the meter."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, key: int) -> None:
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
+
+
+def _unpack(saved: Any) -> torch.Tensor:
+    return saved.tensor if isinstance(saved, _Saved) else saved
 
 
 class PipelineRuntime:
     """This rank's pipeline stages, their schedule, and one step of it inside Lightning."""
 
     def __init__(self, stages: list[StageModule], spec: PipelineSpec, mesh: Any, options: dict, trainer: Any,
-                 device: torch.device) -> None:
+                 device: torch.device, tp_mesh: Any = None) -> None:
         self.group = mesh.get_group()
         size, rank, virtual = mesh.size(), mesh.get_local_rank(), options["virtual_stages"]
         self.num_stages = size * virtual
         indices = stage_ids(rank, size, virtual)
         self.is_first, self.is_last = 0 in indices, self.num_stages - 1 in indices
-        # The rank holding the last stage broadcasts the loss to its pipeline peers.
+        # The rank holding the last stage broadcasts the loss (and eval outputs) to its peers.
         self.last_rank = dist.get_global_rank(self.group, (self.num_stages - 1) % size)
         self.micro_batches = options["micro_batches"]
         self.spec = spec
+        self.stage_modules = stages
         self.trainer = trainer
+        self.device = device
+        self.tp_mesh = tp_mesh
+        self._outputs_only = False
         self.schedule, pipeline_stages = build_schedule(
             stages, indices, self.num_stages, options["schedule"], self.micro_batches, self._loss, device, self.group
         )
-        # Bubble accounting: time inside the stages' forward / backward computations ("busy")
-        # against the whole schedule step; the rest is waiting for neighbours (and send/recv).
+        # Per training step: the idle share ("bubble": time outside the stages' forward /
+        # backward computations, i.e. waiting for neighbours), peak saved-activation bytes and
+        # peak micro-batches in flight.
         self.bubble_fractions: list[float] = []
+        self.activation_peaks: list[int] = []
+        self.in_flight_peaks: list[int] = []
+        self.meter = ActivationMeter()
         self._busy = 0.0
         for stage in pipeline_stages:
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            for name, after in (("forward_one_chunk", self.meter.forward_done),
+                                ("backward_one_chunk", self.meter.backward_done),
+                                ("backward_weight_one_chunk", None)):
                 if hasattr(stage, name):
-                    setattr(stage, name, self._timed(getattr(stage, name)))
+                    setattr(stage, name, self._timed(getattr(stage, name), after))
 
-    def _timed(self, fn: Callable) -> Callable:
+    def _timed(self, fn: Callable, after: Optional[Callable[[], None]]) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._busy += time.perf_counter() - start
+                if after is not None and torch.is_grad_enabled():
+                    after()
 
         return timed
 
     def _loss(self, outputs: Any, targets: Any) -> torch.Tensor:
+        if self._outputs_only:  # forward-only run for the module's own step: no loss needed
+            return torch.zeros((), device=self.device)
         # Each micro-batch's mean loss carries 1 / (micro_batches * k): gradients then add up to
         # the mean over the schedule's micro-batches and Lightning's k accumulated steps. (The
         # schedule's own scale_grads would divide p.grad after the step, but ZeRO has already
         # moved the gradients into its buckets by then.)
         return self.spec.loss(outputs, targets) / (self.micro_batches * self.trainer.accumulate_grad_batches)
 
-    def run(self, batch: Any, train: bool) -> torch.Tensor:
-        inputs, targets = self.spec.split_batch(batch)
+    def _check_batch(self, inputs: Any) -> None:
         size = inputs.shape[0]
         if size % self.micro_batches:
             raise ValueError(f"per-rank batch of {size} samples is not divisible by micro_batches={self.micro_batches}")
+
+    def run(self, batch: Any, train: bool) -> torch.Tensor:
+        """One schedule step over ``batch`` (training: forward and backward); returns the batch's
+        mean loss on every rank of the pipeline group."""
+        inputs, targets = self.spec.split_batch(batch)
+        self._check_batch(inputs)
         args = (inputs,) if self.is_first else ()
         losses: list[torch.Tensor] = []
         run = self.schedule.step if train else self.schedule.eval
         self._busy, start = 0.0, time.perf_counter()
-        run(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
+        self.meter.reset(p for stage in self.stage_modules for p in stage.parameters())
+        with self.meter.hooks():
+            run(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
         if train:
             total = time.perf_counter() - start
             self.bubble_fractions.append(max(0.0, 1.0 - self._busy / total))
+            self.activation_peaks.append(self.meter.peak)
+            self.in_flight_peaks.append(self.meter.in_flight_peak)
         scale = self.micro_batches * self.trainer.accumulate_grad_batches
         loss = torch.stack([x.detach() for x in losses]).mean() * scale if self.is_last else torch.zeros(())
         loss = loss.to(inputs.device).float()
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss  # the batch's mean loss; Lightning divides it by k itself, as for any step
+
+    def outputs(self, batch: Any) -> Any:
+        """Forward-only schedule over ``batch``; the last stage's outputs (micro-batches joined
+        again), sent to every rank of the pipeline group so each can run the module's own
+        validation / test / predict step on them."""
+        inputs = self.spec.inputs(batch)
+        self._check_batch(inputs)
+        args = (inputs,) if self.is_first else ()
+        self._outputs_only = True
+        try:
+            # The target only feeds the (skipped) loss; inputs have the right batch dimension.
+            output = self.schedule.eval(*args, target=inputs if self.is_last else None)
+        finally:
+            self._outputs_only = False
+        return self._share(output)
+
+    def _share(self, output: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        meta: list[Any] = [None]
+        if self.is_last:
+            if isinstance(output, DTensor):
+                meta[0] = ("dtensor", output._local_tensor.shape, output.dtype, output.placements, output.shape,
+                           output.stride())
+            elif isinstance(output, torch.Tensor):
+                meta[0] = ("tensor", output.shape, output.dtype)
+            else:
+                meta[0] = ("object", output)
+        dist.broadcast_object_list(meta, src=self.last_rank, group=self.group, device=self.device)
+        kind = meta[0][0]
+        if kind == "object":
+            return meta[0][1]
+        local_shape, dtype = meta[0][1], meta[0][2]
+        if self.is_last:
+            buffer = (output._local_tensor if kind == "dtensor" else output).contiguous()
+        else:
+            buffer = torch.empty(local_shape, dtype=dtype, device=self.device)
+        dist.broadcast(buffer, src=self.last_rank, group=self.group)
+        if kind == "dtensor" and not self.is_last:
+            _, _, _, placements, shape, stride = meta[0]
+            return DTensor.from_local(buffer, self.tp_mesh, placements, run_check=False, shape=shape, stride=stride)
+        return output if self.is_last else buffer

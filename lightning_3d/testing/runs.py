@@ -31,7 +31,8 @@ def fit_gpt(
     """Train for ``steps`` optimizer steps; ``strategy=None`` means Lightning's plain single device.
 
     ``arch`` is ``"gpt"`` (the reference model) or ``"llama"`` / ``"gpt2"`` (tiny test models).
-    ``validate=True`` also runs ``trainer.validate`` on 2 batches afterwards (``val`` metrics).
+    ``validate=True`` also runs ``trainer.validate``, ``trainer.test`` and ``trainer.predict`` on 2
+    batches afterwards (``val`` and ``test`` metrics, ``predictions`` of the first batch).
     ``resume_from`` is a checkpoint to resume from; ``save_to`` a ``.ckpt`` path that a
     ``ModelCheckpoint`` writes at the end of every training epoch (the usual user path).
 
@@ -76,11 +77,18 @@ def fit_gpt(
             enable_model_summary=False,
             num_sanity_val_steps=0,
             limit_val_batches=2 if validate else 0,
+            limit_test_batches=2,
+            limit_predict_batches=2,
             callbacks=callbacks,
             default_root_dir=root,
             **(trainer or {}),
         )
         fit.fit(module, datamodule, ckpt_path=resume_from)
-        val = fit.validate(module, datamodule, verbose=False)[0] if validate else {}
+        val, test, predictions = {}, {}, None
+        if validate:
+            val = fit.validate(module, datamodule, verbose=False)[0]
+            test = fit.test(module, datamodule, verbose=False)[0]
+            predictions = fit.predict(module, datamodule)[0]
     state = fit.strategy.full_state_dict() if isinstance(fit.strategy, ThreeDStrategy) else full_state_dict(module)
-    return {"losses": summary.losses, "summary": summary.summary, "state": state if rank == 0 else None, "val": val}
+    return {"losses": summary.losses, "summary": summary.summary, "state": state if rank == 0 else None,
+            "val": val, "test": test, "predictions": predictions}

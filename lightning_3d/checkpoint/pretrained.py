@@ -1,0 +1,102 @@
+"""Load pretrained weights (safetensors or a Lightning ``.ckpt``) into a module before training.
+
+Single process, plain tensors: call it on the freshly built module, before ``trainer.fit``;
+the strategy shards the loaded weights afterwards like any others. Names are adapted between
+a plain model and the ``LightningModule`` wrapping it (``"tok_emb.weight"`` in a safetensors
+export ↔ ``"model.tok_emb.weight"`` in :class:`~lightning_3d.models.LitGPT`).
+
+Example::
+
+    lit = LitGPT(n_layer=7, n_embd=768, n_head=12)
+    load_pretrained(lit, "gpt.safetensors")           # names gain "model."
+    load_pretrained(GPT(config), "last.ckpt")         # names lose "model."
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_3d.checkpoint.checks import (
+    LIGHTNING,
+    PathLike,
+    check_against,
+    read_tensors,
+    shapes_of,
+    shared_prefix,
+)
+
+
+def _renamed(names: Sequence[str], strip: str, add: str) -> list[str]:
+    return [add + name[len(strip):] for name in names]
+
+
+def map_names(ckpt_names: Sequence[str], module_names: Sequence[str], kind: str,
+              prefix: str | None = None) -> dict[str, str]:
+    """Checkpoint name → module name.
+
+    ``prefix`` says where the plain model's names sit inside ``module`` (``"model."`` for LitGPT,
+    ``""`` for the plain model itself); the checkpoint's names are taken as plain names, after
+    stripping a Lightning checkpoint's shared attribute prefix. ``None`` picks, among "as is",
+    "strip the checkpoint's shared prefix" and "add the module's shared prefix" (and both), the
+    renaming that matches the most module names (ties: as is).
+    """
+    ckpt_prefix, module_prefix = shared_prefix(ckpt_names), shared_prefix(module_names)
+    if prefix is not None:
+        strip = ckpt_prefix if kind == LIGHTNING else ""
+        return dict(zip(ckpt_names, _renamed(ckpt_names, strip, prefix)))
+    wanted = set(module_names)
+    candidates = [("", ""), (ckpt_prefix, module_prefix), ("", module_prefix), (ckpt_prefix, "")]
+    best = max(candidates, key=lambda c: len(wanted.intersection(_renamed(ckpt_names, *c))))
+    return dict(zip(ckpt_names, _renamed(ckpt_names, *best)))
+
+
+def _refuse_unloadable(module: nn.Module) -> None:
+    """Plain materialized tensors only: a meta tensor would silently ignore the copy, and a
+    sharded (DTensor) one means the strategy has already set the module up."""
+    for name, tensor in module.state_dict().items():
+        if isinstance(tensor, DTensor):
+            raise ValueError(f"{name} is already sharded (DTensor): call load_pretrained before trainer.fit")
+        if isinstance(tensor, Tensor) and tensor.is_meta:
+            raise ValueError(f"{name} is on the meta device: materialize the module (to_empty + init) first")
+
+
+@torch.no_grad()
+def load_pretrained(module: nn.Module, path: PathLike, prefix: str | None = None,
+                    strict: bool = True) -> list[str]:
+    """Copy the weights of a safetensors file or a Lightning checkpoint into ``module`` in place.
+
+    Args:
+        module: a ``LightningModule`` or plain ``nn.Module``, built and not yet sharded.
+        path: ``.safetensors`` (plain-model names) or a consolidated Lightning ``.ckpt``.
+        prefix: where the plain model's names sit in ``module`` (``"model."`` for LitGPT);
+            ``None``: adapted automatically (see :func:`map_names`).
+        strict: every module tensor must be in the file and nothing else; with ``False`` only
+            the names in common are loaded (shapes must still agree).
+
+    Returns:
+        The module names loaded, in the module's order.
+
+    Raises ``FileNotFoundError``/``ValueError`` naming the file and every missing, unexpected
+    or mis-shaped name, before ``module`` is modified. The file is read weights-only.
+
+    Example::
+
+        >>> loaded = load_pretrained(LitGPT(), "gpt.safetensors")  # doctest: +SKIP
+        >>> loaded[0]
+        'model.tok_emb.weight'
+    """
+    _refuse_unloadable(module)
+    kind, tensors = read_tensors(path, mmap=True)  # a .ckpt: only the weights are read, not the optimizer state
+    own = module.state_dict()
+    names = map_names(list(tensors), list(own), kind, prefix)
+    state = {names[name]: tensor for name, tensor in tensors.items()}
+    check_against(shapes_of(own), shapes_of(state), strict=strict, source=str(Path(path)))
+    if not strict:
+        state = {name: tensor for name, tensor in state.items() if name in own}
+    module.load_state_dict(state, strict=strict)
+    return [name for name in own if name in state]

@@ -1,0 +1,104 @@
+"""Where NVMe-offloaded optimizer state may be written, and making sure it goes away again.
+
+Two rules, both checked before the first byte is written:
+
+* the offload ``path`` must be an existing, writable directory whose filesystem has room for
+  all of the state (:func:`check_offload_path`);
+* the state lives in a *private* directory created inside ``path`` (mode ``0o700``, files
+  ``0o600``, so other users on a shared workstation cannot read the model's optimizer state),
+  removed with its files on :meth:`PrivateDirectory.close`, when the owner is garbage
+  collected, and at interpreter exit (``weakref.finalize``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from typing import Optional, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+DIR_PREFIX = "lightning3d-offload-"
+
+
+def check_offload_path(path: Optional[PathLike], needed_bytes: int) -> str:
+    """Raise ``ValueError`` unless ``path`` can hold ``needed_bytes`` of offloaded state.
+
+    Returns the absolute path. Nothing is created or written.
+
+    Example::
+
+        check_offload_path("/mnt/nvme", needed_bytes=12 * 2**30)
+    """
+    if path is None:
+        raise ValueError("offload device 'nvme' needs a path: a directory on the NVMe drive, got path=None")
+    if needed_bytes < 0:
+        raise ValueError(f"needed_bytes must be >= 0, got {needed_bytes}")
+    text = os.path.abspath(os.fspath(path))
+    if not os.path.exists(text):
+        raise ValueError(f"offload path {text!r} does not exist")
+    if not os.path.isdir(text):
+        raise ValueError(f"offload path {text!r} is not a directory")
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise ValueError(f"offload path {text!r} is not writable by this process")
+    free = shutil.disk_usage(text).free
+    if free < needed_bytes:
+        raise ValueError(
+            f"offload path {text!r} has {free} bytes free, the optimizer state needs {needed_bytes} bytes"
+        )
+    return text
+
+
+def _remove(directory: str, fds: list[int]) -> None:
+    """Close the open files and delete the directory tree (idempotent)."""
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class PrivateDirectory:
+    """A fresh ``0o700`` directory inside ``parent``, deleted with its files when closed,
+    garbage collected, or at interpreter exit.
+
+    Example::
+
+        scratch = PrivateDirectory("/mnt/nvme")
+        fd = scratch.create_file("state.bin", nbytes=2**20)
+        ...
+        scratch.close()   # the directory and state.bin are gone
+    """
+
+    def __init__(self, parent: PathLike) -> None:
+        # mkdtemp creates the directory with mode 0o700 atomically (no window where it is open).
+        self.path = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=os.fspath(parent))
+        self._fds: list[int] = []
+        self._finalizer = weakref.finalize(self, _remove, self.path, self._fds)
+        os.chmod(self.path, DIR_MODE)
+
+    def create_file(self, name: str, nbytes: int) -> int:
+        """Create ``name`` (mode ``0o600``, ``nbytes`` long, sparse) and return its open descriptor."""
+        if self.closed:
+            raise ValueError(f"private directory {self.path!r} is closed")
+        if os.sep in name or name in ("", ".", ".."):
+            raise ValueError(f"file name must be a plain name, got {name!r}")
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(os.path.join(self.path, name), flags, FILE_MODE)
+        self._fds.append(fd)  # from here on, close() also closes it
+        os.fchmod(fd, FILE_MODE)  # the umask may only have removed bits; state it explicitly
+        os.ftruncate(fd, nbytes)
+        return fd
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Close the files and remove the directory. Safe to call more than once."""
+        self._finalizer()

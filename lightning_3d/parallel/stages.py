@@ -1,0 +1,229 @@
+"""Which blocks each pipeline stage holds, and cutting a model down to this rank's stages.
+
+Three ways to split a model's ``nn.ModuleList`` of blocks into contiguous stages:
+
+* ``"uniform"`` (default): by block count; earlier stages take the remainder.
+* ``"params"``: balanced by parameter count, counting the embedding on the first stage and the
+  final norm and head on the last, so the heavy ends get fewer blocks.
+* explicit split points: the names of the blocks that *start* stages 1, 2, ... (one name per
+  stage boundary), e.g. ``["model.blocks.3"]`` for two stages of a 6-block model.
+
+:func:`plan_stages` only reads the model (it works on a ``meta`` model, before any process does
+work); :func:`split_stages` then keeps this rank's stages in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
+
+from torch import nn
+
+SPLITS = ("uniform", "params")
+Split = Union[str, Sequence[str]]
+
+
+def stage_blocks(num_blocks: int, num_stages: int) -> list[range]:
+    """Uniform split by block count: stage s gets a contiguous run; earlier stages get the extra."""
+    if num_stages > num_blocks:
+        raise ValueError(f"{num_stages} pipeline stages for {num_blocks} blocks: need at least one block per stage")
+    base, extra = divmod(num_blocks, num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def balanced_blocks(block_costs: Sequence[int], num_stages: int, first_cost: int = 0,
+                    last_cost: int = 0) -> list[range]:
+    """Contiguous runs (at least one block each) minimising the largest stage cost, where the
+    first stage also carries ``first_cost`` and the last ``last_cost``. Exact (dynamic program);
+    ties go to the earliest boundary."""
+    n = len(block_costs)
+    stage_blocks(n, num_stages)  # the same "too many stages" error
+    prefix = [0]
+    for c in block_costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(s: int, i: int, j: int) -> int:  # stage s holds blocks i..j-1
+        return prefix[j] - prefix[i] + (first_cost if s == 0 else 0) + (last_cost if s == num_stages - 1 else 0)
+
+    inf = float("inf")
+    # best[s][j]: smallest max-cost for stages 0..s covering blocks 0..j-1; cut[s][j]: start of stage s.
+    best = [[inf] * (n + 1) for _ in range(num_stages)]
+    cut = [[0] * (n + 1) for _ in range(num_stages)]
+    for j in range(1, n + 1):
+        best[0][j] = cost(0, 0, j)
+    for s in range(1, num_stages):
+        for j in range(s + 1, n + 1):
+            for i in range(s, j):
+                value = max(best[s - 1][i], cost(s, i, j))
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, i
+    bounds, j = [n], n
+    for s in range(num_stages - 1, 0, -1):
+        j = cut[s][j]
+        bounds.append(j)
+    bounds.append(0)
+    bounds.reverse()
+    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def explicit_blocks(blocks_name: str, num_blocks: int, points: Sequence[str], num_stages: int,
+                    exists: Callable[[str], bool]) -> list[range]:
+    """Runs from split-point names: each names the block that starts the next stage."""
+    if len(points) != num_stages - 1:
+        raise ValueError(
+            f"{len(points)} split point(s) {list(points)} for {num_stages} pipeline stages: "
+            f"give {num_stages - 1} (the first block of each stage after the first)"
+        )
+    starts = []
+    for name in points:
+        prefix = f"{blocks_name}."
+        index = name[len(prefix):] if name.startswith(prefix) else ""
+        if not index.isdigit() or int(index) >= num_blocks:
+            what = "is not a block of" if exists(name) else "names no module in the model; blocks are"
+            raise ValueError(
+                f"pipeline split point {name!r} {what} {blocks_name!r} "
+                f"({blocks_name}.0 ... {blocks_name}.{num_blocks - 1})"
+            )
+        starts.append(int(index))
+    if starts[0] == 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+        raise ValueError(f"pipeline split points {list(points)} must be increasing blocks after {blocks_name}.0")
+    bounds = [0, *starts, num_blocks]
+    return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
+
+
+def validate_split(split: Any) -> Split:
+    """Check the ``split`` option's type before any process exists (names are checked on the model)."""
+    if isinstance(split, str):
+        if split not in SPLITS:
+            raise ValueError(f"unknown pipeline split {split!r}; use one of {list(SPLITS)} or a list of block names")
+        return split
+    if isinstance(split, Sequence) and split and all(isinstance(x, str) for x in split):
+        return tuple(split)
+    raise ValueError(f"pipeline split {split!r} must be one of {list(SPLITS)} or a non-empty list of block names")
+
+
+def _numel(modules: Sequence[nn.Module]) -> int:
+    seen = {id(p): p.numel() for m in modules for p in m.parameters()}
+    return sum(seen.values())
+
+
+def plan_stages(root: nn.Module, spec: Any, num_stages: int, split: Split = "uniform") -> list[range]:
+    """Block runs of every stage of ``root`` (read-only; works on a ``meta`` model).
+
+    Raises ``ValueError`` for a blocks name that is not an ``nn.ModuleList``, first/last module
+    names that do not exist, more stages than blocks, bad split points, and parameters shared
+    across stages (tied weights)."""
+    blocks = root.get_submodule(spec.blocks)
+    if not isinstance(blocks, nn.ModuleList):
+        raise ValueError(f"pipeline blocks {spec.blocks!r} must name an nn.ModuleList, found {type(blocks).__name__}")
+    first = [_module(root, n, "first") for n in spec.first]
+    last = [_module(root, n, "last") for n in spec.last]
+    if split == "uniform":
+        runs = stage_blocks(len(blocks), num_stages)
+    elif split == "params":
+        runs = balanced_blocks([_numel([b]) for b in blocks], num_stages, _numel(first), _numel(last))
+    else:
+        runs = explicit_blocks(spec.blocks, len(blocks), list(split), num_stages, lambda n: _exists(root, n))
+    _refuse_tied_weights(root, spec, blocks, runs)
+    return runs
+
+
+def _module(root: nn.Module, name: str, where: str) -> nn.Module:
+    if not _exists(root, name):
+        raise ValueError(f"pipeline spec: {where}-stage module {name!r} names no module of {type(root).__name__}")
+    return root.get_submodule(name)
+
+
+def _exists(root: nn.Module, name: str) -> bool:
+    try:
+        root.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _refuse_tied_weights(root: nn.Module, spec: Any, blocks: nn.ModuleList, runs: list[range]) -> None:
+    """A parameter used by two stages (e.g. input embedding tied to the output head) would be
+    two copies after the split, updated apart. Refuse it rather than train something else."""
+    owners: dict[int, tuple[int, str]] = {}
+    named: list[tuple[int, str, nn.Module]] = [(0, n, root.get_submodule(n)) for n in spec.first]
+    named += [(s, f"{spec.blocks}.{i}", blocks[i]) for s, run in enumerate(runs) for i in run]
+    named += [(len(runs) - 1, n, root.get_submodule(n)) for n in spec.last]
+    for stage, prefix, module in named:
+        for pname, p in module.named_parameters():
+            here = (stage, f"{prefix}.{pname}")
+            there = owners.setdefault(id(p), here)
+            if there[0] != stage:
+                raise ValueError(
+                    f"parameter {there[1]} (stage {there[0]}) is the same tensor as {here[1]} (stage {stage}): "
+                    "tied weights across pipeline stages are not supported; untie them (give the head its "
+                    "own weight) or put both modules on one stage"
+                )
+
+
+def stage_ids(pp_rank: int, pp_size: int, virtual: int) -> list[int]:
+    """Stages held by ``pp_rank``: looped placement, rank r holds r, r + pp, r + 2pp, ..."""
+    return [pp_rank + v * pp_size for v in range(virtual)]
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: (embed) -> its blocks -> (head). Registers every module it runs, so
+    FSDP2 and ``parameters()`` see exactly this stage's parameters."""
+
+    def __init__(self, blocks: list[nn.Module], first: list[nn.Module], last: list[nn.Module],
+                 embed: Optional[Callable], head: Optional[Callable]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.first = nn.ModuleList(first)
+        self.last = nn.ModuleList(last)
+        self._embed, self._head = embed, head
+
+    def forward(self, x: Any) -> Any:
+        if self._embed is not None:
+            x = self._embed(x)
+        for block in self.blocks:
+            x = block(x)
+        if self._head is not None:
+            x = self._head(x)
+        return x
+
+
+def _set_submodule(root: nn.Module, name: str, value: Optional[nn.Module]) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, value)
+
+
+def split_stages(root: nn.Module, spec: Any, pp_rank: int, pp_size: int, virtual: int,
+                 split: Split = "uniform") -> list[StageModule]:
+    """Keep this rank's stages of ``root`` in place; return their stage modules (in order)."""
+    num_stages = pp_size * virtual
+    runs = plan_stages(root, spec, num_stages, split)
+    blocks = root.get_submodule(spec.blocks)
+    mine = stage_ids(pp_rank, pp_size, virtual)
+    first = [root.get_submodule(n) for n in spec.first] if 0 in mine else []
+    last = [root.get_submodule(n) for n in spec.last] if num_stages - 1 in mine else []
+    stages = [
+        StageModule(
+            [blocks[i] for i in runs[s]],
+            first if s == 0 else [],
+            last if s == num_stages - 1 else [],
+            spec.embed if s == 0 else None,
+            spec.head if s == num_stages - 1 else None,
+        )
+        for s in mine
+    ]
+    # Drop what other ranks own. Placeholders keep block indices, so names stay as in one process.
+    owned = {i for s in mine for i in runs[s]}
+    for i in range(len(blocks)):
+        if i not in owned:
+            blocks[i] = nn.Identity()
+    if 0 not in mine:
+        for name in spec.first:
+            _set_submodule(root, name, None)
+    if num_stages - 1 not in mine:
+        for name in spec.last:
+            _set_submodule(root, name, None)
+    return stages
