@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -84,11 +85,15 @@ def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
         default_root_dir=output_dir,
     )
     trainer.fit(model, datamodule)
+    # The trained model, consolidated (any layout, plain Lightning or examples/finetune.py
+    # loads it; `python -m lightning_3d.checkpoint consolidate` turns it into safetensors).
+    trainer.save_checkpoint(Path(output_dir) / "final.ckpt")
     return summary.summary
 
 
-def run(cfg: DictConfig, script: str) -> int:
-    """Entry point shared by the example apps; returns the process exit code."""
+def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str, Any]] | None = None) -> int:
+    """Entry point shared by the example apps; returns the process exit code. ``body`` runs on
+    every rank once the world exists (default :func:`train`)."""
     from hydra.core.hydra_config import HydraConfig
 
     hydra_cfg = HydraConfig.get()
@@ -109,7 +114,7 @@ def run(cfg: DictConfig, script: str) -> int:
         if code == 0:
             _report(Path(output_dir) / "summary.json")
         return code
-    summary = train(cfg, output_dir)
+    summary = (body or train)(cfg, output_dir)
     if world == 1:
         _report(Path(output_dir) / "summary.json", summary)
     return 0
