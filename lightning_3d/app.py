@@ -40,10 +40,10 @@ def validate(cfg: DictConfig) -> None:
             )
     if layout.tensor > 1 or layout.pipeline > 1:
         options = strategy._pipeline_options
-        _validate_on_meta(cfg, layout.tensor, layout.pipeline * options["virtual_stages"], options["split"])
+        _validate_on_meta(cfg, layout.tensor, layout.pipeline, options["virtual_stages"], options["split"])
 
 
-def _validate_on_meta(cfg: DictConfig, tensor: int, stages: int, split: Any = "uniform") -> None:
+def _validate_on_meta(cfg: DictConfig, tensor: int, pipeline: int, virtual: int, split: Any = "uniform") -> None:
     """Check the model's shapes against the layout, with the model built on ``meta`` (no memory):
     the tensor-parallel plan, and the pipeline split (enough blocks, split points, tied weights)."""
     import torch
@@ -62,8 +62,8 @@ def _validate_on_meta(cfg: DictConfig, tensor: int, stages: int, split: Any = "u
         plan = cfg.parallelism.get("tp_plan")
         plan = OmegaConf.to_container(plan) if plan is not None else None
         resolve_plan(model, build_plan(model, plan, cfg.parallelism.get("sequence_parallel", False)), tensor)
-    if stages > 1 and callable(getattr(model, "pipeline_spec", None)):
-        plan_stages(model, model.pipeline_spec(), stages, split)
+    if pipeline > 1 and callable(getattr(model, "pipeline_spec", None)):
+        plan_stages(model, model.pipeline_spec(), pipeline * virtual, split, virtual)
 
 
 def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:

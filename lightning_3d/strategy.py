@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -263,6 +264,7 @@ class ThreeDStrategy(ParallelStrategy):
             self._offload_optimizers()
         self.setup_precision_plugin()
         self._use_global_norm_clipping()
+        self._share_overflow_checks()
         self.barrier()
 
     def _parallelize(self, module: pl.LightningModule) -> None:
@@ -290,11 +292,12 @@ class ThreeDStrategy(ParallelStrategy):
         # whose per-block gather / reshard hooks then wrap the checkpointed forward.
         apply_activation_checkpointing(module, self._checkpointing["policy"], self._checkpointing["every_n"])
         if self.layout.zero_stage == 3:
-            apply_zero3(module, self.device_mesh[MeshAxis.DATA.value], roots=stages)
+            apply_zero3(module, self.device_mesh[MeshAxis.DATA.value], roots=stages, **self._fsdp_precision())
         if stages is not None:
             options, mesh = self._pipeline_options, self.device_mesh[MeshAxis.PIPELINE.value]
             self._pipeline = PipelineRuntime(
-                stages, spec, mesh, options, module.trainer, self.root_device, self.device_mesh[MeshAxis.TENSOR.value]
+                stages, spec, mesh, options, module.trainer, self.root_device, self.device_mesh[MeshAxis.TENSOR.value],
+                scale_loss=self._scale_loss,
             )
 
     @staticmethod
@@ -325,6 +328,38 @@ class ThreeDStrategy(ParallelStrategy):
         for name, style in resolved.items():
             if isinstance(style, ColwiseParallel) and not style.use_local_output:  # the loss-parallel head
                 self.lightning_module.get_submodule(name).register_forward_hook(record)
+
+    def _fsdp_precision(self) -> dict[str, Any]:
+        """Mixed precision under ZeRO-3: FSDP2 gathers parameters in the compute dtype (half the
+        all-gather bytes) and reduce-scatters gradients in fp32; the sharded fp32 parameters are
+        the master weights the optimizer steps. Other precisions need nothing from FSDP2."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        compute = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(self.precision_plugin.precision))
+        if compute is None:
+            return {}
+        return {"mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)}
+
+    def _scale_loss(self, loss: Tensor) -> Tensor:
+        """The loss as backward should see it: scaled by the dynamic loss scale under 16-mixed."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler.scale(loss) if scaler is not None else loss
+
+    def _share_overflow_checks(self) -> None:
+        # 16-mixed: the grad scaler checks this rank's gradients for inf/nan before the step —
+        # a ZeRO slice, a tensor shard, a pipeline stage. If any rank found one, every rank
+        # must skip the step (and lower the scale), or the ranks' weights part ways.
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or "unscale_" in vars(scaler):
+            return
+        unscale = scaler.unscale_
+
+        def unscale_(optimizer: Optimizer) -> None:
+            unscale(optimizer)
+            for found in scaler._found_inf_per_device(optimizer).values():  # noqa: SLF001
+                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+
+        scaler.unscale_ = unscale_
 
     def _use_global_norm_clipping(self) -> None:
         # Lightning clips through the precision plugin with torch's clip_grad_norm_, which
@@ -417,7 +452,8 @@ class ThreeDStrategy(ParallelStrategy):
             return
         module = self.lightning_module
         batch = kwargs.get("batch", args[0] if args else None)
-        output = self._pipeline.outputs(batch)
+        with self.precision_plugin.forward_context():
+            output = self._pipeline.outputs(batch)
         calls: list[int] = []
 
         def forward(*_: Any, **__: Any) -> Any:
@@ -445,7 +481,11 @@ class ThreeDStrategy(ParallelStrategy):
             for p in params:
                 p.grad = None
         self.pre_backward(None)
-        loss = self._pipeline.run(batch, train=True)
+        # Only the last stage computes (and scales) a loss; a grad scaler on the other stages
+        # sets up its scale here, so their unscale_ (of gradients scaled downstream) works.
+        self._scale_loss(torch.zeros((), device=self.root_device))
+        with self.precision_plugin.train_step_context():  # autocast under mixed precision
+            loss = self._pipeline.run(batch, train=True)
         self._pipeline_grads = [(p, p.grad) for p in params if p.grad is not None]
         for p, _ in self._pipeline_grads:
             p.grad = None
@@ -572,6 +612,19 @@ class ThreeDStrategy(ParallelStrategy):
 
     def _engine_for(self, optimizer: Optimizer) -> Optional[ZeroDataParallel]:
         return next((e for e, o in zip(self._engines, self.optimizers) if o is optimizer), None)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # A peer that died (killed, out of memory, lost node) surfaces here as a failed
+        # collective: gloo's "Connection closed by peer" at once, or after `timeout` if the
+        # peer just went silent. Say what it means and how to continue.
+        if isinstance(exception, (RuntimeError, dist.DistError)) and _distributed_is_initialized():
+            print(
+                f"lightning_3d: rank {self.global_rank}: a collective failed ({type(exception).__name__}: "
+                f"{str(exception).splitlines()[0][:200]}). Another rank has probably stopped; checkpoints "
+                "already written are complete (saves are atomic): relaunch with ckpt_path='last' to resume.",
+                file=sys.stderr, flush=True,
+            )
 
     @override
     def teardown(self) -> None:

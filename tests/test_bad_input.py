@@ -165,6 +165,7 @@ def test_validate_accepts_default_config(compose):
         # the pipeline split is checked against the model (built on meta)
         (["parallelism=pp2", "parallelism.split=[model.blocks.9]"], ["'model.blocks.9' names no module"]),
         (["parallelism=pp2", "parallelism.split=zigzag"], ["unknown pipeline split 'zigzag'"]),
+        (["parallelism=pp2", "parallelism.schedule=interleaved_1f1b", "model.n_layer=6"], ["do not divide 6 blocks"]),
     ],
 )
 def test_validate_rejects(compose, overrides, named):

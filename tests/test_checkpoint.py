@@ -26,6 +26,7 @@ LAYOUTS = {
     "tp2": ({"tensor": 2}, 2),
     "tp2_sp_zero2": ({"tensor": 2, "sequence_parallel": True, "zero_stage": 2, "data": 1}, 2),
     "pp2": ({"pipeline": 2, "micro_batches": 2}, 2),
+    "nvme_zero2_dp2": ({"zero_stage": 2, "offload": "nvme", "offload_path": "/tmp", "offload_chunk_mb": 0.01}, 2),
 }
 
 
@@ -76,7 +77,8 @@ def test_checkpoint_equals_the_single_process_one(saved, layout):
 
 
 RESUMES = [("zero2_dp2", "zero2_dp2"), ("zero3_dp2", "single"), ("single", "zero1_dp2"),
-           ("tp2", "zero3_dp2"), ("zero2_dp2", "tp2_sp_zero2"), ("pp2", "single"), ("zero2_dp2", "pp2")]
+           ("tp2", "zero3_dp2"), ("zero2_dp2", "tp2_sp_zero2"), ("pp2", "single"), ("zero2_dp2", "pp2"),
+           ("nvme_zero2_dp2", "nvme_zero2_dp2")]
 
 
 @pytest.mark.parametrize("source,target", RESUMES, ids=[f"{a}->{b}" for a, b in RESUMES])

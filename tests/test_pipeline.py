@@ -247,6 +247,16 @@ def test_bad_split_option_is_refused_by_the_strategy(split, message):
         ThreeDStrategy(pipeline=2, split=split)
 
 
+def test_virtual_stages_must_divide_the_blocks():
+    from lightning_3d.parallel.stages import plan_stages
+
+    model = _meta_gpt()  # 6 blocks
+    with pytest.raises(ValueError, match=r"4 pipeline stages \(2 ranks x virtual_stages=2\) do not divide 6 blocks"):
+        plan_stages(model, model.pipeline_spec(), 4, "uniform", virtual=2)
+    assert [len(r) for r in plan_stages(model, model.pipeline_spec(), 4, "params", virtual=2)] == [1, 2, 2, 1]
+    assert [len(r) for r in plan_stages(model, model.pipeline_spec(), 3, "uniform", virtual=1)] == [2, 2, 2]
+
+
 def test_tied_weights_across_stages_are_refused():
     from lightning_3d.parallel.stages import plan_stages
 

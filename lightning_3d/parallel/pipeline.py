@@ -197,7 +197,8 @@ class PipelineRuntime:
     """This rank's pipeline stages, their schedule, and one step of it inside Lightning."""
 
     def __init__(self, stages: list[StageModule], spec: PipelineSpec, mesh: Any, options: dict, trainer: Any,
-                 device: torch.device, tp_mesh: Any = None) -> None:
+                 device: torch.device, tp_mesh: Any = None,
+                 scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         self.group = mesh.get_group()
         size, rank, virtual = mesh.size(), mesh.get_local_rank(), options["virtual_stages"]
         self.num_stages = size * virtual
@@ -211,6 +212,7 @@ class PipelineRuntime:
         self.trainer = trainer
         self.device = device
         self.tp_mesh = tp_mesh
+        self._scale_loss = scale_loss or (lambda loss: loss)  # e.g. the 16-mixed dynamic loss scale
         self._outputs_only = False
         self.schedule, pipeline_stages = build_schedule(
             stages, indices, self.num_stages, options["schedule"], self.micro_batches, self._loss, device, self.group
@@ -249,7 +251,8 @@ class PipelineRuntime:
         # the mean over the schedule's micro-batches and Lightning's k accumulated steps. (The
         # schedule's own scale_grads would divide p.grad after the step, but ZeRO has already
         # moved the gradients into its buckets by then.)
-        return self.spec.loss(outputs, targets) / (self.micro_batches * self.trainer.accumulate_grad_batches)
+        loss = self.spec.loss(outputs, targets) / (self.micro_batches * self.trainer.accumulate_grad_batches)
+        return self._scale_loss(loss)
 
     def _check_batch(self, inputs: Any) -> None:
         size = inputs.shape[0]
@@ -274,7 +277,9 @@ class PipelineRuntime:
             self.activation_peaks.append(self.meter.peak)
             self.in_flight_peaks.append(self.meter.in_flight_peak)
         scale = self.micro_batches * self.trainer.accumulate_grad_batches
-        loss = torch.stack([x.detach() for x in losses]).mean() * scale if self.is_last else torch.zeros(())
+        if self.is_last:  # undo the loss scaling for what Lightning logs and returns
+            losses = [x.detach().float() / self._scale_loss(torch.ones((), device=x.device)) for x in losses]
+        loss = torch.stack(losses).mean() * scale if self.is_last else torch.zeros(())
         loss = loss.to(inputs.device).float()
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss  # the batch's mean loss; Lightning divides it by k itself, as for any step

@@ -110,18 +110,24 @@ def _numel(modules: Sequence[nn.Module]) -> int:
     return sum(seen.values())
 
 
-def plan_stages(root: nn.Module, spec: Any, num_stages: int, split: Split = "uniform") -> list[range]:
+def plan_stages(root: nn.Module, spec: Any, num_stages: int, split: Split = "uniform", virtual: int = 1) -> list[range]:
     """Block runs of every stage of ``root`` (read-only; works on a ``meta`` model).
 
     Raises ``ValueError`` for a blocks name that is not an ``nn.ModuleList``, first/last module
-    names that do not exist, more stages than blocks, bad split points, and parameters shared
-    across stages (tied weights)."""
+    names that do not exist, more stages than blocks, bad split points, parameters shared
+    across stages (tied weights), and — for the interleaved schedules (``virtual > 1``) with the
+    uniform split — a block count the stages do not divide (their chunks must be equal)."""
     blocks = root.get_submodule(spec.blocks)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"pipeline blocks {spec.blocks!r} must name an nn.ModuleList, found {type(blocks).__name__}")
     first = [_module(root, n, "first") for n in spec.first]
     last = [_module(root, n, "last") for n in spec.last]
     if split == "uniform":
+        if virtual > 1 and len(blocks) % num_stages:
+            raise ValueError(
+                f"{num_stages} pipeline stages ({num_stages // virtual} ranks x virtual_stages={virtual}) do not "
+                f"divide {len(blocks)} blocks: pick virtual_stages so they do, or split='params' / explicit points"
+            )
         runs = stage_blocks(len(blocks), num_stages)
     elif split == "params":
         runs = balanced_blocks([_numel([b]) for b in blocks], num_stages, _numel(first), _numel(last))
@@ -200,7 +206,7 @@ def split_stages(root: nn.Module, spec: Any, pp_rank: int, pp_size: int, virtual
                  split: Split = "uniform") -> list[StageModule]:
     """Keep this rank's stages of ``root`` in place; return their stage modules (in order)."""
     num_stages = pp_size * virtual
-    runs = plan_stages(root, spec, num_stages, split)
+    runs = plan_stages(root, spec, num_stages, split, virtual)
     blocks = root.get_submodule(spec.blocks)
     mine = stage_ids(pp_rank, pp_size, virtual)
     first = [root.get_submodule(n) for n in spec.first] if 0 in mine else []

@@ -90,5 +90,7 @@ def fit_gpt(
             test = fit.test(module, datamodule, verbose=False)[0]
             predictions = fit.predict(module, datamodule)[0]
     state = fit.strategy.full_state_dict() if isinstance(fit.strategy, ThreeDStrategy) else full_state_dict(module)
+    scaler = getattr(fit.precision_plugin, "scaler", None)  # 16-mixed: the dynamic loss scale reached
     return {"losses": summary.losses, "summary": summary.summary, "state": state if rank == 0 else None,
-            "val": val, "test": test, "predictions": predictions}
+            "val": val, "test": test, "predictions": predictions,
+            "loss_scale": float(scaler.get_scale()) if scaler is not None else None}

@@ -1,0 +1,219 @@
+"""Whole training steps of a 50M-parameter GPT in one process: offload none vs CPU vs NVMe.
+
+    python -m lightning_3d.bench.offload_memory [--rounds 4] [--precisions 32-true bf16-true] [--path DIR]
+
+The reference ``LitGPT`` (n_embd=768, n_layer=7, n_head=12, block_size=128, vocab 256:
+50,048,256 parameters) trains through ``Trainer(strategy=ThreeDStrategy(offload=...), devices=1)``
+with AdamW. Every configuration runs in its own process, so its peak RSS is its own; the
+processes of one precision start together, then the parent lets them take one training step at
+a time in turn (order rotated each round, only one computing at a time) and the table shows
+median step times. The first step (optimizer state created) is not timed. Workers run with
+``MALLOC_MMAP_THRESHOLD_=1048576`` (freed large tensors go back to the OS; see DESIGN.md) and
+``--threads`` intra-op threads.
+
+Columns: peak RSS, and the same minus the RSS after imports and data (``over base``: what the
+model, its training state and the activations added); bytes of parameters, gradients and optimizer
+state resident at the optimizer step (``lightning_3d.memory.model_state_bytes``; an offloaded
+optimizer counts its RAM window). With bf16 parameters ``OffloadedAdam`` keeps fp32 master
+weights and fp32 Adam moments in its store, while plain AdamW keeps bf16 moments and no master
+copy. The NVMe file sits in the page cache on a machine with spare RAM (not counted in RSS), so
+its step time measures the streaming machinery, not the drive.
+
+bf16 matmuls are ~20x slower than fp32 on CPUs without AVX512-BF16/AMX (measured here: 108 s vs
+4.6 s for a batch of 4x128 tokens), so bf16 rows use 1x32 tokens per step, next to an fp32 row at
+1x32 without offload (the last column's reference: fp32 parameters, gradients and Adam state).
+Runtime with the defaults: ~5-8 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
+
+MODEL = dict(vocab_size=256, block_size=128, n_layer=7, n_head=12, n_embd=768, dropout=0.0)
+PRECISIONS = ("32-true", "bf16-true")
+PREFIX = "BENCH "
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration, run in its own process."""
+
+    precision: str
+    batch: int
+    seq: int
+    offload: str = "none"  # none | cpu | nvme
+    checkpointing: str = "none"  # activation checkpointing: none | full
+
+
+def default_groups(checkpointing_rows: bool = True) -> dict[str, list[Row]]:
+    """Rows run side by side (interleaved), per group. fp32 at 4x128 tokens, with and without
+    activation checkpointing; bf16 at 1x32 tokens, next to an fp32 run at the same tokens (the
+    fp32-master recipe that bf16 parameters + offloaded fp32 master weights replace)."""
+    fp32 = [Row("32-true", 4, 128, offload) for offload in ("none", "cpu", "nvme")]
+    if checkpointing_rows:
+        fp32 += [Row("32-true", 4, 128, offload, "full") for offload in ("none", "nvme")]
+    bf16 = [Row("bf16-true", 1, 32, offload) for offload in ("none", "cpu", "nvme")] + [Row("32-true", 1, 32)]
+    return {"32-true": fp32, "bf16-true": bf16}
+
+
+def _say(record: dict[str, Any]) -> None:
+    print(PREFIX + json.dumps(record), flush=True)
+
+
+def _worker(args: argparse.Namespace) -> None:
+    """One configuration: train ``1 + rounds`` steps, each started by a ``step`` line on stdin."""
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_3d import ThreeDStrategy
+    from lightning_3d.callbacks import RunSummary
+    from lightning_3d.data import TextDataModule
+    from lightning_3d.memory import peak_rss_mb
+    from lightning_3d.models import LitGPT
+
+    class Lockstep(Callback):
+        """Wait for the parent before each step; report the step's wall and CPU seconds."""
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if batch_idx == 0:
+                _say({"ready": True, "base_rss_mb": base_rss})
+            if sys.stdin.readline().strip() != "step":
+                raise SystemExit("benchmark parent went away")
+            self.start = time.perf_counter(), time.process_time()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            _say({"step_s": time.perf_counter() - self.start[0], "cpu_s": time.process_time() - self.start[1]})
+
+    torch.set_num_threads(args.threads)
+    L.seed_everything(0, verbose=False)
+    data = TextDataModule(corpus="stdlib", block_size=args.seq, batch_size=args.batch, max_bytes=1_000_000, seed=0)
+    data.setup_for(1, 0)  # the corpus now, so that it is part of the base RSS
+    base_rss = peak_rss_mb()  # interpreter, torch, Lightning and the corpus: the same in every row
+    module = LitGPT(**MODEL, lr=1e-4, warmup_steps=0)
+    strategy = ThreeDStrategy(offload=args.offload, offload_path=args.path if args.offload == "nvme" else None,
+                              activation_checkpointing=args.checkpointing)
+    summary = RunSummary(out_dir=tempfile.mkdtemp(prefix="offload-memory-"), warmup_steps=0)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=args.precision,
+                        max_steps=1 + args.rounds, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        limit_val_batches=0, callbacks=[summary, Lockstep()])
+    trainer.fit(module, data)
+    _say({"peak_rss_mb": peak_rss_mb(), "num_params": summary.summary["num_params"], **summary.memory})
+
+
+def _start(row: Row, args: argparse.Namespace) -> subprocess.Popen:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", OMP_NUM_THREADS=str(args.threads))
+    command = [sys.executable, "-m", "lightning_3d.bench.offload_memory", "--worker",
+               *(f"--{f.name}={getattr(row, f.name)}" for f in fields(row)),
+               f"--rounds={args.rounds}", f"--threads={args.threads}", f"--path={args.path}"]
+    log = tempfile.TemporaryFile(mode="w+")  # the worker's warnings; shown if it fails
+    proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+    proc.log = log  # type: ignore[attr-defined]
+    return proc
+
+
+def _read(worker: subprocess.Popen) -> dict[str, Any]:
+    """The worker's next record (other stdout lines are skipped)."""
+    for line in worker.stdout:
+        if line.startswith(PREFIX):
+            return json.loads(line[len(PREFIX):])
+    worker.log.seek(0)
+    raise RuntimeError(f"benchmark worker {worker.args[4:9]} exited with {worker.wait()}:\n{worker.log.read()[-3000:]}")
+
+
+def _step(worker: subprocess.Popen) -> dict[str, Any]:
+    worker.stdin.write("step\n")
+    worker.stdin.flush()
+    return _read(worker)
+
+
+def measure(rows: list[Row], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One record per row: medians over ``args.rounds`` steps, the rows' steps interleaved."""
+    workers = [_start(row, args) for row in rows]
+    try:
+        bases = [_read(w)["base_rss_mb"] for w in workers]
+        steps: list[list[dict[str, Any]]] = [[] for _ in workers]
+        for round_ in range(1 + args.rounds):
+            order = list(range(len(workers)))
+            for i in order[round_ % len(order):] + order[: round_ % len(order)]:
+                record = _step(workers[i])
+                if round_:  # the first step creates the optimizer state: not timed
+                    steps[i].append(record)
+        finals = [_read(w) for w in workers]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+            w.wait()
+    return [
+        {**asdict(row), "base_rss_mb": base, **final, "step_s": statistics.median(s["step_s"] for s in rec),
+         "cpu_s": statistics.median(s["cpu_s"] for s in rec)}
+        for row, base, final, rec in zip(rows, bases, finals, steps)
+    ]
+
+
+def _reference(r: dict[str, Any], results: list[dict[str, Any]], precision: str) -> dict[str, Any]:
+    same = ("batch", "seq", "checkpointing")
+    return next(x for x in results if x["precision"] == precision and x["offload"] == "none"
+                and all(x[k] == r[k] for k in same))
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """Markdown: one line per configuration; ratios against offload=none at the same precision,
+    tokens and activation checkpointing (AC); the last column against fp32 without offload."""
+    mb = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
+    lines = ["| precision | offload | AC | tokens/step | step s | vs none | CPU s | peak RSS MB | vs none | "
+             "over base MB | vs none | params MB | grads MB | optim in RAM MB | peak vs fp32 none |",
+             "|" + "---|" * 15]
+    for r in results:
+        ref, fp32 = _reference(r, results, r["precision"]), _reference(r, results, "32-true")
+        over, ref_over = r["peak_rss_mb"] - r["base_rss_mb"], ref["peak_rss_mb"] - ref["base_rss_mb"]
+        lines.append(
+            f"| {r['precision']} | {r['offload']} | {r['checkpointing']} | {r['batch']}x{r['seq']} | {r['step_s']:.2f} | "
+            f"{r['step_s'] / ref['step_s']:.2f}x | {r['cpu_s']:.2f} | {r['peak_rss_mb']:.0f} | "
+            f"{r['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x | {over:.0f} | {over / ref_over:.2f}x | "
+            f"{mb(r['param_bytes'])} | {mb(r['grad_bytes'])} | {mb(r['optimizer_state_bytes'])} | "
+            f"{r['peak_rss_mb'] / fp32['peak_rss_mb']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4, help="timed steps per configuration, interleaved")
+    parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    parser.add_argument("--no-checkpointing-rows", action="store_true", help="skip the activation-checkpointing rows")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--path", default=tempfile.gettempdir(), help="directory for offload=nvme")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--precision", choices=PRECISIONS, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--offload", choices=["none", "cpu", "nvme"], help=argparse.SUPPRESS)
+    parser.add_argument("--checkpointing", choices=["none", "full"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args)
+        return
+    start = time.perf_counter()
+    groups = default_groups(not args.no_checkpointing_rows)
+    results = [record for precision in args.precisions for record in measure(groups[precision], args)]
+    print(f"\nLitGPT {results[0]['num_params']:,} parameters, AdamW, ThreeDStrategy(devices=1) on CPU; "
+          f"{args.threads} intra-op thread(s), MALLOC_MMAP_THRESHOLD_=1048576; median of {args.rounds} "
+          f"interleaved steps (first step untimed); nvme path {args.path}\n")
+    print(table(results))
+    print(f"\n(total {time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
