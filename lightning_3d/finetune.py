@@ -58,14 +58,18 @@ def check_pretrained(model_cfg: DictConfig, path: Path) -> None:
     import torch
     from hydra.utils import instantiate
 
-    from lightning_3d.checkpoint.checks import check_against, inspect_checkpoint, shapes_of
+    from lightning_3d.checkpoint.checks import (
+        check_against,
+        inspect_checkpoint,
+        shapes_of,
+    )
     from lightning_3d.checkpoint.pretrained import map_names
 
     info = inspect_checkpoint(path)  # missing, a directory, not a checkpoint, truncated
     try:
         with torch.device("meta"):
             module = instantiate(model_cfg)
-    except Exception:  # a module that cannot be built on meta is checked by load_pretrained on the rank
+    except Exception:  # noqa: BLE001 -- a module not buildable on meta is checked by load_pretrained on the rank
         return
     own = shapes_of(module.state_dict())
     names = map_names(list(info["shapes"]), list(own), info["format"])

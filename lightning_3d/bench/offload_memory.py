@@ -36,9 +36,9 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Optional
+from typing import Any
 
-MODEL = dict(vocab_size=256, block_size=128, n_layer=7, n_head=12, n_embd=768, dropout=0.0)
+MODEL = {"vocab_size": 256, "block_size": 128, "n_layer": 7, "n_head": 12, "n_embd": 768, "dropout": 0.0}
 PRECISIONS = ("32-true", "bf16-true")
 PREFIX = "BENCH "
 
@@ -102,12 +102,13 @@ def _worker(args: argparse.Namespace) -> None:
     module = LitGPT(**MODEL, lr=1e-4, warmup_steps=0)
     strategy = ThreeDStrategy(offload=args.offload, offload_path=args.path if args.offload == "nvme" else None,
                               activation_checkpointing=args.checkpointing)
-    summary = RunSummary(out_dir=tempfile.mkdtemp(prefix="offload-memory-"), warmup_steps=0)
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=args.precision,
-                        max_steps=1 + args.rounds, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        limit_val_batches=0, callbacks=[summary, Lockstep()])
-    trainer.fit(module, data)
+    with tempfile.TemporaryDirectory(prefix="offload-memory-") as out:  # summary.json goes there
+        summary = RunSummary(out_dir=out, warmup_steps=0)
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=args.precision,
+                            max_steps=1 + args.rounds, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            limit_val_batches=0, callbacks=[summary, Lockstep()], default_root_dir=out)
+        trainer.fit(module, data)
     _say({"peak_rss_mb": peak_rss_mb(), "num_params": summary.summary["num_params"], **summary.memory})
 
 
@@ -116,7 +117,7 @@ def _start(row: Row, args: argparse.Namespace) -> subprocess.Popen:
     command = [sys.executable, "-m", "lightning_3d.bench.offload_memory", "--worker",
                *(f"--{f.name}={getattr(row, f.name)}" for f in fields(row)),
                f"--rounds={args.rounds}", f"--threads={args.threads}", f"--path={args.path}"]
-    log = tempfile.TemporaryFile(mode="w+")  # the worker's warnings; shown if it fails
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 -- the worker's warnings, closed in measure()
     proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
     proc.log = log  # type: ignore[attr-defined]
     return proc
@@ -155,6 +156,7 @@ def measure(rows: list[Row], args: argparse.Namespace) -> list[dict[str, Any]]:
             if w.poll() is None:
                 w.kill()
             w.wait()
+            w.log.close()
     return [
         {**asdict(row), "base_rss_mb": base, **final, "step_s": statistics.median(s["step_s"] for s in rec),
          "cpu_s": statistics.median(s["cpu_s"] for s in rec)}
@@ -171,16 +173,16 @@ def _reference(r: dict[str, Any], results: list[dict[str, Any]], precision: str)
 def table(results: list[dict[str, Any]]) -> str:
     """Markdown: one line per configuration; ratios against offload=none at the same precision,
     tokens and activation checkpointing (AC); the last column against fp32 without offload."""
-    mb = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
-    lines = ["| precision | offload | AC | tokens/step | step s | vs none | CPU s | peak RSS MB | vs none | "
-             "over base MB | vs none | params MB | grads MB | optim in RAM MB | peak vs fp32 none |",
-             "|" + "---|" * 15]
+    mb = lambda b: f"{b / 2**20:.0f}"
+    header = ("| precision | offload | AC | tokens/step | step s | vs none | CPU s | peak RSS MB | vs none | "
+              "over base MB | vs none | params MB | grads MB | optim in RAM MB | peak vs fp32 none |")
+    lines = [header, "|" + "---|" * 15]
     for r in results:
         ref, fp32 = _reference(r, results, r["precision"]), _reference(r, results, "32-true")
         over, ref_over = r["peak_rss_mb"] - r["base_rss_mb"], ref["peak_rss_mb"] - ref["base_rss_mb"]
         lines.append(
-            f"| {r['precision']} | {r['offload']} | {r['checkpointing']} | {r['batch']}x{r['seq']} | {r['step_s']:.2f} | "
-            f"{r['step_s'] / ref['step_s']:.2f}x | {r['cpu_s']:.2f} | {r['peak_rss_mb']:.0f} | "
+            f"| {r['precision']} | {r['offload']} | {r['checkpointing']} | {r['batch']}x{r['seq']} | "
+            f"{r['step_s']:.2f} | {r['step_s'] / ref['step_s']:.2f}x | {r['cpu_s']:.2f} | {r['peak_rss_mb']:.0f} | "
             f"{r['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x | {over:.0f} | {over / ref_over:.2f}x | "
             f"{mb(r['param_bytes'])} | {mb(r['grad_bytes'])} | {mb(r['optimizer_state_bytes'])} | "
             f"{r['peak_rss_mb'] / fp32['peak_rss_mb']:.2f}x |"
@@ -188,7 +190,7 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=4, help="timed steps per configuration, interleaved")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))

@@ -1,0 +1,33 @@
+"""Fine-tune pretrained weights on one workstation: one process, optimizer state offloaded.
+
+    python examples/train.py trainer.devices=1      # pretrain: writes outputs/<date>/<time>/final.ckpt
+    python examples/finetune.py                     # newest final.ckpt, offload=nvme under $TMPDIR
+    python examples/finetune.py offload=cpu finetune.pretrained=gpt.safetensors
+    python examples/finetune.py offload.path=/mnt/nvme trainer.max_steps=500
+
+Preset: conf/finetune.yaml (the docs corpus, activation checkpointing, bf16-mixed). Writes
+summary.json (as examples/train.py, plus the pretrained file) and final.ckpt to the run
+directory, outputs/finetune/<date>/<time>. A missing or mismatched pretrained file ends the app
+with one ``error:`` line and exit code 2, before any work.
+"""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from lightning_3d.config import register_configs
+from lightning_3d.finetune import main as finetune_main
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="finetune")
+def main(cfg: DictConfig) -> None:
+    code = finetune_main(cfg, script=__file__)
+    if code:
+        sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
