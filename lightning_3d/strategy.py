@@ -292,7 +292,7 @@ class ThreeDStrategy(ParallelStrategy):
         # whose per-block gather / reshard hooks then wrap the checkpointed forward.
         apply_activation_checkpointing(module, self._checkpointing["policy"], self._checkpointing["every_n"])
         if self.layout.zero_stage == 3:
-            apply_zero3(module, self.device_mesh[MeshAxis.DATA.value], roots=stages, **self._fsdp_precision())
+            apply_zero3(module, self.device_mesh[MeshAxis.DATA.value], roots=stages, **self._fsdp_policies())
         if stages is not None:
             options, mesh = self._pipeline_options, self.device_mesh[MeshAxis.PIPELINE.value]
             self._pipeline = PipelineRuntime(
@@ -329,16 +329,21 @@ class ThreeDStrategy(ParallelStrategy):
             if isinstance(style, ColwiseParallel) and not style.use_local_output:  # the loss-parallel head
                 self.lightning_module.get_submodule(name).register_forward_hook(record)
 
-    def _fsdp_precision(self) -> dict[str, Any]:
-        """Mixed precision under ZeRO-3: FSDP2 gathers parameters in the compute dtype (half the
-        all-gather bytes) and reduce-scatters gradients in fp32; the sharded fp32 parameters are
-        the master weights the optimizer steps. Other precisions need nothing from FSDP2."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+    def _fsdp_policies(self) -> dict[str, Any]:
+        """FSDP2 policies under ZeRO-3. Mixed precision: parameters are gathered in the compute
+        dtype (half the all-gather bytes) and gradients reduce-scattered in fp32; the sharded
+        fp32 parameters are the master weights the optimizer steps. ``offload="cpu"`` on an
+        accelerator: the sharded parameters (and gradients) live in pinned CPU memory too, and
+        are copied to the device per block. (On a CPU device they are in CPU memory already.)"""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
+        policies: dict[str, Any] = {}
         compute = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(self.precision_plugin.precision))
-        if compute is None:
-            return {}
-        return {"mp_policy": MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)}
+        if compute is not None:
+            policies["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        if self._offload["device"] == "cpu" and self.root_device.type != "cpu":
+            policies["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+        return policies
 
     def _scale_loss(self, loss: Tensor) -> Tensor:
         """The loss as backward should see it: scaled by the dynamic loss scale under 16-mixed."""
