@@ -72,8 +72,9 @@ def test_offload_keeps_global_norm_clipping(tmp_path):
 
 @pytest.mark.parametrize("strategy, world", [
     ({"zero_stage": 3, "activation_checkpointing": "full"}, 2),
-    ({"pipeline": 2, "micro_batches": 2, "activation_checkpointing": "every_n", "checkpoint_every_n": 2}, 2),
-    ({"tensor": 2, "activation_checkpointing": "selective"}, 2),
+    pytest.param({"pipeline": 2, "micro_batches": 2, "activation_checkpointing": "every_n", "checkpoint_every_n": 2},
+                 2, marks=pytest.mark.slow),
+    pytest.param({"tensor": 2, "activation_checkpointing": "selective"}, 2, marks=pytest.mark.slow),
 ], ids=["zero3-full", "pp2-every_n", "tp2-selective"])
 def test_activation_checkpointing_changes_nothing(strategy, world):
     model = {"n_layer": 4, "dropout": 0.1}  # recomputed dropout must draw the same masks

@@ -64,11 +64,16 @@ CASES = {
     "pp2_dp2_zero3": ({"pipeline": 2, "data": 2, "zero_stage": 3, "micro_batches": 2}, 4),
     # 1 block on the first stage, 3 on the second
     "explicit_split": ({"pipeline": 2, "micro_batches": 2, "split": ["model.blocks.1"]}, 2),
+}
+SLOW_CASES = {  # run with -m slow
     "balanced_split": ({"pipeline": 2, "micro_batches": 2, "split": "params"}, 2),
 }
+CASES.update(SLOW_CASES)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES]
+)
 def test_pipeline_matches_single_process(reference, case_runs, case):
     strategy, _ = CASES[case]
     run = case_runs(case)

@@ -23,9 +23,9 @@ def fp32_20_steps():
 
 
 @pytest.mark.parametrize("strategy, world", [
-    ({"zero_stage": 1}, 2),
+    pytest.param({"zero_stage": 1}, 2, marks=pytest.mark.slow),
     ({"zero_stage": 3}, 2),
-    ({"pipeline": 2, "micro_batches": 2}, 2),
+    pytest.param({"pipeline": 2, "micro_batches": 2}, 2, marks=pytest.mark.slow),
 ], ids=["zero1_dp2", "zero3_dp2", "pp2"])
 def test_bf16_mixed_tracks_fp32_and_keeps_fp32_masters(fp32_20_steps, strategy, world):
     run = run_world(fit_gpt, world, strategy, world, 20, SEED, None, None, {"precision": "bf16-mixed"})[0]
@@ -46,7 +46,10 @@ def _fp16(rank, strategy, devices, init_scale):
     return fit_gpt(rank, strategy, devices, 6, SEED, None, None, {"plugins": [plugin]})
 
 
-@pytest.mark.parametrize("strategy", [{"zero_stage": 2}, {"pipeline": 2, "micro_batches": 2}], ids=["zero2", "pp2"])
+@pytest.mark.parametrize("strategy", [
+    {"zero_stage": 2},
+    pytest.param({"pipeline": 2, "micro_batches": 2}, marks=pytest.mark.slow),
+], ids=["zero2", "pp2"])
 def test_16_mixed_skips_overflowing_steps_on_every_rank(strategy):
     """An initial scale of 2**40 overflows fp16 gradients: the first steps are skipped and the
     scale halves each time, exactly as in one process, on every rank."""
