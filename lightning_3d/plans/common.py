@@ -37,6 +37,10 @@ class TransformerNames:
     norms: tuple[str, ...]
     head: str
     fused_colwise: Mapping[str, int] = None  # pattern -> number of fused chunks (q, k, v)
+    # Modules whose one positional input feeds several column-parallel projections (attention:
+    # q, k, v). Their input becomes a DTensor once, so backward sums the projections' partial
+    # input gradients and all-reduces (or reduce-scatters) them once instead of once each.
+    shared_inputs: tuple[str, ...] = ()
 
 
 def transformer_plan(names: TransformerNames, sequence_parallel: bool) -> dict[str, ParallelStyle]:
@@ -53,6 +57,10 @@ def transformer_plan(names: TransformerNames, sequence_parallel: bool) -> dict[s
         for pattern in names.norms:
             plan[pattern] = SequenceParallel()
     col_in = seq if sp else Replicate()
+    for pattern in names.shared_inputs:
+        plan[pattern] = PrepareModuleInput(
+            input_layouts=(col_in,), desired_input_layouts=(Replicate(),), use_local_output=False
+        )
     for pattern, chunks in (names.fused_colwise or {}).items():
         plan[pattern] = FusedColwiseParallel(chunks, input_layouts=col_in)
     for pattern in names.colwise:

@@ -10,4 +10,5 @@ GPT_NAMES = TransformerNames(
     rowwise=("*.attn.wo", "*.mlp.fc2"),
     norms=("*.attn_norm", "*.mlp_norm", "*.norm"),
     head="*lm_head",
+    shared_inputs=("*.attn",),  # forward(x): x feeds wq, wk, wv
 )
