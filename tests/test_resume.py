@@ -97,23 +97,23 @@ def test_loader_counts_batches_handed_out_not_indices_prefetched_by_workers():
 
 # ------------------------------------------------------------------ Trainer runs
 
-def _fit(world, strategy, steps, data, save_to=None, resume_from=None):
-    args = (steps, SEED, MODEL, data, None, "gpt", False, resume_from, save_to, 1 if save_to else None)
+def _fit(world, strategy, steps, data, save_to=None, resume_from=None, trainer=None):
+    args = (steps, SEED, MODEL, data, trainer, "gpt", False, resume_from, save_to, 1 if save_to else None)
     if world == 1:
         return fit_gpt(0, strategy, 1, *args)
     return run_world(fit_gpt, world, strategy, world, *args)[0]
 
 
-def _save_first(tmp_path: Path, world, strategy, data, stop=K):
-    first = _fit(world, strategy, stop, data, save_to=str(tmp_path / "run.ckpt"))
+def _save_first(tmp_path: Path, world, strategy, data, stop=K, trainer=None):
+    first = _fit(world, strategy, stop, data, save_to=str(tmp_path / "run.ckpt"), trainer=trainer)
     ckpt = tmp_path / f"run-step={stop}.ckpt"
     assert ckpt.is_file(), sorted(p.name for p in tmp_path.iterdir())
     return first, ckpt
 
 
-def _stop_and_resume(tmp_path: Path, world, strategy, data, stop=K):
-    first, ckpt = _save_first(tmp_path, world, strategy, data, stop)
-    second = _fit(world, strategy, 2 * K, data, resume_from=str(ckpt))
+def _stop_and_resume(tmp_path: Path, world, strategy, data, stop=K, trainer=None):
+    first, ckpt = _save_first(tmp_path, world, strategy, data, stop, trainer)
+    second = _fit(world, strategy, 2 * K, data, resume_from=str(ckpt), trainer=trainer)
     return first, second, torch.load(ckpt, map_location="cpu", weights_only=True)
 
 
@@ -142,6 +142,25 @@ def test_resume_equals_uninterrupted_single_process(tmp_path, name):
     _assert_exact(straight, first, second)
     assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["samples"] == stop * 8
     assert ckpt["lr_schedulers"][0]["last_epoch"] == stop
+
+
+def _fp16():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    # 2**17 grows after 4 clean steps (step 4) and then overflows (step 5): at step 3 the growth
+    # tracker is 3, which a fresh scaler would not have.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**17, growth_interval=4)
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}  # a fresh scaler per run
+
+
+def test_resume_equals_uninterrupted_16_mixed_loss_scale(tmp_path):
+    straight = _fit(1, None, 2 * K, WITHIN_EPOCH, trainer=_fp16())
+    first, ckpt = _save_first(tmp_path, 1, None, WITHIN_EPOCH, trainer=_fp16())
+    second = _fit(1, None, 2 * K, WITHIN_EPOCH, resume_from=str(ckpt), trainer=_fp16())
+    _assert_exact(straight, first, second)
+    assert second["loss_scale"] == straight["loss_scale"]
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)["MixedPrecision"]
+    assert (saved["scale"], saved["_growth_tracker"]) != (2.0**17, 0)  # a fresh scaler would differ
 
 
 def test_resume_equals_uninterrupted_dp2_zero3(tmp_path):
