@@ -54,7 +54,7 @@ def test_loader_resumes_where_it_stopped(consumed):
     it = iter(first)
     taken = [next(it).tolist() for _ in range(consumed)]
     state = first.state_dict()
-    assert state == {"epoch": 0, "samples": 8 * consumed, "epoch_samples": 50, "seed": 7}
+    assert state == {"epoch": 0, "samples": 8 * consumed, "dataset_size": 50, "seed": 7}
 
     resumed = _loader(dataset, batch_size=8)
     resumed.load_state_dict(state)
@@ -80,7 +80,7 @@ def test_loader_state_is_global_and_moves_between_dp_sizes():
     reference = _epochs(_loader(dataset, batch_size=8), [0])
     assert [b.tolist() for b in single] == reference[3:]  # steps 4.. of the global order
 
-    with pytest.raises(ValueError, match="epochs of 64 samples with seed 7; this loader has epochs of 40"):
+    with pytest.raises(ValueError, match="dataset of 64 samples shuffled with seed 7; this loader has 40 samples"):
         _loader(list(range(40)), batch_size=8).load_state_dict(states[0])
 
 

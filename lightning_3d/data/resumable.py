@@ -70,7 +70,7 @@ class ResumableDataLoader(DataLoader):
         sampler = ResumableDistributedSampler(dataset, num_replicas=2, rank=0, seed=1, drop_last=True)
         loader = ResumableDataLoader(dataset, batch_size=4, sampler=sampler)
         batches = iter(loader); next(batches); next(batches)
-        state = loader.state_dict()   # {"epoch": 0, "samples": 16, ...}: 2 batches of 4 on 2 ranks
+        state = loader.state_dict()   # {"epoch": 0, "samples": 16, ...}: 2 batches of 4 on each of 2 ranks
         fresh = ResumableDataLoader(dataset, batch_size=4, sampler=ResumableDistributedSampler(...))
         fresh.load_state_dict(state)  # iter(fresh) starts at the third batch of epoch 0
     """
@@ -110,18 +110,18 @@ class ResumableDataLoader(DataLoader):
         return {
             "epoch": sampler.epoch,
             "samples": self._consumed() * sampler.num_replicas,  # global: layout-free
-            "epoch_samples": sampler.total_size,  # global samples of a whole epoch, to check on load
+            "dataset_size": len(sampler.dataset),  # to check on load (layout-free, unlike total_size)
             "seed": sampler.seed,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         sampler: ResumableDistributedSampler = self.sampler
         epoch, samples = int(state["epoch"]), int(state["samples"])
-        saved_epoch, saved_seed = int(state["epoch_samples"]), int(state["seed"])
-        if (saved_epoch, saved_seed) != (sampler.total_size, sampler.seed):
+        saved = (int(state["dataset_size"]), int(state["seed"]))
+        if saved != (len(sampler.dataset), sampler.seed):
             raise ValueError(
-                f"the checkpoint's data position is for epochs of {saved_epoch} samples with seed {saved_seed}; "
-                f"this loader has epochs of {sampler.total_size} samples with seed {sampler.seed}"
+                f"the checkpoint's data position is for a dataset of {saved[0]} samples shuffled with seed "
+                f"{saved[1]}; this loader has {len(sampler.dataset)} samples and seed {sampler.seed}"
             )
         if samples % sampler.num_replicas != 0:
             raise ValueError(
