@@ -71,7 +71,7 @@ def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     import lightning as L
     from hydra.utils import instantiate
 
-    from lightning_3d.callbacks import RunSummary
+    from lightning_3d.callbacks import RNGStateCheckpoint, RunSummary
 
     L.seed_everything(cfg.seed, verbose=False)
     model = instantiate(cfg.model)
@@ -81,7 +81,7 @@ def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     trainer = L.Trainer(
         **trainer_kwargs,
         strategy=build_strategy(cfg.parallelism, cfg.get("offload")),
-        callbacks=[summary],
+        callbacks=[summary, RNGStateCheckpoint()],  # a resume from its checkpoints continues exactly
         default_root_dir=output_dir,
     )
     trainer.fit(model, datamodule)

@@ -1,9 +1,13 @@
-"""``RunSummary``: per-step global loss, throughput and per-rank memory, written to summary.json."""
+"""``RunSummary``: per-step global loss, throughput and per-rank memory, written to summary.json.
+``RNGStateCheckpoint``: every rank's random-number generator states, saved in checkpoints and
+restored on resume."""
 
 from __future__ import annotations
 
 import json
+import random
 import statistics
+import warnings
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -145,3 +149,79 @@ class RunSummary(Callback):
             out.mkdir(parents=True, exist_ok=True)
             (out / self.filename).write_text(json.dumps(self.summary, indent=2))
 
+
+
+def _rng_states() -> dict[str, Any]:
+    """This process's generator states, in types a weights-only ``torch.load`` reads back."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()  # this rank's own device
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    import numpy as np
+
+    torch.set_rng_state(states["torch"])
+    n = states["numpy"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    version, internal, gauss = states["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+class RNGStateCheckpoint(Callback):
+    """Save every rank's RNG states (torch, CUDA, numpy, ``random``) in checkpoints; restore them
+    when a fit resumes, so dropout after a resume draws what the uninterrupted run drew.
+
+    Lightning itself keeps no RNG state in checkpoints. A checkpoint is consolidated (rank 0
+    writes it), so saving gathers every rank's states into rank 0's; on load each rank takes its
+    own. They are applied in ``on_train_start``, the last hook before the first resumed step
+    (after the sanity check and the data loader's set-up). A checkpoint from a world of another
+    size cannot be mapped rank to rank: the generators are then left as seeded, with a warning.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[RNGStateCheckpoint(), ModelCheckpoint(every_n_train_steps=100)])
+        trainer.fit(model, data, ckpt_path="last")
+    """
+
+    def __init__(self) -> None:
+        self._to_restore: Optional[list[dict[str, Any]]] = None
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        # Called on every rank while a checkpoint is assembled (all ranks take part in a save).
+        local = _rng_states()
+        if dist.is_available() and dist.is_initialized():
+            ranks: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, local)
+        else:
+            ranks = [local]
+        return {"ranks": ranks}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._to_restore = state_dict["ranks"]
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        saved, self._to_restore = self._to_restore, None
+        if saved is None:
+            return
+        if len(saved) != trainer.world_size:
+            warnings.warn(
+                f"the checkpoint holds RNG states of {len(saved)} ranks, this run has {trainer.world_size}: "
+                "RNG states not restored, so random draws (dropout) differ from an uninterrupted run"
+            )
+            return
+        _set_rng_states(saved[trainer.global_rank])

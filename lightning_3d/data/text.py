@@ -17,6 +17,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lightning_3d.data.resumable import ResumableDataLoader, ResumableDistributedSampler
+
 # Never part of the corpus: third-party or build/machine-specific content.
 _ALWAYS_SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__", "lib-dynload")
 # Test suites and demo/GUI apps: large, repetitive, and not "library" code.
@@ -228,14 +230,17 @@ class TextDataModule(pl.LightningDataModule):
                 f"({self.batch_size}); increase max_bytes or val_fraction"
             )
 
-    def _loader(self, dataset: ByteWindowDataset, shuffle: bool) -> DataLoader:
+    def _loader(self, dataset: ByteWindowDataset, shuffle: bool, resumable: bool = False) -> DataLoader:
         if self.dp_size is None or dataset is None:
             raise RuntimeError("call setup() or setup_for() before requesting dataloaders")
         # Always an explicit DistributedSampler (even for dp=1): its seeded
         # permutation is identical on every rank and rank r takes perm[r::dp],
         # so the union of a global step's per-rank batches is layout-free.
         # Lightning leaves an existing DistributedSampler untouched.
-        sampler = DistributedSampler(
+        sampler_cls, loader_cls = (
+            (ResumableDistributedSampler, ResumableDataLoader) if resumable else (DistributedSampler, DataLoader)
+        )
+        sampler = sampler_cls(
             dataset,
             num_replicas=self.dp_size,
             rank=self.dp_rank,
@@ -243,17 +248,22 @@ class TextDataModule(pl.LightningDataModule):
             seed=self.seed,
             drop_last=True,
         )
-        return DataLoader(
+        return loader_cls(
             dataset,
             batch_size=self.per_rank_batch_size,
             sampler=sampler,
             drop_last=True,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
+            # The loader's own generator: creating an iterator draws a worker base seed, and from
+            # the global RNG that draw would shift dropout's stream by one draw per epoch and per
+            # validation, differently in a run resumed from a checkpoint than in one that was not.
+            generator=torch.Generator().manual_seed(self.seed),
         )
 
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_dataset, shuffle=True)
+    def train_dataloader(self) -> ResumableDataLoader:
+        """The training split, resumable mid-epoch (see ``lightning_3d/data/resumable.py``)."""
+        return self._loader(self.train_dataset, shuffle=True, resumable=True)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_dataset, shuffle=False)

@@ -27,6 +27,7 @@ def fit_gpt(
     validate: bool = False,
     resume_from: Optional[str] = None,
     save_to: Optional[str] = None,
+    save_every_n_steps: Optional[int] = None,
 ) -> dict[str, Any]:
     """Train for ``steps`` optimizer steps; ``strategy=None`` means Lightning's plain single device.
 
@@ -34,7 +35,9 @@ def fit_gpt(
     ``validate=True`` also runs ``trainer.validate``, ``trainer.test`` and ``trainer.predict`` on 2
     batches afterwards (``val`` and ``test`` metrics, ``predictions`` of the first batch).
     ``resume_from`` is a checkpoint to resume from; ``save_to`` a ``.ckpt`` path that a
-    ``ModelCheckpoint`` writes at the end of every training epoch (the usual user path).
+    ``ModelCheckpoint`` writes at the end of every training epoch (the usual user path), or, with
+    ``save_every_n_steps=n``, after every n-th optimizer step as ``<stem>-step=<global step>.ckpt``.
+    RNG states are saved and restored with the checkpoints (``RNGStateCheckpoint``).
 
     ``strategy`` holds ``ThreeDStrategy`` keyword arguments. Returns ``losses`` and ``summary`` on
     every rank and ``state`` (full weights, CPU) on rank 0 only.
@@ -42,7 +45,7 @@ def fit_gpt(
     import lightning as L
 
     from lightning_3d import ThreeDStrategy
-    from lightning_3d.callbacks import RunSummary
+    from lightning_3d.callbacks import RNGStateCheckpoint, RunSummary
     from lightning_3d.data import TextDataModule
     from lightning_3d.models import LitGPT
     from lightning_3d.state import full_state_dict
@@ -56,15 +59,20 @@ def fit_gpt(
         module = LitTinyLM(arch=arch, n_kv_head=kwargs.pop("n_kv_head", 2), **kwargs)
     datamodule = TextDataModule(seed=seed, **{**TINY_DATA, **(data or {})})
     summary = RunSummary()
-    callbacks: list = [summary]
+    callbacks: list = [summary, RNGStateCheckpoint()]
     if save_to is not None:
         from pathlib import Path
 
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         target = Path(save_to)
-        callbacks.append(ModelCheckpoint(dirpath=target.parent, filename=target.stem, save_on_train_epoch_end=True,
-                                         enable_version_counter=False))
+        if save_every_n_steps is None:
+            callbacks.append(ModelCheckpoint(dirpath=target.parent, filename=target.stem, save_on_train_epoch_end=True,
+                                             enable_version_counter=False))
+        else:
+            callbacks.append(ModelCheckpoint(dirpath=target.parent, filename=target.stem + "-{step}",
+                                             every_n_train_steps=save_every_n_steps, save_top_k=-1,
+                                             enable_version_counter=False))
     with tempfile.TemporaryDirectory() as root:
         fit = L.Trainer(
             accelerator="cpu",

@@ -1,0 +1,183 @@
+"""Exact resume: 2k steps in one go equal k steps, a checkpoint, and k more in a fresh run.
+
+The first run saves through ``ModelCheckpoint(every_n_train_steps=1)`` and stops after k = 3
+steps; a new run (a new ``Trainer``, generators reseeded; for dp=2 new processes) resumes from
+the step-3 file for 3 more. Dropout is on, so the restored RNG states matter as much as the data
+position (the resumable loader), the LR schedule and the optimizer state. fp32 on CPU is
+deterministic: per-step losses and final weights must match to 1e-6 (they are in fact equal).
+
+Unit tests of the loader's state come first; they need no Trainer.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_3d.data.resumable import ResumableDataLoader, ResumableDistributedSampler
+from lightning_3d.testing.runs import fit_gpt
+from lightning_3d.testing.world import run_world
+
+SEED = 1234
+K = 3
+MODEL = {"dropout": 0.1}
+# ~1.5k steps per epoch: all 6 steps inside epoch 0.
+WITHIN_EPOCH = {}
+# 1280 training bytes = 39 windows of 33 bytes: 4 steps of 8 per epoch, so the resumed steps
+# are the last of epoch 0 and the first two of epoch 1.
+ACROSS_EPOCHS = {"max_bytes": 1600, "val_fraction": 0.2}
+
+
+# ------------------------------------------------------------------ the loader alone
+
+def _loader(dataset, dp_size=1, dp_rank=0, batch_size=4, num_workers=0):
+    sampler = ResumableDistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=7,
+                                          drop_last=True)
+    return ResumableDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
+                               num_workers=num_workers)
+
+
+def _epochs(loader, epochs):
+    out = []
+    for epoch in epochs:
+        loader.sampler.set_epoch(epoch)  # what Lightning does at every epoch start
+        out.extend(b.tolist() for b in loader)
+    return out
+
+
+@pytest.mark.parametrize("consumed", [0, 3, 5, 6])
+def test_loader_resumes_where_it_stopped(consumed):
+    dataset = list(range(50))  # 6 batches of 8 per epoch, 2 windows dropped
+    full = _epochs(_loader(dataset, batch_size=8), [0, 1])
+    first = _loader(dataset, batch_size=8)
+    first.sampler.set_epoch(0)
+    it = iter(first)
+    taken = [next(it).tolist() for _ in range(consumed)]
+    state = first.state_dict()
+    assert state == {"epoch": 0, "samples": 8 * consumed, "dataset_size": 50, "seed": 7}
+
+    resumed = _loader(dataset, batch_size=8)
+    resumed.load_state_dict(state)
+    # After the epoch's last batch the position rolls over to the start of the next epoch.
+    epoch = 1 if consumed == 6 else 0
+    assert resumed.state_dict()["epoch"] == epoch
+    rest = _epochs(resumed, [epoch] if epoch == 1 else [0, 1])
+    assert taken + rest == full
+
+
+def test_loader_state_is_global_and_moves_between_dp_sizes():
+    dataset = list(range(64))
+    ranks = [_loader(dataset, dp_size=2, dp_rank=r) for r in range(2)]  # global batch 8
+    iters = [iter(loader) for loader in ranks]
+    for _ in range(3):
+        for it in iters:
+            next(it)
+    states = [loader.state_dict() for loader in ranks]
+    assert states[0] == states[1] and states[0]["samples"] == 24
+
+    single = _loader(dataset, batch_size=8)
+    single.load_state_dict(states[0])
+    reference = _epochs(_loader(dataset, batch_size=8), [0])
+    assert [b.tolist() for b in single] == reference[3:]  # steps 4.. of the global order
+
+    with pytest.raises(ValueError, match="dataset of 64 samples shuffled with seed 7; this loader has 40 samples"):
+        _loader(list(range(40)), batch_size=8).load_state_dict(states[0])
+
+
+def test_loader_counts_batches_handed_out_not_indices_prefetched_by_workers():
+    dataset = list(range(64))
+    loader = _loader(dataset, batch_size=4, num_workers=1)  # the worker runs ahead by 2 batches
+    it = iter(loader)
+    taken = [next(it).tolist() for _ in range(3)]
+    assert loader.state_dict()["samples"] == 12
+    resumed = _loader(dataset, batch_size=4, num_workers=1)
+    resumed.load_state_dict(loader.state_dict())
+    assert taken + [b.tolist() for b in resumed] == [b.tolist() for b in _loader(dataset, batch_size=4)]
+
+
+# ------------------------------------------------------------------ Trainer runs
+
+def _fit(world, strategy, steps, data, save_to=None, resume_from=None, trainer=None):
+    args = (steps, SEED, MODEL, data, trainer, "gpt", False, resume_from, save_to, 1 if save_to else None)
+    if world == 1:
+        return fit_gpt(0, strategy, 1, *args)
+    return run_world(fit_gpt, world, strategy, world, *args)[0]
+
+
+def _save_first(tmp_path: Path, world, strategy, data, stop=K, trainer=None):
+    first = _fit(world, strategy, stop, data, save_to=str(tmp_path / "run.ckpt"), trainer=trainer)
+    ckpt = tmp_path / f"run-step={stop}.ckpt"
+    assert ckpt.is_file(), sorted(p.name for p in tmp_path.iterdir())
+    return first, ckpt
+
+
+def _stop_and_resume(tmp_path: Path, world, strategy, data, stop=K, trainer=None):
+    first, ckpt = _save_first(tmp_path, world, strategy, data, stop, trainer)
+    second = _fit(world, strategy, 2 * K, data, resume_from=str(ckpt), trainer=trainer)
+    return first, second, torch.load(ckpt, map_location="cpu", weights_only=True)
+
+
+def _assert_exact(straight, first, second):
+    assert len(first["losses"]) + len(second["losses"]) == 2 * K
+    torch.testing.assert_close(torch.tensor(first["losses"] + second["losses"]),
+                               torch.tensor(straight["losses"]), rtol=0, atol=1e-6)
+    assert straight["state"].keys() == second["state"].keys()
+    for name, value in straight["state"].items():
+        torch.testing.assert_close(second["state"][name], value, rtol=0, atol=1e-6, msg=name)
+
+
+RESUMES = {  # name: (data, the step whose checkpoint the second run resumes from)
+    "within_epoch": (WITHIN_EPOCH, K),
+    "across_epochs": (ACROSS_EPOCHS, K),
+    # The file written after the epoch's last batch: the resumed run starts a fresh epoch.
+    "from_epoch_end": (ACROSS_EPOCHS, 4),
+}
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_resume_equals_uninterrupted_single_process(tmp_path, name):
+    data, stop = RESUMES[name]
+    straight = _fit(1, None, 2 * K, data)
+    first, second, ckpt = _stop_and_resume(tmp_path, 1, None, data, stop)
+    _assert_exact(straight, first, second)
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["samples"] == stop * 8
+    assert ckpt["lr_schedulers"][0]["last_epoch"] == stop
+
+
+def _fp16():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    # 2**17 grows after 4 clean steps (step 4) and then overflows (step 5): at step 3 the growth
+    # tracker is 3, which a fresh scaler would not have.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**17, growth_interval=4)
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}  # a fresh scaler per run
+
+
+def test_resume_equals_uninterrupted_16_mixed_loss_scale(tmp_path):
+    straight = _fit(1, None, 2 * K, WITHIN_EPOCH, trainer=_fp16())
+    first, ckpt = _save_first(tmp_path, 1, None, WITHIN_EPOCH, trainer=_fp16())
+    second = _fit(1, None, 2 * K, WITHIN_EPOCH, resume_from=str(ckpt), trainer=_fp16())
+    _assert_exact(straight, first, second)
+    assert second["loss_scale"] == straight["loss_scale"]
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)["MixedPrecision"]
+    assert (saved["scale"], saved["_growth_tracker"]) != (2.0**17, 0)  # a fresh scaler would differ
+
+
+def test_resume_equals_uninterrupted_dp2_zero3(tmp_path):
+    strategy = {"zero_stage": 3}
+    straight = _fit(2, strategy, 2 * K, ACROSS_EPOCHS)
+    first, second, ckpt = _stop_and_resume(tmp_path, 2, strategy, ACROSS_EPOCHS)
+    _assert_exact(straight, first, second)
+    assert len(ckpt["callbacks"]["RNGStateCheckpoint"]["ranks"]) == 2  # every rank's states, in rank 0's file
+
+
+def test_without_rng_states_dropout_diverges(tmp_path):
+    """The control: drop the RNG states from the checkpoint and the resumed losses differ."""
+    first, path = _save_first(tmp_path, 1, None, WITHIN_EPOCH)
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    del ckpt["callbacks"]["RNGStateCheckpoint"]
+    torch.save(ckpt, tmp_path / "no_rng.ckpt")
+    straight = _fit(1, None, 2 * K, WITHIN_EPOCH)
+    second = _fit(1, None, 2 * K, WITHIN_EPOCH, resume_from=str(tmp_path / "no_rng.ckpt"))
+    assert first["losses"] == straight["losses"][:K]
+    assert max(abs(a - b) for a, b in zip(second["losses"], straight["losses"][K:])) > 1e-4
