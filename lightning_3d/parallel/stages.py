@@ -123,12 +123,12 @@ def plan_stages(root: nn.Module, spec: Any, num_stages: int, split: Split = "uni
     first = [_module(root, n, "first") for n in spec.first]
     last = [_module(root, n, "last") for n in spec.last]
     if split == "uniform":
+        runs = stage_blocks(len(blocks), num_stages)  # first: "more stages than blocks"
         if virtual > 1 and len(blocks) % num_stages:
             raise ValueError(
                 f"{num_stages} pipeline stages ({num_stages // virtual} ranks x virtual_stages={virtual}) do not "
                 f"divide {len(blocks)} blocks: pick virtual_stages so they do, or split='params' / explicit points"
             )
-        runs = stage_blocks(len(blocks), num_stages)
     elif split == "params":
         runs = balanced_blocks([_numel([b]) for b in blocks], num_stages, _numel(first), _numel(last))
     else:
