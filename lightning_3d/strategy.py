@@ -490,7 +490,7 @@ class ThreeDStrategy(ParallelStrategy):
         # sets up its scale here, so their unscale_ (of gradients scaled downstream) works.
         self._scale_loss(torch.zeros((), device=self.root_device))
         with self.precision_plugin.train_step_context():  # autocast under mixed precision
-            loss = self._pipeline.run(batch, train=True)
+            loss = self._pipeline.run(batch)
         self._pipeline_grads = [(p, p.grad) for p in params if p.grad is not None]
         for p, _ in self._pipeline_grads:
             p.grad = None
@@ -599,9 +599,8 @@ class ThreeDStrategy(ParallelStrategy):
         """Parameters of the whole model (a DTensor counts its global size; pipeline stages add
         up). A collective under a pipeline."""
         count = torch.tensor(sum(p.numel() for p in self.lightning_module.parameters()), dtype=torch.int64)
-        pp = self.device_mesh[MeshAxis.PIPELINE.value]
-        if pp.size() > 1:
-            dist.all_reduce(count, group=pp.get_group())
+        if self._pp_group is not None:
+            dist.all_reduce(count, group=self._pp_group)
         return int(count)
 
     def full_state_dict(self) -> dict[str, Tensor]:

@@ -28,10 +28,17 @@ from lightning_3d.parallel.stages import (  # noqa: F401  (re-exported: the pipe
     stage_ids,
     validate_split,
 )
+from lightning_3d.parallel.tensor import local_tensor
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-# Schedules that run several (virtual) stages per rank, placed round-robin (looped).
-MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
+# name -> (PyTorch schedule class, runs several (virtual) stages per rank, placed round-robin)
+_SCHEDULE_CLASSES = {
+    "gpipe": ("ScheduleGPipe", False),
+    "1f1b": ("Schedule1F1B", False),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", True),
+    "zero_bubble": ("ScheduleInterleavedZeroBubble", True),
+}
+SCHEDULES = tuple(_SCHEDULE_CLASSES)
+MULTI_STAGE = tuple(name for name, (_, multi) in _SCHEDULE_CLASSES.items() if multi)
 
 
 def _split_batch(batch: Any) -> tuple[Any, Any]:
@@ -84,17 +91,12 @@ def make_schedule(schedule: str, pipeline_stages: list, micro_batches: int, loss
     """The named PyTorch schedule over this rank's ``PipelineStage`` s."""
     from torch.distributed.pipelining import schedules
 
+    if schedule not in _SCHEDULE_CLASSES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {list(SCHEDULES)}")
+    name, multi = _SCHEDULE_CLASSES[schedule]
     # scale_grads=False: ``loss_fn`` already divides by the number of micro-batches.
-    kwargs = dict(loss_fn=loss_fn, scale_grads=False)
-    if schedule == "gpipe":
-        return schedules.ScheduleGPipe(pipeline_stages[0], micro_batches, **kwargs)
-    if schedule == "1f1b":
-        return schedules.Schedule1F1B(pipeline_stages[0], micro_batches, **kwargs)
-    if schedule == "interleaved_1f1b":
-        return schedules.ScheduleInterleaved1F1B(pipeline_stages, micro_batches, **kwargs)
-    if schedule == "zero_bubble":
-        return schedules.ScheduleInterleavedZeroBubble(pipeline_stages, micro_batches, **kwargs)
-    raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {list(SCHEDULES)}")
+    return getattr(schedules, name)(pipeline_stages if multi else pipeline_stages[0], micro_batches,
+                                    loss_fn=loss_fn, scale_grads=False)
 
 
 def pipeline_options(pipeline: int, micro_batches: Optional[int], schedule: str, virtual: Optional[int],
@@ -137,7 +139,7 @@ class ActivationMeter:
 
     def reset(self, params: Any = ()) -> None:
         self.peak, self.in_flight_peak, self.in_flight = self.live, 0, 0
-        self._param_storages = {_local(p).untyped_storage().data_ptr() for p in params}
+        self._param_storages = {local_tensor(p).untyped_storage().data_ptr() for p in params}
 
     def forward_done(self) -> None:
         self.in_flight += 1
@@ -150,7 +152,7 @@ class ActivationMeter:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        storage = _local(tensor).untyped_storage()
+        storage = local_tensor(tensor).untyped_storage()
         key = storage.data_ptr()
         if key in self._param_storages:  # a parameter (or a view of one), not an activation
             return tensor
@@ -183,10 +185,6 @@ class _Saved:
 
     def __del__(self) -> None:
         self.meter._release(self.key)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
 
 
 def _unpack(saved: Any) -> torch.Tensor:
@@ -259,26 +257,24 @@ class PipelineRuntime:
         if size % self.micro_batches:
             raise ValueError(f"per-rank batch of {size} samples is not divisible by micro_batches={self.micro_batches}")
 
-    def run(self, batch: Any, train: bool) -> torch.Tensor:
-        """One schedule step over ``batch`` (training: forward and backward); returns the batch's
-        mean loss on every rank of the pipeline group."""
+    def run(self, batch: Any) -> torch.Tensor:
+        """One training step of the schedule over ``batch`` (forward and backward of every
+        micro-batch); returns the batch's mean loss on every rank of the pipeline group."""
         inputs, targets = self.spec.split_batch(batch)
         self._check_batch(inputs)
         args = (inputs,) if self.is_first else ()
         losses: list[torch.Tensor] = []
-        run = self.schedule.step if train else self.schedule.eval
         self._busy, start = 0.0, time.perf_counter()
         self.meter.reset(p for stage in self.stage_modules for p in stage.parameters())
         with self.meter.hooks():
-            run(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
-        if train:
-            total = time.perf_counter() - start
-            self.bubble_fractions.append(max(0.0, 1.0 - self._busy / total))
-            self.activation_peaks.append(self.meter.peak)
-            self.in_flight_peaks.append(self.meter.in_flight_peak)
+            self.schedule.step(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
+        self.bubble_fractions.append(max(0.0, 1.0 - self._busy / (time.perf_counter() - start)))
+        self.activation_peaks.append(self.meter.peak)
+        self.in_flight_peaks.append(self.meter.in_flight_peak)
         scale = self.micro_batches * self.trainer.accumulate_grad_batches
-        if self.is_last:  # undo the loss scaling for what Lightning logs and returns
-            losses = [x.detach().float() / self._scale_loss(torch.ones((), device=x.device)) for x in losses]
+        if self.is_last:  # undo the loss scaling (16-mixed) for what Lightning logs and returns
+            loss_scale = self._scale_loss(torch.ones((), device=self.device))
+            losses = [x.detach().float() / loss_scale for x in losses]
         loss = torch.stack(losses).mean() * scale if self.is_last else torch.zeros(())
         loss = loss.to(inputs.device).float()
         dist.broadcast(loss, src=self.last_rank, group=self.group)
@@ -317,7 +313,7 @@ class PipelineRuntime:
             return meta[0][1]
         local_shape, dtype = meta[0][1], meta[0][2]
         if self.is_last:
-            buffer = (output._local_tensor if kind == "dtensor" else output).contiguous()
+            buffer = local_tensor(output).contiguous()
         else:
             buffer = torch.empty(local_shape, dtype=dtype, device=self.device)
         dist.broadcast(buffer, src=self.last_rank, group=self.group)
