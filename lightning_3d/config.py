@@ -36,6 +36,9 @@ class ParallelismConfig:
     bucket_size_mb: float = 25.0  # gradient bucket size for zero stages 0-2
     activation_checkpointing: str = "none"  # none | full | every_n | selective
     checkpoint_every_n: int = 2  # with every_n: blocks 0, n, 2n, ... recompute
+    # consolidated: one file of full tensors (rank 0 writes); sharded: a directory in which every
+    # rank writes its own shards (torch.distributed.checkpoint). Either loads in any layout.
+    checkpoint_format: str = "consolidated"
 
 
 @dataclass

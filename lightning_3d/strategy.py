@@ -28,14 +28,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_3d.checkpoint import (
-    full_model_state,
-    full_optimizer_state,
-    load_full_model_state,
-    load_full_optimizer_state,
-)
-from lightning_3d.checkpoint.checks import check_against, shapes_of
 from lightning_3d.checkpoint.io import AtomicCheckpointIO
+from lightning_3d.checkpoint.strategy_hooks import CHECKPOINT_FORMATS, CheckpointHooks
 from lightning_3d.layout import Layout, MeshAxis, build_mesh
 from lightning_3d.offload import OffloadedAdam, offload_options
 from lightning_3d.parallel.checkpointing import apply_activation_checkpointing, checkpoint_options
@@ -46,7 +40,6 @@ from lightning_3d.parallel.pipeline import PipelineRuntime, pipeline_options, sp
 from lightning_3d.parallel.tensor import apply_tensor_parallel
 from lightning_3d.parallel.zero import ZeroDataParallel
 from lightning_3d.plans import build_plan
-from lightning_3d.state import full_state_dict
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -55,11 +48,11 @@ if TYPE_CHECKING:
 _OPTIONS = (
     "data", "tensor", "pipeline", "zero_stage", "tp_plan", "sequence_parallel", "micro_batches", "schedule",
     "virtual_stages", "split", "activation_checkpointing", "checkpoint_every_n", "offload", "offload_path",
-    "offload_chunk_mb", "bucket_size_mb", "process_group_backend", "timeout",
+    "offload_chunk_mb", "checkpoint_format", "bucket_size_mb", "process_group_backend", "timeout",
 )
 
 
-class ThreeDStrategy(ParallelStrategy):
+class ThreeDStrategy(CheckpointHooks, ParallelStrategy):
     """Pipeline × data × tensor parallelism with ZeRO sharding on the data axis.
 
     Args:
@@ -119,6 +112,7 @@ class ThreeDStrategy(ParallelStrategy):
         offload: str = "none",
         offload_path: Optional[str] = None,
         offload_chunk_mb: float = 16.0,
+        checkpoint_format: str = "consolidated",
         bucket_size_mb: float = 25.0,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
@@ -133,6 +127,8 @@ class ThreeDStrategy(ParallelStrategy):
             raise ValueError(
                 f"unknown ThreeDStrategy option(s) {sorted(unknown)}; valid options are {list(_OPTIONS)}"
             )
+        if checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {checkpoint_format!r}")
         if not bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb!r}")
         self.layout = Layout(data=data, tensor=tensor, pipeline=pipeline, zero_stage=zero_stage)
@@ -150,6 +146,7 @@ class ThreeDStrategy(ParallelStrategy):
         self._pipeline: Optional[PipelineRuntime] = None
         self._checkpointing = checkpoint_options(activation_checkpointing, checkpoint_every_n)
         self._offload = offload_options(offload, offload_path, offload_chunk_mb)
+        self.checkpoint_format = checkpoint_format
         self._pipeline_grads: list = []
         self._tp_plan = dict(tp_plan) if tp_plan else None
         self._sequence_parallel = bool(sequence_parallel)
@@ -557,43 +554,7 @@ class ThreeDStrategy(ParallelStrategy):
         return tensor
 
     # ------------------------------------------------------------------ checkpoints
-    # Checkpoints are consolidated: full tensors under the LightningModule's own names, and the
-    # optimizer state as one process would have it (lightning_3d/checkpoint/consolidated.py).
-    # Every rank takes part in gathering them; rank 0 writes; any layout can load them.
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True  # load into the parallelized model and the sharded optimizer
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return full_model_state(self.lightning_module, self._pp_group, self._full_names)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        raw = getattr(optimizer, "_optimizer", optimizer)
-        return full_optimizer_state(
-            self.lightning_module, raw, self._engine_for(raw), self._pp_group, self._full_param_names
-        )
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        # Names and shapes first (DTensors report full shapes), so a checkpoint of another model
-        # fails naming the tensors before anything is overwritten.
-        check_against(shapes_of(self.lightning_module.state_dict()), shapes_of(checkpoint["state_dict"]),
-                      strict=strict, names=self._full_names)
-        load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict, self._full_names)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        saved = checkpoint["optimizer_states"]
-        if len(saved) != len(self.optimizers):
-            raise ValueError(f"checkpoint has {len(saved)} optimizer states, the module configures {len(self.optimizers)}")
-        for optimizer, state in zip(self.optimizers, saved):
-            load_full_optimizer_state(
-                self.lightning_module, optimizer, state, self._engine_for(optimizer), self._pp_group,
-                self._full_param_names,
-            )
+    # Save and load hooks: lightning_3d/checkpoint/strategy_hooks.py (CheckpointHooks).
 
     def count_parameters(self) -> int:
         """Parameters of the whole model (a DTensor counts its global size; pipeline stages add
@@ -602,11 +563,6 @@ class ThreeDStrategy(ParallelStrategy):
         if self._pp_group is not None:
             dist.all_reduce(count, group=self._pp_group)
         return int(count)
-
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """Every parameter and buffer of the module at full size, on CPU, merged over pipeline
-        stages: what one process would hold. A collective: call on every rank."""
-        return full_state_dict(self.lightning_module, pp_group=self._pp_group)
 
     @property
     def _pp_group(self) -> Any:

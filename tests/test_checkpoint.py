@@ -10,9 +10,8 @@ weights of plain Lightning resuming the same file in one process.
 import pytest
 import torch
 
-from lightning_3d.testing.parity import assert_same_run, weight_mismatches
-from lightning_3d.testing.runs import fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.testing.parity import assert_same_run, checkpoint_tensors, weight_mismatches
+from lightning_3d.testing.runs import fit_layout
 
 SEED = 1234
 DATA = {"max_bytes": 1000, "val_fraction": 0.3}  # 21 training windows: 2 steps of 8 per epoch
@@ -34,18 +33,9 @@ def _run(layout, resume_from=None, save_to=None):
     strategy, world = LAYOUTS[layout]
     steps, trainer = (4, TRAINER) if resume_from else (-1, {**TRAINER, "max_epochs": 1})
     args = (steps, SEED, None, DATA, trainer, "gpt", False, resume_from, save_to)
-    if strategy is None:
-        return fit_gpt(0, None, 1, *args)
-    return run_world(fit_gpt, world, strategy, world, *args)[0]
+    return fit_layout(strategy, world, *args)
 
 
-def _flat(ckpt):
-    """Model tensors and optimizer state tensors of a checkpoint, under comparable names."""
-    out = {f"model/{k}": v for k, v in ckpt["state_dict"].items()}
-    for index, state in ckpt["optimizer_states"][0]["state"].items():
-        for key, value in state.items():
-            out[f"optim/{index}/{key}"] = value.reshape(-1) if value.dim() == 0 else value
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +63,7 @@ def test_checkpoint_equals_the_single_process_one(saved, layout):
     # atol 3e-5 rather than 1e-5: after the vocab-parallel embedding's different summation order,
     # Adam moves a once-seen byte's embedding entry by ~1e-5 (see testing/parity.py); a real
     # error moves whole tensors by ~lr = 3e-3, and the Frobenius bound stays at 1e-5.
-    assert weight_mismatches(_flat(ckpt), _flat(reference), rtol=1e-5, atol=3e-5) == []
+    assert weight_mismatches(checkpoint_tensors(ckpt), checkpoint_tensors(reference), rtol=1e-5, atol=3e-5) == []
 
 
 RESUMES = [("zero2_dp2", "zero2_dp2"), ("zero3_dp2", "single"), ("single", "zero1_dp2"),

@@ -6,10 +6,14 @@ script for rank 1) and under ``torchrun``; both must train and agree with each o
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
+
+import lightning_3d.launch
+from lightning_3d.launch import launch_job
 
 SCRIPT = r'''
 import json, sys
@@ -43,7 +47,7 @@ with open(f"{sys.argv[1]}/rank{trainer.global_rank}.json", "w") as f:
 def _run(command, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -67,3 +71,33 @@ def test_lightning_launcher_and_torchrun_train_the_same(script, tmp_path):
     for a, b in zip(lightning_run, torchrun_run):
         assert b["train_loss"] == pytest.approx(a["train_loss"], rel=1e-6)
         assert b["rank_mean"] == pytest.approx(0.5)
+
+
+RANK_SCRIPT = r'''
+import os, sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # env://, as Lightning does it
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.txt"), "w") as f:
+    f.write(f"{t.item()} {os.environ['MASTER_PORT']}")
+'''
+
+
+def test_launch_job_forms_its_world_when_the_picked_port_is_taken(tmp_path, monkeypatch):
+    """The app's launcher hosts the rendezvous store on a port the OS assigned and keeps, so a port
+    that another program took after a launcher picked it cannot stop the world from forming."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as other_program:
+        other_program.bind(("127.0.0.1", 0))
+        other_program.listen()
+        taken = other_program.getsockname()[1]
+        monkeypatch.setattr(lightning_3d.launch, "free_port", lambda: taken)
+        assert launch_job(2, str(script), [str(tmp_path)], str(tmp_path), threads=1) == 0
+    outs = [(tmp_path / f"rank{r}.txt").read_text().split() for r in range(2)]
+    assert [value for value, _ in outs] == ["3.0", "3.0"]
+    assert outs[0][1] == outs[1][1] != str(taken)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_3d.checkpoint.checks import load_lightning_checkpoint
 from lightning_3d.data.resumable import ResumableDataLoader, ResumableDistributedSampler
 from lightning_3d.testing.runs import fit_gpt
 from lightning_3d.testing.world import run_world
@@ -107,14 +108,14 @@ def _fit(world, strategy, steps, data, save_to=None, resume_from=None, trainer=N
 def _save_first(tmp_path: Path, world, strategy, data, stop=K, trainer=None):
     first = _fit(world, strategy, stop, data, save_to=str(tmp_path / "run.ckpt"), trainer=trainer)
     ckpt = tmp_path / f"run-step={stop}.ckpt"
-    assert ckpt.is_file(), sorted(p.name for p in tmp_path.iterdir())
+    assert ckpt.exists(), sorted(p.name for p in tmp_path.iterdir())  # a file, or a sharded directory
     return first, ckpt
 
 
 def _stop_and_resume(tmp_path: Path, world, strategy, data, stop=K, trainer=None):
     first, ckpt = _save_first(tmp_path, world, strategy, data, stop, trainer)
     second = _fit(world, strategy, 2 * K, data, resume_from=str(ckpt), trainer=trainer)
-    return first, second, torch.load(ckpt, map_location="cpu", weights_only=True)
+    return first, second, load_lightning_checkpoint(ckpt)
 
 
 def _assert_exact(straight, first, second):
@@ -169,6 +170,29 @@ def test_resume_equals_uninterrupted_dp2_zero3(tmp_path):
     first, second, ckpt = _stop_and_resume(tmp_path, 2, strategy, ACROSS_EPOCHS)
     _assert_exact(straight, first, second)
     assert len(ckpt["callbacks"]["RNGStateCheckpoint"]["ranks"]) == 2  # every rank's states, in rank 0's file
+
+
+SHARDED = {"checkpoint_format": "sharded"}
+LAYOUTS = {  # name: (strategy, world)
+    "sharded_zero3_dp2": ({**SHARDED, "zero_stage": 3}, 2),
+    "sharded_tp2_zero1": ({**SHARDED, "tensor": 2, "zero_stage": 1}, 2),
+    "sharded_pp2": ({**SHARDED, "pipeline": 2, "micro_batches": 2}, 2),
+    "sharded_nvme_zero2_dp2": ({**SHARDED, "zero_stage": 2, "offload": "nvme", "offload_path": "/tmp",
+                                "offload_chunk_mb": 0.01}, 2),
+    "consolidated_tp2_sp": ({"tensor": 2, "sequence_parallel": True}, 2),
+    "consolidated_pp2_dp2": ({"pipeline": 2, "micro_batches": 2, "zero_stage": 1}, 4),
+}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=() if name == "sharded_zero3_dp2" else pytest.mark.slow) for name in LAYOUTS
+])
+def test_resume_equals_uninterrupted_in_every_layout(tmp_path, name):
+    strategy, world = LAYOUTS[name]
+    straight = _fit(world, strategy, 2 * K, ACROSS_EPOCHS)
+    first, second, ckpt = _stop_and_resume(tmp_path, world, strategy, ACROSS_EPOCHS)
+    _assert_exact(straight, first, second)
+    assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["samples"] == K * 8
 
 
 def test_without_rng_states_dropout_diverges(tmp_path):

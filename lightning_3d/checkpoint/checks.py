@@ -1,11 +1,13 @@
 """Checks on checkpoint files, with errors that name what is wrong — before anything is modified.
 
-Two file kinds are read, always without unpickling arbitrary objects:
+Three kinds are read, always without unpickling arbitrary objects:
 
 - ``"lightning"``: a consolidated Lightning checkpoint (``torch.save`` of a dict with a
   ``"state_dict"`` of tensors under the ``LightningModule``'s names), read with
   ``torch.load(weights_only=True)``;
-- ``"safetensors"``: a flat file of tensors (only its JSON header is read to inspect it).
+- ``"safetensors"``: a flat file of tensors (only its JSON header is read to inspect it);
+- ``"sharded"``: a directory written by ``ThreeDStrategy(checkpoint_format="sharded")``
+  (``sharded.py``), read here in one process at full size.
 
 Example::
 
@@ -28,6 +30,7 @@ from torch import Tensor
 PathLike = Union[str, "os.PathLike[str]"]
 LIGHTNING = "lightning"
 SAFETENSORS = "safetensors"
+SHARDED = "sharded"
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format
 _PICKLE_MAGIC = b"\x80"  # torch.save's legacy format begins with a pickle protocol byte
 _MAX_LISTED = 20  # names listed per category in a mismatch error
@@ -54,18 +57,21 @@ def shared_prefix(names: Iterable[str]) -> str:
 
 
 def detect_format(path: PathLike) -> str:
-    """``"lightning"`` or ``"safetensors"``, from the file's first bytes.
+    """``"lightning"`` or ``"safetensors"`` from the file's first bytes, ``"sharded"`` for a
+    directory with DCP metadata.
 
-    Raises ``FileNotFoundError`` for a missing path and ``ValueError`` for a directory, an empty
-    or truncated header, or a file of any other kind.
+    Raises ``FileNotFoundError`` for a missing path and ``ValueError`` for any other directory, an
+    empty or truncated header, or a file of any other kind.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if path.is_dir():
+        if (path / ".metadata").is_file():
+            return SHARDED
         raise ValueError(
-            f"{path} is a directory, not a checkpoint file (sharded/DCP checkpoint directories are not "
-            "read here: pass a consolidated .ckpt or a .safetensors file)"
+            f"{path} is a directory but not a checkpoint (no .metadata of a sharded checkpoint in it): pass a "
+            ".ckpt file, a sharded checkpoint directory or a .safetensors file"
         )
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -120,6 +126,10 @@ def load_lightning_checkpoint(path: PathLike, mmap: bool = False, map_location: 
     """
     path = Path(path)
     kind = detect_format(path)
+    if kind == SHARDED:
+        from lightning_3d.checkpoint.sharded import read_consolidated
+
+        return read_consolidated(path)
     if kind != LIGHTNING:
         raise ValueError(f"{path} is a {kind} file, not a Lightning checkpoint (.ckpt)")
     checkpoint = _torch_load(path, mmap, map_location)
@@ -153,6 +163,10 @@ def read_tensors(path: PathLike, mmap: bool = False) -> tuple[str, dict[str, Ten
     kind = detect_format(path)
     if kind == LIGHTNING:
         return kind, dict(load_lightning_checkpoint(path, mmap=mmap)["state_dict"])
+    if kind == SHARDED:
+        from lightning_3d.checkpoint.sharded import read_tensors as read_sharded
+
+        return kind, read_sharded(path)
     from safetensors.torch import load_file
 
     try:
@@ -174,10 +188,19 @@ def inspect_checkpoint(path: PathLike) -> dict[str, Any]:
     """
     path = Path(path)
     kind = detect_format(path)
-    info: dict[str, Any] = {"path": str(path), "format": kind, "bytes": path.stat().st_size,
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if kind == SHARDED else path.stat().st_size
+    info: dict[str, Any] = {"path": str(path), "format": kind, "bytes": size,
                             "global_step": None, "epoch": None, "has_optimizer_states": False, "metadata": {}}
     if kind == SAFETENSORS:
         info["shapes"], info["dtypes"], info["metadata"] = _safetensors_header(path)
+    elif kind == SHARDED:
+        from lightning_3d.checkpoint import sharded
+
+        meta, entries = sharded.read_meta(path), sharded.tensor_entries(sharded.read_metadata(path), sharded.MODEL)
+        info["shapes"] = {name: tuple(md.size) for name, md in entries.items()}
+        info["dtypes"] = {name: str(md.properties.dtype) for name, md in entries.items()}
+        info["global_step"], info["epoch"] = meta.get("global_step"), meta.get("epoch")
+        info["has_optimizer_states"] = bool(meta.get("optimizer_states"))
     else:
         checkpoint = load_lightning_checkpoint(path, mmap=True)
         state = checkpoint["state_dict"]

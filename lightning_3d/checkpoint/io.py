@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -77,8 +78,11 @@ def remove_stale_temps(directory: Path) -> list[Path]:
     removed = []
     for entry in directory.iterdir() if directory.is_dir() else ():
         match = _TEMP_NAME.match(entry.name)
-        if match and entry.is_file() and _is_stale(entry, int(match.group(1))):
-            entry.unlink(missing_ok=True)
+        if match and _is_stale(entry, int(match.group(1))):
+            if entry.is_dir() and not entry.is_symlink():  # a sharded checkpoint's directory
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
             removed.append(entry)
     return removed
 

@@ -143,7 +143,7 @@ class ZeroDataParallel:
         else:
             bucket.shard_grad = torch.zeros(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
         if self.stage >= 1:
-            bucket.slice = nn.Parameter(self._slice_dtensor(self._own(flat, bucket), params[0]))
+            bucket.slice = nn.Parameter(self.slice_dtensor(self._own(flat, bucket), params[0]))
         for index, p in enumerate(params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(bucket, index)))
         return bucket
@@ -151,7 +151,7 @@ class ZeroDataParallel:
     def _own(self, full: Tensor, bucket: _Bucket) -> Tensor:
         return full[self.rank * bucket.shard_numel : (self.rank + 1) * bucket.shard_numel]
 
-    def _slice_dtensor(self, local: Tensor, like: nn.Parameter) -> DTensor:
+    def slice_dtensor(self, local: Tensor, like: nn.Parameter) -> DTensor:
         """This rank's slice as a DTensor: sharded over dp; over tp sharded or replicated like
         the bucket's parameters, so global norms count every element exactly once."""
         placements = [Shard(0)]
@@ -246,7 +246,7 @@ class ZeroDataParallel:
                     p.grad = _like(p, bucket.grad[offset : offset + _local(p).numel()])
             else:
                 own = self._own(bucket.grad, bucket) if self.stage == 1 else bucket.shard_grad
-                bucket.slice.grad = self._slice_dtensor(own, bucket.params[0])
+                bucket.slice.grad = self.slice_dtensor(own, bucket.params[0])
 
     # ---------------------------------------------------------------- step
     def after_step(self) -> None:
@@ -306,7 +306,7 @@ class ZeroDataParallel:
                 for entry, p, offset in zip(entries, bucket.params, bucket.offsets):
                     if entry:
                         full[offset : offset + _local(p).numel()].copy_(_local(entry[key]).reshape(-1))
-                slice_state[key] = self._slice_dtensor(self._own(full, bucket).clone(), bucket.params[0])
+                slice_state[key] = self.slice_dtensor(self._own(full, bucket).clone(), bucket.params[0])
             optimizer.state[bucket.slice] = slice_state
 
 

@@ -55,3 +55,13 @@ def assert_same_run(run: dict, reference: dict, rtol: float = 1e-5, atol: float 
 
 
 __all__ = ["assert_same_run", "loss_mismatches", "weight_mismatches"]
+
+
+def checkpoint_tensors(checkpoint: dict) -> dict:
+    """Model tensors and the first optimizer's state tensors of a consolidated checkpoint dict,
+    under comparable names (``model/<name>``, ``optim/<index>/<key>``), for :func:`weight_mismatches`."""
+    out = {f"model/{k}": v for k, v in checkpoint["state_dict"].items()}
+    for index, state in checkpoint["optimizer_states"][0]["state"].items():
+        for key, value in state.items():
+            out[f"optim/{index}/{key}"] = value.reshape(-1) if value.dim() == 0 else value
+    return out

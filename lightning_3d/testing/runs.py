@@ -102,3 +102,13 @@ def fit_gpt(
     return {"losses": summary.losses, "summary": summary.summary, "state": state if rank == 0 else None,
             "val": val, "test": test, "predictions": predictions,
             "loss_scale": float(scaler.get_scale()) if scaler is not None else None}
+
+
+def fit_layout(strategy: Optional[dict[str, Any]], world: int, *args: Any) -> dict[str, Any]:
+    """``fit_gpt(rank, strategy, world, *args)`` on ``world`` processes, rank 0's result;
+    ``strategy=None``: plain Lightning in this process."""
+    if strategy is None:
+        return fit_gpt(0, None, 1, *args)
+    from lightning_3d.testing.world import run_world
+
+    return run_world(fit_gpt, world, strategy, world, *args)[0]

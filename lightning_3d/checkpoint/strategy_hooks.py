@@ -1,0 +1,129 @@
+"""The checkpoint half of ``ThreeDStrategy``: what Lightning's save and load hooks do in every layout.
+
+Two formats (``ThreeDStrategy(checkpoint_format=...)``):
+
+- ``"consolidated"`` (default): one file with full tensors under the ``LightningModule``'s own
+  names and the optimizer state as one process would have it (``consolidated.py``). Every rank
+  takes part in gathering; rank 0 writes. Plain Lightning can load it.
+- ``"sharded"``: a directory written by every rank in parallel, each writing only its own shards
+  (``sharded.py``). For models whose state does not fit one host's memory.
+
+Both formats load in any layout, whichever format the run itself saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_3d.checkpoint import sharded
+from lightning_3d.checkpoint.checks import check_against, shapes_of
+from lightning_3d.checkpoint.consolidated import (
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
+from lightning_3d.state import full_state_dict
+
+CHECKPOINT_FORMATS = ("consolidated", "sharded")
+
+
+class CheckpointHooks:
+    """Mixin for ``ThreeDStrategy``; uses its ``lightning_module``, ``optimizers``,
+    ``checkpoint_format``, ``_pp_group``, ``_full_names``, ``_full_param_names``, ``_engine_for``."""
+
+    checkpoint_format: str
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the parallelized model and the sharded optimizer
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.checkpoint_format == "sharded":
+            return sharded.model_state(self.lightning_module)
+        return full_model_state(self.lightning_module, self._pp_group, self._full_names)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        raw = getattr(optimizer, "_optimizer", optimizer)
+        if self.checkpoint_format == "sharded":
+            return sharded.optimizer_state(self.lightning_module, raw, self._engine_for(raw), self._full_param_names)
+        return full_optimizer_state(
+            self.lightning_module, raw, self._engine_for(raw), self._pp_group, self._full_param_names
+        )
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        if self.checkpoint_format != "sharded":
+            super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0, atomic file
+            return
+        if storage_options is not None:
+            raise TypeError(f"sharded checkpoints take no storage_options, got {storage_options!r}")
+        sharded.save(*sharded.split_checkpoint(checkpoint), filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if not sharded.is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        return self._load_sharded(checkpoint_path)
+
+    def _load_sharded(self, path: _PATH) -> dict[str, Any]:
+        """Read a sharded checkpoint into the model (and, when fitting, the optimizers) in place;
+        return the rest of the checkpoint for Lightning to restore."""
+        meta = sharded.read_meta(path)
+        metadata = sharded.read_metadata(path)
+        module = self.lightning_module
+        saved = sharded.tensor_entries(metadata, sharded.MODEL)
+        strict = getattr(module, "strict_loading", True)
+        check_against(shapes_of(module.state_dict()), {n: tuple(md.size) for n, md in saved.items()},
+                      strict=strict, names=self._full_names, source=str(path))
+        targets, after = sharded.model_targets(module, [n for n in module.state_dict() if n in saved])
+        installs = []
+        if module.trainer.state.fn == TrainerFn.FITTING and "optimizer_states" in meta:
+            states = meta["optimizer_states"]
+            if len(states) != len(self.optimizers):
+                raise ValueError(f"{path} has {len(states)} optimizer states, the module configures {len(self.optimizers)}")
+            for index, (optimizer, state) in enumerate(zip(self.optimizers, states)):
+                prefix = sharded.optimizer_prefix(index)
+                found, install = sharded.optimizer_targets(
+                    module, optimizer, self._engine_for(optimizer), sharded.tensor_entries(metadata, prefix), state,
+                    prefix,
+                )
+                targets.update(found)
+                installs.append(install)
+        sharded.load(targets, path, metadata)
+        sharded.finish_model(module, after)
+        for install in installs:
+            install()
+        return meta
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if checkpoint.get("format") == sharded.FORMAT:
+            return  # read in place by load_checkpoint
+        # Names and shapes first (DTensors report full shapes), so a checkpoint of another model
+        # fails naming the tensors before anything is overwritten.
+        check_against(shapes_of(self.lightning_module.state_dict()), shapes_of(checkpoint["state_dict"]),
+                      strict=strict, names=self._full_names)
+        load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict, self._full_names)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if checkpoint.get("format") == sharded.FORMAT:
+            return  # read in place by load_checkpoint
+        saved = checkpoint["optimizer_states"]
+        if len(saved) != len(self.optimizers):
+            raise ValueError(f"checkpoint has {len(saved)} optimizer states, the module configures {len(self.optimizers)}")
+        for optimizer, state in zip(self.optimizers, saved):
+            load_full_optimizer_state(
+                self.lightning_module, optimizer, state, self._engine_for(optimizer), self._pp_group,
+                self._full_param_names,
+            )
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Every parameter and buffer of the module at full size, on CPU, merged over pipeline
+        stages: what one process would hold. A collective: call on every rank."""
+        return full_state_dict(self.lightning_module, pp_group=self._pp_group)
