@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import warnings
 import time
+import warnings
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,6 +20,8 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_3d.memory import model_state_bytes, peak_rss_mb
+from lightning_3d.parallel.activations import ActivationMeter
+from lightning_3d.parallel.checkpointing import is_checkpointed, transformer_blocks
 
 
 def _dp_size(trainer: pl.Trainer) -> int:
@@ -56,7 +59,9 @@ class RunSummary(Callback):
       accumulated micro-batches of the step, then over data-parallel ranks);
     - ``tokens_per_s``: median over steps after ``warmup_steps`` of global tokens / step time;
     - ``ranks``: per rank, peak RSS and the model-state bytes resident at the end of backward,
-      just before the optimizer step (see :func:`lightning_3d.memory.model_state_bytes`).
+      just before the optimizer step (see :func:`lightning_3d.memory.model_state_bytes`), and
+      the activation memory per transformer block of the first training batch
+      (``activation_bytes_per_block``, see :meth:`activation_figures`).
 
     Tokens/s is also shown on the progress bar as ``tok/s``.
     """
@@ -69,7 +74,10 @@ class RunSummary(Callback):
         self.step_times: list[float] = []
         self.step_tokens: list[int] = []
         self.memory: dict[str, int] = {}
+        self.activations: dict[str, int] = {}
         self.summary: dict[str, Any] = {}
+        self._meter: ActivationMeter | None = None
+        self._meter_context = ExitStack()
         self._loss_sum: Optional[torch.Tensor] = None
         self._tokens = 0
         self._t0: Optional[float] = None
@@ -83,6 +91,44 @@ class RunSummary(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         if self._t0 is None:
             self._t0 = time.perf_counter()
+        if not self.activations and self._meter is None:  # the first batch only: no cost afterwards
+            self._start_meter(pl_module)
+
+    def _start_meter(self, pl_module: pl.LightningModule) -> None:
+        self._meter = ActivationMeter()
+        self._meter_context.callback(self._meter.watch(transformer_blocks(pl_module)))
+        self._meter.reset(pl_module.parameters())
+        self._meter_context.enter_context(self._meter.hooks())
+
+    def _stop_meter(self, pl_module: pl.LightningModule) -> None:
+        meter, self._meter = self._meter, None
+        self._meter_context.close()
+        self.activations = self.activation_figures(meter, pl_module)
+
+    @staticmethod
+    def activation_figures(meter: ActivationMeter, pl_module: pl.LightningModule) -> dict[str, int]:
+        """The summary's activation figures from a meter that watched one training batch:
+
+        - ``activation_bytes_per_block``: bytes autograd saved for backward while this rank's
+          transformer blocks ran (each storage once, parameters excluded; what checkpointing keeps
+          included), divided by the number of blocks this rank holds. Under a pipeline the batch
+          is all of the step's micro-batches; under tensor parallelism, this rank's shards;
+        - ``blocks_on_rank``: that number of blocks; ``checkpointed_blocks``: how many of them
+          recompute their activations in backward.
+
+        ``activation_bytes_per_block`` is left out for a module without blocks (no
+        ``nn.ModuleList`` of trainable modules).
+        """
+        blocks = transformer_blocks(pl_module)
+        figures = {"blocks_on_rank": len(blocks), "checkpointed_blocks": sum(is_checkpointed(b) for _, b in blocks)}
+        if meter.block_bytes:
+            figures["activation_bytes_per_block"] = round(sum(meter.block_bytes.values()) / len(meter.block_bytes))
+        return figures
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._meter = None
+        self._meter_context.close()  # the hooks of a batch that did not finish
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -95,6 +141,8 @@ class RunSummary(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._meter is not None:  # forward and backward of the first batch are done
+            self._stop_meter(pl_module)
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
             # Lightning divides each micro-batch loss by accumulate_grad_batches: summing gives the mean.
@@ -120,7 +168,7 @@ class RunSummary(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        mine = {"rank": trainer.global_rank, "peak_rss_mb": round(peak_rss_mb(), 1), **self.memory}
+        mine = {"rank": trainer.global_rank, "peak_rss_mb": round(peak_rss_mb(), 1), **self.memory, **self.activations}
         for key in ("logits_bytes", "logits_dense_bytes"):  # set by ThreeDStrategy under tensor > 1
             if getattr(trainer.strategy, key, 0):
                 mine[key] = getattr(trainer.strategy, key)

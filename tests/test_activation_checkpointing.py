@@ -18,11 +18,14 @@ from torch.distributed.tensor import DTensor
 
 from lightning_3d.models.gpt import GPT, GPTConfig
 from lightning_3d.parallel import checkpointing
+from lightning_3d.parallel.activations import ActivationMeter
 from lightning_3d.parallel.checkpointing import (
     POLICIES,
     activation_bytes_per_block,
     apply_activation_checkpointing,
     checkpoint_options,
+    is_checkpointed,
+    transformer_blocks,
 )
 from lightning_3d.testing.tiny_models import TinyGPT2, TinyLlama
 from lightning_3d.testing.world import run_world
@@ -192,6 +195,29 @@ def test_saved_bytes_agree_with_saved_tensors_hooks_without_checkpointing():
         if owner is not None:
             hooked[owner] += nbytes
     assert activation_bytes_per_block(model, x, "none") == hooked
+
+
+def test_run_summary_meter_counts_what_the_benchmark_counts():
+    """``RunSummary``'s counter (``ActivationMeter``: autograd's saved tensors, plus what
+    ``selective`` caches) against the benchmark's storage recorder: the same bytes per block
+    for every policy, over a whole training step; everything released after backward."""
+    model, (x, y) = _gpt(dropout=0.1), _batch()
+    for policy in POLICIES:
+        expected = activation_bytes_per_block(model, x, policy)
+        apply_activation_checkpointing(model, policy)
+        blocks = transformer_blocks(model)
+        assert [name for name, _ in blocks] == list(expected)
+        assert sum(is_checkpointed(b) for _, b in blocks) == {"none": 0, "every_n": 2}.get(policy, 4)
+        meter = ActivationMeter()
+        unwatch = meter.watch(blocks)
+        meter.reset(model.parameters())
+        with meter.hooks():
+            _step(model, x, y)
+        unwatch()
+        assert meter.block_bytes == expected, policy
+        assert meter.peak >= sum(expected.values()) and meter.live == 0, (policy, meter.peak, meter.live)
+    apply_activation_checkpointing(model, "none")
+    assert "forward" not in model.blocks[0].__dict__
 
 
 # ================================================================== 2-process world

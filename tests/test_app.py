@@ -103,7 +103,10 @@ def test_cli_bad_input(case, bad_runs):
 
 
 # ------------------------------------------------------------------ a real run
-def test_cli_real_run_zero2(tmp_path):
+@pytest.fixture(scope="module")
+def zero2_run(tmp_path_factory):
+    """Two ranks, ZeRO-2, no activation checkpointing (the default): the run and its directory."""
+    run_dir = tmp_path_factory.mktemp("zero2")
     proc = _run(
         [
             *SMALL,
@@ -111,10 +114,15 @@ def test_cli_real_run_zero2(tmp_path):
             "trainer.devices=2",
             "parallelism.zero_stage=2",
             "trainer.val_check_interval=6",
-            f"hydra.run.dir={tmp_path}",
+            f"hydra.run.dir={run_dir}",
         ],
         timeout=300,
     )
+    return run_dir, proc
+
+
+def test_cli_real_run_zero2(zero2_run):
+    tmp_path, proc = zero2_run
     assert proc.returncode == 0, _describe(proc)
     assert "Traceback" not in proc.stderr, _describe(proc)
     assert "done:" in proc.stdout, _describe(proc)
@@ -140,10 +148,27 @@ def test_cli_real_run_zero2(tmp_path):
     assert len(ranks) == 2
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for rank in ranks:
-        for key in ("peak_rss_mb", "param_bytes", "grad_bytes", "optimizer_state_bytes"):
+        for key in ("peak_rss_mb", "param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes_per_block"):
             assert rank[key] > 0, (key, rank)
+        assert rank["blocks_on_rank"] == 2 and rank["checkpointed_blocks"] == 0, rank  # gpt_tiny: 2 blocks
     # One summary per job: the ranks write into the job directory, rank 0 only.
     assert sorted(p.name for p in tmp_path.glob("**/summary.json")) == ["summary.json"]
+
+
+def test_cli_full_activation_checkpointing_saves_less_per_block(zero2_run, tmp_path):
+    """One process with the zero2 run's per-rank batch (4 x 32 tokens), every block checkpointed:
+    each block keeps only its input (4 x 32 x n_embd 32 x 4 bytes), far less than without."""
+    proc = _run(
+        [*SMALL, "data.batch_size=4", "trainer.devices=1", "trainer.max_steps=1", "trainer.limit_val_batches=0",
+         "parallelism.activation_checkpointing=full", f"hydra.run.dir={tmp_path}"],
+        timeout=180,
+    )
+    assert proc.returncode == 0, _describe(proc)
+    (full,) = json.loads((tmp_path / "summary.json").read_text())["ranks"]
+    none = json.loads((zero2_run[0] / "summary.json").read_text())["ranks"][0]
+    assert full["checkpointed_blocks"] == full["blocks_on_rank"] == 2, full
+    assert full["activation_bytes_per_block"] == 4 * 32 * 32 * 4, full
+    assert full["activation_bytes_per_block"] * 5 < none["activation_bytes_per_block"], (full, none)
 
 
 # ------------------------------------------------------------------ a -m sweep

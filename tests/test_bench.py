@@ -50,3 +50,48 @@ def test_quick_run_of_two_rows(tmp_path, capsys):
     assert "| 3d_zero1 | 2 |" in capsys.readouterr().out
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert [r["row"] for r in saved["records"]] == ["3d_zero1", "ddp"]
+
+
+def test_activation_checkpointing_benchmark_writes_its_summary(tmp_path, capsys):
+    from lightning_3d.bench import activation_checkpointing as bench
+
+    bench.main(["--quick", "--out", str(tmp_path)])
+    assert "| full | 4/4 | 1,048,576 |" in capsys.readouterr().out  # the printed table stays
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["benchmark"] == "activation_checkpointing" and saved["model"]["n_layer"] == 4
+    policies = saved["policies"]
+    assert list(policies) == ["none", "full", "every_n", "selective"]
+    none, full = policies["none"], policies["full"]
+    # A fully checkpointed block keeps its input only: batch 8 x 128 tokens x 256 x 4 bytes.
+    assert set(full["saved_bytes_per_block"].values()) == {8 * 128 * 256 * 4}
+    assert none["saved_bytes_vs_none"] == 1.0 and none["step_cpu_vs_none"] == 1.0
+    assert full["saved_bytes_vs_none"] < policies["selective"]["saved_bytes_vs_none"] < 1.0
+    for f in policies.values():
+        assert f["saved_bytes_per_block_mean"] * f["blocks"] == f["saved_bytes_all_blocks"]
+        assert f["step_cpu_s_median"] > 0 and f["step_wall_s_median"] > 0 and f["step_wall_vs_none"] > 0
+
+
+def test_offload_memory_summary_rows_and_ratios(tmp_path):
+    """The summary's rows from made-up worker records (the real run takes minutes)."""
+    import argparse
+
+    from lightning_3d.bench import offload_memory as bench
+
+    def record(offload, peak, step, checkpointing="none"):
+        return {"precision": "32-true", "batch": 4, "seq": 128, "offload": offload, "checkpointing": checkpointing,
+                "base_rss_mb": 300.0, "peak_rss_mb": peak, "step_s": step, "cpu_s": step, "num_params": 50_048_256,
+                "param_bytes": 200, "grad_bytes": 200, "optimizer_state_bytes": 400 if offload == "none" else 48,
+                "activation_bytes_per_block": 1000 if checkpointing == "none" else 100}
+
+    results = [record("none", 1300.0, 6.0), record("nvme", 975.0, 6.6), record("none", 1200.0, 8.0, "full")]
+    args = argparse.Namespace(threads=1, rounds=4, path=str(tmp_path))
+    summary = bench.summary(results, args)
+    assert summary["num_params"] == 50_048_256 and summary["benchmark"] == "offload_memory"
+    none, nvme, full = summary["rows"]
+    assert none["peak_rss_vs_none"] == 1.0 and none["step_s_vs_none"] == 1.0
+    assert nvme["peak_rss_vs_none"] == pytest.approx(0.75) and nvme["step_s_vs_none"] == pytest.approx(1.1)
+    assert nvme["over_base_vs_none"] == pytest.approx(675 / 1000) and nvme["tokens_per_step"] == 512
+    assert full["peak_rss_vs_none"] == 1.0  # its own reference: offload=none with checkpointing
+    assert full["peak_rss_vs_fp32_none"] == pytest.approx(1200 / 1200)
+    assert json.loads(json.dumps(summary)) == summary  # JSON as it is
+    assert "| 32-true | nvme | none | 4x128 | 6.60 | 1.10x |" in bench.table(results)

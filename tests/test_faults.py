@@ -7,16 +7,17 @@ import os
 import queue
 import time
 import traceback
+from contextlib import contextmanager
 
 import torch
 
-from lightning_3d.launch import free_port, local_rank_env
+from lightning_3d.launch import hosted_store, local_rank_env
 
 TIMEOUT_S = 30.0  # the strategy's collective timeout in this test
 
 
 def _entry(rank, port, results, root, kill_at, resume):
-    os.environ.update(local_rank_env(rank, 2, port, threads=1))
+    os.environ.update(local_rank_env(rank, 2, port, threads=1, agent_store=True))
     from lightning_3d.testing.faults import fit_until_killed
 
     try:
@@ -26,24 +27,28 @@ def _entry(rank, port, results, root, kill_at, resume):
         results.put((rank, "error", traceback.format_exc(), time.time()))
 
 
+@contextmanager
 def _world(root, kill_at, resume):
+    """Two ranks around a rendezvous store this process hosts (no port race); torn down on exit."""
     ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_entry, args=(r, port, results, root, kill_at, resume)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        return procs, results
-    except BaseException:
-        for p in procs:
-            p.kill()
-        raise
+    with hosted_store() as port:
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_entry, args=(r, port, results, root, kill_at, resume)) for r in range(2)]
+        try:
+            for p in procs:
+                p.start()
+            yield procs, results
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
 
 
 def test_a_killed_rank_stops_the_others_and_last_resumes(tmp_path):
     root = str(tmp_path)
-    procs, results = _world(root, kill_at=3, resume=False)
-    try:
+    with _world(root, kill_at=3, resume=False) as (procs, results):
         rank, status, message, _ = results.get(timeout=300)  # the victim never reports
         procs[1].join(timeout=60)
         assert procs[1].exitcode == -9  # SIGKILL, no clean-up
@@ -52,23 +57,14 @@ def test_a_killed_rank_stops_the_others_and_last_resumes(tmp_path):
         assert any(text in message.lower() for text in ("by peer", "timed out", "timeout")), message
         procs[0].join(timeout=TIMEOUT_S + 30)  # the survivor exits, it does not hang
         assert procs[0].exitcode is not None
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
     # The last complete checkpoint (ModelCheckpoint runs after the killing callback: step 2's).
     saved_step = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
     assert saved_step == 2
-    procs, results = _world(root, kill_at=None, resume=True)
-    try:
-        outs = [results.get(timeout=300) for _ in range(2)]
-    except queue.Empty:
-        raise AssertionError("the relaunched world did not finish") from None
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+    with _world(root, kill_at=None, resume=True) as (procs, results):
+        try:
+            outs = [results.get(timeout=300) for _ in range(2)]
+        except queue.Empty:
+            raise AssertionError("the relaunched world did not finish") from None
     for rank, status, out, _ in outs:
         assert status == "ok", out
         assert out["global_step"] == 6 and len(out["losses"]) == 6 - saved_step  # only the remaining steps

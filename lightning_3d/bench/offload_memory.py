@@ -1,6 +1,6 @@
 """Whole training steps of a 50M-parameter GPT in one process: offload none vs CPU vs NVMe.
 
-    python -m lightning_3d.bench.offload_memory [--rounds 4] [--precisions 32-true bf16-true] [--path DIR]
+    python -m lightning_3d.bench.offload_memory [--rounds 4] [--precisions 32-true bf16-true] [--path DIR] [--out DIR]
 
 The reference ``LitGPT`` (n_embd=768, n_layer=7, n_head=12, block_size=128, vocab 256:
 50,048,256 parameters) trains through ``Trainer(strategy=ThreeDStrategy(offload=...), devices=1)``
@@ -23,6 +23,12 @@ bf16 matmuls are ~20x slower than fp32 on CPUs without AVX512-BF16/AMX (measured
 4.6 s for a batch of 4x128 tokens), so bf16 rows use 1x32 tokens per step, next to an fp32 row at
 1x32 without offload (the last column's reference: fp32 parameters, gradients and Adam state).
 Runtime with the defaults: ~5-8 minutes on 2 cores.
+
+Besides the printed table, ``OUT/summary.json`` (default ``bench_out/offload_memory``) holds every
+row machine-readable: the configuration, step time (wall and CPU medians), peak RSS, RSS over
+base, model-state bytes, the activation bytes per block of the row's first step (``RunSummary``'s
+``activation_bytes_per_block``), and the ratios against offload=none and against fp32 without
+offload.
 """
 
 from __future__ import annotations
@@ -36,11 +42,13 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 MODEL = {"vocab_size": 256, "block_size": 128, "n_layer": 7, "n_head": 12, "n_embd": 768, "dropout": 0.0}
 PRECISIONS = ("32-true", "bf16-true")
 PREFIX = "BENCH "
+DEFAULT_OUT = Path("bench_out") / "offload_memory"
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,8 @@ def _worker(args: argparse.Namespace) -> None:
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                             limit_val_batches=0, callbacks=[summary, Lockstep()], default_root_dir=out)
         trainer.fit(module, data)
-    _say({"peak_rss_mb": peak_rss_mb(), "num_params": summary.summary["num_params"], **summary.memory})
+    _say({"peak_rss_mb": peak_rss_mb(), "num_params": summary.summary["num_params"], **summary.memory,
+          **summary.activations})
 
 
 def _start(row: Row, args: argparse.Namespace) -> subprocess.Popen:
@@ -170,24 +179,59 @@ def _reference(r: dict[str, Any], results: list[dict[str, Any]], precision: str)
                 and all(x[k] == r[k] for k in same))
 
 
+def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each record with its ratios: against offload=none at the same precision, tokens and
+    activation checkpointing (``*_vs_none``), and peak RSS against fp32 without offload at the
+    same tokens (``peak_rss_vs_fp32_none``)."""
+    out = []
+    for r in results:
+        ref, fp32 = _reference(r, results, r["precision"]), _reference(r, results, "32-true")
+        over, ref_over = r["peak_rss_mb"] - r["base_rss_mb"], ref["peak_rss_mb"] - ref["base_rss_mb"]
+        out.append({
+            **r,
+            "tokens_per_step": r["batch"] * r["seq"],
+            "over_base_mb": over,
+            "step_s_vs_none": r["step_s"] / ref["step_s"],
+            "peak_rss_vs_none": r["peak_rss_mb"] / ref["peak_rss_mb"],
+            "over_base_vs_none": over / ref_over,
+            "peak_rss_vs_fp32_none": r["peak_rss_mb"] / fp32["peak_rss_mb"],
+        })
+    return out
+
+
 def table(results: list[dict[str, Any]]) -> str:
     """Markdown: one line per configuration; ratios against offload=none at the same precision,
     tokens and activation checkpointing (AC); the last column against fp32 without offload."""
     mb = lambda b: f"{b / 2**20:.0f}"
     header = ("| precision | offload | AC | tokens/step | step s | vs none | CPU s | peak RSS MB | vs none | "
-              "over base MB | vs none | params MB | grads MB | optim in RAM MB | peak vs fp32 none |")
-    lines = [header, "|" + "---|" * 15]
-    for r in results:
-        ref, fp32 = _reference(r, results, r["precision"]), _reference(r, results, "32-true")
-        over, ref_over = r["peak_rss_mb"] - r["base_rss_mb"], ref["peak_rss_mb"] - ref["base_rss_mb"]
+              "over base MB | vs none | params MB | grads MB | optim in RAM MB | act. MB/block | peak vs fp32 none |")
+    lines = [header, "|" + "---|" * 16]
+    for r in rows(results):
+        act = r.get("activation_bytes_per_block")
         lines.append(
             f"| {r['precision']} | {r['offload']} | {r['checkpointing']} | {r['batch']}x{r['seq']} | "
-            f"{r['step_s']:.2f} | {r['step_s'] / ref['step_s']:.2f}x | {r['cpu_s']:.2f} | {r['peak_rss_mb']:.0f} | "
-            f"{r['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x | {over:.0f} | {over / ref_over:.2f}x | "
+            f"{r['step_s']:.2f} | {r['step_s_vs_none']:.2f}x | {r['cpu_s']:.2f} | {r['peak_rss_mb']:.0f} | "
+            f"{r['peak_rss_vs_none']:.2f}x | {r['over_base_mb']:.0f} | {r['over_base_vs_none']:.2f}x | "
             f"{mb(r['param_bytes'])} | {mb(r['grad_bytes'])} | {mb(r['optimizer_state_bytes'])} | "
-            f"{r['peak_rss_mb'] / fp32['peak_rss_mb']:.2f}x |"
+            f"{'-' if act is None else f'{act / 2**20:.1f}'} | {r['peak_rss_vs_fp32_none']:.2f}x |"
         )
     return "\n".join(lines)
+
+
+def summary(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """summary.json: the settings, then :func:`rows`."""
+    return {
+        "benchmark": "offload_memory",
+        "model": {"class": "LitGPT", **MODEL},
+        "num_params": results[0]["num_params"],
+        "optimizer": "AdamW",
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "nvme_path": args.path,
+        "malloc_mmap_threshold": 1048576,
+        "step_time": "median over the timed steps (the first step, creating the optimizer state, is not timed)",
+        "rows": rows(results),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-checkpointing-rows", action="store_true", help="skip the activation-checkpointing rows")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--path", default=tempfile.gettempdir(), help="directory for offload=nvme")
+    parser.add_argument("--out", "--outdir", dest="out", default=str(DEFAULT_OUT),
+                        help=f"directory for summary.json (default {DEFAULT_OUT})")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--precision", choices=PRECISIONS, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
@@ -214,7 +260,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{args.threads} intra-op thread(s), MALLOC_MMAP_THRESHOLD_=1048576; median of {args.rounds} "
           f"interleaved steps (first step untimed); nvme path {args.path}\n")
     print(table(results))
-    print(f"\n(total {time.perf_counter() - start:.0f} s)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary(results, args), indent=2))
+    print(f"\n(total {time.perf_counter() - start:.0f} s; summary: {out / 'summary.json'})")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ FSDP2 ``fully_shard``, as torchtitan orders it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import weakref
@@ -43,6 +44,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from lightning_3d.parallel import activations
 from lightning_3d.parallel.fsdp import find_blocks
 
 POLICIES = ("none", "full", "every_n", "selective")
@@ -95,8 +97,31 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     return CheckpointPolicy.MUST_SAVE
 
 
+class _ReportCached(TorchDispatchMode):
+    """Inside ``selective``'s caching mode: reports the outputs it keeps (the ops
+    :func:`_selective_policy` saves) to the activation meters counting now."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if _selective_policy(None, func, *args, **kwargs) is CheckpointPolicy.MUST_SAVE:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    activations.note_saved(t)
+        return out
+
+
+@contextlib.contextmanager
+def _caching_and_reporting(caching: Any) -> Any:
+    with caching, _ReportCached():  # the reporter innermost: it sees each op, then the cache does
+        yield
+
+
 def _selective_contexts() -> tuple[Any, Any]:
-    return create_selective_checkpoint_contexts(_selective_policy)
+    forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
+    if activations.recording():  # only while a meter counts: no extra dispatch otherwise
+        forward = _caching_and_reporting(forward)
+    return forward, recompute
 
 
 class _CheckpointedForward:
@@ -145,6 +170,18 @@ def _block_table(module: nn.Module) -> list[tuple[str, int, nn.Module]]:
                     table.append((f"{list_name}.{key}" if list_name else key, int(key), block))
     names = [name for name, _, _ in table]
     return [row for row in table if not any(row[0].startswith(n + ".") for n in names)]
+
+
+def transformer_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, block) for each outermost transformer block of ``module`` that activation
+    checkpointing applies to: under a pipeline, the blocks this rank holds (placeholders have no
+    parameters and are not blocks)."""
+    return [(name, block) for name, _, block in _block_table(module)]
+
+
+def is_checkpointed(block: nn.Module) -> bool:
+    """Whether ``block`` recomputes its activations in backward (any policy but ``none``)."""
+    return _POLICY_ATTR in block.__dict__
 
 
 def apply_activation_checkpointing(module: nn.Module, policy: str, every_n: int = 2) -> list[str]:
@@ -210,8 +247,11 @@ def activation_bytes_per_block(model: nn.Module, batch: Any, policy: str, every_
     Runs ``model(batch)`` with ``policy`` applied (the model's own policy is restored after),
     records every storage created while each block runs, and counts those still alive when the
     forward returns: what autograd saved, what ``checkpoint`` keeps to re-run the block, and
-    what ``selective`` caches. (A ``saved_tensors_hooks`` counter cannot see inside checkpointed
-    blocks: checkpoint installs its own hooks, and the innermost hooks win.) Parameters, buffers
+    what ``selective`` caches. (A plain ``saved_tensors_hooks`` counter cannot see inside
+    checkpointed blocks: checkpoint installs its own hooks, and the innermost hooks win.
+    :class:`~lightning_3d.parallel.activations.ActivationMeter`, which the run summary uses, also
+    counts ``selective``'s cache and gets the same bytes per block, attributing a tensor to the
+    block that saves it rather than the one that creates it.) Parameters, buffers
     and the model's outputs are not counted; a storage belongs to the block that created it, so
     a block's output counts in that block. For plain (unsharded) modules.
 

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_3d.parallel.activations import ActivationMeter, paused
 from lightning_3d.parallel.stages import (  # noqa: F401  (re-exported: the pipeline's public names)
     SPLITS,
     StageModule,
@@ -122,75 +123,6 @@ def pipeline_options(pipeline: int, micro_batches: Optional[int], schedule: str,
     return {"micro_batches": micro_batches, "schedule": schedule, "virtual_stages": virtual, "split": split}
 
 
-class ActivationMeter:
-    """Bytes of activations saved for backward that are alive, and the most micro-batches whose
-    forward ran but whose backward has not (in flight), during one schedule step.
-
-    Counts tensors autograd saves (``saved_tensors_hooks``), each storage once, minus the
-    parameters' own storages (and views of them); a saved tensor stops counting when autograd
-    frees it. Under ZeRO-3 the weights gathered for a block and kept for its backward count too.
-    """
-
-    def __init__(self) -> None:
-        self.live = self.peak = 0
-        self.in_flight = self.in_flight_peak = 0
-        self._refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
-        self._param_storages: set[int] = set()
-
-    def reset(self, params: Any = ()) -> None:
-        self.peak, self.in_flight_peak, self.in_flight = self.live, 0, 0
-        self._param_storages = {local_tensor(p).untyped_storage().data_ptr() for p in params}
-
-    def forward_done(self) -> None:
-        self.in_flight += 1
-        self.in_flight_peak = max(self.in_flight_peak, self.in_flight)
-
-    def backward_done(self) -> None:
-        self.in_flight -= 1
-
-    def hooks(self) -> Any:
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-
-    def _pack(self, tensor: torch.Tensor) -> Any:
-        storage = local_tensor(tensor).untyped_storage()
-        key = storage.data_ptr()
-        if key in self._param_storages:  # a parameter (or a view of one), not an activation
-            return tensor
-        entry = self._refs.setdefault(key, [0, storage.nbytes()])
-        if entry[0] == 0:
-            self.live += entry[1]
-            self.peak = max(self.peak, self.live)
-        entry[0] += 1
-        # Keep a detached alias: holding ``tensor`` itself (an op's own output, with its grad_fn)
-        # would tie the graph into a cycle through C++ nodes that nothing collects.
-        return _Saved(tensor.detach(), self, key)
-
-    def _release(self, key: int) -> None:
-        entry = self._refs.get(key)
-        if entry is None:
-            return
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.live -= entry[1]
-            del self._refs[key]
-
-
-class _Saved:
-    """A saved activation; its release (when autograd frees the graph) updates the meter."""
-
-    __slots__ = ("tensor", "meter", "key")
-
-    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter, key: int) -> None:
-        self.tensor, self.meter, self.key = tensor, meter, key
-
-    def __del__(self) -> None:
-        self.meter._release(self.key)
-
-
-def _unpack(saved: Any) -> torch.Tensor:
-    return saved.tensor if isinstance(saved, _Saved) else saved
-
-
 class PipelineRuntime:
     """This rank's pipeline stages, their schedule, and one step of it inside Lightning."""
 
@@ -234,7 +166,8 @@ class PipelineRuntime:
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                with paused(False):  # activations count here (see run())
+                    return fn(*args, **kwargs)
             finally:
                 self._busy += time.perf_counter() - start
                 if after is not None and torch.is_grad_enabled():
@@ -249,8 +182,9 @@ class PipelineRuntime:
         # the mean over the schedule's micro-batches and Lightning's k accumulated steps. (The
         # schedule's own scale_grads would divide p.grad after the step, but ZeRO has already
         # moved the gradients into its buckets by then.)
-        loss = self.spec.loss(outputs, targets) / (self.micro_batches * self.trainer.accumulate_grad_batches)
-        return self._scale_loss(loss)
+        with paused(False):  # what the loss saves for backward counts (see run())
+            loss = self.spec.loss(outputs, targets) / (self.micro_batches * self.trainer.accumulate_grad_batches)
+            return self._scale_loss(loss)
 
     def _check_batch(self, inputs: Any) -> None:
         size = inputs.shape[0]
@@ -266,7 +200,9 @@ class PipelineRuntime:
         losses: list[torch.Tensor] = []
         self._busy, start = 0.0, time.perf_counter()
         self.meter.reset(p for stage in self.stage_modules for p in stage.parameters())
-        with self.meter.hooks():
+        # Activations count inside the stages' forward / backward chunks and the loss only: the
+        # schedule's first step also runs each stage once to infer shapes, outside the chunks.
+        with self.meter.hooks(), paused():
             self.schedule.step(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
         self.bubble_fractions.append(max(0.0, 1.0 - self._busy / (time.perf_counter() - start)))
         self.activation_peaks.append(self.meter.peak)
