@@ -55,6 +55,11 @@ def test_bad_bucket_size(size):
         ThreeDStrategy(bucket_size_mb=size)
 
 
+def test_bad_checkpoint_format():
+    with pytest.raises(ValueError, match=r"checkpoint_format must be one of \('consolidated', 'sharded'\), got 'dcp'"):
+        ThreeDStrategy(checkpoint_format="dcp")
+
+
 def test_good_options_are_kept():
     strategy = ThreeDStrategy(data=2, tensor=1, pipeline=1, zero_stage=2, bucket_size_mb=1.5)
     assert strategy.layout.zero_stage == 2 and strategy.layout.data == 2
@@ -155,6 +160,7 @@ def test_validate_accepts_default_config(compose):
         (["offload.device=disk"], ["offload='disk'"]),
         (["offload=nvme", "offload.path=/no/such/dir"], ["'/no/such/dir' does not exist"]),
         (["parallelism.activation_checkpointing=half"], ["policy 'half'"]),
+        (["parallelism.checkpoint_format=zip"], ["checkpoint_format", "'zip'"]),
         # the tensor-parallel plan is checked against the model's shapes (built on meta)
         (["parallelism.tensor=2", "trainer.devices=2", "model.n_head=3", "model.n_embd=48"], ["heads 3", "tensor=2"]),
         (["parallelism.tensor=2", "trainer.devices=2", "model.vocab_size=255"], ["vocabulary) 255", "tensor=2"]),

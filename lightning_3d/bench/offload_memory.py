@@ -1,6 +1,6 @@
 """Whole training steps of a 50M-parameter GPT in one process: offload none vs CPU vs NVMe.
 
-    python -m lightning_3d.bench.offload_memory [--rounds 4] [--precisions 32-true bf16-true] [--path DIR] [--out DIR]
+    python -m lightning_3d.bench.offload_memory [--rounds 4] [--precisions 32-true bf16-true] [--n-layer 7 --n-embd 768] [--path DIR] [--out DIR]
 
 The reference ``LitGPT`` (n_embd=768, n_layer=7, n_head=12, block_size=128, vocab 256:
 50,048,256 parameters) trains through ``Trainer(strategy=ThreeDStrategy(offload=...), devices=1)``
@@ -46,6 +46,11 @@ from pathlib import Path
 from typing import Any
 
 MODEL = {"vocab_size": 256, "block_size": 128, "n_layer": 7, "n_head": 12, "n_embd": 768, "dropout": 0.0}
+
+
+def model_config(n_layer: int, n_embd: int) -> dict[str, Any]:
+    """The benchmark's LitGPT settings at another depth / width (64-wide heads)."""
+    return {**MODEL, "n_layer": n_layer, "n_embd": n_embd, "n_head": n_embd // 64}
 PRECISIONS = ("32-true", "bf16-true")
 PREFIX = "BENCH "
 DEFAULT_OUT = Path("bench_out") / "offload_memory"
@@ -107,7 +112,7 @@ def _worker(args: argparse.Namespace) -> None:
     data = TextDataModule(corpus="stdlib", block_size=args.seq, batch_size=args.batch, max_bytes=1_000_000, seed=0)
     data.setup_for(1, 0)  # the corpus now, so that it is part of the base RSS
     base_rss = peak_rss_mb()  # interpreter, torch, Lightning and the corpus: the same in every row
-    module = LitGPT(**MODEL, lr=1e-4, warmup_steps=0)
+    module = LitGPT(**model_config(args.n_layer, args.n_embd), lr=1e-4, warmup_steps=0)
     strategy = ThreeDStrategy(offload=args.offload, offload_path=args.path if args.offload == "nvme" else None,
                               activation_checkpointing=args.checkpointing)
     with tempfile.TemporaryDirectory(prefix="offload-memory-") as out:  # summary.json goes there
@@ -125,7 +130,8 @@ def _start(row: Row, args: argparse.Namespace) -> subprocess.Popen:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", OMP_NUM_THREADS=str(args.threads))
     command = [sys.executable, "-m", "lightning_3d.bench.offload_memory", "--worker",
                *(f"--{f.name}={getattr(row, f.name)}" for f in fields(row)),
-               f"--rounds={args.rounds}", f"--threads={args.threads}", f"--path={args.path}"]
+               f"--rounds={args.rounds}", f"--threads={args.threads}", f"--path={args.path}",
+               f"--n-layer={args.n_layer}", f"--n-embd={args.n_embd}"]
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 -- the worker's warnings, closed in measure()
     proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
     proc.log = log  # type: ignore[attr-defined]
@@ -222,7 +228,7 @@ def summary(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
     """summary.json: the settings, then :func:`rows`."""
     return {
         "benchmark": "offload_memory",
-        "model": {"class": "LitGPT", **MODEL},
+        "model": {"class": "LitGPT", **model_config(args.n_layer, args.n_embd)},
         "num_params": results[0]["num_params"],
         "optimizer": "AdamW",
         "threads": args.threads,
@@ -240,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     parser.add_argument("--no-checkpointing-rows", action="store_true", help="skip the activation-checkpointing rows")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--n-layer", type=int, default=MODEL["n_layer"], help="blocks (default 7: 50M parameters)")
+    parser.add_argument("--n-embd", type=int, default=MODEL["n_embd"], help="width, a multiple of 64 (default 768)")
     parser.add_argument("--path", default=tempfile.gettempdir(), help="directory for offload=nvme")
     parser.add_argument("--out", "--outdir", dest="out", default=str(DEFAULT_OUT),
                         help=f"directory for summary.json (default {DEFAULT_OUT})")
@@ -250,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--offload", choices=["none", "cpu", "nvme"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", choices=["none", "full"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.n_layer < 1 or args.n_embd < 64 or args.n_embd % 64:
+        parser.error(f"need --n-layer >= 1 and --n-embd a multiple of 64, got {args.n_layer} and {args.n_embd}")
     if args.worker:
         _worker(args)
         return
