@@ -84,9 +84,10 @@ def test_offload_memory_summary_rows_and_ratios(tmp_path):
                 "activation_bytes_per_block": 1000 if checkpointing == "none" else 100}
 
     results = [record("none", 1300.0, 6.0), record("nvme", 975.0, 6.6), record("none", 1200.0, 8.0, "full")]
-    args = argparse.Namespace(threads=1, rounds=4, path=str(tmp_path))
+    args = argparse.Namespace(threads=1, rounds=4, path=str(tmp_path), n_layer=12, n_embd=1024)
     summary = bench.summary(results, args)
     assert summary["num_params"] == 50_048_256 and summary["benchmark"] == "offload_memory"
+    assert (summary["model"]["n_layer"], summary["model"]["n_embd"], summary["model"]["n_head"]) == (12, 1024, 16)
     none, nvme, full = summary["rows"]
     assert none["peak_rss_vs_none"] == 1.0 and none["step_s_vs_none"] == 1.0
     assert nvme["peak_rss_vs_none"] == pytest.approx(0.75) and nvme["step_s_vs_none"] == pytest.approx(1.1)
