@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lightning_3d.parallel.tensor import local_tensor
 
@@ -135,10 +136,10 @@ class ActivationMeter:
     def _hold(self, tensor: torch.Tensor) -> int | None:
         """Count ``tensor``'s storage as saved (once per storage); its key, or None if not counted."""
         try:
-            storage = local_tensor(tensor).untyped_storage()
+            storage = _innermost(tensor).untyped_storage()
+            key = storage.data_ptr()
         except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
             return None
-        key = storage.data_ptr()
         if key in self._param_storages or (self._running and key in self._running[-1][1]):
             return None  # a parameter (or a view of one), not an activation
         entry = self._refs.get(key)
@@ -159,6 +160,15 @@ class ActivationMeter:
         if entry[0] == 0:
             self.live -= entry[1]
             del self._refs[key]
+
+
+def _innermost(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor inside wrapper subclasses (a DTensor's local shard, the result inside an
+    ``AsyncCollectiveTensor`` that tensor parallelism's redistributions return)."""
+    while is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, names[0])
+    return tensor
 
 
 def _hold_all(tensor: torch.Tensor) -> list[tuple[ActivationMeter, int]]:
@@ -203,4 +213,4 @@ def note_saved(tensor: torch.Tensor) -> None:
     checkpointing's cache) in every meter counting now, until its storage is freed."""
     held = _hold_all(tensor)
     if held:
-        weakref.finalize(local_tensor(tensor).untyped_storage(), _release_all, held)
+        weakref.finalize(_innermost(tensor).untyped_storage(), _release_all, held)
