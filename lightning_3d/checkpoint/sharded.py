@@ -99,11 +99,17 @@ def _local_like(full: Tensor, param: Tensor, fused: tuple[int, int], dtype: torc
     return full
 
 
+def _fused_by_name(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """Parameter name → (chunks, tp) of the fused projections tensor parallelism regrouped."""
+    by_id = _fused_params(module)
+    return {name: by_id[id(p)] for name, p in module.named_parameters() if id(p) in by_id}
+
+
 # ------------------------------------------------------------------------------ save
 def model_state(module: nn.Module) -> dict[str, Any]:
     """``module.state_dict()`` ready for DCP: DTensors and plain tensors as they are (no copy),
     fused tensor-parallel projections whole. A collective only when fused projections exist."""
-    fused = {name: _fused_params(module).get(id(p)) for name, p in module.named_parameters()}
+    fused = _fused_by_name(module)
     return {
         name: _to_full(value, fused[name]) if fused.get(name) else value
         for name, value in module.state_dict().items()
@@ -310,7 +316,7 @@ def load(targets: Mapping[str, Any], path: Any, metadata: Metadata, no_dist: boo
 def model_targets(module: nn.Module, names: Iterable[str]) -> tuple[dict[str, Any], list]:
     """DCP targets for ``module``'s state (its own storage, so loading is in place), and the
     fused projections to copy in afterwards."""
-    fused = {name: _fused_params(module).get(id(p)) for name, p in module.named_parameters()}
+    fused = _fused_by_name(module)
     own = module.state_dict()
     targets, after = {}, []
     for name in names:
