@@ -30,10 +30,10 @@ from typing_extensions import override
 
 from lightning_3d.checkpoint.io import AtomicCheckpointIO
 from lightning_3d.checkpoint.strategy_hooks import CHECKPOINT_FORMATS, CheckpointHooks
+from lightning_3d.optim_wiring import OptimizerWiring
 from lightning_3d.layout import Layout, MeshAxis, build_mesh
 from lightning_3d.offload import OffloadedAdam, offload_options
 from lightning_3d.parallel.checkpointing import apply_activation_checkpointing, checkpoint_options
-from lightning_3d.parallel.clip import clip_grad_norm_
 from lightning_3d.parallel.fsdp import apply_zero3
 from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.pipeline import PipelineRuntime, pipeline_options, split_stages
@@ -52,7 +52,7 @@ _OPTIONS = (
 )
 
 
-class ThreeDStrategy(CheckpointHooks, ParallelStrategy):
+class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
     """Pipeline × data × tensor parallelism with ZeRO sharding on the data axis.
 
     Args:
@@ -325,71 +325,6 @@ class ThreeDStrategy(CheckpointHooks, ParallelStrategy):
         for name, style in resolved.items():
             if isinstance(style, ColwiseParallel) and not style.use_local_output:  # the loss-parallel head
                 self.lightning_module.get_submodule(name).register_forward_hook(record)
-
-    def _fsdp_policies(self) -> dict[str, Any]:
-        """FSDP2 policies under ZeRO-3. Mixed precision: parameters are gathered in the compute
-        dtype (half the all-gather bytes) and gradients reduce-scattered in fp32; the sharded
-        fp32 parameters are the master weights the optimizer steps. ``offload="cpu"`` on an
-        accelerator: the sharded parameters (and gradients) live in pinned CPU memory too, and
-        are copied to the device per block. (On a CPU device they are in CPU memory already.)"""
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-
-        policies: dict[str, Any] = {}
-        compute = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(self.precision_plugin.precision))
-        if compute is not None:
-            policies["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-        if self._offload["device"] == "cpu" and self.root_device.type != "cpu":
-            policies["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-        return policies
-
-    def _scale_loss(self, loss: Tensor) -> Tensor:
-        """The loss as backward should see it: scaled by the dynamic loss scale under 16-mixed."""
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        return scaler.scale(loss) if scaler is not None else loss
-
-    def _share_overflow_checks(self) -> None:
-        # 16-mixed: the grad scaler checks this rank's gradients for inf/nan before the step —
-        # a ZeRO slice, a tensor shard, a pipeline stage. If any rank found one, every rank
-        # must skip the step (and lower the scale), or the ranks' weights part ways.
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is None or "unscale_" in vars(scaler):
-            return
-        unscale = scaler.unscale_
-
-        def unscale_(optimizer: Optimizer) -> None:
-            unscale(optimizer)
-            for found in scaler._found_inf_per_device(optimizer).values():  # noqa: SLF001
-                dist.all_reduce(found, op=dist.ReduceOp.MAX)
-
-        scaler.unscale_ = unscale_
-
-    def _use_global_norm_clipping(self) -> None:
-        # Lightning clips through the precision plugin with torch's clip_grad_norm_, which
-        # cannot mix plain tensors with DTensors of different placements (TP + ZeRO).
-        plugin = self.precision_plugin
-
-        # Pipeline stages own disjoint parameters: their squared norms add up over pp.
-        pp_group = self._pp_group
-
-        def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-            clip_grad_norm_(plugin.main_params(optimizer), clip_val, sum_over=pp_group)
-
-        plugin.clip_grad_by_norm = clip_grad_by_norm
-
-    def _offload_optimizers(self) -> None:
-        # After ZeRO has rewritten the optimizer to its shards: only this rank's shard of the
-        # state moves to CPU / NVMe. The wrapper shares the param groups, so LR schedulers built
-        # on the user's optimizer keep steering it.
-        if self._offload["device"] == "none":
-            return
-        wrapped = []
-        for optimizer in self.optimizers:
-            offloaded = OffloadedAdam.from_optimizer(
-                optimizer, self._offload["device"], self._offload["path"], self._offload["chunk_bytes"]
-            )
-            optimizer._opt_called = True  # its step is now the wrapper's: no "scheduler before step" warning
-            wrapped.append(offloaded)
-        self.optimizers = wrapped
 
     def _attach_engines(self, mesh: DeviceMesh) -> None:
         for engine in self._engines:
