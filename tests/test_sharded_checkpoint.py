@@ -102,9 +102,11 @@ def test_each_rank_writes_its_own_shards(saved, layout):
     assert max(sizes) < 0.7 * sum(sizes), sizes
 
 
-def test_fused_qkv_under_tensor_parallel(saved):
-    """GPT-2-style fused q/k/v regrouped per tensor rank: saved in the plain model's row order."""
-    _assert_equals_reference(saved("tp2", arch="gpt2"), saved("single", arch="gpt2"))
+@pytest.mark.parametrize("layout", ["tp2", pytest.param("tp2_sp_zero2", marks=pytest.mark.slow)])
+def test_fused_qkv_under_tensor_parallel(saved, layout):
+    """GPT-2-style fused q/k/v regrouped per tensor rank (inside ZeRO-2 slices too): saved in the
+    plain model's row order."""
+    _assert_equals_reference(saved(layout, arch="gpt2"), saved("single", arch="gpt2"))
 
 
 RESUMES = [

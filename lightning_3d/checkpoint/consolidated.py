@@ -48,12 +48,14 @@ def _to_full(value: Any, fused: Optional[tuple[int, int]]) -> Any:
     return full.detach().to("cpu", copy=True)
 
 
-def _to_local_like(full: Any, param: Tensor, fused: Optional[tuple[int, int]]) -> Any:
-    """A full tensor laid out like ``param``: this rank's shard (a DTensor) if ``param`` is one."""
+def _to_local_like(full: Any, param: Tensor, fused: Optional[tuple[int, int]],
+                   dtype: Optional[torch.dtype] = None) -> Any:
+    """A full tensor laid out like ``param``: this rank's shard (a DTensor) if ``param`` is one,
+    in ``dtype`` (default: the parameter's)."""
     if not isinstance(full, Tensor) or full.dim() == 0:
         return full.clone() if isinstance(full, Tensor) else full
     device = local_tensor(param).device
-    full = full.to(device=device, dtype=param.dtype)
+    full = full.to(device=device, dtype=dtype or param.dtype)
     if fused is not None:
         full = regroup_fused_rows(full, *fused)
     if isinstance(param, DTensor):

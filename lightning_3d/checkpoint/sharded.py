@@ -39,10 +39,10 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from lightning_3d.checkpoint.consolidated import _fused_params, _groups, _sharded_by_engine, _to_full
+from lightning_3d.checkpoint.consolidated import _fused_params, _groups, _sharded_by_engine, _to_full, _to_local_like
 from lightning_3d.checkpoint.io import fsync_dir, remove_stale_temps, temp_path_for
 from lightning_3d.checkpoint.pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner, flat_boxes, flat_index
-from lightning_3d.parallel.tensor import local_tensor, regroup_fused_rows
+from lightning_3d.parallel.tensor import local_tensor
 from lightning_3d.parallel.zero import ZeroDataParallel
 
 FORMAT = "lightning_3d.sharded/1"
@@ -87,16 +87,6 @@ def _owned_range(engine: ZeroDataParallel, bucket: Any, offset: int, param: Tens
     numel = local_tensor(param).numel()
     a, b = max(offset, lo), min(offset + numel, lo + bucket.shard_numel)
     return a - offset, max(a, b) - offset, lo - offset
-
-
-def _local_like(full: Tensor, param: Tensor, fused: tuple[int, int], dtype: torch.dtype) -> Tensor:
-    """A whole fused tensor (plain row order) laid out like ``param`` (regrouped, sharded)."""
-    full = regroup_fused_rows(full.to(local_tensor(param).device, dtype), *fused)
-    if isinstance(param, DTensor):
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-    return full
 
 
 def _fused_by_name(module: nn.Module) -> dict[str, tuple[int, int]]:
@@ -335,7 +325,7 @@ def finish_model(module: nn.Module, after: list) -> None:
     params = dict(module.named_parameters())
     for name, whole, fused in after:
         target = params[name]
-        local_tensor(target).copy_(local_tensor(_local_like(whole, target, fused, target.dtype)))
+        local_tensor(target).copy_(local_tensor(_to_local_like(whole, target, fused)))
 
 
 def optimizer_targets(
@@ -356,7 +346,8 @@ def optimizer_targets(
         name, key = fqn.rsplit(".", 1)
         keys_of.setdefault(name, {})[key] = value
     targets: dict[str, Any] = {}
-    installs: list[tuple[Tensor, dict[str, Any], list]] = []  # (state owner, state, fused copies)
+    # (state owner, its state, fused whole-parameter states, fused parameters inside a ZeRO slice)
+    installs: list[tuple[Tensor, dict[str, Any], list, list]] = []
 
     def scalar(fqn: str, md: Any) -> Any:
         if not isinstance(md, TensorStorageMetadata):
@@ -370,7 +361,7 @@ def optimizer_targets(
             keys = {k: md for n in names for k, md in keys_of.get(n, {}).items()}
             if not keys:
                 continue
-            state, copies = {}, []
+            state, in_slice = {}, []
             for key, md in keys.items():
                 if key not in elementwise:
                     first = next(n for n in names if key in keys_of.get(n, {}))
@@ -383,39 +374,36 @@ def optimizer_targets(
                     start, stop, base = _owned_range(engine, bucket, offset, p)
                     if id(p) in fused:
                         whole = targets[prefix + f"{name}.{key}"] = torch.zeros(p.shape, dtype=md.properties.dtype)
-                        copies.append((whole, p, fused[id(p)], flat, start, stop, base))
+                        in_slice.append((whole, p, fused[id(p)], flat, start, stop, base))
                     else:
                         targets[prefix + f"{name}.{key}"] = Pieces(p.shape, _param_pieces(p, flat, start, stop, base))
                 state[key] = engine.slice_dtensor(flat, bucket.params[0])
-            installs.append((bucket.slice, state, copies))
+            installs.append((bucket.slice, state, [], in_slice))
     else:
         for p in (p for group in _groups(optimizer, engine) for p in group):
             name = name_of[id(p)]
             if name not in keys_of:
                 continue
-            state, copies = {}, []
+            state, whole_states = {}, []
             for key, md in keys_of[name].items():
                 if key not in elementwise:
                     state[key] = scalar(f"{name}.{key}", md)
                 elif id(p) in fused:
                     whole = targets[prefix + f"{name}.{key}"] = torch.zeros(p.shape, dtype=md.properties.dtype)
-                    copies.append((whole, p, fused[id(p)], key))
+                    whole_states.append((key, whole, fused[id(p)]))
                 else:
                     state[key] = targets[prefix + f"{name}.{key}"] = torch.zeros_like(p, dtype=md.properties.dtype)
-            installs.append((p, state, copies))
+            installs.append((p, state, whole_states, []))
 
     def install() -> None:
         for group, saved_group in zip(optimizer.param_groups, meta["param_groups"]):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
-        for owner, state, copies in installs:
-            for copy in copies:
-                if len(copy) == 4:  # a whole parameter's state
-                    whole, p, fusion, key = copy
-                    state[key] = _local_like(whole, p, fusion, whole.dtype)
-                else:  # a fused parameter inside a ZeRO slice
-                    whole, p, fusion, flat, start, stop, base = copy
-                    local = local_tensor(_local_like(whole, p, fusion, flat.dtype)).reshape(-1)
-                    flat[start - base : stop - base].copy_(local[start:stop])
+        for owner, state, whole_states, in_slice in installs:
+            for key, whole, fusion in whole_states:
+                state[key] = _to_local_like(whole, owner, fusion, whole.dtype)
+            for whole, p, fusion, flat, start, stop, base in in_slice:
+                local = local_tensor(_to_local_like(whole, p, fusion, flat.dtype)).reshape(-1)
+                flat[start - base : stop - base].copy_(local[start:stop])
             optimizer.state[owner] = state
 
     return targets, install
