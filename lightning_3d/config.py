@@ -48,6 +48,7 @@ class OffloadConfig:
     device: str = "none"  # none | cpu | nvme
     path: Optional[str] = None  # directory for nvme offload (a private subdirectory is made in it)
     chunk_mb: float = 16.0  # nvme: state streamed through RAM in chunks of this size
+    params: bool = False  # zero_stage 3: the sharded parameters and gradients live in CPU memory too
 
 
 def register_configs(store: Optional[ConfigStore] = None) -> None:
@@ -63,7 +64,7 @@ def build_strategy(parallelism: Any, offload: Any = None) -> ThreeDStrategy:
     if offload is not None:
         cfg = offload if isinstance(offload, dict) else _to_dict(offload)
         options.update(offload=cfg.get("device", "none"), offload_path=cfg.get("path"),
-                       offload_chunk_mb=cfg.get("chunk_mb", 16.0))
+                       offload_chunk_mb=cfg.get("chunk_mb", 16.0), offload_params=cfg.get("params", False))
     return ThreeDStrategy(**options)
 
 

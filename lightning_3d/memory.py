@@ -43,6 +43,8 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
     (non-``DTensor``) tensors: everything under ZeRO 0–2, and whatever FSDP2 did not shard.
     ``tp_split_param_bytes`` / ``tp_split_dense_bytes``: local and full bytes of the parameters
     that tensor parallelism split (ZeRO 0–2; under ZeRO-3 they are also split on ``dp``).
+    ``offloaded_param_bytes``: the part of ``param_bytes`` that FSDP2 keeps in CPU memory under a
+    ``CPUOffloadPolicy`` (``ThreeDStrategy(offload_params=True)``).
     """
     optimizers = [getattr(opt, "_optimizer", opt) for opt in optimizers]  # unwrap LightningOptimizer
     params = list(module.parameters())
@@ -66,7 +68,19 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
         "grad_bytes": grad_bytes,
         "optimizer_state_bytes": state_bytes,
         "unsharded_param_bytes": unsharded,
+        "offloaded_param_bytes": _storage_bytes(_cpu_offloaded_params(module), set()),
     }
+
+
+def _cpu_offloaded_params(module: nn.Module) -> list[Tensor]:
+    """The sharded parameters FSDP2 was told to keep in CPU memory (``CPUOffloadPolicy``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for m in module.modules():
+        group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None  # noqa: SLF001
+        found += [fp.sharded_param for fp in (group.fsdp_params if group else ()) if fp.offload_to_cpu]
+    return found
 
 
 def _tp_sharded(p: Tensor) -> bool:

@@ -25,17 +25,18 @@ class OptimizerWiring:
     def _fsdp_policies(self) -> dict[str, Any]:
         """FSDP2 policies under ZeRO-3. Mixed precision: parameters are gathered in the compute
         dtype (half the all-gather bytes) and gradients reduce-scattered in fp32; the sharded
-        fp32 parameters are the master weights the optimizer steps. ``offload="cpu"`` on an
-        accelerator: the sharded parameters (and gradients) live in pinned CPU memory too, and
-        are copied to the device per block. (On a CPU device they are in CPU memory already.)"""
+        fp32 parameters are the master weights the optimizer steps. ``offload_params``: the sharded
+        parameters (and gradients) live in CPU memory (pinned, on an accelerator) and are copied
+        to the device per block; the offloaded optimizer then steps them in place. (On a CPU
+        device this changes where nothing lives, but runs the same FSDP2 code path.)"""
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         policies: dict[str, Any] = {}
         compute = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(self.precision_plugin.precision))
         if compute is not None:
             policies["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-        if self._offload["device"] == "cpu" and self.root_device.type != "cpu":
-            policies["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+        if self._offload["params"]:
+            policies["offload_policy"] = CPUOffloadPolicy(pin_memory=self.root_device.type != "cpu")
         return policies
 
     def _scale_loss(self, loss: Tensor) -> Tensor:

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 _OPTIONS = (
     "data", "tensor", "pipeline", "zero_stage", "tp_plan", "sequence_parallel", "micro_batches", "schedule",
     "virtual_stages", "split", "activation_checkpointing", "checkpoint_every_n", "offload", "offload_path",
-    "offload_chunk_mb", "checkpoint_format", "bucket_size_mb", "process_group_backend", "timeout",
+    "offload_chunk_mb", "offload_params", "checkpoint_format", "bucket_size_mb", "process_group_backend", "timeout",
 )
 
 
@@ -80,6 +80,9 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
         offload: where Adam / AdamW state (and fp32 master weights) lives: ``"none"`` (with the
             parameters), ``"cpu"`` (CPU RAM; the step runs there) or ``"nvme"`` (files under
             ``offload_path``, streamed in chunks of ``offload_chunk_mb``).
+        offload_params: with ``zero_stage=3`` and an offload device: the sharded parameters and
+            their gradients live in CPU memory too (FSDP2's ``CPUOffloadPolicy``), each block's
+            shard copied to the accelerator for its all-gather. Default ``False``.
         bucket_size_mb: size of the flat gradient buckets used by zero stages 0–2.
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; default follows the device.
         timeout: collective timeout.
@@ -112,6 +115,7 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
         offload: str = "none",
         offload_path: Optional[str] = None,
         offload_chunk_mb: float = 16.0,
+        offload_params: bool = False,
         checkpoint_format: str = "consolidated",
         bucket_size_mb: float = 25.0,
         process_group_backend: Optional[str] = None,
@@ -145,7 +149,7 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
         )
         self._pipeline: Optional[PipelineRuntime] = None
         self._checkpointing = checkpoint_options(activation_checkpointing, checkpoint_every_n)
-        self._offload = offload_options(offload, offload_path, offload_chunk_mb)
+        self._offload = offload_options(offload, offload_path, offload_chunk_mb, offload_params, self.layout.zero_stage)
         self.checkpoint_format = checkpoint_format
         self._pipeline_grads: list = []
         self._tp_plan = dict(tp_plan) if tp_plan else None

@@ -60,6 +60,16 @@ def test_bad_checkpoint_format():
         ThreeDStrategy(checkpoint_format="dcp")
 
 
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(offload="cpu", offload_params=True, zero_stage=2), "zero_stage=2 and offload='cpu'"),
+    (dict(offload_params=True, zero_stage=3), "zero_stage=3 and offload='none'"),
+    (dict(offload="cpu", offload_params="yes", zero_stage=3), "offload_params='yes'"),
+])
+def test_bad_parameter_offload(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        ThreeDStrategy(**kwargs)
+
+
 def test_good_options_are_kept():
     strategy = ThreeDStrategy(data=2, tensor=1, pipeline=1, zero_stage=2, bucket_size_mb=1.5)
     assert strategy.layout.zero_stage == 2 and strategy.layout.data == 2
@@ -159,6 +169,7 @@ def test_validate_accepts_default_config(compose):
         (["trainer.devices=auto"], ["'auto'"]),
         (["offload.device=disk"], ["offload='disk'"]),
         (["offload=nvme", "offload.path=/no/such/dir"], ["'/no/such/dir' does not exist"]),
+        (["offload=cpu", "offload.params=true"], ["offload_params=True needs zero_stage=3", "zero_stage=0"]),
         (["parallelism.activation_checkpointing=half"], ["policy 'half'"]),
         (["parallelism.checkpoint_format=zip"], ["checkpoint_format", "'zip'"]),
         # the tensor-parallel plan is checked against the model's shapes (built on meta)

@@ -70,6 +70,18 @@ def test_offload_keeps_global_norm_clipping(tmp_path):
     assert_same_run(run, _run({"zero_stage": 2}, 2, clip), rtol=TIGHT, atol=TIGHT)
 
 
+def test_zero3_parameter_offload_changes_nothing(baseline):
+    """``offload_params``: FSDP2 keeps the sharded parameters in CPU memory (on this CPU-only
+    machine the same memory, but through FSDP2's offload path), the offloaded Adam steps them
+    in place. Same run as ZeRO 3 without offload."""
+    layout = {"zero_stage": 3}
+    run = _run({**layout, "offload": "cpu", "offload_params": True}, 2)
+    assert_same_run(run, baseline(layout, 2), rtol=TIGHT, atol=TIGHT)
+    for rank in run["summary"]["ranks"]:  # every sharded parameter was under the offload policy
+        assert rank["offloaded_param_bytes"] == rank["param_bytes"] > 0
+    assert all(rank["offloaded_param_bytes"] == 0 for rank in baseline(layout, 2)["summary"]["ranks"])
+
+
 @pytest.mark.parametrize("strategy, world", [
     ({"zero_stage": 3, "activation_checkpointing": "full"}, 2),
     pytest.param({"pipeline": 2, "micro_batches": 2, "activation_checkpointing": "every_n", "checkpoint_every_n": 2},

@@ -195,6 +195,30 @@ def test_resume_equals_uninterrupted_in_every_layout(tmp_path, name):
     assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["samples"] == K * 8
 
 
+BF16_OFFLOAD = {  # name: (strategy, world)
+    "consolidated_cpu": ({"offload": "cpu"}, 1),
+    "consolidated_nvme_zero2_dp2": ({"zero_stage": 2, "offload": "nvme", "offload_path": "/tmp",
+                                     "offload_chunk_mb": 0.01}, 2),
+    "sharded_cpu_zero1_dp2": ({**SHARDED, "zero_stage": 1, "offload": "cpu"}, 2),
+}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=() if name == "consolidated_cpu" else pytest.mark.slow) for name in BF16_OFFLOAD
+])
+def test_resume_keeps_the_fp32_master_weights_of_bf16_parameters(tmp_path, name):
+    """bf16-true parameters with offload: the optimizer steps fp32 master weights that the bf16
+    weights only round. Resuming must restore those masters (and the fp32 moments) as saved; cast
+    to the parameters' bf16, the resumed run would step from rounded weights and drift."""
+    strategy, world = BF16_OFFLOAD[name]
+    trainer = {"precision": "bf16-true"}
+    straight = _fit(world, strategy, 2 * K, ACROSS_EPOCHS, trainer=trainer)
+    first, second, ckpt = _stop_and_resume(tmp_path, world, strategy, ACROSS_EPOCHS, trainer=trainer)
+    _assert_exact(straight, first, second)
+    masters = [s["master"] for s in ckpt["optimizer_states"][0]["state"].values() if "master" in s]
+    assert masters and all(m.dtype == torch.float32 for m in masters)
+
+
 def test_without_rng_states_dropout_diverges(tmp_path):
     """The control: drop the RNG states from the checkpoint and the resumed losses differ."""
     first, path = _save_first(tmp_path, 1, None, WITHIN_EPOCH)

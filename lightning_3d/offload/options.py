@@ -8,8 +8,12 @@ from lightning_3d.offload.optimizer import DEVICES
 from lightning_3d.offload.paths import check_offload_path
 
 
-def offload_options(device: str, path: Optional[str], chunk_mb: Any) -> dict[str, Any]:
-    """``{"device", "path", "chunk_bytes"}``; ``ValueError`` naming a bad value.
+def offload_options(device: str, path: Optional[str], chunk_mb: Any, params: Any = False,
+                    zero_stage: int = 0) -> dict[str, Any]:
+    """``{"device", "path", "chunk_bytes", "params"}``; ``ValueError`` naming a bad value.
+
+    ``params=True`` (parameters offloaded to CPU memory as well) needs ``zero_stage=3``, whose
+    FSDP2 shards are what moves, and an offload device.
 
     For ``"nvme"`` the directory is checked now (exists, is a directory, is writable); its free
     space is checked against the state's size when the optimizer is wrapped, before training."""
@@ -17,8 +21,13 @@ def offload_options(device: str, path: Optional[str], chunk_mb: Any) -> dict[str
         raise ValueError(f"offload={device!r}: use one of {['none', *DEVICES]}")
     if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float)) or not chunk_mb > 0:
         raise ValueError(f"offload_chunk_mb={chunk_mb!r} must be a positive number of MiB")
+    if not isinstance(params, bool):
+        raise ValueError(f"offload_params={params!r} must be True or False")
+    if params and (device == "none" or zero_stage != 3):
+        raise ValueError(f"offload_params=True needs zero_stage=3 and offload='cpu' or 'nvme', "
+                         f"got zero_stage={zero_stage!r} and offload={device!r}")
     if device == "nvme":
         if path is None:
             raise ValueError("offload='nvme' needs offload_path: a directory on the drive that holds the state")
         path = check_offload_path(path, 0)
-    return {"device": device, "path": path, "chunk_bytes": max(1, int(chunk_mb * 2**20))}
+    return {"device": device, "path": path, "chunk_bytes": max(1, int(chunk_mb * 2**20)), "params": params}

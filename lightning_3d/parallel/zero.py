@@ -281,7 +281,7 @@ class ZeroDataParallel:
                     for entry in per_param:
                         entry[key] = value
                     continue
-                full = torch.empty_like(bucket.flat)
+                full = torch.empty_like(bucket.flat, dtype=_local(value).dtype)
                 dist.all_gather_into_tensor(full, _local(value), group=self.group)
                 for entry, p, offset in zip(per_param, bucket.params, bucket.offsets):
                     entry[key] = _like(p, full[offset : offset + _local(p).numel()])
@@ -302,7 +302,7 @@ class ZeroDataParallel:
                 if not (isinstance(value, Tensor) and value.dim() >= 1):
                     slice_state[key] = value
                     continue
-                full = torch.zeros_like(bucket.flat)
+                full = torch.zeros_like(bucket.flat, dtype=_local(first[key]).dtype)
                 for entry, p, offset in zip(entries, bucket.params, bucket.offsets):
                     if entry:
                         full[offset : offset + _local(p).numel()].copy_(_local(entry[key]).reshape(-1))
