@@ -169,6 +169,9 @@ class RunSummary(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         mine = {"rank": trainer.global_rank, "peak_rss_mb": round(peak_rss_mb(), 1), **self.memory, **self.activations}
+        device = trainer.strategy.root_device
+        if device.type == "cuda":  # the accelerator's own peak, next to the host's RSS
+            mine["device_peak_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
         for key in ("logits_bytes", "logits_dense_bytes"):  # set by ThreeDStrategy under tensor > 1
             if getattr(trainer.strategy, key, 0):
                 mine[key] = getattr(trainer.strategy, key)

@@ -96,3 +96,25 @@ def test_offload_memory_summary_rows_and_ratios(tmp_path):
     assert full["peak_rss_vs_fp32_none"] == pytest.approx(1200 / 1200)
     assert json.loads(json.dumps(summary)) == summary  # JSON as it is
     assert "| 32-true | nvme | none | 4x128 | 6.60 | 1.10x |" in bench.table(results)
+    assert "device peak" not in bench.table(results)  # a CPU run has no device column
+
+    # --accelerator gpu: the device's peak next to offload=none's, and the ZeRO-3 parameter-offload row.
+    gpu = [{**record("none", 1300.0, 1.0), "device_peak_mb": 800.0},
+           {**record("cpu", 1500.0, 1.2), "device_peak_mb": 300.0},
+           {**record("cpu", 1600.0, 1.5), "device_peak_mb": 100.0, "params": True}]
+    none, cpu, params = bench.rows(gpu)
+    assert none["device_peak_vs_none"] == 1.0 and cpu["device_peak_vs_none"] == pytest.approx(0.375)
+    assert params["device_peak_vs_none"] == pytest.approx(0.125) and params["step_s_vs_none"] == pytest.approx(1.5)
+    assert "| 32-true | cpu + params (ZeRO-3) | none | 4x128 | 1.50 | 1.50x |" in bench.table(gpu)
+    assert bench.table(gpu).splitlines()[2].endswith("| 800 | 1.00x |")
+    groups = bench.gpu_groups(bench.default_groups(False))
+    assert [(r.offload, r.params) for r in groups["32-true"]][-1] == ("cpu", True)
+
+
+def test_offload_memory_refuses_gpu_without_cuda(capsys, monkeypatch):
+    from lightning_3d.bench import offload_memory as bench
+
+    monkeypatch.setattr(bench, "_cuda_available", lambda: False)  # as on this machine, anywhere
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--accelerator", "gpu"])
+    assert exit_.value.code == 2 and "--accelerator gpu needs a CUDA device" in capsys.readouterr().err

@@ -70,3 +70,55 @@ def test_parity_check_detects_a_one_percent_learning_rate_change(runs):
     perturbed = fit_gpt(0, None, 1, STEPS, SEED, {"lr": 3e-3 * 1.01}, None, TRAINER[2])
     with pytest.raises(AssertionError, match="relative error"):
         assert_same_run(perturbed, reference)
+
+
+def _engine_slices(rank: int) -> dict:
+    """Stage-2 gradient slices with gloo's reduce-scatter, with the all-to-all that replaces it,
+    and the slices of the mean of every rank's full gradients."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_3d.parallel.zero import ZeroDataParallel
+
+    mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("dp",))
+
+    def model_and_loss():
+        torch.manual_seed(0)  # the same weights on every rank
+        model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        torch.manual_seed(10 + rank)  # a different batch per rank
+        return model, lambda: model(torch.randn(4, 7)).square().sum()
+
+    out = {}
+    for all_to_all in (True, False):
+        model, loss = model_and_loss()
+        engine = ZeroDataParallel(mesh, stage=2, bucket_numel=20)  # 3 buckets, padded to multiples of 3
+        engine._scatter_by_all_to_all = all_to_all
+        engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+        engine.prepare_backward(sync=True)
+        loss().backward()
+        engine.finish_backward()
+        out[all_to_all] = [b.shard_grad.clone() for b in engine.buckets]
+    plain, loss = model_and_loss()
+    loss().backward()
+    grad = dict(zip((id(p) for p in model.parameters()), (p.grad for p in plain.parameters())))
+    out["expected"] = []
+    for b in engine.buckets:
+        full = torch.zeros_like(b.flat)
+        for p, offset in zip(b.params, b.offsets):
+            full[offset : offset + p.numel()] = grad[id(p)].reshape(-1)
+        dist.all_reduce(full)
+        out["expected"].append(full[rank * b.shard_numel : (rank + 1) * b.shard_numel] / 3)
+    return out
+
+
+def test_gloo_all_to_all_reduce_scatter_equals_reduce_scatter():
+    """On gloo the engine reduce-scatters by all-to-all + local sum (faster there); both ways give
+    every rank the mean gradient of its own slice, padding included, at an odd world size."""
+    import torch
+
+    for rank_out in run_world(_engine_slices, 3):
+        assert len(rank_out["expected"]) == 3
+        for a, b, expected in zip(rank_out[True], rank_out[False], rank_out["expected"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(a, expected, rtol=1e-6, atol=1e-7)

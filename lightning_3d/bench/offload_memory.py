@@ -1,6 +1,7 @@
 """Whole training steps of a 50M-parameter GPT in one process: offload none vs CPU vs NVMe.
 
     python -m lightning_3d.bench.offload_memory [--rounds 4] [--precisions 32-true bf16-true] [--n-layer 7 --n-embd 768] [--path DIR] [--out DIR]
+    python -m lightning_3d.bench.offload_memory --accelerator gpu   # + peak device memory, ZeRO-3 parameter offload
 
 The reference ``LitGPT`` (n_embd=768, n_layer=7, n_head=12, block_size=128, vocab 256:
 50,048,256 parameters) trains through ``Trainer(strategy=ThreeDStrategy(offload=...), devices=1)``
@@ -23,6 +24,11 @@ bf16 matmuls are ~20x slower than fp32 on CPUs without AVX512-BF16/AMX (measured
 4.6 s for a batch of 4x128 tokens), so bf16 rows use 1x32 tokens per step, next to an fp32 row at
 1x32 without offload (the last column's reference: fp32 parameters, gradients and Adam state).
 Runtime with the defaults: ~5-8 minutes on 2 cores.
+
+With ``--accelerator gpu`` (one CUDA device) the same rows run on the GPU, plus a ZeRO-3 row
+with ``offload_params=True`` per precision, and the table adds the peak device memory
+(``torch.cuda.max_memory_allocated``) and its ratio to offload=none. Without a CUDA device that
+flag is refused before anything starts.
 
 Besides the printed table, ``OUT/summary.json`` (default ``bench_out/offload_memory``) holds every
 row machine-readable: the configuration, step time (wall and CPU medians), peak RSS, RSS over
@@ -65,6 +71,16 @@ class Row:
     seq: int
     offload: str = "none"  # none | cpu | nvme
     checkpointing: str = "none"  # activation checkpointing: none | full
+    params: bool = False  # ZeRO-3 with the parameters offloaded too (offload_params=True)
+
+
+def gpu_groups(groups: dict[str, list[Row]]) -> dict[str, list[Row]]:
+    """The rows for ``--accelerator gpu``: each group plus ZeRO-3 with parameter offload (CPU)."""
+    out = {}
+    for precision, rows_ in groups.items():
+        first = rows_[0]
+        out[precision] = [*rows_, Row(first.precision, first.batch, first.seq, "cpu", params=True)]
+    return out
 
 
 def default_groups(checkpointing_rows: bool = True) -> dict[str, list[Row]]:
@@ -114,16 +130,18 @@ def _worker(args: argparse.Namespace) -> None:
     base_rss = peak_rss_mb()  # interpreter, torch, Lightning and the corpus: the same in every row
     module = LitGPT(**model_config(args.n_layer, args.n_embd), lr=1e-4, warmup_steps=0)
     strategy = ThreeDStrategy(offload=args.offload, offload_path=args.path if args.offload == "nvme" else None,
-                              activation_checkpointing=args.checkpointing)
+                              activation_checkpointing=args.checkpointing, zero_stage=3 if args.params else 0,
+                              offload_params=args.params)
     with tempfile.TemporaryDirectory(prefix="offload-memory-") as out:  # summary.json goes there
         summary = RunSummary(out_dir=out, warmup_steps=0)
-        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, precision=args.precision,
+        trainer = L.Trainer(accelerator=args.accelerator, devices=1, strategy=strategy, precision=args.precision,
                             max_steps=1 + args.rounds, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                             limit_val_batches=0, callbacks=[summary, Lockstep()], default_root_dir=out)
         trainer.fit(module, data)
+    device_peak = {k: v for k, v in summary.summary["ranks"][0].items() if k == "device_peak_mb"}
     _say({"peak_rss_mb": peak_rss_mb(), "num_params": summary.summary["num_params"], **summary.memory,
-          **summary.activations})
+          **summary.activations, **device_peak})
 
 
 def _start(row: Row, args: argparse.Namespace) -> subprocess.Popen:
@@ -131,7 +149,7 @@ def _start(row: Row, args: argparse.Namespace) -> subprocess.Popen:
     command = [sys.executable, "-m", "lightning_3d.bench.offload_memory", "--worker",
                *(f"--{f.name}={getattr(row, f.name)}" for f in fields(row)),
                f"--rounds={args.rounds}", f"--threads={args.threads}", f"--path={args.path}",
-               f"--n-layer={args.n_layer}", f"--n-embd={args.n_embd}"]
+               f"--n-layer={args.n_layer}", f"--n-embd={args.n_embd}", f"--accelerator={args.accelerator}"]
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 -- the worker's warnings, closed in measure()
     proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
     proc.log = log  # type: ignore[attr-defined]
@@ -181,7 +199,7 @@ def measure(rows: list[Row], args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _reference(r: dict[str, Any], results: list[dict[str, Any]], precision: str) -> dict[str, Any]:
     same = ("batch", "seq", "checkpointing")
-    return next(x for x in results if x["precision"] == precision and x["offload"] == "none"
+    return next(x for x in results if x["precision"] == precision and x["offload"] == "none" and not x.get("params")
                 and all(x[k] == r[k] for k in same))
 
 
@@ -201,6 +219,7 @@ def rows(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "peak_rss_vs_none": r["peak_rss_mb"] / ref["peak_rss_mb"],
             "over_base_vs_none": over / ref_over,
             "peak_rss_vs_fp32_none": r["peak_rss_mb"] / fp32["peak_rss_mb"],
+            **({"device_peak_vs_none": r["device_peak_mb"] / ref["device_peak_mb"]} if "device_peak_mb" in r else {}),
         })
     return out
 
@@ -209,17 +228,21 @@ def table(results: list[dict[str, Any]]) -> str:
     """Markdown: one line per configuration; ratios against offload=none at the same precision,
     tokens and activation checkpointing (AC); the last column against fp32 without offload."""
     mb = lambda b: f"{b / 2**20:.0f}"
+    device = any("device_peak_mb" in r for r in results)
     header = ("| precision | offload | AC | tokens/step | step s | vs none | CPU s | peak RSS MB | vs none | "
-              "over base MB | vs none | params MB | grads MB | optim in RAM MB | act. MB/block | peak vs fp32 none |")
-    lines = [header, "|" + "---|" * 16]
+              "over base MB | vs none | params MB | grads MB | optim in RAM MB | act. MB/block | peak vs fp32 none |"
+              + (" device peak MB | vs none |" if device else ""))
+    lines = [header, "|" + "---|" * (18 if device else 16)]
     for r in rows(results):
         act = r.get("activation_bytes_per_block")
+        offload = r["offload"] + (" + params (ZeRO-3)" if r.get("params") else "")
         lines.append(
-            f"| {r['precision']} | {r['offload']} | {r['checkpointing']} | {r['batch']}x{r['seq']} | "
+            f"| {r['precision']} | {offload} | {r['checkpointing']} | {r['batch']}x{r['seq']} | "
             f"{r['step_s']:.2f} | {r['step_s_vs_none']:.2f}x | {r['cpu_s']:.2f} | {r['peak_rss_mb']:.0f} | "
             f"{r['peak_rss_vs_none']:.2f}x | {r['over_base_mb']:.0f} | {r['over_base_vs_none']:.2f}x | "
             f"{mb(r['param_bytes'])} | {mb(r['grad_bytes'])} | {mb(r['optimizer_state_bytes'])} | "
             f"{'-' if act is None else f'{act / 2**20:.1f}'} | {r['peak_rss_vs_fp32_none']:.2f}x |"
+            + (f" {r['device_peak_mb']:.0f} | {r['device_peak_vs_none']:.2f}x |" if device else "")
         )
     return "\n".join(lines)
 
@@ -232,6 +255,7 @@ def summary(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
         "num_params": results[0]["num_params"],
         "optimizer": "AdamW",
         "threads": args.threads,
+        "accelerator": getattr(args, "accelerator", "cpu"),
         "rounds": args.rounds,
         "nvme_path": args.path,
         "malloc_mmap_threshold": 1048576,
@@ -251,22 +275,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--path", default=tempfile.gettempdir(), help="directory for offload=nvme")
     parser.add_argument("--out", "--outdir", dest="out", default=str(DEFAULT_OUT),
                         help=f"directory for summary.json (default {DEFAULT_OUT})")
+    parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu",
+                        help="gpu: one CUDA device, adds peak device memory and a ZeRO-3 parameter-offload row")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--precision", choices=PRECISIONS, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--offload", choices=["none", "cpu", "nvme"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", choices=["none", "full"], help=argparse.SUPPRESS)
+    parser.add_argument("--params", type=lambda v: v == "True", default=False, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.n_layer < 1 or args.n_embd < 64 or args.n_embd % 64:
         parser.error(f"need --n-layer >= 1 and --n-embd a multiple of 64, got {args.n_layer} and {args.n_embd}")
+    if args.accelerator == "gpu" and not _cuda_available():
+        parser.error("--accelerator gpu needs a CUDA device; torch sees none")
     if args.worker:
         _worker(args)
         return
     start = time.perf_counter()
     groups = default_groups(not args.no_checkpointing_rows)
+    if args.accelerator == "gpu":
+        groups = gpu_groups(groups)
     results = [record for precision in args.precisions for record in measure(groups[precision], args)]
-    print(f"\nLitGPT {results[0]['num_params']:,} parameters, AdamW, ThreeDStrategy(devices=1) on CPU; "
+    where = "CPU" if args.accelerator == "cpu" else "one CUDA device"
+    print(f"\nLitGPT {results[0]['num_params']:,} parameters, AdamW, ThreeDStrategy(devices=1) on {where}; "
           f"{args.threads} intra-op thread(s), MALLOC_MMAP_THRESHOLD_=1048576; median of {args.rounds} "
           f"interleaved steps (first step untimed); nvme path {args.path}\n")
     print(table(results))
@@ -274,6 +306,12 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary(results, args), indent=2))
     print(f"\n(total {time.perf_counter() - start:.0f} s; summary: {out / 'summary.json'})")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ exist at a time: they are all-gathered just before the block runs and freed righ
 (``reshard_after_forward=True``), gathered again for its backward, and its gradients are
 reduce-scattered as soon as they are produced. Parameters, gradients and optimizer state are
 then all ``DTensor`` shards (dim 0 over the data axis): 16Ψ/N bytes per rank for fp32 Adam.
+
+Two units skip the regather (without a pipeline): the outer unit (embeddings, norm, head), whose
+backward starts right after its forward — FSDP2's own default for a root — and the last block,
+whose backward follows its forward with only the head in between. Freeing and regathering them
+would cost an all-gather each per step and save no peak memory: backward needs them at once.
 """
 
 from __future__ import annotations
@@ -38,14 +43,20 @@ def apply_zero3(
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    # Under a pipeline every stage runs several micro-batch forwards before their backwards:
+    # there every unit reshards after each forward.
+    keep = roots is None
     units: list[nn.Module] = []
-    for block in find_blocks(module):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=True, **fsdp_kwargs)
+    blocks = find_blocks(module)
+    for index, block in enumerate(blocks):
+        last = keep and index == len(blocks) - 1
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=not last, **fsdp_kwargs)
         units.append(block)
     for child in roots if roots is not None else module.children():
         has_params = any(True for _ in child.parameters())
         if has_params and not isinstance(child, FSDPModule):
-            # The outer unit holds what no block owns (embeddings, final norm, head).
-            fully_shard(child, mesh=dp_mesh, reshard_after_forward=True, **fsdp_kwargs)
+            # The outer unit holds what no block owns (embeddings, final norm, head). ``None``:
+            # FSDP2 keeps the root gathered from forward to backward, resharding the others.
+            fully_shard(child, mesh=dp_mesh, reshard_after_forward=None if keep else True, **fsdp_kwargs)
             units.append(child)
     return units
