@@ -87,8 +87,8 @@ class ZeroDataParallel:
         self.group = dp_mesh.get_group()
         self.size = dp_mesh.size()
         self.rank = dp_mesh.get_local_rank()
-        # gloo's reduce-scatter takes ~1.7x its all-reduce of the same buffer (measured: 26 vs
-        # 16 ms for 13 MB at N=2); an all-to-all of the N slices plus a local sum sends the same
+        # gloo's reduce-scatter takes ~1.7x its all-reduce of the same buffer (measured: 25-31 vs
+        # 16-17 ms for 13 MB at N=2); an all-to-all of the N slices plus a local sum sends the same
         # (N-1)/N bytes per rank as a ring reduce-scatter, in about the all-reduce's time.
         self._scatter_by_all_to_all = self.size > 1 and dist.get_backend(self.group) == "gloo"
         self.buckets: list[_Bucket] = []
