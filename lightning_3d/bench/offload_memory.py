@@ -139,9 +139,9 @@ def _worker(args: argparse.Namespace) -> None:
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                             limit_val_batches=0, callbacks=[summary, Lockstep()], default_root_dir=out)
         trainer.fit(module, data)
-    device_peak = {k: v for k, v in summary.summary["ranks"][0].items() if k == "device_peak_mb"}
+    rank = summary.summary["ranks"][0]  # device_peak_mb: only on a CUDA device
     _say({"peak_rss_mb": peak_rss_mb(), "num_params": summary.summary["num_params"], **summary.memory,
-          **summary.activations, **device_peak})
+          **summary.activations, **{k: rank[k] for k in ("device_peak_mb",) if k in rank}})
 
 
 def _start(row: Row, args: argparse.Namespace) -> subprocess.Popen:

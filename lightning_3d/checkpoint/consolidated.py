@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_3d.offload import OffloadedAdam
 from lightning_3d.parallel.tensor import FUSED_ROWS_ATTR, local_tensor, regroup_fused_rows
 from lightning_3d.parallel.zero import ZeroDataParallel
 from lightning_3d.state import full_state_dict
@@ -167,10 +166,10 @@ def load_full_optimizer_state(
         group.update({k: v for k, v in saved_group.items() if k != "params"})
     params = [p for group in groups for p in group]
     fused = _fused_params(module)
-    # torch's optimizers keep their state in the parameter's dtype (and cast to it on load);
-    # OffloadedAdam keeps fp32 moments and master weights for bf16 parameters: cast, and a
-    # resumed run would step from weights rounded to bf16.
-    dtype = torch.float32 if isinstance(optimizer, OffloadedAdam) else None
+    # torch's optimizers keep their state in the parameter's dtype (and cast to it on load); an
+    # optimizer that says otherwise (OffloadedAdam: fp32 moments and master weights for bf16
+    # parameters) gets it as saved — cast, a resumed run would step from rounded weights.
+    dtype = getattr(optimizer, "state_dtype", None)
     per_param = {}
     for p in params:
         index = index_of[id(p)]

@@ -49,6 +49,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         opt.close()
     """
 
+    state_dtype = torch.float32  # of the moments and masters, whatever the parameters' dtype
+
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, decoupled_weight_decay: bool = True, *,
                  device: str = "cpu", path: Optional[PathLike] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,

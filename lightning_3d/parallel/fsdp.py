@@ -9,7 +9,8 @@ then all ``DTensor`` shards (dim 0 over the data axis): 16Ψ/N bytes per rank fo
 Two units skip the regather (without a pipeline): the outer unit (embeddings, norm, head), whose
 backward starts right after its forward — FSDP2's own default for a root — and the last block,
 whose backward follows its forward with only the head in between. Freeing and regathering them
-would cost an all-gather each per step and save no peak memory: backward needs them at once.
+costs an all-gather each per step; keeping them costs one block's full parameters while the
+head and the loss run (the step's peak if that is where the logits peak), nothing after.
 """
 
 from __future__ import annotations
