@@ -47,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,11 +76,7 @@ class Row:
 
 def gpu_groups(groups: dict[str, list[Row]]) -> dict[str, list[Row]]:
     """The rows for ``--accelerator gpu``: each group plus ZeRO-3 with parameter offload (CPU)."""
-    out = {}
-    for precision, rows_ in groups.items():
-        first = rows_[0]
-        out[precision] = [*rows_, Row(first.precision, first.batch, first.seq, "cpu", params=True)]
-    return out
+    return {precision: [*rows_, replace(rows_[0], offload="cpu", params=True)] for precision, rows_ in groups.items()}
 
 
 def default_groups(checkpointing_rows: bool = True) -> dict[str, list[Row]]:
@@ -139,9 +135,10 @@ def _worker(args: argparse.Namespace) -> None:
                             enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                             limit_val_batches=0, callbacks=[summary, Lockstep()], default_root_dir=out)
         trainer.fit(module, data)
-    rank = summary.summary["ranks"][0]  # device_peak_mb: only on a CUDA device
+    rank = summary.summary["ranks"][0]
+    device = {"device_peak_mb": rank["device_peak_mb"]} if "device_peak_mb" in rank else {}  # CUDA only
     _say({"peak_rss_mb": peak_rss_mb(), "num_params": summary.summary["num_params"], **summary.memory,
-          **summary.activations, **{k: rank[k] for k in ("device_peak_mb",) if k in rank}})
+          **summary.activations, **device})
 
 
 def _start(row: Row, args: argparse.Namespace) -> subprocess.Popen:
