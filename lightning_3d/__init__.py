@@ -12,9 +12,10 @@ Importing the package registers ``strategy="3d"`` (and ``"3d_zero1"``, ``"3d_zer
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_3d.layout import Layout, MeshAxis
+from lightning_3d.parallel.pipeline import PipelineSpec
 from lightning_3d.strategy import ThreeDStrategy
 
 ThreeDStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["Layout", "MeshAxis", "ThreeDStrategy"]
+__all__ = ["Layout", "MeshAxis", "PipelineSpec", "ThreeDStrategy"]
 __version__ = "0.1.0"

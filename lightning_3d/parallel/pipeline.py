@@ -73,6 +73,9 @@ class PipelineSpec:
     loss: Callable[[Any, Any], torch.Tensor]  # outputs, targets -> scalar mean loss
     split_batch: Callable[[Any], tuple[Any, Any]] = field(default=_split_batch)  # batch -> (inputs, targets)
     inputs: Callable[[Any], Any] = field(default=_inputs)  # batch (also a predict batch) -> inputs
+    # How a stage runs one block on the residual stream (default ``block(x)``): blocks that need
+    # more than the stream (rotary position embeddings, say) compute it here, on their own stage.
+    block_forward: Optional[Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]] = None
 
 
 def build_schedule(stages: list[StageModule], stage_indices: list[int], num_stages: int, schedule: str,

@@ -180,18 +180,20 @@ class StageModule(nn.Module):
     FSDP2 and ``parameters()`` see exactly this stage's parameters."""
 
     def __init__(self, blocks: list[nn.Module], first: list[nn.Module], last: list[nn.Module],
-                 embed: Optional[Callable], head: Optional[Callable]) -> None:
+                 embed: Optional[Callable], head: Optional[Callable],
+                 block_forward: Optional[Callable[[nn.Module, Any], Any]] = None) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
         self.first = nn.ModuleList(first)
         self.last = nn.ModuleList(last)
         self._embed, self._head = embed, head
+        self._block_forward = block_forward
 
     def forward(self, x: Any) -> Any:
         if self._embed is not None:
             x = self._embed(x)
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if self._block_forward is None else self._block_forward(block, x)
         if self._head is not None:
             x = self._head(x)
         return x
@@ -218,6 +220,7 @@ def split_stages(root: nn.Module, spec: Any, pp_rank: int, pp_size: int, virtual
             last if s == num_stages - 1 else [],
             spec.embed if s == 0 else None,
             spec.head if s == num_stages - 1 else None,
+            getattr(spec, "block_forward", None),
         )
         for s in mine
     ]

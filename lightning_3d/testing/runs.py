@@ -31,7 +31,8 @@ def fit_gpt(
 ) -> dict[str, Any]:
     """Train for ``steps`` optimizer steps; ``strategy=None`` means Lightning's plain single device.
 
-    ``arch`` is ``"gpt"`` (the reference model) or ``"llama"`` / ``"gpt2"`` (tiny test models).
+    ``arch`` is ``"gpt"`` (the reference model), ``"llama"`` / ``"gpt2"`` (tiny test models) or
+    ``"hf_llama"`` / ``"hf_qwen2"`` / ``"hf_gpt2"`` (tiny ``transformers`` models, ``HFCausalLM``).
     ``validate=True`` also runs ``trainer.validate``, ``trainer.test`` and ``trainer.predict`` on 2
     batches afterwards (``val`` and ``test`` metrics, ``predictions`` of the first batch).
     ``resume_from`` is a checkpoint to resume from; ``save_to`` a ``.ckpt`` path that a
@@ -55,6 +56,14 @@ def fit_gpt(
     kwargs = {**TINY_MODEL, **(model or {})}
     if arch == "gpt":
         module = LitGPT(**kwargs)
+    elif arch.startswith("hf_"):  # a tiny transformers model: hf_llama, hf_qwen2, hf_gpt2
+        from lightning_3d.models.hf import HFCausalLM
+        from lightning_3d.testing.hf_configs import tiny_hf_config
+
+        # model={"hf": {...}} overrides keys of the tiny transformers config
+        module = HFCausalLM(config=tiny_hf_config(arch[3:], **kwargs.get("hf", {})), lr=kwargs.get("lr", 3e-3),
+                            warmup_steps=kwargs["warmup_steps"], max_steps=kwargs["max_steps"],
+                            optimizer=kwargs.get("optimizer", "adamw"))
     else:
         module = LitTinyLM(arch=arch, n_kv_head=kwargs.pop("n_kv_head", 2), **kwargs)
     datamodule = TextDataModule(seed=seed, **{**TINY_DATA, **(data or {})})
