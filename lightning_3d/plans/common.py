@@ -22,7 +22,13 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from lightning_3d.parallel.tensor import FusedColwiseParallel
+from lightning_3d.parallel.tensor import (
+    ColwiseConv1DParallel,
+    FusedColwiseParallel,
+    LocalSizes,
+    PrepareHiddenStates,
+    RowwiseConv1DParallel,
+)
 
 
 @dataclass(frozen=True)
@@ -41,9 +47,14 @@ class TransformerNames:
     # q, k, v). Their input becomes a DTensor once, so backward sums the projections' partial
     # input gradients and all-reduces (or reduce-scatters) them once instead of once each.
     shared_inputs: tuple[str, ...] = ()
+    # Modules whose forward reads global sizes from attributes (Hugging Face GPT-2 attention
+    # splits the fused q/k/v output by ``split_size``): pattern -> attribute names, divided by
+    # the tensor size so they describe this rank's heads.
+    local_sizes: Mapping[str, tuple[str, ...]] = None
 
 
 def transformer_plan(names: TransformerNames, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The plan for one architecture. Linear layers and ``transformers``' ``Conv1D`` alike."""
     sp = sequence_parallel
     seq = Shard(1)  # activations are (B, T, C): dim 1 is the sequence
     plan: dict[str, ParallelStyle] = {
@@ -51,9 +62,8 @@ def transformer_plan(names: TransformerNames, sequence_parallel: bool) -> dict[s
         names.embedding: RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
     }
     if sp:
-        plan[names.first_block] = PrepareModuleInput(
-            input_layouts=(Replicate(),), desired_input_layouts=(seq,), use_local_output=True
-        )
+        # The block's other inputs (masks, cache, position embeddings) are not sequence-sharded.
+        plan[names.first_block] = PrepareHiddenStates(input_layout=Replicate(), desired_layout=seq)
         for pattern in names.norms:
             plan[pattern] = SequenceParallel()
     col_in = seq if sp else Replicate()
@@ -64,9 +74,11 @@ def transformer_plan(names: TransformerNames, sequence_parallel: bool) -> dict[s
     for pattern, chunks in (names.fused_colwise or {}).items():
         plan[pattern] = FusedColwiseParallel(chunks, input_layouts=col_in)
     for pattern in names.colwise:
-        plan[pattern] = ColwiseParallel(input_layouts=col_in)
+        plan[pattern] = ColwiseConv1DParallel(input_layouts=col_in)
     for pattern in names.rowwise:
-        plan[pattern] = RowwiseParallel(output_layouts=seq if sp else Replicate())
+        plan[pattern] = RowwiseConv1DParallel(output_layouts=seq if sp else Replicate())
+    for pattern, attrs in (names.local_sizes or {}).items():
+        plan[pattern] = LocalSizes(attrs)
     plan[names.head] = ColwiseParallel(input_layouts=col_in, output_layouts=Shard(-1), use_local_output=False)
     return plan
 

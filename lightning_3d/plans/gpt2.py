@@ -1,4 +1,5 @@
-"""GPT-2-style naming: fused q/k/v projection ``attn.c_attn`` (as ``nn.Linear``), ``c_proj``, ``c_fc``."""
+"""GPT-2 naming: fused q/k/v projection ``attn.c_attn``, ``c_proj``, ``c_fc`` — as ``nn.Linear``
+(the hand-written test model) or as ``transformers``' ``Conv1D`` (``GPT2LMHeadModel``)."""
 
 from lightning_3d.plans.common import TransformerNames
 
@@ -11,4 +12,7 @@ GPT2_NAMES = TransformerNames(
     norms=("*.ln_1", "*.ln_2", "*.ln_f"),
     head="*lm_head",
     fused_colwise={"*.attn.c_attn": 3},
+    # transformers' GPT2Attention splits c_attn's output by split_size (the full width); the
+    # head counts are divided too, so the module describes the heads it holds.
+    local_sizes={"*.attn": ("split_size", "num_heads", "embed_dim")},
 )

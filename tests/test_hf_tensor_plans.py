@@ -1,0 +1,222 @@
+"""Tensor-parallel plans on Hugging Face models: the built-in ``gpt2`` plan on transformers'
+``GPT2LMHeadModel`` (``Conv1D`` projections, fused q/k/v split by ``split_size``, blocks called
+with several positional arguments), and the refusals that must come before any process starts.
+
+Plain unit tests resolve plans on whole tiny models (no process group). Real 2-rank gloo worlds
+train 5 fp32 steps and compare losses and gathered weights with one process. Untied embedding
+and head: tied weights under tensor parallelism are handled (and tested) elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+pytest.importorskip("transformers")
+
+from transformers.pytorch_utils import Conv1D  # noqa: E402
+
+from lightning_3d.parallel.tensor import (  # noqa: E402
+    FUSED_ROWS_ATTR,
+    ColwiseConv1DParallel,
+    FusedColwiseParallel,
+    LocalSizes,
+    PrepareHiddenStates,
+    RowwiseConv1DParallel,
+    regroup_fused_rows,
+    resolve_plan,
+)
+from lightning_3d.plans import detect_plan, plan_from_names  # noqa: E402
+from lightning_3d.testing.parity import assert_same_run  # noqa: E402
+from lightning_3d.testing.runs import fit_gpt  # noqa: E402
+from lightning_3d.testing.world import run_world  # noqa: E402
+
+STEPS, SEED = 5, 1234
+UNTIED = {"tie_word_embeddings": False}
+
+
+def _hf(family: str = "gpt2", **overrides):
+    from lightning_3d.models.hf import HFCausalLM
+    from lightning_3d.testing.hf_configs import tiny_hf_config
+
+    return HFCausalLM(config=tiny_hf_config(family, **{**UNTIED, **overrides}))
+
+
+def _refusal(model: nn.Module, plan: dict, tp: int) -> str:
+    with pytest.raises(ValueError) as err:
+        resolve_plan(model, plan, tp)
+    assert not dist.is_initialized()  # shapes and names only: nothing launched, no collective
+    return str(err.value)
+
+
+# ================================================================== plain unit: the plan
+@pytest.mark.parametrize("family, arch", [("gpt2", "gpt2"), ("llama", "llama"), ("qwen2", "llama")])
+def test_hf_models_are_recognised_under_the_lightning_module(family, arch):
+    model = _hf(family)
+    name, plan = detect_plan(model, sequence_parallel=True)
+    assert name == arch
+    resolved = resolve_plan(model, plan, 2)
+    assert "model.lm_head" in resolved  # found under HFCausalLM's ``model.`` prefix
+
+
+def test_hf_gpt2_plan_splits_conv1d_and_localises_attention_sizes():
+    model = _hf()
+    resolved = resolve_plan(model, detect_plan(model, sequence_parallel=True)[1], 2)
+    block = "model.transformer.h.0"
+    assert isinstance(model.get_submodule(f"{block}.mlp.c_fc"), Conv1D)
+    assert isinstance(resolved[f"{block}.attn.c_attn"], FusedColwiseParallel)
+    assert isinstance(resolved[f"{block}.mlp.c_fc"], ColwiseConv1DParallel)
+    assert isinstance(resolved[f"{block}.mlp.c_proj"], RowwiseConv1DParallel)
+    assert resolved[f"{block}.mlp.c_proj"].output_layouts == (Shard(1),)
+    assert isinstance(resolved[f"{block}.attn"], LocalSizes)
+    assert resolved[f"{block}.attn"].sizes(model.get_submodule(f"{block}.attn")) == {
+        "split_size": 32, "num_heads": 4, "embed_dim": 32,
+    }
+    assert isinstance(resolved["model.transformer.h.0"], PrepareHiddenStates)
+
+
+def test_style_names_on_conv1d_get_the_conv1d_styles():
+    """``"colwise"`` / ``"rowwise"`` (torch's own classes) on a Conv1D resolve to the subclasses
+    that can split it, with the same layouts."""
+    model = _hf()
+    plan = plan_from_names({"*.mlp.c_fc": "colwise", "*.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1))})
+    resolved = resolve_plan(model, plan, 2)
+    fc, proj = resolved["model.transformer.h.1.mlp.c_fc"], resolved["model.transformer.h.1.mlp.c_proj"]
+    assert type(fc) is ColwiseConv1DParallel and fc.input_layouts == (Replicate(),)
+    assert type(proj) is RowwiseConv1DParallel and proj.output_layouts == (Shard(1),)
+    assert type(plan["*.mlp.c_fc"]) is ColwiseParallel  # the plan itself is not changed
+
+
+@pytest.mark.parametrize("dim", [0, -1], ids=["linear", "conv1d"])
+def test_regroup_fused_rows_along_the_output_dim(dim):
+    """Conv1D's output features are its weight's last dim: regrouping there is the transpose
+    of regrouping nn.Linear's rows, and the inverse undoes it."""
+    w = torch.randn(12, 5, generator=torch.Generator().manual_seed(0))
+    t = w if dim == 0 else w.T
+    out = regroup_fused_rows(t, 3, 2, dim)
+    expected = regroup_fused_rows(w, 3, 2)
+    assert torch.equal(out if dim == 0 else out.T, expected)
+    assert torch.equal(regroup_fused_rows(out, 3, 2, dim, inverse=True), t)
+
+
+# ================================================================== plain unit: refusals
+def test_indivisible_heads_and_widths_are_named_before_launch():
+    model = _hf(n_embd=48, n_head=6, n_inner=66)  # 6 heads and an MLP width of 66 over tensor=4
+    message = _refusal(model, detect_plan(model)[1], 4)
+    assert message.startswith("tensor=4 does not divide the model")
+    assert "model.transformer.h.0.attn.c_attn: heads 6 is not divisible by tensor=4" in message
+    assert "model.transformer.h.1.attn: num_heads 6" in message
+    assert "model.transformer.h.0.mlp.c_fc: out_features 66" in message
+    assert "model.transformer.h.1.mlp.c_proj: in_features 66" in message
+    assert "attn.c_proj" not in message  # 48 input features split fine
+
+
+def test_indivisible_vocabulary_and_embedding_width_are_named():
+    model = _hf(vocab_size=250)
+    plan = {"*wte": RowwiseParallel(), "*wpe": ColwiseParallel(), "*lm_head": ColwiseParallel()}
+    message = _refusal(model, plan, 4)
+    assert "model.transformer.wte: num_embeddings (vocabulary) 250" in message
+    assert "model.lm_head: out_features 250" in message
+    assert "wpe" not in message  # embedding_dim 32 splits over 4
+    assert "model.transformer.wpe: embedding_dim 32" in _refusal(model, {"*wpe": ColwiseParallel()}, 3)
+
+
+def test_fused_chunks_must_divide_the_output():
+    message = _refusal(_hf(), {"*.mlp.c_fc": FusedColwiseParallel(5)}, 2)  # 128 outputs, 5 chunks
+    assert "model.transformer.h.0.mlp.c_fc: out_features 128 do not split into 5 fused chunks" in message
+
+
+def test_style_on_a_module_type_it_cannot_split_is_named_with_its_class():
+    model = _hf()
+    plan = {"*.ln_1": ColwiseParallel(), "*wte": FusedColwiseParallel(3), "*.mlp.c_fc": ColwiseConv1DParallel()}
+    message = _refusal(model, plan, 2)
+    assert (
+        "model.transformer.h.0.ln_1 is a torch.nn.modules.normalization.LayerNorm, "
+        "and ColwiseParallel splits only Linear, Embedding" in message
+    )
+    assert "model.transformer.wte is a torch.nn.modules.sparse.Embedding, and FusedColwiseParallel" in message
+    assert "c_fc" not in message
+
+
+# ================================================================== real 2-rank worlds
+def _values_rank(rank: int) -> dict:
+    """Apply the plan by hand (no Trainer) to a GPT-2 with random q/k/v biases: local shards,
+    state round trips and forward parity, with and without sequence parallelism."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_3d.checkpoint.consolidated import load_full_model_state
+    from lightning_3d.parallel.tensor import apply_tensor_parallel
+    from lightning_3d.state import full_state_dict
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for sp in (False, True):
+        torch.manual_seed(0)
+        model = _hf().eval()
+        for block in model.model.transformer.h:
+            nn.init.normal_(block.attn.c_attn.bias, std=0.1)
+        original = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            expected = model(idx)
+        apply_tensor_parallel(model, mesh, detect_plan(model, sp)[1])
+        attn = model.model.transformer.h[1].attn
+        with torch.no_grad():
+            logits = model(idx).full_tensor()
+        full = full_state_dict(model)
+        load_full_model_state(model, original)  # regrouped again on the way in
+        out[sp] = {
+            "original": original, "expected": expected, "logits": logits, "full": full,
+            "local_w": attn.c_attn.weight.to_local().clone(), "local_b": attn.c_attn.bias.to_local().clone(),
+            "fused_attr": getattr(attn.c_attn, FUSED_ROWS_ATTR), "split_size": attn.split_size,
+            "num_heads": attn.num_heads, "after_load": full_state_dict(model),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def values_world():
+    return run_world(_values_rank, 2)
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_world_hf_gpt2_conv1d_shards_round_trip_and_forward(values_world, sp):
+    for rank, world in enumerate(values_world):
+        out = world[sp]
+        original = out["original"]
+        for key, value in original.items():
+            assert torch.equal(out["full"][key], value), key  # regrouping undone along Conv1D's dim -1
+            assert torch.equal(out["after_load"][key], value), key
+        assert out["fused_attr"] == (3, 2, -1)
+        assert (out["split_size"], out["num_heads"]) == (16, 2)  # this rank's 2 of 4 heads
+        w = original["model.transformer.h.1.attn.c_attn.weight"]  # (in 32, out 96): q | k | v columns
+        b = original["model.transformer.h.1.attn.c_attn.bias"]
+        cols = slice(rank * 16, (rank + 1) * 16)
+        assert torch.equal(out["local_w"], torch.cat([c[:, cols] for c in w.chunk(3, dim=1)], dim=1))
+        assert torch.equal(out["local_b"], torch.cat([c[cols] for c in b.chunk(3)]))
+        torch.testing.assert_close(out["logits"], out["expected"], atol=1e-5, rtol=0)
+
+
+def _fit(rank: int, strategy: dict | None, devices: int) -> dict:
+    return fit_gpt(rank, strategy=strategy, devices=devices, steps=STEPS, seed=SEED, model={"hf": UNTIED},
+                   trainer={"gradient_clip_val": 0.05}, arch="hf_gpt2")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _fit(0, None, 1)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_hf_gpt2_tensor_parallel_matches_single_process(reference, sequence_parallel):
+    world = run_world(_fit, 2, {"tensor": 2, "sequence_parallel": sequence_parallel}, 2)
+    assert world[0]["summary"]["layout"]["tensor"] == 2
+    assert world[1]["losses"] == world[0]["losses"]
+    for rank in world[0]["summary"]["ranks"]:  # every split layer (Conv1D ones too) holds half
+        assert rank["tp_split_param_bytes"] * 2 == rank["tp_split_dense_bytes"] > 0
+    assert_same_run(world[0], reference)
