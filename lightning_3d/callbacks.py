@@ -57,6 +57,9 @@ class RunSummary(Callback):
 
     - ``losses``: the global mean training loss of every optimizer step (mean over the
       accumulated micro-batches of the step, then over data-parallel ranks);
+    - ``local_losses``: this rank's own loss of every optimizer step, before that reduction
+      (what tests check rank by rank: data-parallel ranks see other samples, tensor-parallel
+      peers must each compute the full loss);
     - ``tokens_per_s``: median over steps after ``warmup_steps`` of global tokens / step time;
     - ``ranks``: per rank, peak RSS and the model-state bytes resident at the end of backward,
       just before the optimizer step (see :func:`lightning_3d.memory.model_state_bytes`), and
@@ -71,6 +74,7 @@ class RunSummary(Callback):
         self.warmup_steps = warmup_steps
         self.filename = filename
         self.losses: list[float] = []
+        self.local_losses: list[float] = []
         self.step_times: list[float] = []
         self.step_tokens: list[int] = []
         self.memory: dict[str, int] = {}
@@ -152,6 +156,8 @@ class RunSummary(Callback):
         if trainer.global_step == self._last_step:
             return  # still accumulating
         self._last_step = trainer.global_step
+        if self._loss_sum is not None:
+            self.local_losses.append(float(self._loss_sum))
         step_loss = trainer.strategy.reduce(self._loss_sum, reduce_op="mean") if self._loss_sum is not None else None
         self.losses.append(float(step_loss) if step_loss is not None else float("nan"))
         now = time.perf_counter()

@@ -20,7 +20,7 @@ from lightning_3d.parallel.clip import clip_grad_norm_
 
 class OptimizerWiring:
     """Mixin for ``ThreeDStrategy``; uses its ``precision_plugin``, ``optimizers``,
-    ``root_device``, ``_offload`` and ``_pp_group``."""
+    ``root_device``, ``_offload``, ``_pp_group`` and ``_norm_duplicates``."""
 
     def _fsdp_policies(self) -> dict[str, Any]:
         """FSDP2 policies under ZeRO-3. Mixed precision: parameters are gathered in the compute
@@ -69,7 +69,8 @@ class OptimizerWiring:
         pp_group = self._pp_group
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: float) -> None:
-            clip_grad_norm_(plugin.main_params(optimizer), clip_val, sum_over=pp_group)
+            clip_grad_norm_(plugin.main_params(optimizer), clip_val, sum_over=pp_group,
+                            skip_in_norm=self._norm_duplicates())
 
         plugin.clip_grad_by_norm = clip_grad_by_norm
 

@@ -6,6 +6,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_3d.parallel.tensor import FUSED_ROWS_ATTR, regroup_fused_rows
+from lightning_3d.parallel.tied import TIED_ALIASES_ATTR
 
 
 def full_state_dict(module: nn.Module, to_cpu: bool = True, pp_group=None) -> dict[str, Tensor]:
@@ -21,8 +22,11 @@ def full_state_dict(module: nn.Module, to_cpu: bool = True, pp_group=None) -> di
         if hasattr(mod, FUSED_ROWS_ATTR)
         for pname, _ in mod.named_parameters(recurse=False)
     }
+    # A tied weight under its one-process name, whichever of its modules this stage holds.
+    aliases = getattr(module, TIED_ALIASES_ATTR, {})
     state: dict[str, Tensor] = {}
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        name = aliases.get(name, name)
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if name in fused:  # undo FusedColwiseParallel's row regrouping
             full = regroup_fused_rows(full, *fused[name], inverse=True)

@@ -37,7 +37,9 @@ from lightning_3d.parallel.checkpointing import apply_activation_checkpointing, 
 from lightning_3d.parallel.fsdp import apply_zero3
 from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.pipeline import PipelineRuntime, pipeline_options, split_stages
-from lightning_3d.parallel.tensor import apply_tensor_parallel
+from lightning_3d.parallel.stages import tied_holders
+from lightning_3d.parallel.tensor import apply_tensor_parallel, local_tensor, resolve_plan
+from lightning_3d.parallel.tied import TiedGroups, check_tied_styles, find_tied, record_aliases, retie
 from lightning_3d.parallel.zero import ZeroDataParallel
 from lightning_3d.plans import build_plan
 
@@ -164,7 +166,9 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
         self._parallelized: Optional[pl.LightningModule] = None
         self._full_names: Optional[list[str]] = None  # state / parameter names before a pipeline split
         self._full_param_names: Optional[list[str]] = None
+        self._tied: Optional[TiedGroups] = None  # tied weights with a copy on several pipeline ranks
         self.num_nodes = 1
+        self._setting_up: Optional[str] = None  # the setup step under way (for error reports)
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
@@ -252,12 +256,18 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self._setting_up = "setup"
+        self._setup(trainer)
+        self._setting_up = None
+
+    def _setup(self, trainer: pl.Trainer) -> None:
         self.accelerator.setup(trainer)
         self.model_to_device()
         self.model = self.precision_plugin.convert_module(self.model)
         if self._parallelized is not self.lightning_module:  # e.g. trainer.validate() after fit()
             self._parallelize(self.lightning_module)
             self._parallelized = self.lightning_module
+        self._setting_up = "optimizer setup"
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             if self.layout.zero_stage < 3:
@@ -277,21 +287,33 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
         # Names as one process has them (checkpoints are written and read in that form).
         self._full_names = list(module.state_dict())
         self._full_param_names = [name for name, _ in module.named_parameters()]
+        # Tied weights (embedding = head), found while the model is whole: each stays one
+        # parameter below, or one copy per pipeline stage with summed gradients (parallel/tied.py).
+        ties = find_tied(module)
+        record_aliases(module, ties)
         if self.layout.tensor > 1:  # recognise the architecture while the model is still whole
             plan = build_plan(module, self._tp_plan, self._sequence_parallel)
+        self._setting_up = "the pipeline split"
         if self.layout.pipeline > 1:
             spec = self._pipeline_spec(module)
+            pp_mesh, options = self.device_mesh[MeshAxis.PIPELINE.value], self._pipeline_options
+            holders = tied_holders(module, spec, pp_mesh.size(), options["virtual_stages"], options["split"])
+            self._tied = TiedGroups(self.device_mesh, holders)
             stages = self._split_pipeline(module, spec)
+        self._setting_up = "tensor parallelism"
         if self.layout.tensor > 1:
             # Under a pipeline, patterns for other stages' modules (the head, say) match nothing here.
-            resolved = apply_tensor_parallel(
-                module, self.device_mesh[MeshAxis.TENSOR.value], plan, require_all=stages is None
-            )
+            tp_mesh = self.device_mesh[MeshAxis.TENSOR.value]
+            check_tied_styles(module, resolve_plan(module, plan, tp_mesh.size(), stages is None), ties)
+            resolved = apply_tensor_parallel(module, tp_mesh, plan, require_all=stages is None)
+            retie(module, ties)  # each module got its own sharded copy: make them one again
             self._watch_logits(resolved)
         # 4. Activation checkpointing, per block: after the split (placeholders are skipped) and
         # after tensor parallelism (its hooks run inside the recomputed region); before FSDP2,
         # whose per-block gather / reshard hooks then wrap the checkpointed forward.
+        self._setting_up = "activation checkpointing"
         apply_activation_checkpointing(module, self._checkpointing["policy"], self._checkpointing["every_n"])
+        self._setting_up = "ZeRO-3 (FSDP2) sharding"
         if self.layout.zero_stage == 3:
             apply_zero3(module, self.device_mesh[MeshAxis.DATA.value], roots=stages, **self._fsdp_policies())
         if stages is not None:
@@ -335,10 +357,26 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
             engine.detach()
         bucket_numel = max(1, int(self._bucket_size_mb * 2**20) // 4)
         self._engines = []
+        tied = {id(p): group for p, group, _ in self._tied_copies()}
         for optimizer in self.optimizers:
             engine = ZeroDataParallel(mesh, self.layout.zero_stage, bucket_numel=bucket_numel)
-            engine.attach(optimizer)
+            engine.attach(optimizer, tied=tied)
             self._engines.append(engine)
+
+    def _tied_copies(self) -> list[tuple[Any, Any, bool]]:
+        """``(parameter, group, is_first_holder)`` for this rank's copies of tied weights that
+        other pipeline ranks hold too."""
+        return self._tied.local(self.lightning_module) if self._tied else []
+
+    def _norm_duplicates(self) -> set[int]:
+        """Optimizer parameters whose gradient another pipeline rank counts in the global norm
+        already (a tied weight's copy on any holder but the first)."""
+        out = set()
+        for p, _, first in self._tied_copies():
+            if not first:
+                engine = next((e for e in self._engines if e.slice_of(p) is not None), None)
+                out.add(id(engine.slice_of(p) if engine is not None else p))
+        return out
 
     @override
     def model_to_device(self) -> None:
@@ -436,6 +474,8 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is not None:  # the schedule already ran backward in training_step
+            if not self._engines:  # ZeRO-3: FSDP2 reduced the copies' gradients; add them up
+                self._sum_tied_grads()
             for p, grad in self._pipeline_grads:
                 p.grad = grad if p.grad is None else p.grad + grad
             self._pipeline_grads = []
@@ -443,6 +483,16 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
             return closure_loss
         with self._step_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _sum_tied_grads(self) -> None:
+        """This step's gradient of each tied weight, summed over the pipeline ranks holding a copy
+        (the ZeRO 0-2 engines do this in their buffers)."""
+        pending = {id(p): grad for p, grad in self._pipeline_grads}
+        for p, group, _ in self._tied_copies():
+            if id(p) not in pending:  # no gradient on this stage: still take part
+                pending[id(p)] = torch.zeros_like(p)
+                self._pipeline_grads.append((p, pending[id(p)]))
+            dist.all_reduce(local_tensor(pending[id(p)]), group=group)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -498,7 +548,8 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
     def count_parameters(self) -> int:
         """Parameters of the whole model (a DTensor counts its global size; pipeline stages add
         up). A collective under a pipeline."""
-        count = torch.tensor(sum(p.numel() for p in self.lightning_module.parameters()), dtype=torch.int64)
+        copies = sum(p.numel() for p, _, first in self._tied_copies() if not first)  # counted on another stage
+        count = torch.tensor(sum(p.numel() for p in self.lightning_module.parameters()) - copies, dtype=torch.int64)
         if self._pp_group is not None:
             dist.all_reduce(count, group=self._pp_group)
         return int(count)
@@ -517,7 +568,15 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
         # A peer that died (killed, out of memory, lost node) surfaces here as a failed
         # collective: gloo's "Connection closed by peer" at once, or after `timeout` if the
         # peer just went silent. Say what it means and how to continue.
-        if isinstance(exception, (RuntimeError, dist.DistError)) and _distributed_is_initialized():
+        if self._setting_up is not None:  # not a peer's failure: this rank could not build the layout
+            print(
+                f"lightning_3d: rank {self.global_rank}: setting up {type(self.lightning_module).__name__} for "
+                f"{self.layout} failed during {self._setting_up}: {type(exception).__name__}: "
+                f"{str(exception).splitlines()[0][:300] if str(exception) else ''}",
+                file=sys.stderr, flush=True,
+            )
+            return
+        if _is_collective_failure(exception) and _distributed_is_initialized():
             print(
                 f"lightning_3d: rank {self.global_rank}: a collective failed ({type(exception).__name__}: "
                 f"{str(exception).splitlines()[0][:200]}). Another rank has probably stopped; checkpoints "
@@ -538,6 +597,16 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
             super().teardown()
         finally:
             self._optimizers = kept
+
+
+def _is_collective_failure(exception: BaseException) -> bool:
+    """A failed collective (a peer stopped or went silent), as gloo and NCCL report it."""
+    if isinstance(exception, dist.DistError):
+        return True
+    text = str(exception).lower()
+    return isinstance(exception, RuntimeError) and any(
+        word in text for word in ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout")
+    )
 
 
 def _plain(output: Any) -> Any:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_3d.parallel.tensor import FUSED_ROWS_ATTR, local_tensor, regroup_fused_rows
+from lightning_3d.parallel.tied import TIED_ALIASES_ATTR, param_names
 from lightning_3d.parallel.zero import ZeroDataParallel
 from lightning_3d.state import full_state_dict
 
@@ -69,6 +70,9 @@ def full_model_state(module: nn.Module, pp_group: Any = None, names: Optional[li
     """``module.state_dict()`` at full size on CPU (``names``: its keys in one process, for a
     pipeline stage that holds only some). A collective: call on every rank."""
     full = full_state_dict(module, pp_group=pp_group)
+    # state_dict() lists a tied weight under each of its names; full_state_dict once.
+    aliases = getattr(module, TIED_ALIASES_ATTR, {})
+    full.update({alias: full[name] for alias, name in aliases.items() if name in full})
     return {name: full[name] for name in (names if names is not None else module.state_dict()) if name in full}
 
 
@@ -104,7 +108,7 @@ def _param_layout(module: nn.Module, groups: list[list[Tensor]], pp_group: Any,
     if pp_group is None:
         params = [p for group in groups for p in group]
         return {id(p): i for i, p in enumerate(params)}, [len(g) for g in groups]
-    name_of = {id(p): n for n, p in module.named_parameters()}
+    name_of = param_names(module)  # a tied weight under its one-process name
     mine = [[name_of[id(p)] for p in group] for group in groups]
     parts: list[Any] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(parts, mine, group=pp_group)

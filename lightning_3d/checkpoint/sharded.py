@@ -43,6 +43,7 @@ from lightning_3d.checkpoint.consolidated import _fused_params, _groups, _sharde
 from lightning_3d.checkpoint.io import fsync_dir, remove_stale_temps, temp_path_for
 from lightning_3d.checkpoint.pieces import Pieces, PiecesLoadPlanner, PiecesSavePlanner, flat_boxes, flat_index
 from lightning_3d.parallel.tensor import local_tensor
+from lightning_3d.parallel.tied import param_names
 from lightning_3d.parallel.zero import ZeroDataParallel
 
 FORMAT = "lightning_3d.sharded/1"
@@ -110,7 +111,7 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, engine:
                     order: Optional[list[str]] = None) -> dict[str, Any]:
     """The optimizer's state for DCP, ``{"tensors": {"<param>.<key>": ...}, "param_groups": [...],
     "elementwise": [...], "extras": {...}}``. A collective (names are merged over ranks)."""
-    name_of = {id(p): n for n, p in module.named_parameters()}
+    name_of = param_names(module)  # a tied weight under its one-process name
     fused = _fused_params(module)
     tensors: dict[str, Any] = {}
     extras: dict[str, Any] = {}
@@ -335,7 +336,7 @@ def optimizer_targets(
     """DCP targets for one optimizer's state in this layout, and a function that installs them
     (call it after :func:`load`). ``saved``: the checkpoint's ``<param>.<key>`` entries."""
     _check_groups(module, optimizer, engine, meta)
-    name_of = {id(p): n for n, p in module.named_parameters()}
+    name_of = param_names(module)  # a tied weight under its one-process name
     fused = _fused_params(module)
     elementwise = set(meta["elementwise"])
     keys_of: dict[str, dict[str, TensorStorageMetadata]] = {}
@@ -411,7 +412,7 @@ def optimizer_targets(
 
 def _check_groups(module: nn.Module, optimizer: torch.optim.Optimizer, engine: Optional[ZeroDataParallel],
                   meta: Mapping[str, Any]) -> None:
-    name_of = {id(p): n for n, p in module.named_parameters()}
+    name_of = param_names(module)  # a tied weight under its one-process name
     groups = [[name_of[id(p)] for p in group] for group in _groups(optimizer, engine)]
     saved = [g["params"] for g in meta["param_groups"]]
     if len(groups) != len(saved) or any(not set(mine) <= set(theirs) for mine, theirs in zip(groups, saved)):

@@ -9,7 +9,7 @@ once. PyTorch's ``clip_grad_norm_`` cannot stack norms of DTensors with differen
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Optional
 
 import torch
@@ -20,17 +20,22 @@ from torch.distributed.tensor import DTensor, Replicate
 from lightning_3d.parallel.tensor import local_tensor
 
 
-def global_grad_norm(parameters: Iterable[Tensor], sum_over: Optional[dist.ProcessGroup] = None) -> Tensor:
+def global_grad_norm(parameters: Iterable[Tensor], sum_over: Optional[dist.ProcessGroup] = None,
+                     skip: Collection[int] = ()) -> Tensor:
     """The 2-norm of all gradients of ``parameters`` across every rank that holds a part of them.
 
     A collective: every rank of the groups involved must call it with the same parameter order.
-    ``sum_over``: a group whose ranks hold disjoint parameters (pipeline stages).
+    ``sum_over``: a group whose ranks hold disjoint parameters (pipeline stages). ``skip``: ids
+    of parameters another rank of ``sum_over`` counts already (a tied weight's second copy).
     """
     groups: dict[tuple, list] = {}  # (mesh id, sharded dims) -> [mesh, sharded dims, sum of squares]
     device = None
     for p in parameters:
         grad = p.grad
         if grad is None:
+            continue
+        if id(p) in skip:
+            device = local_tensor(grad).device
             continue
         if isinstance(grad, DTensor):
             if any(pl.is_partial() for pl in grad.placements):  # squares of partial sums are no use
@@ -56,10 +61,12 @@ def global_grad_norm(parameters: Iterable[Tensor], sum_over: Optional[dist.Proce
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, sum_over: Optional[dist.ProcessGroup] = None) -> Tensor:
-    """Scale gradients in place so their global 2-norm is at most ``max_norm``; return the norm."""
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, sum_over: Optional[dist.ProcessGroup] = None,
+                    skip_in_norm: Collection[int] = ()) -> Tensor:
+    """Scale gradients in place so their global 2-norm is at most ``max_norm``; return the norm.
+    ``skip_in_norm``: ids of parameters scaled but not counted (see :func:`global_grad_norm`)."""
     parameters = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(parameters, sum_over)
+    norm = global_grad_norm(parameters, sum_over, skip_in_norm)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for p in parameters:
         grad = local_tensor(p.grad)

@@ -114,9 +114,10 @@ def plan_stages(root: nn.Module, spec: Any, num_stages: int, split: Split = "uni
     """Block runs of every stage of ``root`` (read-only; works on a ``meta`` model).
 
     Raises ``ValueError`` for a blocks name that is not an ``nn.ModuleList``, first/last module
-    names that do not exist, more stages than blocks, bad split points, parameters shared
-    across stages (tied weights), and — for the interleaved schedules (``virtual > 1``) with the
-    uniform split — a block count the stages do not divide (their chunks must be equal)."""
+    names that do not exist, more stages than blocks, bad split points, and — for the
+    interleaved schedules (``virtual > 1``) with the uniform split — a block count the stages do
+    not divide (their chunks must be equal). Tied weights across stages are fine (see
+    :func:`tied_stages`)."""
     blocks = root.get_submodule(spec.blocks)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(f"pipeline blocks {spec.blocks!r} must name an nn.ModuleList, found {type(blocks).__name__}")
@@ -133,7 +134,6 @@ def plan_stages(root: nn.Module, spec: Any, num_stages: int, split: Split = "uni
         runs = balanced_blocks([_numel([b]) for b in blocks], num_stages, _numel(first), _numel(last))
     else:
         runs = explicit_blocks(spec.blocks, len(blocks), list(split), num_stages, lambda n: _exists(root, n))
-    _refuse_tied_weights(root, spec, blocks, runs)
     return runs
 
 
@@ -151,23 +151,26 @@ def _exists(root: nn.Module, name: str) -> bool:
     return True
 
 
-def _refuse_tied_weights(root: nn.Module, spec: Any, blocks: nn.ModuleList, runs: list[range]) -> None:
-    """A parameter used by two stages (e.g. input embedding tied to the output head) would be
-    two copies after the split, updated apart. Refuse it rather than train something else."""
-    owners: dict[int, tuple[int, str]] = {}
-    named: list[tuple[int, str, nn.Module]] = [(0, n, root.get_submodule(n)) for n in spec.first]
-    named += [(s, f"{spec.blocks}.{i}", blocks[i]) for s, run in enumerate(runs) for i in run]
-    named += [(len(runs) - 1, n, root.get_submodule(n)) for n in spec.last]
-    for stage, prefix, module in named:
-        for pname, p in module.named_parameters():
-            here = (stage, f"{prefix}.{pname}")
-            there = owners.setdefault(id(p), here)
-            if there[0] != stage:
-                raise ValueError(
-                    f"parameter {there[1]} (stage {there[0]}) is the same tensor as {here[1]} (stage {stage}): "
-                    "tied weights across pipeline stages are not supported; untie them (give the head its "
-                    "own weight) or put both modules on one stage"
-                )
+def tied_stages(root: nn.Module, spec: Any, runs: list[range]) -> dict[str, set[int]]:
+    """For each parameter used on more than one stage (e.g. an input embedding tied to the
+    output head), its name in ``root`` and the stages that use it. Each such stage keeps a copy;
+    the strategy sums their gradients (``parallel/tied.py``)."""
+    blocks = root.get_submodule(spec.blocks)
+    name_of = {id(p): n for n, p in root.named_parameters()}
+    named: list[tuple[int, nn.Module]] = [(0, root.get_submodule(n)) for n in spec.first]
+    named += [(s, blocks[i]) for s, run in enumerate(runs) for i in run]
+    named += [(len(runs) - 1, root.get_submodule(n)) for n in spec.last]
+    used: dict[int, set[int]] = {}
+    for stage, module in named:
+        for p in module.parameters():
+            used.setdefault(id(p), set()).add(stage)
+    return {name_of[key]: stages for key, stages in used.items() if len(stages) > 1}
+
+
+def tied_holders(root: nn.Module, spec: Any, pp_size: int, virtual: int, split: Split = "uniform") -> dict[str, list[int]]:
+    """:func:`tied_stages` as pipeline ranks (looped placement: stage s is on rank s mod pp)."""
+    runs = plan_stages(root, spec, pp_size * virtual, split, virtual)
+    return {name: sorted({s % pp_size for s in stages}) for name, stages in tied_stages(root, spec, runs).items()}
 
 
 def stage_ids(pp_rank: int, pp_size: int, virtual: int) -> list[int]:

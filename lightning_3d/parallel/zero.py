@@ -57,6 +57,9 @@ class _Bucket:
     received: Optional[Tensor] = None  # gloo: every rank's part of this rank's slice, to be summed
 
 
+SCATTER_MODES = ("auto", "reduce_scatter", "all_to_all")
+
+
 class ZeroDataParallel:
     """Gradient synchronisation and optimizer sharding for ZeRO stages 0–2.
 
@@ -72,8 +75,16 @@ class ZeroDataParallel:
             engine.after_step()
     """
 
-    def __init__(self, mesh: DeviceMesh, stage: int, bucket_numel: int = 2**23) -> None:
-        """``mesh`` is the data axis, or the (data, tensor) mesh when parameters are tensor-parallel."""
+    def __init__(self, mesh: DeviceMesh, stage: int, bucket_numel: int = 2**23, scatter: str = "auto") -> None:
+        """``mesh`` is the data axis, or the (data, tensor) mesh when parameters are tensor-parallel.
+
+        ``scatter`` is how stages 1–2 reduce-scatter gradients: ``"reduce_scatter"`` (the
+        collective, what NCCL runs), ``"all_to_all"`` (an all-to-all of the N slices and a local
+        sum) or ``"auto"``: all-to-all on gloo, where it is faster, the collective elsewhere.
+        ``"reduce_scatter"`` on gloo runs the NCCL path on CPUs, e.g. in tests.
+        """
+        if scatter not in SCATTER_MODES:
+            raise ValueError(f"scatter must be one of {list(SCATTER_MODES)}, got {scatter!r}")
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroDataParallel handles zero_stage 0, 1 and 2, got {stage}")
         if bucket_numel < 1:
@@ -90,16 +101,23 @@ class ZeroDataParallel:
         # gloo's reduce-scatter takes ~1.7x its all-reduce of the same buffer (measured: 25-31 vs
         # 16-17 ms for 13 MB at N=2); an all-to-all of the N slices plus a local sum sends the same
         # (N-1)/N bytes per rank as a ring reduce-scatter, in about the all-reduce's time.
-        self._scatter_by_all_to_all = self.size > 1 and dist.get_backend(self.group) == "gloo"
+        gloo = dist.get_backend(self.group) == "gloo"
+        self._scatter_by_all_to_all = self.size > 1 and (scatter == "all_to_all" or (scatter == "auto" and gloo))
         self.buckets: list[_Bucket] = []
         self.original_groups: list[list[nn.Parameter]] = []  # each param group as the user built it
         self._hooks: list = []
         self._sync = True
         self._early = True
+        self.tied: dict[int, dist.ProcessGroup] = {}  # see attach()
 
     # ---------------------------------------------------------------- setup
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Flatten the optimizer's parameters into buckets and (stages 1–2) shard its groups."""
+    def attach(self, optimizer: torch.optim.Optimizer, tied: Optional[dict] = None) -> None:
+        """Flatten the optimizer's parameters into buckets and (stages 1–2) shard its groups.
+
+        ``tied``: ``{id(parameter): process group}`` for copies of a tied weight held on several
+        pipeline stages (``parallel/tied.py``). Each gets a bucket of its own, whose gradient is
+        summed over that group before the data-parallel reduction."""
+        self.tied.update(tied or {})
         if optimizer.state:
             raise ValueError("attach the ZeRO engine before the optimizer's first step (its state is not empty)")
         owned = {id(p) for b in self.buckets for p in b.params}
@@ -120,7 +138,8 @@ class ZeroDataParallel:
         numel = 0
         for p in params:
             same_kind = chunks and _kind(chunks[-1][0]) == _kind(p)
-            if not same_kind or numel + _local(p).numel() > self.bucket_numel:
+            solo = id(p) in self.tied or (chunks and id(chunks[-1][0]) in self.tied)
+            if solo or not same_kind or numel + _local(p).numel() > self.bucket_numel:
                 chunks.append([])
                 numel = 0
             chunks[-1].append(p)
@@ -238,6 +257,7 @@ class ZeroDataParallel:
                         self._consume(bucket, index, p)
         if not self._sync:
             return
+        self._sum_tied()
         for bucket in self.buckets:  # buckets with unused parameters never fired their hook
             if bucket.work is None:
                 self._launch(bucket)
@@ -259,6 +279,28 @@ class ZeroDataParallel:
             else:
                 own = self._own(bucket.grad, bucket) if self.stage == 1 else bucket.shard_grad
                 bucket.slice.grad = self.slice_dtensor(own, bucket.params[0])
+
+    def _sum_tied(self) -> None:
+        """Add up a tied weight's gradient over the pipeline ranks holding a copy (its bucket
+        holds it alone). Before any data-parallel reduction of this backward, so that collectives
+        on different groups cannot wait on each other; sums commute with the later mean."""
+        for bucket in self.buckets:
+            group = self.tied.get(id(bucket.params[0]))
+            if group is None:
+                continue
+            if self.stage <= 1:
+                dist.all_reduce(bucket.grad, group=group)
+            else:
+                if bucket.staging is None:  # no gradient here this backward: still take part
+                    bucket.staging = torch.zeros_like(bucket.flat)
+                dist.all_reduce(bucket.staging, group=group)
+
+    def slice_of(self, p: nn.Parameter) -> Optional[nn.Parameter]:
+        """The optimizer's parameter (stages 1–2: the DTensor slice) whose gradient holds ``p``'s."""
+        bucket = next((b for b in self.buckets if any(q is p for q in b.params)), None)
+        if bucket is None:
+            return None
+        return bucket.slice if self.stage >= 1 else p
 
     # ---------------------------------------------------------------- step
     def after_step(self) -> None:

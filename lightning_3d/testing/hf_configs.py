@@ -16,7 +16,8 @@ TINY_HF: dict[str, dict[str, Any]] = {
     "qwen2": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True, **_ROTARY),
     # Conv1D projections, fused q/k/v, tied embedding and head
     "gpt2": dict(model_type="gpt2", vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True),
+                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
+                 bos_token_id=255, eos_token_id=255),  # GPT-2's own 50256 lies outside a byte vocabulary
 }
 
 

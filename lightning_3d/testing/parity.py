@@ -54,7 +54,7 @@ def assert_same_run(run: dict, reference: dict, rtol: float = 1e-5, atol: float 
         raise AssertionError("run differs from the reference:\n  " + "\n  ".join(problems))
 
 
-__all__ = ["assert_same_run", "loss_mismatches", "weight_mismatches"]
+__all__ = ["assert_same_run", "loss_mismatches", "rank_state_mismatches", "update_mismatches", "weight_mismatches"]
 
 
 def checkpoint_tensors(checkpoint: dict) -> dict:
@@ -65,3 +65,42 @@ def checkpoint_tensors(checkpoint: dict) -> dict:
         for key, value in state.items():
             out[f"optim/{index}/{key}"] = value.reshape(-1) if value.dim() == 0 else value
     return out
+
+
+def update_mismatches(
+    state: dict[str, Tensor], reference: dict[str, Tensor], initial: dict[str, Tensor], rtol: float
+) -> list[str]:
+    """Per tensor, the relative error of the *update*: ``||(a - w0) - (b - w0)|| / ||b - w0||``
+    must be within ``rtol``, for every tensor of ``state`` (a rank may hold a part of the model:
+    its names must be in ``reference``). For runs whose rounding differs (mixed precision), where
+    the weights' own relative error would hide a wrong update under the size of the weights: a
+    missing reduction or a skipped step changes the update by O(1), rounding by a few units of
+    the format's precision per step."""
+    if not state or not set(state) <= set(reference):
+        return [f"names not in the reference: {sorted(set(state) - set(reference))} (of {len(state)})"]
+    problems = []
+    for name, got in state.items():
+        if name not in initial:
+            continue  # a buffer the module does not save
+        start = initial[name].float()
+        want = reference[name].float() - start
+        err = ((got.float() - start - want).norm() / want.norm().clamp_min(1e-12)).item()
+        if not err <= rtol:  # NaN fails too
+            problems.append(f"{name}: update relative error {err:.2e} (max {rtol:.1e})")
+    return problems
+
+
+def rank_state_mismatches(runs: list[dict], reference: dict, rtol: float = 1e-5, atol: float = 1e-5) -> list[str]:
+    """:func:`weight_mismatches` of every rank's own parameters (``fit_gpt(..., rank_state=True)``)
+    against the reference's, each rank under its own label: a rank whose copy is stale or wrong
+    shows, not only rank 0's gathered weights."""
+    problems = []
+    for rank, run in enumerate(runs):
+        own = run["rank_state"] or {}
+        unknown = sorted(set(own) - set(reference["state"]))
+        if not own or unknown:
+            problems.append(f"rank {rank}: no parameters, or names not in the reference: {unknown}")
+            continue
+        ref = {name: reference["state"][name] for name in own}
+        problems += [f"rank {rank}: {p}" for p in weight_mismatches(own, ref, rtol, atol)]
+    return problems

@@ -28,6 +28,7 @@ def fit_gpt(
     resume_from: Optional[str] = None,
     save_to: Optional[str] = None,
     save_every_n_steps: Optional[int] = None,
+    rank_state: bool = False,
 ) -> dict[str, Any]:
     """Train for ``steps`` optimizer steps; ``strategy=None`` means Lightning's plain single device.
 
@@ -41,7 +42,12 @@ def fit_gpt(
     RNG states are saved and restored with the checkpoints (``RNGStateCheckpoint``).
 
     ``strategy`` holds ``ThreeDStrategy`` keyword arguments. Returns ``losses`` and ``summary`` on
-    every rank and ``state`` (full weights, CPU) on rank 0 only.
+    every rank and ``state`` (full weights, CPU) on rank 0 only. Also on every rank:
+    ``local_losses``, this rank's own loss of each step before the reduction over ranks, and
+    ``initial_state``, the weights before the first step (as seeded on this rank). With
+    ``rank_state=True`` every rank also returns ``rank_state``: the parameters this rank holds,
+    each gathered over its own mesh (ZeRO-3, tensor parallel) but not merged over pipeline
+    stages, so each rank's copy can be checked, not only rank 0's.
     """
     import lightning as L
 
@@ -66,6 +72,7 @@ def fit_gpt(
                             optimizer=kwargs.get("optimizer", "adamw"))
     else:
         module = LitTinyLM(arch=arch, n_kv_head=kwargs.pop("n_kv_head", 2), **kwargs)
+    initial_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     datamodule = TextDataModule(seed=seed, **{**TINY_DATA, **(data or {})})
     summary = RunSummary()
     callbacks: list = [summary, RNGStateCheckpoint()]
@@ -107,10 +114,19 @@ def fit_gpt(
             test = fit.test(module, datamodule, verbose=False)[0]
             predictions = fit.predict(module, datamodule)[0]
     state = fit.strategy.full_state_dict() if isinstance(fit.strategy, ThreeDStrategy) else full_state_dict(module)
+    own = full_state_dict(fit.lightning_module) if rank_state else None  # a collective: every rank
     scaler = getattr(fit.precision_plugin, "scaler", None)  # 16-mixed: the dynamic loss scale reached
     return {"losses": summary.losses, "summary": summary.summary, "state": state if rank == 0 else None,
             "val": val, "test": test, "predictions": predictions,
-            "loss_scale": float(scaler.get_scale()) if scaler is not None else None}
+            "loss_scale": float(scaler.get_scale()) if scaler is not None else None,
+            "local_losses": summary.local_losses, "initial_state": initial_state, "rank_state": own,
+            "ties": tie_report(module)}
+
+
+def fit_gpt_ranks(rank: int, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """``fit_gpt(..., rank_state=True)``, for ``run_world`` (which passes positional arguments):
+    every rank also returns its own parameters."""
+    return fit_gpt(rank, *args, rank_state=True, **kwargs)
 
 
 def fit_layout(strategy: Optional[dict[str, Any]], world: int, *args: Any) -> dict[str, Any]:
@@ -121,3 +137,27 @@ def fit_layout(strategy: Optional[dict[str, Any]], world: int, *args: Any) -> di
     from lightning_3d.testing.world import run_world
 
     return run_world(fit_gpt, world, strategy, world, *args)[0]
+
+
+def tie_report(module: Any) -> list[dict[str, Any]]:
+    """This rank's view of each tied weight: which of its names it holds, whether they are one
+    ``Parameter``, and the local values (CPU), so tests can check ties survive every layout."""
+    from lightning_3d.parallel.tensor import local_tensor
+    from lightning_3d.parallel.tied import TIED_ALIASES_ATTR
+
+    aliases = getattr(module, TIED_ALIASES_ATTR, {})
+    report = []
+    for canonical in sorted(set(aliases.values())):
+        names = [canonical, *sorted(a for a, c in aliases.items() if c == canonical)]
+        held = {}
+        for name in names:
+            try:
+                held[name] = module.get_parameter(name)
+            except AttributeError:  # that module lives on another pipeline stage
+                continue
+        params = list(held.values())
+        report.append({
+            "names": list(held), "one_parameter": all(p is params[0] for p in params),
+            "value": local_tensor(params[0]).detach().float().cpu().clone() if params else None,
+        })
+    return report
