@@ -3,6 +3,7 @@
     python examples/train.py                                   # reference GPT, 2 CPU ranks
     python examples/train.py parallelism=zero3 trainer.devices=4
     python examples/train.py -m parallelism.zero_stage=0,1,2,3  # a sweep
+    python examples/train.py model=hf model.path=DIR data=text data.path=corpus/  # a Hugging Face model
 
 Writes summary.json (layout, per-step losses, tokens/s, per-rank memory) to the run directory.
 """

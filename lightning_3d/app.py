@@ -17,7 +17,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_3d.config import build_strategy, world_size_of
+from lightning_3d.config import (
+    HYDRA_KEYS,
+    build_strategy,
+    check_target_keys,
+    model_limits,
+    target_of,
+    without_weights,
+    world_size_of,
+)
 from lightning_3d.launch import already_launched, launch_job
 
 
@@ -41,27 +49,58 @@ def validate(cfg: DictConfig) -> None:
     if layout.tensor > 1 or layout.pipeline > 1:
         options = strategy._pipeline_options
         _validate_on_meta(cfg, layout.tensor, layout.pipeline, options["virtual_stages"], options["split"])
+    if "model" in cfg and "data" in cfg:
+        check_model_and_data(cfg.model, cfg.data)
+
+
+def check_model_and_data(model: DictConfig, data: DictConfig) -> None:
+    """The model's and the data's keys against their targets' parameters, each one's own checks
+    (a Hugging Face model directory or config; the data files and tokenizer, when the data module
+    has a ``check`` classmethod), and the two against each other: the data's ids must fit the
+    model's vocabulary and its ``block_size`` the model's positions."""
+    check_target_keys(model, "model")
+    check_target_keys(data, "data")
+    limits = model_limits(model)
+    block_size = data.get("block_size")
+    if block_size is not None and limits.max_positions is not None and block_size > limits.max_positions:
+        raise ValueError(
+            f"data.block_size={block_size} is above the model's maximum positions {limits.max_positions} "
+            f"({limits.source}); set data.block_size={limits.max_positions} or less"
+        )
+    data_check = getattr(target_of(data, "data"), "check", None)
+    if data_check is None:
+        return
+    options = OmegaConf.to_container(data, resolve=True)
+    data_vocab = data_check(**{k: v for k, v in options.items() if k not in HYDRA_KEYS})
+    if limits.vocab_size is not None and data_vocab > limits.vocab_size:
+        raise ValueError(
+            f"the data's ids need a vocabulary of {data_vocab} but the model has vocab_size={limits.vocab_size} "
+            f"({limits.source}); use the model's own tokenizer or a model with a larger vocabulary"
+        )
 
 
 def _validate_on_meta(cfg: DictConfig, tensor: int, pipeline: int, virtual: int, split: Any = "uniform") -> None:
     """Check the model's shapes against the layout, with the model built on ``meta`` (no memory):
-    the tensor-parallel plan, and the pipeline split (enough blocks, split points, tied weights)."""
+    the tensor-parallel plan (tied weights split alike included), and the pipeline split (enough
+    blocks, split points)."""
     import torch
     from hydra.utils import instantiate
 
     from lightning_3d.parallel.stages import plan_stages
     from lightning_3d.parallel.tensor import resolve_plan
+    from lightning_3d.parallel.tied import check_tied_styles, find_tied
     from lightning_3d.plans import build_plan
 
     try:
         with torch.device("meta"):
-            model = instantiate(cfg.model)
+            model = instantiate(without_weights(cfg.model))
     except Exception:  # a module that cannot be built on meta is checked by the ranks instead
         return
     if tensor > 1:
         plan = cfg.parallelism.get("tp_plan")
         plan = OmegaConf.to_container(plan) if plan is not None else None
-        resolve_plan(model, build_plan(model, plan, cfg.parallelism.get("sequence_parallel", False)), tensor)
+        resolved = resolve_plan(model, build_plan(model, plan, cfg.parallelism.get("sequence_parallel", False)), tensor)
+        check_tied_styles(model, resolved, find_tied(model))  # a tie the plan would split: refused here
     if pipeline > 1 and callable(getattr(model, "pipeline_spec", None)):
         plan_stages(model, model.pipeline_spec(), pipeline * virtual, split, virtual)
 
@@ -91,15 +130,18 @@ def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     return summary.summary
 
 
-def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str, Any]] | None = None) -> int:
+def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str, Any]] | None = None,
+        validated: bool = False) -> int:
     """Entry point shared by the example apps; returns the process exit code. ``body`` runs on
-    every rank once the world exists (default :func:`train`)."""
+    every rank once the world exists (default :func:`train`); ``validated``: the caller has run
+    :func:`validate` on ``cfg`` already."""
     from hydra.core.hydra_config import HydraConfig
 
     hydra_cfg = HydraConfig.get()
     output_dir = hydra_cfg.runtime.output_dir
     try:
-        validate(cfg)
+        if not validated:
+            validate(cfg)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         _discard_run_dir(Path(output_dir), hydra_cfg.job.name)

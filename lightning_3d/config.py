@@ -3,6 +3,10 @@
 The dataclasses are registered in Hydra's ``ConfigStore`` as schemas, so a typo in a key
 (``parallelism.zero_stag=2``) or a wrong type (``parallelism.tensor=two``) is refused by Hydra
 before anything runs; values are range-checked by :class:`~lightning_3d.layout.Layout`.
+
+The ``model`` and ``data`` groups name any class (``_target_``), so they have no schema: their
+keys are checked against the class's signature instead (:func:`check_target_keys`), and what a
+model accepts (vocabulary, positions) is read without building it (:func:`model_limits`).
 """
 
 from __future__ import annotations
@@ -66,6 +70,144 @@ def build_strategy(parallelism: Any, offload: Any = None) -> ThreeDStrategy:
         options.update(offload=cfg.get("device", "none"), offload_path=cfg.get("path"),
                        offload_chunk_mb=cfg.get("chunk_mb", 16.0), offload_params=cfg.get("params", False))
     return ThreeDStrategy(**options)
+
+
+# Keys of a config node that Hydra's ``instantiate`` reads itself (not constructor arguments).
+HYDRA_KEYS = frozenset({"_target_", "_recursive_", "_convert_", "_partial_", "_args_"})
+
+
+def target_of(node: Any, where: str) -> Any:
+    """The class or function ``node._target_`` names; ``ValueError`` naming it if it cannot be imported."""
+    from hydra.utils import get_object
+
+    target = node.get("_target_") if node is not None else None
+    if not target:
+        raise ValueError(f"{where} has no _target_ (the class to build)")
+    try:
+        return get_object(target)
+    except Exception as err:  # noqa: BLE001 -- Hydra wraps import errors in several types
+        raise ValueError(f"{where}._target_={target!r} cannot be imported: {err}".splitlines()[0]) from None
+
+
+def check_target_keys(node: Any, where: str) -> None:
+    """Raise ``ValueError`` unless every key of ``node`` is a parameter of its ``_target_`` and every
+    required parameter is given: checked in the launching process from the signature, so a key of
+    another model (``model=hf +model.n_layer=4``) is one line instead of a ``TypeError`` per rank."""
+    import inspect
+
+    target = target_of(node, where)
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # no inspectable signature (a builtin): the ranks will tell
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) or "_args_" in node:
+        return  # takes **kwargs, or positional arguments: any key may be right
+    keys = {str(k) for k in node.keys()} - HYDRA_KEYS
+    named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    unknown = sorted(keys - named)
+    if unknown:
+        raise ValueError(
+            f"{', '.join(f'{where}.{k}' for k in unknown)}: not {'a parameter' if len(unknown) == 1 else 'parameters'} "
+            f"of {where}._target_={node._target_} (its parameters: {', '.join(sorted(named))})"
+        )
+    missing = sorted(n for n in named - keys if params[n].default is inspect.Parameter.empty)
+    if missing:
+        raise ValueError(f"{where}._target_={node._target_} needs {', '.join(f'{where}.{k}' for k in missing)}")
+
+
+@dataclass
+class ModelLimits:
+    """What a model accepts, read before it is built: token ids below ``vocab_size`` and
+    sequences of at most ``max_positions`` (``None``: unknown, not checked)."""
+
+    vocab_size: Optional[int] = None
+    max_positions: Optional[int] = None
+    source: str = "model"  # where the numbers come from, for messages
+
+
+def model_limits(node: Any) -> ModelLimits:
+    """The limits of the model ``node`` configures: a Hugging Face model's from its config (see
+    :func:`hf_model_limits`), any other's from its ``vocab_size`` / ``block_size`` keys."""
+    from lightning_3d.models.hf import HFCausalLM
+
+    target = target_of(node, "model")
+    if isinstance(target, type) and issubclass(target, HFCausalLM):
+        return hf_model_limits(node.get("path"), node.get("config"))
+    return ModelLimits(node.get("vocab_size"), node.get("block_size"), "model")
+
+
+def hf_model_limits(path: Optional[str], config: Any) -> ModelLimits:
+    """Check that ``model=hf`` names one model (a directory with ``config.json`` and weights, or
+    a config with a ``model_type``) and read its vocabulary and position limits from the config
+    (nothing is built). ``ValueError`` names the bad value."""
+    if path is not None and config is not None:
+        raise ValueError(f"model=hf takes model.path or model.config, not both (model.path={str(path)!r})")
+    hf = _hf_config_from_dir(path) if path is not None else _hf_config_from_dict(config)
+    positions = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None)
+    where = f"{path}/config.json" if path is not None else "model.config"
+    return ModelLimits(getattr(hf, "vocab_size", None), positions, where)
+
+
+def without_weights(node: Any) -> Any:
+    """``node`` with a Hugging Face directory's weights left out: ``model.path`` replaced by its
+    ``config.json`` as ``model.config``, so the model builds on the ``meta`` device (where
+    ``from_pretrained`` refuses to run) with the same shapes. Other nodes are returned as they are."""
+    from omegaconf import OmegaConf
+
+    from lightning_3d.models.hf import HFCausalLM
+
+    target = target_of(node, "model")
+    if not (isinstance(target, type) and issubclass(target, HFCausalLM)) or node.get("path") is None:
+        return node
+    config = _hf_config_from_dir(node.path).to_dict()
+    return OmegaConf.merge(OmegaConf.to_container(node, resolve=True), {"path": None, "config": config})
+
+
+def _hf_config_from_dir(path: str) -> Any:
+    from pathlib import Path
+
+    directory = Path(str(path)).expanduser()
+    if not directory.is_dir():
+        raise ValueError(f"model.path={str(path)!r} is not a directory")
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"model.path={str(path)!r} has no config.json: not a Hugging Face model directory")
+    if not any(directory.glob("*.safetensors")) and not any(directory.glob("pytorch_model*.bin")):
+        raise ValueError(f"model.path={str(path)!r} has no weights (*.safetensors or pytorch_model*.bin)")
+    transformers = _transformers()
+    try:
+        return transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"model.path={str(path)!r}: cannot read config.json: {_first_line(err)}") from None
+
+
+def _hf_config_from_dict(config: Any) -> Any:
+    if config is None:
+        raise ValueError(
+            "model=hf needs model.path=DIR (pretrained weights) or model.config={model_type: ..., ...} "
+            "(random init); neither is set"
+        )
+    options = dict(_to_dict(config))
+    model_type = options.pop("model_type", None)
+    if model_type is None:
+        raise ValueError(f"model.config needs a model_type (e.g. llama, qwen2, gpt2); its keys: {sorted(options)}")
+    transformers = _transformers()
+    try:
+        return transformers.AutoConfig.for_model(model_type, **options)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"model.config (model_type={model_type!r}): {_first_line(err)}") from None
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError("model=hf needs Hugging Face transformers: pip install 'lightning-3d[hf]'") from None
+    return transformers
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def world_size_of(trainer_cfg: Any) -> int:

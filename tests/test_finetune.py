@@ -7,8 +7,6 @@ preset's composition and the pretrained-file checks are tested in this process.
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +14,7 @@ import pytest
 
 from lightning_3d.checkpoint.__main__ import main as checkpoint_cli
 from lightning_3d.finetune import resolve_pretrained
+from lightning_3d.testing.apps import start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN, FINETUNE = str(REPO / "examples/train.py"), str(REPO / "examples/finetune.py")
@@ -25,27 +24,6 @@ SMALL = ["model=gpt_tiny", "trainer.devices=1", "data.batch_size=8", "data.max_b
 PRETRAIN_STEPS = 30  # enough for the byte statistics: the loss falls from ln(256) = 5.55 to ~3.6
 
 
-def _start(script, args, cwd):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_PROCID", "HYDRA_FULL_ERROR"):
-        env.pop(key, None)
-    return subprocess.Popen([sys.executable, script, *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait(procs):
-    """name → CompletedProcess, for processes started together."""
-    done = {}
-    try:
-        for name, proc in procs.items():
-            out, err = proc.communicate(timeout=240)
-            done[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return done
 
 
 def _describe(proc):
@@ -67,10 +45,10 @@ def runs(tmp_path_factory):
              "run_missing": root / "run_missing", "run_nvme": root / "run_nvme", "run_cpu": root / "run_cpu",
              "safetensors": root / "gpt.safetensors"}
     # Wave 1: the pretraining run, and a bad input.
-    results = _wait({
-        "pretrain": _start(TRAIN, [*SMALL, f"trainer.max_steps={PRETRAIN_STEPS}", f"hydra.run.dir={paths['pretrain']}"],
+    results = wait_all(timeout=240, procs={
+        "pretrain": start_app(TRAIN, [*SMALL, f"trainer.max_steps={PRETRAIN_STEPS}", f"hydra.run.dir={paths['pretrain']}"],
                            project),
-        "missing": _start(FINETUNE, [*SMALL, f"finetune.pretrained={root / 'nope.ckpt'}",
+        "missing": start_app(FINETUNE, [*SMALL, f"finetune.pretrained={root / 'nope.ckpt'}",
                                      f"hydra.run.dir={paths['run_missing']}"], project),
     })
     assert results["pretrain"].returncode == 0, _describe(results["pretrain"])
@@ -78,10 +56,10 @@ def runs(tmp_path_factory):
     fine = [*SMALL, "trainer.max_steps=3"]
     # Wave 2: from the pretraining run's final.ckpt (finetune.pretrained=latest, the preset's
     # default: cwd is the project) to NVMe, and from the safetensors export to CPU.
-    results.update(_wait({
-        "nvme": _start(FINETUNE, [*fine, "offload=nvme", f"offload.path={nvme}", f"hydra.run.dir={paths['run_nvme']}"],
+    results.update(wait_all(timeout=240, procs={
+        "nvme": start_app(FINETUNE, [*fine, "offload=nvme", f"offload.path={nvme}", f"hydra.run.dir={paths['run_nvme']}"],
                        project),
-        "cpu": _start(FINETUNE, [*fine, f"finetune.pretrained={paths['safetensors']}", "offload=cpu",
+        "cpu": start_app(FINETUNE, [*fine, f"finetune.pretrained={paths['safetensors']}", "offload=cpu",
                                  f"hydra.run.dir={paths['run_cpu']}"], project),
     }))
     return results, paths

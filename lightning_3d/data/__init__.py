@@ -5,10 +5,12 @@ from lightning_3d.data.text import (
     load_stdlib_corpus,
     load_text_corpus,
 )
+from lightning_3d.data.tokenized import TokenizedTextDataModule
 
 __all__ = [
     "ByteWindowDataset",
     "TextDataModule",
+    "TokenizedTextDataModule",
     "load_docs_corpus",
     "load_stdlib_corpus",
     "load_text_corpus",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 import os
 import sysconfig
-from typing import Iterator
+from typing import Any, Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -113,7 +113,8 @@ def load_text_corpus(name: str, max_bytes: int | None = None) -> bytes:
 
 
 class ByteWindowDataset(Dataset):
-    """Fixed-length windows over a byte tensor; targets are inputs shifted by one.
+    """Fixed-length windows over a 1-D tensor of ids (bytes, or tokens of a tokenizer); targets
+    are inputs shifted by one.
 
     Item ``i`` covers ``data[i*stride : i*stride + block_size + 1]``; only
     windows that fit completely are counted.
@@ -217,8 +218,7 @@ class TextDataModule(pl.LightningDataModule):
         self.dp_size, self.dp_rank = dp_size, dp_rank
         if self.train_dataset is not None:
             return  # the corpus does not depend on the DP layout
-        raw = load_text_corpus(self.corpus, self.max_bytes)
-        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # (N,)
+        data = self.load_data()  # (N,)
         n_val = int(len(data) * self.val_fraction)
         self.train_dataset = ByteWindowDataset(data[: len(data) - n_val], self.block_size)
         self.val_dataset = ByteWindowDataset(data[len(data) - n_val :], self.block_size)
@@ -226,9 +226,26 @@ class TextDataModule(pl.LightningDataModule):
         if len(self.val_dataset) < self.batch_size:
             raise ValueError(
                 f"validation split has {len(self.val_dataset)} windows of "
-                f"{self.block_size + 1} bytes, fewer than one global batch "
-                f"({self.batch_size}); increase max_bytes or val_fraction"
+                f"{self.block_size + 1} {self.unit}, fewer than one global batch "
+                f"({self.batch_size}); increase {self.size_option} or val_fraction"
             )
+
+    unit = "bytes"  # what one position of load_data() is, for messages
+    size_option = "max_bytes"  # the option that makes the corpus longer, for messages
+
+    def load_data(self) -> torch.Tensor:
+        """The whole corpus as one 1-D tensor of token ids (here: bytes), split into train / val
+        by :meth:`setup_for`. Subclasses with another source override this alone."""
+        raw = load_text_corpus(self.corpus, self.max_bytes)
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)  # (N,)
+
+    @classmethod
+    def check(cls, corpus: str = "stdlib", **_: Any) -> int:
+        """Check the configuration in the launching process, without loading the corpus; return
+        the vocabulary size its ids need (bytes: 256). ``ValueError`` names a bad value."""
+        if corpus not in CORPUS_NAMES:
+            raise ValueError(f"data.corpus={corpus!r} is not a known corpus; known corpora: {list(CORPUS_NAMES)}")
+        return 256
 
     def _loader(self, dataset: ByteWindowDataset, shuffle: bool, resumable: bool = False) -> DataLoader:
         if self.dp_size is None or dataset is None:

@@ -1,0 +1,232 @@
+"""Text files tokenized with a Hugging Face tokenizer: ``data=text data.path=FILE|DIR|GLOB``.
+
+Documents are read in a fixed (sorted) order — a ``.txt`` file is one document, a ``.jsonl``
+file one document per line (its ``text`` field) — tokenized without special tokens, each
+followed by the tokenizer's EOS token, and concatenated into one stream of ids. From there on
+the data are the byte corpora's: the stream's tail is the validation split, both splits are cut
+into windows of ``block_size + 1`` ids (inputs and targets shifted by one), and the training
+loader resumes mid-epoch (:class:`~lightning_3d.data.text.TextDataModule` does all of that;
+this module only replaces where the ids come from).
+
+Needs ``transformers`` (imported when a tokenizer is loaded). Example::
+
+    dm = TokenizedTextDataModule(path="corpus/*.jsonl", tokenizer="/models/qwen2-0.5b", block_size=512)
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from lightning_3d.data.text import TextDataModule
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+# What a tokenizer directory holds (any one is enough for AutoTokenizer to try).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+_TOKENIZE_BATCH = 256  # documents per call into the (Rust, multi-threaded) fast tokenizer
+
+
+def find_text_files(path: Optional[str]) -> list[Path]:
+    """The files ``path`` names: a file, a directory (every ``.txt`` / ``.jsonl`` below it) or a
+    glob pattern; sorted, so the corpus is the same on every rank and machine. ``ValueError``
+    names the path when it is empty, matches nothing, or names a file of another type."""
+    if path is None or not str(path).strip():
+        raise ValueError("data.path is empty: give data.path=FILE, DIR or GLOB (.txt or .jsonl files)")
+    path = str(path)
+    root = Path(path).expanduser()
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        if not files:
+            raise ValueError(f"data.path={path!r} is a directory without .txt or .jsonl files")
+        return files
+    if root.is_file():
+        files = [root]
+    else:
+        files = sorted(Path(p) for p in glob.glob(str(root), recursive=True) if Path(p).is_file())
+        if not files:
+            raise ValueError(f"data.path={path!r} matches no file")
+    others = [str(p) for p in files if p.suffix not in TEXT_SUFFIXES]
+    if others:
+        raise ValueError(f"data.path={path!r}: {others[:3]} not .txt or .jsonl (text files only)")
+    return files
+
+
+def read_documents(files: Iterable[Path], text_field: str = "text") -> Iterator[str]:
+    """Every non-blank document of ``files``, in order. ``ValueError`` names the file and line of a
+    ``.jsonl`` line that is not a JSON object with a string ``text_field``."""
+    for file in files:
+        if file.suffix == ".txt":
+            text = file.read_text(encoding="utf-8", errors="replace")
+            if text.strip():
+                yield text
+            continue
+        with open(file, encoding="utf-8", errors="replace") as lines:
+            for number, line in enumerate(lines, 1):
+                if line.strip():
+                    text = _jsonl_text(line, text_field, f"{file}:{number}")
+                    if text.strip():
+                        yield text
+
+
+def _jsonl_text(line: str, field: str, where: str) -> str:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where} is not a JSON line: {err.msg}") from None
+    text = record.get(field) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        raise ValueError(f"{where} has no string field {field!r} (set data.text_field=...)")
+    return text
+
+
+def load_tokenizer(directory: Optional[str]) -> Any:
+    """``AutoTokenizer.from_pretrained(directory)``, local files only, after checking that the
+    directory holds a tokenizer with an EOS token (documents are separated by it). ``ValueError``
+    names the directory otherwise."""
+    if directory is None or not str(directory).strip():
+        raise ValueError(
+            "data=text needs a tokenizer: set data.tokenizer=DIR (by default the model directory, model.path)"
+        )
+    root = Path(str(directory)).expanduser()
+    if not root.is_dir():
+        raise ValueError(f"tokenizer directory {str(directory)!r} does not exist (data.tokenizer / model.path)")
+    if not any((root / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"no tokenizer in {str(root)!r} (none of {', '.join(TOKENIZER_FILES)}); "
+            "pass data.tokenizer=DIR with one"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"cannot load the tokenizer in {str(root)!r}: {first}") from None
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"the tokenizer in {str(root)!r} has no eos_token (it separates the documents)")
+    return tokenizer
+
+
+def token_pieces(documents: Iterable[str], tokenizer: Any) -> Iterator[torch.Tensor]:
+    """Each document's ids (no special tokens) followed by EOS, one int32 tensor per document."""
+    eos = tokenizer.eos_token_id
+    for batch in _batches(documents, _TOKENIZE_BATCH):
+        for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+            yield torch.tensor([*ids, eos], dtype=torch.int32)
+
+
+def tokenize_documents(documents: Iterable[str], tokenizer: Any, max_tokens: Optional[int] = None) -> torch.Tensor:
+    """One 1-D int32 tensor: each document's ids followed by EOS, in order; cut at ``max_tokens``
+    (``None``: everything)."""
+    if max_tokens is not None and max_tokens <= 0:
+        raise ValueError(f"data.max_tokens must be positive or null, got {max_tokens}")
+    pieces, count = [], 0
+    for piece in token_pieces(documents, tokenizer):
+        pieces.append(piece)
+        count += len(piece)
+        if max_tokens is not None and count >= max_tokens:
+            break
+    tokens = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int32)
+    return tokens[:max_tokens] if max_tokens is not None else tokens
+
+
+def enough_tokens(count: int, block_size: int, batch_size: int, val_fraction: float) -> bool:
+    """Whether a stream of ``count`` ids gives both splits one global batch of windows (what
+    :meth:`TextDataModule.setup_for` needs); grows with ``count``, so a prefix can answer."""
+    span = block_size + 1
+    n_val = int(count * val_fraction)
+    windows = [(n - span) // block_size + 1 if n >= span else 0 for n in (count - n_val, n_val)]
+    return min(windows) >= batch_size
+
+
+def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+class TokenizedTextDataModule(TextDataModule):
+    """Token windows of local text files, sharded over data-parallel ranks, resumable.
+
+    Everything but the source of the ids is :class:`TextDataModule`'s: global ``batch_size``,
+    the tail ``val_fraction`` of the stream as validation split, windows of ``block_size + 1``
+    ids, the seeded sampler and the resumable training loader.
+
+    Args:
+        path: a ``.txt`` / ``.jsonl`` file, a directory of them, or a glob pattern.
+        tokenizer: a directory ``AutoTokenizer.from_pretrained`` reads (a model directory).
+        max_tokens: cut the stream after this many ids (``None``: all of it).
+        text_field: the field of each ``.jsonl`` record that holds the text.
+    """
+
+    unit = "tokens"
+    size_option = "the text under data.path"
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str,
+        block_size: int = 128,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        max_tokens: Optional[int] = None,
+        text_field: str = "text",
+        seed: int = 1234,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__(corpus="files", block_size=block_size, batch_size=batch_size, val_fraction=val_fraction,
+                         max_bytes=None, seed=seed, num_workers=num_workers)
+        # Logged hyper-parameters are merged with the model's, which may have its own ``path``
+        # (a model directory): this one is logged as ``data_path``.
+        self.save_hyperparameters(ignore=["path", "corpus", "max_bytes"])
+        self.hparams["data_path"] = path
+        self.path, self.tokenizer_dir = path, tokenizer
+        self.max_tokens, self.text_field = max_tokens, text_field
+
+    def load_data(self) -> torch.Tensor:
+        tokenizer = load_tokenizer(self.tokenizer_dir)
+        documents = read_documents(find_text_files(self.path), self.text_field)
+        tokens = tokenize_documents(documents, tokenizer, self.max_tokens)
+        if len(tokens) == 0:
+            raise ValueError(f"data.path={self.path!r}: the files hold no text")
+        return tokens
+
+    @classmethod
+    def check(cls, path: Optional[str] = None, tokenizer: Optional[str] = None, block_size: int = 128,
+              batch_size: int = 8, val_fraction: float = 0.05, max_tokens: Optional[int] = None,
+              text_field: str = "text", **_: Any) -> int:
+        """Check the files and the tokenizer in the launching process, tokenizing only as much text
+        as one global batch of each split needs; return the vocabulary size the ids need
+        (``len(tokenizer)``). ``ValueError`` names the bad value."""
+        for name, value in (("block_size", block_size), ("batch_size", batch_size), ("max_tokens", max_tokens)):
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"data.{name}={value!r} must be a positive integer")
+        files = find_text_files(path)
+        loaded = load_tokenizer(tokenizer)
+        total = count = 0
+        for piece in token_pieces(read_documents(files, text_field), loaded):
+            total += len(piece)
+            count = total if max_tokens is None else min(total, max_tokens)
+            if enough_tokens(count, block_size, batch_size, val_fraction):
+                return len(loaded)
+            if count == max_tokens:
+                break
+        if count == 0:
+            raise ValueError(f"data.path={path!r}: the files hold no text ({len(files)} file(s), all blank)")
+        raise ValueError(
+            f"data.path={path!r} gives {count} tokens"
+            + (f" (data.max_tokens={max_tokens})" if max_tokens else "")
+            + f": too few for one global batch (data.batch_size={batch_size}) of {block_size + 1}-token windows "
+            f"in both the training and the validation split (data.val_fraction={val_fraction})"
+        )
