@@ -222,8 +222,11 @@ def test_run_summary_meter_counts_what_the_benchmark_counts():
 
 # ================================================================== 2-process world
 def _watch_sharding(model: GPT) -> list[bool]:
-    """Whether blocks.0's weights are DTensor shards, seen inside the block, then after it. FSDP's
-    hooks ran around the checkpointed forward iff they are gathered inside and shards after."""
+    """One entry per forward of blocks.0's attention (its recompute in backward adds one) and of
+    the final norm, in order: whether blocks.0's q weight is a DTensor at that moment. Under
+    FSDP its hooks ran around the checkpointed forward (and the recompute) iff the weight is
+    gathered (a plain tensor) inside the block and a shard after it; under tensor parallelism it
+    stays a DTensor, and the entries count the recomputation."""
     seen, attn = [], model.blocks[0].attn
 
     def note(*_: object) -> None:
@@ -250,25 +253,36 @@ def _world_rank(rank: int) -> dict:
         model = _gpt(dropout=0.1)
         apply_activation_checkpointing(model, policy)
         apply_zero3(model, mesh, roots=[model])  # the GPT is the outer unit
-        sharded = _watch_sharding(model)
-        out[("fsdp", policy)] = (*_step(model, x, y), sharded[:2] == [False, True])
+        seen = _watch_sharding(model)
+        out[("fsdp", policy)] = (*_step(model, x, y), seen)
     x, y = _batch(seed=20)  # tensor parallel: every rank the same batch
     for policy in POLICIES:
         model = _gpt(dropout=0.0)
         apply_tensor_parallel(model, mesh, detect_plan(model, sequence_parallel=True)[1])
         apply_activation_checkpointing(model, policy)
-        out[("tp", policy)] = (*_step(model, x, y), True)
+        seen = _watch_sharding(model)
+        out[("tp", policy)] = (*_step(model, x, y), seen)
     return out
 
 
+# What _watch_sharding sees in one step: blocks.0's forward, the final norm, and (when blocks.0 is
+# checkpointed: every policy but "none") blocks.0's recompute in backward, with weights gathered.
+EXPECTED_SEEN = {
+    ("fsdp", False): [False, True], ("fsdp", True): [False, True, False],
+    ("tp", False): [True, True], ("tp", True): [True, True, True],
+}
+
+
 def test_composes_with_fsdp2_and_tensor_parallel_on_two_ranks():
+    """Catches: checkpointing that silently does nothing under FSDP2 or tensor parallelism (no
+    recompute counted), FSDP's hooks not run around the recompute (weights still sharded)."""
     world = run_world(_world_rank, 2)
     for rank_out in world:
         for kind in ("fsdp", "tp"):
             reference = rank_out[(kind, "none")]
             for policy in POLICIES:
-                loss, grads, hooks_ran = rank_out[(kind, policy)]
-                assert hooks_ran, (kind, policy)
+                loss, grads, seen = rank_out[(kind, policy)]
+                assert seen == EXPECTED_SEEN[kind, policy != "none"], (kind, policy, seen)
                 assert grads and all(g is not None for g in grads.values())
                 _assert_same((loss, grads), reference[:2])
     assert world[0][("fsdp", "none")][0] != world[1][("fsdp", "none")][0]  # different batches

@@ -5,6 +5,10 @@ A run saves through ``ModelCheckpoint`` at the end of its first epoch (2 steps: 
 the file must hold the same full tensors (model, Adam moments, step) as the single-process run's
 own checkpoint. Resuming it for 2 more steps in another layout must then reproduce the losses and
 weights of plain Lightning resuming the same file in one process.
+
+Those runs use AdamW with an always-hit clip threshold, which hide the gradient's scale; the
+``*_sgd`` layouts train momentum SGD without clipping, whose weights and momentum buffers scale
+with the gradient.
 """
 
 import pytest
@@ -16,6 +20,7 @@ from lightning_3d.testing.runs import fit_layout
 SEED = 1234
 DATA = {"max_bytes": 1000, "val_fraction": 0.3}  # 21 training windows: 2 steps of 8 per epoch
 TRAINER = {"gradient_clip_val": 0.05}
+SGD = {"optimizer": "sgd", "lr": 0.3}
 
 LAYOUTS = {
     "single": (None, 1),
@@ -26,13 +31,16 @@ LAYOUTS = {
     "tp2_sp_zero2": ({"tensor": 2, "sequence_parallel": True, "zero_stage": 2, "data": 1}, 2),
     "pp2": ({"pipeline": 2, "micro_batches": 2}, 2),
     "nvme_zero2_dp2": ({"zero_stage": 2, "offload": "nvme", "offload_path": "/tmp", "offload_chunk_mb": 0.01}, 2),
+    "single_sgd": (None, 1),
+    "zero2_dp2_sgd": ({"zero_stage": 2}, 2),
 }
 
 
 def _run(layout, resume_from=None, save_to=None):
     strategy, world = LAYOUTS[layout]
-    steps, trainer = (4, TRAINER) if resume_from else (-1, {**TRAINER, "max_epochs": 1})
-    args = (steps, SEED, None, DATA, trainer, "gpt", False, resume_from, save_to)
+    model, clip = (SGD, {}) if layout.endswith("_sgd") else (None, TRAINER)
+    steps, trainer = (4, clip) if resume_from else (-1, {**clip, "max_epochs": 1})
+    args = (steps, SEED, model, DATA, trainer, "gpt", False, resume_from, save_to)
     return fit_layout(strategy, world, *args)
 
 
@@ -53,7 +61,17 @@ def saved(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])
+def test_sgd_checkpoint_without_clipping_equals_the_single_process_one(saved):
+    """Catches: ZeRO without the 1/N average of gradients (weights and momentum buffers move
+    twice as far), which the AdamW + always-hit clipping layouts below cannot see."""
+    reference = torch.load(saved("single_sgd"), map_location="cpu", weights_only=True)
+    ckpt = torch.load(saved("zero2_dp2_sgd"), map_location="cpu", weights_only=True)
+    assert ckpt["global_step"] == reference["global_step"] == 2
+    assert all("momentum_buffer" in state for state in ckpt["optimizer_states"][0]["state"].values())
+    assert weight_mismatches(checkpoint_tensors(ckpt), checkpoint_tensors(reference)) == []
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single" and not name.endswith("_sgd")])
 def test_checkpoint_equals_the_single_process_one(saved, layout):
     reference = torch.load(saved("single"), map_location="cpu", weights_only=True)
     ckpt = torch.load(saved(layout), map_location="cpu", weights_only=True)

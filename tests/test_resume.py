@@ -184,8 +184,13 @@ LAYOUTS = {  # name: (strategy, world)
 }
 
 
+# In CI: a pipeline (sharded) and tensor + sequence parallelism (consolidated). ZeRO-3 resumes in
+# CI already (test_resume_equals_uninterrupted_dp2_zero3); the rest runs with -m slow.
+FAST_LAYOUTS = ("sharded_pp2", "consolidated_tp2_sp")
+
+
 @pytest.mark.parametrize("name", [
-    pytest.param(name, marks=() if name == "sharded_zero3_dp2" else pytest.mark.slow) for name in LAYOUTS
+    pytest.param(name, marks=() if name in FAST_LAYOUTS else pytest.mark.slow) for name in LAYOUTS
 ])
 def test_resume_equals_uninterrupted_in_every_layout(tmp_path, name):
     strategy, world = LAYOUTS[name]

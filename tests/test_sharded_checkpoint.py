@@ -44,8 +44,10 @@ LAYOUTS = {
                         "offload_chunk_mb": 0.01}, 2),
     "3d_2x2x2": ({**SHARDED, "data": 2, "tensor": 2, "pipeline": 2, "micro_batches": 2, "zero_stage": 1}, 8),
     "tp4": ({**SHARDED, "tensor": 4}, 4),
+    # beyond dp2 in CI: 4 ranks, each writing the ZeRO-2 slices of its own pipeline stage
+    "pp2_dp2_zero2": ({**SHARDED, "pipeline": 2, "data": 2, "micro_batches": 2, "zero_stage": 2}, 4),
 }
-FAST = ("zero2_dp2", "zero3_dp2", "tp2", "pp2")
+FAST = ("zero2_dp2", "zero3_dp2", "tp2", "pp2", "pp2_dp2_zero2")
 
 
 def _run(layout, resume_from=None, save_to=None, arch="gpt", model=None):

@@ -2,13 +2,20 @@
 
 Each case trains 5 fp32 steps with a gradient-clipping threshold that is always hit (so the
 global norm must count tensor-parallel shards once and replicated norms once) and compares
-per-step losses and the gathered weights with Lightning's single-device run.
+per-step losses and the gathered weights with Lightning's single-device run, then checks every
+rank on its own: each tensor-parallel peer computes the whole loss itself (its local loss,
+before any reduction over ranks, is the reference's), and each rank's own weights, gathered over
+its mesh, are the reference's (a replicated parameter that one rank updates differently, e.g. a
+sequence-parallel norm whose gradient is not summed over the sequence shards, shows there).
 """
+
+import math
+
 
 import pytest
 
-from lightning_3d.testing.parity import assert_same_run
-from lightning_3d.testing.runs import fit_gpt
+from lightning_3d.testing.parity import assert_same_run, rank_state_mismatches
+from lightning_3d.testing.runs import fit_gpt, fit_gpt_ranks
 from lightning_3d.testing.world import run_world
 
 STEPS, SEED = 5, 1234
@@ -39,21 +46,33 @@ def reference():
 @pytest.mark.parametrize("tensor", [2, 4])
 @pytest.mark.parametrize("arch", ["gpt", "llama", "gpt2"])
 def test_tensor_parallel_matches_single_process(reference, arch, tensor, sequence_parallel):
+    """Catches: sequence-parallel norms whose weight gradients are not reduced over the sequence
+    shards (ranks' norm weights drift apart), a vocab-parallel loss that is one rank's part."""
     strategy = {"tensor": tensor, "sequence_parallel": sequence_parallel}
-    world = run_world(fit_gpt, tensor, strategy, tensor, STEPS, SEED, _model(arch, tensor), None, TRAINER, arch)
+    world = run_world(fit_gpt_ranks, tensor, strategy, tensor, STEPS, SEED, _model(arch, tensor), None, TRAINER, arch)
+    ref = reference(arch, tensor)
     assert world[0]["summary"]["layout"]["tensor"] == tensor
-    for rank in world[1:]:
-        assert rank["losses"] == world[0]["losses"]
-    assert_same_run(world[0], reference(arch, tensor))
+    assert_same_run(world[0], ref)
+    for rank in world:  # each peer's own loss, before the reduction, is the whole batch's
+        local = rank["local_losses"]
+        assert len(local) == STEPS and all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(local, ref["losses"])), local
+    assert rank_state_mismatches(world, ref) == []
 
 
 @pytest.mark.parametrize("zero_stage", [1, 3])
 def test_data_2_x_tensor_2_with_zero(reference, zero_stage):
     strategy = {"tensor": 2, "data": 2, "zero_stage": zero_stage}
-    world = run_world(fit_gpt, 4, strategy, 4, STEPS, SEED, None, None, TRAINER, "gpt")
+    world = run_world(fit_gpt_ranks, 4, strategy, 4, STEPS, SEED, None, None, TRAINER, "gpt")
     layout = world[0]["summary"]["layout"]
     assert (layout["data"], layout["tensor"], layout["zero_stage"]) == (2, 2, zero_stage)
-    assert_same_run(world[0], reference("gpt", 2))
+    ref = reference("gpt", 2)
+    assert_same_run(world[0], ref)
+    assert rank_state_mismatches(world, ref) == []
+    local = [rank["local_losses"] for rank in world]  # ranks 2 d + t: tp peers share a batch
+    for step in range(STEPS):
+        assert math.isclose(local[0][step], local[1][step], rel_tol=1e-5)
+        assert math.isclose(local[2][step], local[3][step], rel_tol=1e-5)
+        assert local[0][step] != local[2][step]  # data-parallel ranks: other samples
 
 
 def test_tensor_parallel_memory_per_rank():
