@@ -28,6 +28,22 @@ def _positions(x: torch.Tensor) -> torch.Tensor:
     return torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, T)
 
 
+def _hidden(out: Any) -> torch.Tensor:
+    """A decoder layer's residual stream (some return it first in a tuple)."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _spec(lit: Any, **parts: Any) -> PipelineSpec:
+    """``parts`` (blocks, first, last, embed, head, block_forward) plus what every family shares:
+    the module's loss, and batches as (input_ids, targets) — masks do not cross stages."""
+
+    def split(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, _, targets = lit.split_batch(batch)
+        return ids, targets
+
+    return PipelineSpec(loss=lit.loss_fn, split_batch=split, inputs=lambda batch: split(batch)[0], **parts)
+
+
 def _rotary_spec(lit: Any, prefix: str) -> PipelineSpec:
     outer = lit.model
     inner = outer.model
@@ -40,18 +56,15 @@ def _rotary_spec(lit: Any, prefix: str) -> PipelineSpec:
     def block_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         positions = _positions(x)
         rotary = inner.rotary_emb(x, position_ids=positions)  # (cos, sin), each (1, T, head_dim)
-        out = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rotary)
-        return out[0] if isinstance(out, tuple) else out
+        return _hidden(layer(x, attention_mask=None, position_ids=positions, position_embeddings=rotary))
 
-    return PipelineSpec(
+    return _spec(
+        lit,
         blocks=f"{prefix}.model.layers",
         first=(f"{prefix}.model.embed_tokens",),
         last=(f"{prefix}.model.norm", f"{prefix}.lm_head"),
         embed=embed,
         head=lambda x: outer.lm_head(inner.norm(x)),
-        loss=lit.loss_fn,
-        split_batch=_pair(lit),
-        inputs=lambda batch: _pair(lit)(batch)[0],
         block_forward=block_forward,
     )
 
@@ -63,29 +76,15 @@ def _gpt2_spec(lit: Any, prefix: str) -> PipelineSpec:
     def embed(ids: torch.Tensor) -> torch.Tensor:
         return inner.drop(inner.wte(ids) + inner.wpe(_positions(ids)))  # (B, T, C)
 
-    def block_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        out = block(x, attention_mask=None)
-        return out[0] if isinstance(out, tuple) else out
-
-    return PipelineSpec(
+    return _spec(
+        lit,
         blocks=f"{prefix}.transformer.h",
         first=(f"{prefix}.transformer.wte", f"{prefix}.transformer.wpe", f"{prefix}.transformer.drop"),
         last=(f"{prefix}.transformer.ln_f", f"{prefix}.lm_head"),
         embed=embed,
         head=lambda x: outer.lm_head(inner.ln_f(x)),
-        loss=lit.loss_fn,
-        split_batch=_pair(lit),
-        inputs=lambda batch: _pair(lit)(batch)[0],
-        block_forward=block_forward,
+        block_forward=lambda block, x: _hidden(block(x, attention_mask=None)),
     )
-
-
-def _pair(lit: Any):
-    def split(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, _, targets = lit.split_batch(batch)  # masks do not cross stages (module docstring)
-        return ids, targets
-
-    return split
 
 
 def hf_pipeline_spec(lit: Any, prefix: str = "model") -> PipelineSpec:
