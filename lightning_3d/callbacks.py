@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_3d.memory import model_state_bytes, peak_rss_mb
 from lightning_3d.parallel.activations import ActivationMeter
-from lightning_3d.parallel.checkpointing import is_checkpointed, transformer_blocks
+from lightning_3d.parallel.activation_checkpoint import is_checkpointed, transformer_blocks
 
 
 def _dp_size(trainer: pl.Trainer) -> int:

@@ -33,7 +33,7 @@ from lightning_3d.checkpoint.strategy_hooks import CHECKPOINT_FORMATS, Checkpoin
 from lightning_3d.optim_wiring import OptimizerWiring
 from lightning_3d.layout import Layout, MeshAxis, build_mesh
 from lightning_3d.offload import OffloadedAdam, offload_options
-from lightning_3d.parallel.checkpointing import apply_activation_checkpointing, checkpoint_options
+from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpointing, checkpoint_options
 from lightning_3d.parallel.fsdp import apply_zero3
 from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.parallel.pipeline import PipelineRuntime, pipeline_options, split_stages

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from lightning_3d.models.gpt import GPT, GPTConfig
 from lightning_3d.parallel import checkpointing
 from lightning_3d.parallel.activations import ActivationMeter
-from lightning_3d.parallel.checkpointing import (
+from lightning_3d.parallel.activation_checkpoint import (
     POLICIES,
     activation_bytes_per_block,
     apply_activation_checkpointing,

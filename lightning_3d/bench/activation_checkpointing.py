@@ -5,7 +5,7 @@
 
 One model (n_embd=256, n_layer=4, n_head=8, block_size=128, batch 8, no dropout) is switched
 between policies in place (applying a policy replaces the previous one). Saved bytes come from
-:func:`~lightning_3d.parallel.checkpointing.activation_bytes_per_block`: storages created inside
+:func:`~lightning_3d.parallel.activation_checkpoint.activation_bytes_per_block`: storages created inside
 each block and still alive when the forward returns, i.e. what backward will need. Step time is
 one forward + cross-entropy + backward; policies run interleaved (the order rotates each repeat),
 each repeat reports its median step, and the table shows the median over repeats. The table
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_3d.models.gpt import GPT, GPTConfig
-from lightning_3d.parallel.checkpointing import (
+from lightning_3d.parallel.activation_checkpoint import (
     POLICIES,
     activation_bytes_per_block,
     apply_activation_checkpointing,

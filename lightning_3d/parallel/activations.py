@@ -11,7 +11,7 @@ its schedule): every meter that is counting sees every save. Inside a checkpoint
 autograd's saves go to ``torch.utils.checkpoint``'s own hooks (the innermost hooks win), which
 keep nothing but what recomputation needs; what checkpointing does keep is seen: a block's inputs
 (saved outside its hooks) and, for the ``selective`` policy, the op outputs it caches, which
-:mod:`lightning_3d.parallel.checkpointing` reports through :func:`note_saved`.
+:mod:`lightning_3d.parallel.activation_checkpoint` reports through :func:`note_saved`.
 """
 
 from __future__ import annotations
