@@ -87,4 +87,7 @@ class OptimizerWiring:
             )
             optimizer._opt_called = True  # its step is now the wrapper's: no "scheduler before step" warning
             wrapped.append(offloaded)
+            engine = self.parallelized.engine_for(optimizer)
+            if engine is not None:
+                self.parallelized.bind(offloaded, engine)
         self.optimizers = wrapped

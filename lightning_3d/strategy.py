@@ -42,6 +42,7 @@ from lightning_3d.parallel.tensor import apply_tensor_parallel, local_tensor, re
 from lightning_3d.parallel.tied import TiedGroups, check_tied_styles, find_tied, record_aliases, retie
 from lightning_3d.parallel.zero import ZeroDataParallel
 from lightning_3d.plans import build_plan
+from lightning_3d.recipe import Parallelized
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -169,6 +170,7 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
         self._tied: Optional[TiedGroups] = None  # tied weights with a copy on several pipeline ranks
         self.num_nodes = 1
         self._setting_up: Optional[str] = None  # the setup step under way (for error reports)
+        self.parallelized: Optional[Parallelized] = None  # what the recipe made of the module (setup)
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
@@ -316,12 +318,16 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
         self._setting_up = "ZeRO-3 (FSDP2) sharding"
         if self.layout.zero_stage == 3:
             apply_zero3(module, self.device_mesh[MeshAxis.DATA.value], roots=stages, **self._fsdp_policies())
+        self.parallelized = Parallelized(
+            module, self.device_mesh, self._full_names, self._full_param_names, stages, None, self._tied
+        )
         if stages is not None:
             options, mesh = self._pipeline_options, self.device_mesh[MeshAxis.PIPELINE.value]
             self._pipeline = PipelineRuntime(
                 stages, spec, mesh, options, module.trainer, self.root_device, self.device_mesh[MeshAxis.TENSOR.value],
                 scale_loss=self._scale_loss,
             )
+            self.parallelized.runtime = self._pipeline
 
     @staticmethod
     def _pipeline_spec(module: pl.LightningModule) -> Any:
@@ -362,6 +368,7 @@ class ThreeDStrategy(CheckpointHooks, OptimizerWiring, ParallelStrategy):
             engine = ZeroDataParallel(mesh, self.layout.zero_stage, bucket_numel=bucket_numel)
             engine.attach(optimizer, tied=tied)
             self._engines.append(engine)
+            self.parallelized.bind(optimizer, engine)
 
     def _tied_copies(self) -> list[tuple[Any, Any, bool]]:
         """``(parameter, group, is_first_holder)`` for this rank's copies of tied weights that
