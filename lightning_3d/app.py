@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_3d.config import (
     HYDRA_KEYS,
     build_strategy,
+    plan_of,
     check_target_keys,
     model_limits,
     target_of,
@@ -27,28 +28,27 @@ from lightning_3d.config import (
     world_size_of,
 )
 from lightning_3d.launch import already_launched, launch_job
+from lightning_3d.plan import Plan
+from lightning_3d.recipe import check
 
 
 def validate(cfg: DictConfig) -> None:
     """Raise ``ValueError`` for any inconsistent value in ``cfg`` (no side effects)."""
     world = world_size_of(cfg.trainer)
-    strategy = build_strategy(cfg.parallelism, cfg.get("offload"))
-    layout = strategy.layout.resolve(world)
+    plan = plan_of(cfg.parallelism, cfg.get("offload")).resolved(world)
+    layout = plan.layout
     batch_size = cfg.data.get("batch_size") if "data" in cfg else None
     if batch_size is not None and batch_size % layout.data:
         raise ValueError(
             f"global data.batch_size ({batch_size}) is not divisible by data-parallel size ({layout.data})"
         )
-    if layout.pipeline > 1 and batch_size is not None:
-        micro = strategy._pipeline_options["micro_batches"]
-        if (batch_size // layout.data) % micro:
-            raise ValueError(
-                f"per-rank batch {batch_size // layout.data} (data.batch_size {batch_size} / data {layout.data}) "
-                f"is not divisible by micro_batches={micro}"
-            )
+    if layout.pipeline > 1 and batch_size is not None and (batch_size // layout.data) % plan.pp.micro_batches:
+        raise ValueError(
+            f"per-rank batch {batch_size // layout.data} (data.batch_size {batch_size} / data {layout.data}) "
+            f"is not divisible by micro_batches={plan.pp.micro_batches}"
+        )
     if layout.tensor > 1 or layout.pipeline > 1:
-        options = strategy._pipeline_options
-        _validate_on_meta(cfg, layout.tensor, layout.pipeline, options["virtual_stages"], options["split"])
+        _check_on_meta(cfg, plan, world)
     if "model" in cfg and "data" in cfg:
         check_model_and_data(cfg.model, cfg.data)
 
@@ -79,30 +79,19 @@ def check_model_and_data(model: DictConfig, data: DictConfig) -> None:
         )
 
 
-def _validate_on_meta(cfg: DictConfig, tensor: int, pipeline: int, virtual: int, split: Any = "uniform") -> None:
-    """Check the model's shapes against the layout, with the model built on ``meta`` (no memory):
-    the tensor-parallel plan (tied weights split alike included), and the pipeline split (enough
-    blocks, split points)."""
+def _check_on_meta(cfg: DictConfig, plan: Plan, world: int) -> None:
+    """The plan against the model's shapes, with the model built on ``meta`` (no memory):
+    :func:`lightning_3d.recipe.check` (tensor-parallel plan, tied weights split alike, the
+    pipeline split)."""
     import torch
     from hydra.utils import instantiate
-
-    from lightning_3d.parallel.stages import plan_stages
-    from lightning_3d.parallel.tensor import resolve_plan
-    from lightning_3d.parallel.tied import check_tied_styles, find_tied
-    from lightning_3d.plans import build_plan
 
     try:
         with torch.device("meta"):
             model = instantiate(without_weights(cfg.model))
     except Exception:  # a module that cannot be built on meta is checked by the ranks instead
         return
-    if tensor > 1:
-        plan = cfg.parallelism.get("tp_plan")
-        plan = OmegaConf.to_container(plan) if plan is not None else None
-        resolved = resolve_plan(model, build_plan(model, plan, cfg.parallelism.get("sequence_parallel", False)), tensor)
-        check_tied_styles(model, resolved, find_tied(model))  # a tie the plan would split: refused here
-    if pipeline > 1 and callable(getattr(model, "pipeline_spec", None)):
-        plan_stages(model, model.pipeline_spec(), pipeline * virtual, split, virtual)
+    check(model, plan, world)
 
 
 def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:

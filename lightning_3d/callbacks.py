@@ -48,8 +48,8 @@ def describe_layout(trainer: pl.Trainer) -> dict[str, Any]:
 
 
 def _count_parameters(trainer: pl.Trainer, module: pl.LightningModule) -> int:
-    count = getattr(trainer.strategy, "count_parameters", None)  # pipeline stages add up
-    return count() if callable(count) else sum(p.numel() for p in module.parameters())
+    parallelized = getattr(trainer.strategy, "parallelized", None)  # ThreeDStrategy: stages add up
+    return parallelized.count_parameters() if parallelized is not None else sum(p.numel() for p in module.parameters())
 
 
 class RunSummary(Callback):
@@ -86,6 +86,22 @@ class RunSummary(Callback):
         self._tokens = 0
         self._t0: Optional[float] = None
         self._last_step = 0
+        self._observed: dict[str, list[dict[str, Any]]] = {}  # telemetry events by name
+        self._unsubscribe: Optional[Any] = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        telemetry = getattr(trainer.strategy, "telemetry", None)  # ThreeDStrategy's observer hub
+        if telemetry is not None and self._unsubscribe is None:
+            self._unsubscribe = telemetry.subscribe(
+                lambda event, fields: self._observed.setdefault(event, []).append(fields)
+            )
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -167,6 +183,22 @@ class RunSummary(Callback):
         pl_module.log("tok/s", rate, prog_bar=True, on_step=True, logger=bool(trainer.loggers))
         self._t0, self._tokens, self._loss_sum = now, 0, None
 
+    def _observed_figures(self) -> dict[str, Any]:
+        """What the strategy's telemetry reported: the vocab-parallel logits' sizes (tensor > 1)
+        and, under a pipeline, the idle share of each schedule step (median after warm-up), the
+        saved activations alive at once and the micro-batches between forward and backward."""
+        figures: dict[str, Any] = {}
+        logits = self._observed.get("logits")
+        if logits:
+            figures["logits_bytes"], figures["logits_dense_bytes"] = logits[-1]["local_bytes"], logits[-1]["dense_bytes"]
+        steps = self._observed.get("pipeline_step")
+        if steps:
+            bubbles = [s["bubble_fraction"] for s in steps]
+            figures["bubble_fraction"] = round(statistics.median(bubbles[self.warmup_steps :] or bubbles), 4)
+            figures["activation_peak_bytes"] = max(s["activation_peak"] for s in steps)
+            figures["in_flight_peak"] = max(s["in_flight_peak"] for s in steps)
+        return figures
+
     def tokens_per_s(self) -> float:
         rates = [n / t for n, t in zip(self.step_tokens, self.step_times) if t > 0]
         steady = rates[self.warmup_steps :] or rates
@@ -178,16 +210,7 @@ class RunSummary(Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":  # the accelerator's own peak, next to the host's RSS
             mine["device_peak_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
-        for key in ("logits_bytes", "logits_dense_bytes"):  # set by ThreeDStrategy under tensor > 1
-            if getattr(trainer.strategy, key, 0):
-                mine[key] = getattr(trainer.strategy, key)
-        pipeline = getattr(trainer.strategy, "_pipeline", None)
-        if pipeline is not None and pipeline.bubble_fractions:  # idle share of each schedule step
-            steady = pipeline.bubble_fractions[self.warmup_steps :] or pipeline.bubble_fractions
-            mine["bubble_fraction"] = round(statistics.median(steady), 4)
-            # Saved activations alive at once, and micro-batches between forward and backward.
-            mine["activation_peak_bytes"] = max(pipeline.activation_peaks)
-            mine["in_flight_peak"] = max(pipeline.in_flight_peaks)
+        mine.update(self._observed_figures())
         ranks = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             ranks = [None] * dist.get_world_size()

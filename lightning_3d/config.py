@@ -16,43 +16,14 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from lightning_3d.plan import Plan, from_hydra, hydra_schema
 from lightning_3d.strategy import ThreeDStrategy
 
 
-@dataclass
-class ParallelismConfig:
-    """The parallel layout (see :class:`lightning_3d.ThreeDStrategy`)."""
-
-    data: Any = "auto"  # data-parallel size, or "auto" = world / (tensor * pipeline)
-    tensor: int = 1  # tensor-parallel size
-    pipeline: int = 1  # pipeline-parallel size
-    zero_stage: int = 0  # 0 replicate, 1 shard optimizer state, 2 + gradients, 3 + parameters
-    sequence_parallel: bool = False  # with tensor > 1: shard norms and the residual stream along T
-    # {module pattern: colwise|rowwise|sequence|vocab|head}. Typed Any: OmegaConf 2.3 cannot
-    # override an Optional[Dict] that is None from the command line.
-    tp_plan: Any = None
-    micro_batches: Optional[int] = None  # with pipeline > 1: micro-batches per batch (default: pipeline)
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zero_bubble
-    virtual_stages: Optional[int] = None  # stages per rank for interleaved schedules (default 2)
-    # Blocks per stage: "uniform" (by count), "params" (balanced by parameter count), or a list
-    # of the block names that start stages 1, 2, ... (e.g. [model.blocks.3]). Typed Any (str or list).
-    split: Any = "uniform"
-    bucket_size_mb: float = 25.0  # gradient bucket size for zero stages 0-2
-    activation_checkpointing: str = "none"  # none | full | every_n | selective
-    checkpoint_every_n: int = 2  # with every_n: blocks 0, n, 2n, ... recompute
-    # consolidated: one file of full tensors (rank 0 writes); sharded: a directory in which every
-    # rank writes its own shards (torch.distributed.checkpoint). Either loads in any layout.
-    checkpoint_format: str = "consolidated"
-
-
-@dataclass
-class OffloadConfig:
-    """Where Adam / AdamW state and fp32 master weights live (see ``ThreeDStrategy(offload=...)``)."""
-
-    device: str = "none"  # none | cpu | nvme
-    path: Optional[str] = None  # directory for nvme offload (a private subdirectory is made in it)
-    chunk_mb: float = 16.0  # nvme: state streamed through RAM in chunks of this size
-    params: bool = False  # zero_stage 3: the sharded parameters and gradients live in CPU memory too
+# The schemas are made from the one option table (lightning_3d.plan.OPTIONS): every key and
+# default of the parallelism and offload groups is the strategy's own.
+ParallelismConfig = hydra_schema("parallelism")
+OffloadConfig = hydra_schema("offload")
 
 
 def register_configs(store: Optional[ConfigStore] = None) -> None:
@@ -62,14 +33,18 @@ def register_configs(store: Optional[ConfigStore] = None) -> None:
     store.store(group="offload", name="schema", node=OffloadConfig)
 
 
-def build_strategy(parallelism: Any, offload: Any = None) -> ThreeDStrategy:
-    """Turn a ``parallelism`` config (dataclass, DictConfig or mapping) into a ``ThreeDStrategy``."""
-    options = dict(parallelism if isinstance(parallelism, dict) else _to_dict(parallelism))
+def plan_of(parallelism: Any, offload: Any = None) -> Plan:
+    """The checked :class:`~lightning_3d.plan.Plan` of a ``parallelism`` and an ``offload``
+    config (dataclass, DictConfig or mapping); ``ValueError`` naming a bad value."""
+    options = parallelism if isinstance(parallelism, dict) else _to_dict(parallelism)
     if offload is not None:
-        cfg = offload if isinstance(offload, dict) else _to_dict(offload)
-        options.update(offload=cfg.get("device", "none"), offload_path=cfg.get("path"),
-                       offload_chunk_mb=cfg.get("chunk_mb", 16.0), offload_params=cfg.get("params", False))
-    return ThreeDStrategy(**options)
+        offload = offload if isinstance(offload, dict) else _to_dict(offload)
+    return from_hydra(options, offload)
+
+
+def build_strategy(parallelism: Any, offload: Any = None) -> ThreeDStrategy:
+    """Turn a ``parallelism`` (and ``offload``) config into a ``ThreeDStrategy``."""
+    return ThreeDStrategy(plan_of(parallelism, offload))
 
 
 # Keys of a config node that Hydra's ``instantiate`` reads itself (not constructor arguments).

@@ -1,25 +1,51 @@
-"""The recipe: what parallelizing a module on a ``("pp", "dp", "tp")`` mesh produced.
+"""The recipe: a module and a :class:`~lightning_3d.plan.Plan` in, this rank's part of the
+parallel model out, in one place and in this order.
 
-:class:`Parallelized` is the public record that the strategy, checkpoints and telemetry read:
-the names of the model's state as one process has them, this rank's pipeline stages and
-runtime, tied-weight groups, and the ZeRO 0-2 engines attached to the optimizers.
+1. **Names and ties**, while the model is whole: checkpoints are keyed by the names one process
+   has, and tied weights (embedding = head) must stay one parameter (or one copy per pipeline
+   stage with summed gradients) through every rewrite below.
+2. **Pipeline split**: keep only this rank's stages, so nothing else is ever sharded, wrapped or
+   handed to the optimizer.
+3. **Tensor parallelism** on the ``tp`` axis: weights become tp-sharded DTensors; ties re-made.
+4. **Activation checkpointing** per block: after the split (placeholders are skipped) and after
+   TP (its hooks run inside the recomputed region); before FSDP2, whose per-block gather and
+   reshard hooks then wrap the checkpointed forward.
+5. **ZeRO-3**: FSDP2 on the ``dp`` axis, with precision and offload policies.
+6. **Pipeline runtime**: the schedule over this rank's stages.
+7. At optimizer setup (:func:`attach_optimizers`): **ZeRO 0-2** flat-bucket engines, then
+   **offload** of the (already sharded) optimizer state.
+
+:func:`check` runs the shape-only part of 1-3 on a ``meta`` model in the launching process, so
+a bad plan fails before any rank starts. :class:`Parallelized` is the public record of what the
+recipe made, read by the strategy, the checkpoint hooks and the run summary.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch
+from torch import nn
+
 from lightning_3d.layout import MeshAxis
+from lightning_3d.offload import OffloadedAdam
+from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_3d.parallel.fsdp import apply_zero3, fsdp_policies
+from lightning_3d.parallel.pipeline_runtime import PipelineRuntime
+from lightning_3d.parallel.stages import plan_stages, split_stages, tied_holders
+from lightning_3d.parallel.tensor import resolve_plan
+from lightning_3d.parallel.tied import TiedGroups, check_tied_styles, find_tied, record_aliases, retie
+from lightning_3d.parallel.zero import ZeroDataParallel
+from lightning_3d.plan import Plan
+from lightning_3d.plans import build_plan
 
 if TYPE_CHECKING:
-    from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
     from torch.optim import Optimizer
 
-    from lightning_3d.parallel.pipeline import PipelineRuntime
-    from lightning_3d.parallel.tied import TiedGroups
-    from lightning_3d.parallel.zero import ZeroDataParallel
+    from lightning_3d.telemetry import Telemetry
 
 
 @dataclass(eq=False)
@@ -62,3 +88,143 @@ class Parallelized:
         """``(parameter, group, is_first_holder)`` for this rank's copies of tied weights that
         other pipeline ranks hold too."""
         return self.tied.local(self.module) if self.tied else []
+
+    def norm_duplicates(self) -> set[int]:
+        """Optimizer parameters whose gradient another pipeline rank counts in the global norm
+        already (a tied weight's copy on any holder but the first)."""
+        out = set()
+        for p, _, first in self.tied_copies():
+            if not first:
+                engine = next((e for e in self.engines if e.slice_of(p) is not None), None)
+                out.add(id(engine.slice_of(p) if engine is not None else p))
+        return out
+
+    def count_parameters(self) -> int:
+        """Parameters of the whole model (a DTensor counts its global size; pipeline stages add
+        up; a tied weight once). A collective under a pipeline."""
+        import torch.distributed as dist
+
+        copies = sum(p.numel() for p, _, first in self.tied_copies() if not first)  # counted on another stage
+        count = torch.tensor(sum(p.numel() for p in self.module.parameters()) - copies, dtype=torch.int64)
+        if self.pp_group is not None:
+            dist.all_reduce(count, group=self.pp_group)
+        return int(count)
+
+
+def pipeline_spec(module: nn.Module) -> Any:
+    """The module's :class:`~lightning_3d.PipelineSpec`; ``ValueError`` if it has none."""
+    if not callable(getattr(module, "pipeline_spec", None)):
+        raise ValueError(
+            f"{type(module).__name__} cannot be split into pipeline stages: define "
+            "pipeline_spec() returning a lightning_3d.PipelineSpec (see the README)"
+        )
+    return module.pipeline_spec()
+
+
+def check(module: nn.Module, plan: Plan, world_size: int) -> None:
+    """Check ``plan`` against a model built on ``meta`` (shapes and names only, no memory, no
+    process group): the layout tiles the world, the tensor-parallel plan fits the shapes and
+    splits tied weights alike, the pipeline split has enough blocks and valid split points.
+    ``ValueError`` naming the problem."""
+    layout = plan.layout.resolve(world_size)
+    if layout.tensor > 1:
+        styles = build_plan(module, plan.tp.plan, plan.tp.sequence_parallel)
+        check_tied_styles(module, resolve_plan(module, styles, layout.tensor), find_tied(module))
+    if layout.pipeline > 1:
+        virtual = plan.pp.virtual_stages
+        plan_stages(module, pipeline_spec(module), layout.pipeline * virtual, plan.pp.split, virtual)
+
+
+def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torch.device, precision: str = "32-true",
+                accumulation: Callable[[], int] = lambda: 1, scale_loss: Optional[Callable] = None,
+                telemetry: Optional[Telemetry] = None, step: Callable[[str], None] = lambda name: None) -> Parallelized:
+    """Rewrite ``module`` in place into this rank's part of ``plan`` on ``mesh``; returns the
+    record of what was made. ``step(name)`` is told each step as it starts (for error reports)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    layout = plan.layout
+    names = Parallelized(module, mesh, list(module.state_dict()), [n for n, _ in module.named_parameters()])
+    ties = find_tied(module)
+    record_aliases(module, ties)
+    if layout.tensor > 1:  # recognise the architecture while the model is still whole
+        styles = build_plan(module, plan.tp.plan, plan.tp.sequence_parallel)
+    step("the pipeline split")
+    spec = None
+    if layout.pipeline > 1:
+        spec, pp_mesh = pipeline_spec(module), mesh[MeshAxis.PIPELINE.value]
+        virtual, split = plan.pp.virtual_stages, plan.pp.split
+        names.tied = TiedGroups(mesh, tied_holders(module, spec, pp_mesh.size(), virtual, split))
+        names.stages = split_stages(module, spec, pp_mesh.get_local_rank(), pp_mesh.size(), virtual, split)
+    step("tensor parallelism")
+    if layout.tensor > 1:
+        # Under a pipeline, patterns for other stages' modules (the head, say) match nothing here.
+        tp_mesh = mesh[MeshAxis.TENSOR.value]
+        resolved = resolve_plan(module, styles, tp_mesh.size(), spec is None)
+        check_tied_styles(module, resolved, ties)
+        parallelize_module(module, tp_mesh, resolved)
+        retie(module, ties)  # each module got its own sharded copy: make them one again
+        if telemetry is not None:
+            _publish_logits_sizes(module, resolved, telemetry)
+    step("activation checkpointing")
+    apply_activation_checkpointing(module, plan.ac.policy, plan.ac.every_n)
+    step("ZeRO-3 (FSDP2) sharding")
+    if layout.zero_stage == 3:
+        policies = fsdp_policies(precision, plan.offload.params, device.type)
+        apply_zero3(module, mesh[MeshAxis.DATA.value], roots=names.stages, **policies)
+    step("the pipeline schedule")
+    if spec is not None:
+        names.runtime = PipelineRuntime(
+            names.stages, spec, mesh[MeshAxis.PIPELINE.value], plan.pp, device, mesh[MeshAxis.TENSOR.value],
+            accumulation=accumulation, scale_loss=scale_loss, telemetry=telemetry,
+        )
+    return names
+
+
+def _publish_logits_sizes(module: nn.Module, resolved: dict, telemetry: Telemetry) -> None:
+    """A ``"logits"`` event per forward of the vocab-parallel head (local and full bytes)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    def publish(head: nn.Module, inputs: Any, output: Any) -> None:
+        if isinstance(output, DTensor):
+            telemetry.publish("logits", local_bytes=output.to_local().numel() * output.element_size(),
+                              dense_bytes=output.numel() * output.element_size())
+
+    for name, style in resolved.items():
+        if isinstance(style, ColwiseParallel) and not style.use_local_output:  # the loss-parallel head
+            module.get_submodule(name).register_forward_hook(publish)
+
+
+def attach_optimizers(parallelized: Parallelized, optimizers: list[Optimizer], plan: Plan) -> list[Optimizer]:
+    """Step 7 of the recipe, once the optimizers exist: ZeRO 0-2 engines rewrite them to step
+    their own slices (ZeRO-3's FSDP2 shards need none), then an offload device wraps the sharded
+    optimizers in :class:`~lightning_3d.offload.OffloadedAdam` (only this rank's shard of the
+    state moves). Returns the optimizers Lightning should step (the wrappers share the param
+    groups, so LR schedulers built on the user's optimizers keep steering them)."""
+    parallelized.clear_engines()
+    if plan.layout.zero_stage < 3:
+        mesh = parallelized.mesh[MeshAxis.DATA.value, MeshAxis.TENSOR.value]
+        tied = {id(p): group for p, group, _ in parallelized.tied_copies()}
+        for optimizer in optimizers:
+            engine = ZeroDataParallel(mesh, plan.layout.zero_stage, bucket_numel=_bucket_numel(optimizer, plan))
+            engine.attach(optimizer, tied=tied)
+            parallelized.bind(optimizer, engine)
+    if plan.offload.device == "none":
+        return list(optimizers)
+    wrapped = []
+    for optimizer in optimizers:
+        offloaded = OffloadedAdam.from_optimizer(optimizer, plan.offload.device, plan.offload.path,
+                                                 plan.offload.chunk_bytes)
+        optimizer._opt_called = True  # its step is now the wrapper's: no "scheduler before step" warning
+        engine = parallelized.engine_for(optimizer)
+        if engine is not None:
+            parallelized.bind(offloaded, engine)
+        wrapped.append(offloaded)
+    return wrapped
+
+
+def _bucket_numel(optimizer: Optimizer, plan: Plan) -> int:
+    """Elements per bucket for ``bucket_size_mb``, by the size of the optimizer's elements."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    element = params[0].element_size() if params else 4
+    return max(1, plan.zero.bucket_bytes // element)

@@ -17,13 +17,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_3d.models.gpt import GPT, GPTConfig
-from lightning_3d.parallel import checkpointing
+from lightning_3d.parallel import activation_checkpoint as checkpointing
 from lightning_3d.parallel.activations import ActivationMeter
 from lightning_3d.parallel.activation_checkpoint import (
     POLICIES,
     activation_bytes_per_block,
     apply_activation_checkpointing,
-    checkpoint_options,
+    ac_options,
     is_checkpointed,
     transformer_blocks,
 )
@@ -68,9 +68,9 @@ def _assert_same(a: tuple[torch.Tensor, dict], b: tuple[torch.Tensor, dict]) -> 
     ("every_n", True, "every_n=True"), ("full", "2", "every_n='2'"),
 ])
 def test_bad_options_raise_value_error_naming_them(policy, every_n, match):
-    assert checkpoint_options("every_n", 3) == {"policy": "every_n", "every_n": 3}
+    assert ac_options("every_n", 3) == {"policy": "every_n", "every_n": 3}
     with pytest.raises(ValueError, match=match):
-        checkpoint_options(policy, every_n)
+        ac_options(policy, every_n)
     with pytest.raises(ValueError, match=match):
         apply_activation_checkpointing(_gpt(1), policy, every_n)
     with pytest.raises(ValueError, match=match):

@@ -160,7 +160,7 @@ def test_cli_full_activation_checkpointing_saves_less_per_block(zero2_run, tmp_p
     each block keeps only its input (4 x 32 x n_embd 32 x 4 bytes), far less than without."""
     proc = _run(
         [*SMALL, "data.batch_size=4", "trainer.devices=1", "trainer.max_steps=1", "trainer.limit_val_batches=0",
-         "parallelism.activation_checkpointing=full", f"hydra.run.dir={tmp_path}"],
+         "parallelism.ac_policy=full", f"hydra.run.dir={tmp_path}"],
         timeout=180,
     )
     assert proc.returncode == 0, _describe(proc)

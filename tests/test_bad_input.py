@@ -170,7 +170,8 @@ def test_validate_accepts_default_config(compose):
         (["offload.device=disk"], ["offload='disk'"]),
         (["offload=nvme", "offload.path=/no/such/dir"], ["'/no/such/dir' does not exist"]),
         (["offload=cpu", "offload.params=true"], ["offload_params=True needs zero_stage=3", "zero_stage=0"]),
-        (["parallelism.activation_checkpointing=half"], ["policy 'half'"]),
+        (["parallelism.ac_policy=half"], ["policy 'half'"]),
+        (["parallelism.activation_checkpointing=half"], ["policy 'half'"]),  # the deprecated name
         (["parallelism.checkpoint_format=zip"], ["checkpoint_format", "'zip'"]),
         # the tensor-parallel plan is checked against the model's shapes (built on meta)
         (["parallelism.tensor=2", "trainer.devices=2", "model.n_head=3", "model.n_embd=48"], ["heads 3", "tensor=2"]),
@@ -203,10 +204,10 @@ def test_explicit_tp_plan_from_hydra_builds_the_styles(compose):
                   "parallelism.tp_plan={model.blocks.*.mlp.fc1:colwise,model.blocks.*.mlp.fc2:rowwise}")
     validate(cfg)  # both patterns match, 512 hidden units split in 2
     strategy = build_strategy(cfg.parallelism)
-    assert set(strategy._tp_plan) == {"model.blocks.*.mlp.fc1", "model.blocks.*.mlp.fc2"}
+    assert set(strategy.plan.tp.plan) == {"model.blocks.*.mlp.fc1", "model.blocks.*.mlp.fc2"}
     from lightning_3d.plans import plan_from_names
 
-    styles = plan_from_names(strategy._tp_plan)
+    styles = plan_from_names(strategy.plan.tp.plan)
     assert isinstance(styles["model.blocks.*.mlp.fc1"], ColwiseParallel)
     assert isinstance(styles["model.blocks.*.mlp.fc2"], RowwiseParallel)
 

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.resources
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from omegaconf import OmegaConf
 
+import lightning_3d
 from lightning_3d.bench.__main__ import load_config, main
 from lightning_3d.bench.comm import count_collectives
 from lightning_3d.bench.compare import check_settings
@@ -22,6 +30,44 @@ def test_unknown_row_and_bad_sizes_are_refused_before_any_process():
         check_settings(cfg)
     with pytest.raises(ValueError, match="key=value"):
         load_config(["--quick", "steps"])
+
+
+def test_defaults_are_package_data_read_through_importlib_resources(tmp_path):
+    packaged = importlib.resources.files("lightning_3d.bench").joinpath("bench.yaml")
+    expected = OmegaConf.to_container(OmegaConf.create(packaged.read_text()))
+    quick = expected.pop("quick")
+    assert load_config([])[0] == expected
+    assert load_config(["--quick"])[0]["steps"] == quick["steps"] != expected["steps"]
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(["--config", str(tmp_path / "missing.yaml")])
+
+
+# In a fresh interpreter: imports only a copy of the package, records every .yaml it opens.
+_LOAD_FROM_COPY = """
+import json, sys
+opened = []
+def audit(event, args):
+    if event == "open" and str(args[0]).endswith(".yaml"):
+        opened.append(str(args[0]))
+sys.addaudithook(audit)
+import lightning_3d.bench.__main__ as bench
+cfg, _ = bench.load_config(["--quick"])
+print(json.dumps({"module": bench.__file__, "opened": opened, "steps": cfg["steps"]}))
+"""
+
+
+def test_defaults_load_from_a_copy_of_the_package_alone(tmp_path):
+    """As from a wheel: the package's own files and nothing of the checkout (no conf/) around them."""
+    site = tmp_path / "site"
+    shutil.copytree(Path(lightning_3d.__file__).parent, site / "lightning_3d",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    done = subprocess.run([sys.executable, "-c", _LOAD_FROM_COPY], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert Path(seen["module"]).is_relative_to(site) and seen["steps"] == 3
+    assert seen["opened"] and all(Path(p).is_relative_to(site / "lightning_3d" / "bench") for p in seen["opened"])
 
 
 def test_counter_patches_and_restores_every_entry_point():

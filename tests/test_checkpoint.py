@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_3d.testing.parity import assert_same_run, checkpoint_tensors, weight_mismatches
-from lightning_3d.testing.runs import fit_layout
+from lightning_3d.testing.runs import Run, fit_layout
 
 SEED = 1234
 DATA = {"max_bytes": 1000, "val_fraction": 0.3}  # 21 training windows: 2 steps of 8 per epoch
@@ -40,8 +40,9 @@ def _run(layout, resume_from=None, save_to=None):
     strategy, world = LAYOUTS[layout]
     model, clip = (SGD, {}) if layout.endswith("_sgd") else (None, TRAINER)
     steps, trainer = (4, clip) if resume_from else (-1, {**clip, "max_epochs": 1})
-    args = (steps, SEED, model, DATA, trainer, "gpt", False, resume_from, save_to)
-    return fit_layout(strategy, world, *args)
+    run = Run(strategy=strategy, steps=steps, seed=SEED, model=model, data=DATA, trainer=trainer,
+              resume_from=resume_from, save_to=save_to)
+    return fit_layout(run, world)
 
 
 

@@ -23,7 +23,7 @@ from lightning_3d.checkpoint import export_hf, sharded  # noqa: E402
 from lightning_3d.checkpoint.__main__ import main as cli  # noqa: E402
 from lightning_3d.checkpoint.checks import load_lightning_checkpoint  # noqa: E402
 from lightning_3d.models.hf import HFCausalLM  # noqa: E402
-from lightning_3d.testing.runs import fit_gpt  # noqa: E402
+from lightning_3d.testing.runs import Run, fit_gpt  # noqa: E402
 from lightning_3d.testing.world import run_world  # noqa: E402
 
 SEED = 1234
@@ -36,7 +36,8 @@ def _train(path: Path, arch: str, strategy: dict, world: int) -> Path:
     """2 optimizer steps of a tiny transformers model, saved by ModelCheckpoint at ``path``."""
     # Always in child processes, one process too: a strategy run in the pytest process would leave
     # its process group behind for the tests after it.
-    run_world(fit_gpt, world, strategy, world, 2, SEED, None, DATA, None, arch, False, None, str(path))
+    run_world(fit_gpt, world, Run(strategy=strategy, devices=world, steps=2, seed=SEED, data=DATA, arch=arch,
+                                  save_to=str(path)))
     assert path.exists()
     return path
 

@@ -123,7 +123,7 @@ def test_preset_and_offload_overrides(offload):
     assert cfg.trainer.devices == 1 and cfg.trainer.precision == "bf16-mixed" and cfg.data.corpus == "docs"
     assert cfg.finetune.pretrained == "latest"
     strategy = build_strategy(cfg.parallelism, cfg.offload)
-    assert strategy._offload["device"] == offload and strategy._checkpointing["policy"] == "full"
+    assert strategy.plan.offload.device == offload and strategy.plan.ac.policy == "full"
 
 
 @pytest.mark.parametrize("case", ["not_a_checkpoint", "other_model"])

@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("transformers")
 
 from lightning_3d.testing.parity import loss_mismatches, weight_mismatches  # noqa: E402
-from lightning_3d.testing.runs import fit_gpt  # noqa: E402
+from lightning_3d.testing.runs import Run, fit_gpt  # noqa: E402
 from lightning_3d.testing.world import run_world  # noqa: E402
 
 STEPS, SEED = 5, 1234
@@ -45,7 +45,7 @@ def reference():
     def get(family, model=None, trainer=TRAINER):
         key = (family, repr(model), repr(trainer))
         if key not in cache:
-            cache[key] = fit_gpt(0, None, 1, STEPS, SEED, model, None, trainer, f"hf_{family}")
+            cache[key] = fit_gpt(0, Run(steps=STEPS, seed=SEED, model=model, trainer=trainer, arch=f"hf_{family}"))
         return cache[key]
 
     return get
@@ -80,7 +80,8 @@ def assert_ties_hold(world: list[dict]) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_model_matches_single_process(reference, family, layout):
     world_size, strategy = LAYOUTS[layout]
-    world = run_world(fit_gpt, world_size, strategy, world_size, STEPS, SEED, None, None, TRAINER, f"hf_{family}")
+    world = run_world(fit_gpt, world_size, Run(strategy=strategy, devices=world_size, steps=STEPS, seed=SEED,
+                                               trainer=TRAINER, arch=f"hf_{family}"))
     assert_matches(world[0], reference(family))
     assert_ties_hold(world)
     assert world[0]["summary"]["num_params"] == reference(family)["summary"]["num_params"]  # a tie counted once
@@ -91,15 +92,16 @@ def test_hf_model_matches_single_process(reference, family, layout):
 # The tie under the memory features too: activation checkpointing wraps the decoder layers
 # (which take rotary embeddings as keyword arguments), offload steps the one weight on the CPU.
 WITH_MEMORY_FEATURES = {
-    "qwen2": (2, {"data": 2, "zero_stage": 2, "activation_checkpointing": "full", "offload": "cpu"}),
-    "gpt2": (2, {"pipeline": 2, "activation_checkpointing": "selective"}),
+    "qwen2": (2, {"data": 2, "zero_stage": 2, "ac_policy": "full", "offload": "cpu"}),
+    "gpt2": (2, {"pipeline": 2, "ac_policy": "selective"}),
 }
 
 
 @pytest.mark.parametrize("family", list(WITH_MEMORY_FEATURES))
 def test_hf_model_with_checkpointing_and_offload_matches_single_process(reference, family):
     world_size, strategy = WITH_MEMORY_FEATURES[family]
-    world = run_world(fit_gpt, world_size, strategy, world_size, STEPS, SEED, None, None, TRAINER, f"hf_{family}")
+    world = run_world(fit_gpt, world_size, Run(strategy=strategy, devices=world_size, steps=STEPS, seed=SEED,
+                                               trainer=TRAINER, arch=f"hf_{family}"))
     assert_matches(world[0], reference(family))
     assert_ties_hold(world)
 
@@ -112,7 +114,8 @@ def test_tied_copies_on_two_stages_are_summed_and_counted_once(reference, zero_s
     counted twice in the global norm (every step clipped too hard)."""
     model, trainer = {"optimizer": "sgd", "lr": 0.5}, {"gradient_clip_val": 0.5}
     strategy = {"pipeline": 2, "zero_stage": zero_stage}
-    world = run_world(fit_gpt, 2, strategy, 2, STEPS, SEED, model, None, trainer, "hf_qwen2")
+    run = Run(strategy=strategy, devices=2, steps=STEPS, seed=SEED, model=model, trainer=trainer, arch="hf_qwen2")
+    world = run_world(fit_gpt, 2, run)
     assert_matches(world[0], reference("qwen2", model, trainer))
     assert_ties_hold(world)
     holders = [rank["ties"][0]["names"] for rank in world]
@@ -122,10 +125,11 @@ def test_tied_copies_on_two_stages_are_summed_and_counted_once(reference, zero_s
 def test_tie_survives_a_resume(tmp_path, reference):
     """Saved under tensor=2 (one tied DTensor), resumed under pipeline=2 (one copy per stage):
     the resumed run continues the single-process run, and the tie holds after the load."""
-    run_world(fit_gpt, 2, {"tensor": 2}, 2, 3, SEED, None, None, TRAINER, "hf_qwen2", False, None,
-              str(tmp_path / "tied.ckpt"), 3)
+    run_world(fit_gpt, 2, Run(strategy={"tensor": 2}, devices=2, steps=3, seed=SEED, trainer=TRAINER, arch="hf_qwen2",
+                              save_to=str(tmp_path / "tied.ckpt"), save_every_n_steps=3))
     path = tmp_path / "tied-step=3.ckpt"
-    world = run_world(fit_gpt, 2, {"pipeline": 2}, 2, STEPS, SEED, None, None, TRAINER, "hf_qwen2", False, str(path))
+    world = run_world(fit_gpt, 2, Run(strategy={"pipeline": 2}, devices=2, steps=STEPS, seed=SEED, trainer=TRAINER,
+                                      arch="hf_qwen2", resume_from=str(path)))
     assert_ties_hold(world)
     straight = reference("qwen2")
     assert_matches(world[0], {"losses": straight["losses"][3:], "state": straight["state"]})
@@ -159,4 +163,4 @@ def test_tied_weights_sharded_differently_are_refused(capfd):
 
 
 def _fit_module_with_plan(rank: int, plan: dict) -> None:
-    fit_gpt(rank, {"tensor": 2, "tp_plan": plan}, 2, 1, SEED, None, None, None, "hf_qwen2")
+    fit_gpt(rank, Run(strategy={"tensor": 2, "tp_plan": plan}, devices=2, steps=1, seed=SEED, arch="hf_qwen2"))

@@ -32,7 +32,7 @@ from lightning_3d.parallel.tensor import (  # noqa: E402
 )
 from lightning_3d.plans import detect_plan, plan_from_names  # noqa: E402
 from lightning_3d.testing.parity import assert_same_run  # noqa: E402
-from lightning_3d.testing.runs import fit_gpt  # noqa: E402
+from lightning_3d.testing.runs import Run, fit_gpt  # noqa: E402
 from lightning_3d.testing.world import run_world  # noqa: E402
 
 STEPS, SEED = 5, 1234
@@ -203,8 +203,8 @@ def test_world_hf_gpt2_conv1d_shards_round_trip_and_forward(values_world, sp):
 
 
 def _fit(rank: int, strategy: dict | None, devices: int) -> dict:
-    return fit_gpt(rank, strategy=strategy, devices=devices, steps=STEPS, seed=SEED, model={"hf": UNTIED},
-                   trainer={"gradient_clip_val": 0.05}, arch="hf_gpt2")
+    return fit_gpt(rank, Run(strategy=strategy, devices=devices, steps=STEPS, seed=SEED, model={"hf": UNTIED},
+                             trainer={"gradient_clip_val": 0.05}, arch="hf_gpt2"))
 
 
 @pytest.fixture(scope="module")

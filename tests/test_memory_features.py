@@ -9,14 +9,15 @@ without the feature (fp32, 5 steps).
 import pytest
 
 from lightning_3d.testing.parity import assert_same_run
-from lightning_3d.testing.runs import fit_gpt
+from lightning_3d.testing.runs import Run, fit_gpt
 from lightning_3d.testing.world import run_world
 
 STEPS, SEED, TIGHT = 5, 1234, 1e-6
 
 
 def _run(strategy, world, trainer=None, model=None):
-    return run_world(fit_gpt, world, strategy, world, STEPS, SEED, model, None, trainer or {})[0]
+    return run_world(fit_gpt, world, Run(strategy=strategy, devices=world, steps=STEPS, seed=SEED, model=model,
+                                         trainer=trainer or {}))[0]
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +86,12 @@ def test_zero3_parameter_offload_changes_nothing(baseline):
 
 
 @pytest.mark.parametrize("strategy, world", [
-    ({"zero_stage": 3, "activation_checkpointing": "full"}, 2),
-    pytest.param({"pipeline": 2, "micro_batches": 2, "activation_checkpointing": "every_n", "checkpoint_every_n": 2},
+    ({"zero_stage": 3, "ac_policy": "full"}, 2),
+    pytest.param({"pipeline": 2, "micro_batches": 2, "ac_policy": "every_n", "ac_every_n": 2},
                  2, marks=pytest.mark.slow),
-    pytest.param({"tensor": 2, "activation_checkpointing": "selective"}, 2, marks=pytest.mark.slow),
+    pytest.param({"tensor": 2, "ac_policy": "selective"}, 2, marks=pytest.mark.slow),
 ], ids=["zero3-full", "pp2-every_n", "tp2-selective"])
 def test_activation_checkpointing_changes_nothing(strategy, world):
     model = {"n_layer": 4, "dropout": 0.1}  # recomputed dropout must draw the same masks
-    plain = {k: v for k, v in strategy.items() if k not in ("activation_checkpointing", "checkpoint_every_n")}
+    plain = {k: v for k, v in strategy.items() if k not in ("ac_policy", "ac_every_n")}
     assert_same_run(_run(strategy, world, model=model), _run(plain, world, model=model), rtol=TIGHT, atol=TIGHT)

@@ -14,7 +14,7 @@ import torch
 
 from lightning_3d.parallel.pipeline import stage_blocks, stage_ids
 from lightning_3d.testing.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.testing.runs import fit_gpt, fit_gpt_ranks
+from lightning_3d.testing.runs import Run, fit_gpt, fit_gpt_ranks
 from lightning_3d.testing.schedule_trace import simulate, trace_rank
 from lightning_3d.testing.world import run_world
 
@@ -31,7 +31,7 @@ def reference():
     def get(model, trainer):
         key = (tuple(sorted(model.items())), tuple(sorted(trainer.items())))
         if key not in cache:
-            cache[key] = fit_gpt(0, None, 1, STEPS, SEED, model, None, trainer)
+            cache[key] = fit_gpt(0, Run(steps=STEPS, seed=SEED, model=model, trainer=trainer))
         return cache[key]
 
     return get
@@ -39,7 +39,8 @@ def reference():
 
 def _pipeline_run(strategy, world, model, trainer):
     """Every rank's result (``rank_state``: the rank's own parameters)."""
-    return run_world(fit_gpt_ranks, world, strategy, world, STEPS, SEED, model, None, trainer)
+    return run_world(fit_gpt_ranks, world, Run(strategy=strategy, devices=world, steps=STEPS, seed=SEED, model=model,
+                                               trainer=trainer))
 
 
 def _assert_every_rank(runs, reference):
@@ -90,7 +91,8 @@ BUBBLE_MARGIN = 0.1
 def _ideal_bubble(strategy) -> dict[int, float]:
     """Per pipeline rank, the idle share of the schedule's own order (traced without processes)."""
     schedule, pp = strategy.get("schedule", "1f1b"), strategy["pipeline"]
-    orders = {r: trace_rank(schedule, pp, VIRTUAL[schedule], strategy["micro_batches"], r) for r in range(pp)}
+    orders = {r: trace_rank(schedule, pp_size=pp, virtual=VIRTUAL[schedule], micro_batches=strategy["micro_batches"],
+                            rank=r) for r in range(pp)}
     return simulate(orders)["bubble"]
 
 
@@ -155,7 +157,7 @@ def evaluated():
     def get(model):
         key = tuple(sorted(model.items()))
         if key not in cache:
-            cache[key] = fit_gpt(0, None, 1, 2, SEED, model, None, {}, "gpt", True)
+            cache[key] = fit_gpt(0, Run(steps=2, seed=SEED, model=model, validate=True))
         return cache[key]
 
     return get
@@ -170,7 +172,8 @@ def test_validate_test_predict_run_forward_only_schedules(evaluated, strategy, w
     equal one process's, on every rank; with tensor 2 the shared outputs are vocab-sharded.
     The 2 training steps before are compared too: with SGD under pipeline x tensor, CI's
     training parity of that layout (every rank's own, tensor-gathered parameters)."""
-    runs = run_world(fit_gpt_ranks, world, strategy, world, 2, SEED, model, None, {}, "gpt", True)
+    runs = run_world(fit_gpt_ranks, world, Run(strategy=strategy, devices=world, steps=2, seed=SEED, model=model,
+                                               validate=True))
     evaluated = evaluated(model)
     if model is SGD:  # Adam's first steps amplify last-bit differences of near-zero gradients
         _assert_every_rank(runs, evaluated)
@@ -215,7 +218,7 @@ def test_bad_pipeline_options(options, message):
 
 def _bad_split(rank, strategy, model):
     try:
-        fit_gpt(rank, strategy, 2, 1, SEED, model, None, {})
+        fit_gpt(rank, Run(strategy=strategy, devices=2, steps=1, seed=SEED, model=model))
     except ValueError as err:
         return str(err)
     return "no error"

@@ -13,7 +13,8 @@ VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
 
 
 def _orders(schedule, pp, m):
-    return {rank: trace_rank(schedule, pp, VIRTUAL[schedule], m, rank) for rank in range(pp)}
+    return {rank: trace_rank(schedule, pp_size=pp, virtual=VIRTUAL[schedule], micro_batches=m, rank=rank)
+            for rank in range(pp)}
 
 
 @pytest.mark.parametrize("schedule", list(VIRTUAL))

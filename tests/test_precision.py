@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from lightning_3d.testing.parity import update_mismatches
-from lightning_3d.testing.runs import fit_gpt
+from lightning_3d.testing.runs import Run, fit_gpt
 from lightning_3d.testing.world import run_world
 
 SEED = 1234
@@ -36,7 +36,7 @@ BF16_LOSS_VS_FP32 = 0.02  # relative, per step's loss: bf16 autocast still train
 
 @pytest.fixture(scope="module")
 def fp32_sgd():
-    return fit_gpt(0, None, 1, BF16_STEPS, SEED, SGD)
+    return fit_gpt(0, Run(steps=BF16_STEPS, seed=SEED, model=SGD))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,8 @@ def bf16_sgd():
 
 
 def _bf16(rank, strategy, devices):
-    return fit_gpt(rank, strategy, devices, BF16_STEPS, SEED, SGD, None, {"precision": "bf16-mixed"}, rank_state=True)
+    return fit_gpt(rank, Run(strategy=strategy, devices=devices, steps=BF16_STEPS, seed=SEED, model=SGD,
+                             trainer={"precision": "bf16-mixed"}, rank_state=True))
 
 
 @pytest.mark.parametrize("strategy, world", [
@@ -86,7 +87,8 @@ def _fp16(rank, strategy, devices):
     # Lightning maps precision="16-mixed" to bf16 on CPU; the fp16 plugin is passed explicitly.
     scaler = torch.amp.GradScaler("cpu", init_scale=FP16_INIT, backoff_factor=FP16_BACKOFF)
     plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
-    return fit_gpt(rank, strategy, devices, FP16_STEPS, SEED, SGD, None, {"plugins": [plugin]}, rank_state=True)
+    return fit_gpt(rank, Run(strategy=strategy, devices=devices, steps=FP16_STEPS, seed=SEED, model=SGD,
+                             trainer={"plugins": [plugin]}, rank_state=True))
 
 
 @pytest.fixture(scope="module")
@@ -120,13 +122,13 @@ def _overflow_on_rank_0_only(rank):
     import torch.distributed as dist
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_3d import ThreeDStrategy
+    from lightning_3d.precision import distributed_precision
 
     dist.init_process_group("gloo")
     try:
-        strategy = ThreeDStrategy(precision_plugin=MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
-        strategy._share_overflow_checks()
-        scaler = strategy.precision_plugin.scaler
+        # The plugin as ThreeDStrategy.setup adapts it: its scaler's unscale_ shares the check.
+        plugin = distributed_precision(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
+        scaler = plugin.scaler
         weight = torch.nn.Parameter(torch.ones(3))
         optimizer = torch.optim.SGD([weight], lr=0.1)
         scaler.scale(weight.sum()).backward()

@@ -16,7 +16,7 @@ import torch
 
 from lightning_3d.checkpoint.checks import load_lightning_checkpoint
 from lightning_3d.data.resumable import ResumableDataLoader, ResumableDistributedSampler
-from lightning_3d.testing.runs import fit_gpt
+from lightning_3d.testing.runs import Run, fit_gpt
 from lightning_3d.testing.world import run_world
 
 SEED = 1234
@@ -99,10 +99,11 @@ def test_loader_counts_batches_handed_out_not_indices_prefetched_by_workers():
 # ------------------------------------------------------------------ Trainer runs
 
 def _fit(world, strategy, steps, data, save_to=None, resume_from=None, trainer=None):
-    args = (steps, SEED, MODEL, data, trainer, "gpt", False, resume_from, save_to, 1 if save_to else None)
+    run = Run(strategy=strategy, devices=world, steps=steps, seed=SEED, model=MODEL, data=data, trainer=trainer,
+              resume_from=resume_from, save_to=save_to, save_every_n_steps=1 if save_to else None)
     if world == 1 and strategy is None:  # Lightning's own strategy: no process group is left behind
-        return fit_gpt(0, strategy, 1, *args)
-    return run_world(fit_gpt, world, strategy, world, *args)[0]
+        return fit_gpt(0, run)
+    return run_world(fit_gpt, world, run)[0]
 
 
 def _save_first(tmp_path: Path, world, strategy, data, stop=K, trainer=None):

@@ -18,12 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_3d.checkpoint.files import publish
 from lightning_3d.checkpoint import sharded
 from lightning_3d.checkpoint.checks import inspect_checkpoint, load_lightning_checkpoint
 from lightning_3d.checkpoint.export import export_safetensors
 from lightning_3d.checkpoint.io import remove_stale_temps
 from lightning_3d.testing.parity import assert_same_run, checkpoint_tensors, weight_mismatches
-from lightning_3d.testing.runs import fit_gpt, fit_layout
+from lightning_3d.testing.runs import Run, fit_gpt, fit_layout
 from lightning_3d.testing.world import run_world
 
 SEED = 1234
@@ -53,8 +54,9 @@ FAST = ("zero2_dp2", "zero3_dp2", "tp2", "pp2", "pp2_dp2_zero2")
 def _run(layout, resume_from=None, save_to=None, arch="gpt", model=None):
     strategy, world = LAYOUTS[layout]
     steps, trainer = (4, TRAINER) if resume_from else (-1, {**TRAINER, "max_epochs": 1})
-    args = (steps, SEED, model, DATA, trainer, arch, False, resume_from, save_to)
-    return fit_layout(strategy, world, *args)
+    run = Run(strategy=strategy, steps=steps, seed=SEED, model=model, data=DATA, trainer=trainer, arch=arch,
+              resume_from=resume_from, save_to=save_to)
+    return fit_layout(run, world)
 
 
 
@@ -149,7 +151,8 @@ def test_checkpoint_of_another_model_is_refused(saved):
 
 
 def _resume_wider(rank, path):
-    return fit_gpt(rank, SHARDED, 1, 4, SEED, {"n_embd": 64}, DATA, TRAINER, "gpt", False, path)
+    return fit_gpt(rank, Run(strategy=SHARDED, devices=1, steps=4, seed=SEED, model={"n_embd": 64}, data=DATA,
+                             trainer=TRAINER, resume_from=path))
 
 
 def test_bad_sharded_directories(saved, tmp_path):
@@ -187,7 +190,7 @@ def test_publish_replaces_a_checkpoint_atomically(tmp_path):
         temp = tmp_path / f".last.ckpt.tmp-{generation}"
         temp.mkdir()
         (temp / "data").write_text(str(generation))
-        sharded._publish(temp, path)
+        publish(temp, path)
         assert (path / "data").read_text() == str(generation)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 

@@ -15,7 +15,7 @@ import math
 import pytest
 
 from lightning_3d.testing.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.testing.runs import fit_gpt, fit_gpt_ranks
+from lightning_3d.testing.runs import Run, fit_gpt, fit_gpt_ranks
 from lightning_3d.testing.world import run_world
 
 STEPS, SEED = 5, 1234
@@ -36,7 +36,7 @@ def reference():
         key = (arch, tensor)
         if key not in cache:
             model = _model(arch, tensor)
-            cache[key] = fit_gpt(0, None, 1, STEPS, SEED, model, None, TRAINER, arch)
+            cache[key] = fit_gpt(0, Run(steps=STEPS, seed=SEED, model=model, trainer=TRAINER, arch=arch))
         return cache[key]
 
     return get
@@ -49,7 +49,9 @@ def test_tensor_parallel_matches_single_process(reference, arch, tensor, sequenc
     """Catches: sequence-parallel norms whose weight gradients are not reduced over the sequence
     shards (ranks' norm weights drift apart), a vocab-parallel loss that is one rank's part."""
     strategy = {"tensor": tensor, "sequence_parallel": sequence_parallel}
-    world = run_world(fit_gpt_ranks, tensor, strategy, tensor, STEPS, SEED, _model(arch, tensor), None, TRAINER, arch)
+    run = Run(strategy=strategy, devices=tensor, steps=STEPS, seed=SEED, model=_model(arch, tensor), trainer=TRAINER,
+              arch=arch)
+    world = run_world(fit_gpt_ranks, tensor, run)
     ref = reference(arch, tensor)
     assert world[0]["summary"]["layout"]["tensor"] == tensor
     assert_same_run(world[0], ref)
@@ -62,7 +64,7 @@ def test_tensor_parallel_matches_single_process(reference, arch, tensor, sequenc
 @pytest.mark.parametrize("zero_stage", [1, 3])
 def test_data_2_x_tensor_2_with_zero(reference, zero_stage):
     strategy = {"tensor": 2, "data": 2, "zero_stage": zero_stage}
-    world = run_world(fit_gpt_ranks, 4, strategy, 4, STEPS, SEED, None, None, TRAINER, "gpt")
+    world = run_world(fit_gpt_ranks, 4, Run(strategy=strategy, devices=4, steps=STEPS, seed=SEED, trainer=TRAINER))
     layout = world[0]["summary"]["layout"]
     assert (layout["data"], layout["tensor"], layout["zero_stage"]) == (2, 2, zero_stage)
     ref = reference("gpt", 2)
@@ -77,7 +79,7 @@ def test_data_2_x_tensor_2_with_zero(reference, zero_stage):
 
 def test_tensor_parallel_memory_per_rank():
     """Split layers hold 1/tensor of their dense bytes per rank; logits hold vocab/tensor columns."""
-    world = run_world(fit_gpt, 2, {"tensor": 2}, 2, 1, SEED, None, None, TRAINER, "gpt")
+    world = run_world(fit_gpt, 2, Run(strategy={"tensor": 2}, devices=2, steps=1, seed=SEED, trainer=TRAINER))
     for rank in world[0]["summary"]["ranks"]:
         assert rank["tp_split_param_bytes"] > 0
         assert rank["tp_split_param_bytes"] * 2 == rank["tp_split_dense_bytes"]
@@ -87,8 +89,10 @@ def test_tensor_parallel_memory_per_rank():
 
 def test_validation_metrics_match_single_process():
     """validate() under tensor=2 + sequence parallel: vocab-parallel loss, torchmetrics synced."""
-    reference = fit_gpt(0, None, 1, 2, SEED, None, None, TRAINER, "gpt", True)["val"]
-    world = run_world(fit_gpt, 2, {"tensor": 2, "sequence_parallel": True}, 2, 2, SEED, None, None, TRAINER, "gpt", True)
+    reference = fit_gpt(0, Run(steps=2, seed=SEED, trainer=TRAINER, validate=True))["val"]
+    run = Run(strategy={"tensor": 2, "sequence_parallel": True}, devices=2, steps=2, seed=SEED, trainer=TRAINER,
+              validate=True)
+    world = run_world(fit_gpt, 2, run)
     for rank in world:
         assert set(rank["val"]) == {"val_loss", "val_ppl"}
         for key, value in reference.items():

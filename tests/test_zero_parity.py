@@ -15,7 +15,7 @@ import pytest
 
 from lightning_3d.memory import zero_formula_bytes
 from lightning_3d.testing.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.testing.runs import fit_gpt, fit_gpt_ranks
+from lightning_3d.testing.runs import Run, fit_gpt, fit_gpt_ranks
 from lightning_3d.testing.world import run_world
 
 STEPS = 5
@@ -38,10 +38,11 @@ def runs():
         if key not in cache:
             data, model, trainer = SETUPS[setup]
             if stage is None:  # the single-process reference, Lightning's own strategy
-                cache[key] = [fit_gpt(0, None, 1, STEPS, SEED, model, None, trainer)]
+                cache[key] = [fit_gpt(0, Run(steps=STEPS, seed=SEED, model=model, trainer=trainer))]
             else:
-                cache[key] = run_world(fit_gpt_ranks, data, {"zero_stage": stage}, data, STEPS, SEED, model, None,
-                                       trainer)
+                run = Run(strategy={"zero_stage": stage}, devices=data, steps=STEPS, seed=SEED, model=model,
+                          trainer=trainer)
+                cache[key] = run_world(fit_gpt_ranks, data, run)
         return cache[key]
 
     return get
@@ -95,7 +96,7 @@ def test_zero_memory_follows_the_paper(runs, setup, stage):
 def test_parity_check_detects_a_one_percent_learning_rate_change(runs):
     """The comparison used above is sharp enough to see a small real difference."""
     reference = runs("dp2_adamw_clip", None)[0]
-    perturbed = fit_gpt(0, None, 1, STEPS, SEED, {"lr": 3e-3 * 1.01}, None, SETUPS["dp2_adamw_clip"][2])
+    perturbed = fit_gpt(0, Run(steps=STEPS, seed=SEED, model={"lr": 3e-3 * 1.01}, trainer=SETUPS["dp2_adamw_clip"][2]))
     with pytest.raises(AssertionError, match="relative error"):
         assert_same_run(perturbed, reference)
 

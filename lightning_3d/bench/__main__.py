@@ -1,6 +1,6 @@
 """``python -m lightning_3d.bench``: the same GPT under lightning_3d and its peers, side by side.
 
-    python -m lightning_3d.bench                       # conf/bench.yaml's defaults
+    python -m lightning_3d.bench                       # the defaults of lightning_3d/bench/bench.yaml
     python -m lightning_3d.bench --quick --rows ddp 3d_zero1
     python -m lightning_3d.bench --repeats 5 steps=20 model.n_embd=512
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.resources
 import importlib.util
 import json
 import os
@@ -31,13 +32,18 @@ LEGEND = (
     "the tensor bytes of every collective call it made (lightning_3d/bench/comm.py), mean over ranks; state and "
     "RSS are the largest rank's. Details: lightning_3d/bench/compare.py."
 )
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "conf" / "bench.yaml"
+DEFAULT_CONFIG = "bench.yaml"  # package data of lightning_3d.bench, read with importlib.resources
+
+
+def default_config() -> Any:
+    """The packaged defaults, read through the package's resources (works from a wheel or a zip)."""
+    return OmegaConf.create(importlib.resources.files("lightning_3d.bench").joinpath(DEFAULT_CONFIG).read_text())
 
 
 def load_config(argv: list[str] | None) -> tuple[dict[str, Any], list[str]]:
     """Defaults from the YAML file, then --quick, then flags and key=value overrides."""
     parser = argparse.ArgumentParser(prog="python -m lightning_3d.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="YAML of defaults")
+    parser.add_argument("--config", help=f"YAML of defaults (default: the packaged {DEFAULT_CONFIG})")
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, 1 repeat")
     parser.add_argument("--rows", nargs="+", help=f"subset of rows: {', '.join(compare.ROWS)}")
     parser.add_argument("--repeats", type=int)
@@ -45,9 +51,12 @@ def load_config(argv: list[str] | None) -> tuple[dict[str, Any], list[str]]:
     parser.add_argument("--outdir")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.n_embd=128")
     args = parser.parse_args(argv)
-    if not Path(args.config).is_file():
+    if args.config is None:
+        cfg = default_config()
+    elif Path(args.config).is_file():
+        cfg = OmegaConf.load(args.config)
+    else:
         raise ValueError(f"config file {args.config!r} does not exist")
-    cfg = OmegaConf.load(args.config)
     quick = cfg.pop("quick", {})
     if args.quick:
         cfg = OmegaConf.merge(cfg, quick)

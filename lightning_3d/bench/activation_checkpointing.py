@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from lightning_3d.models.gpt import GPT, GPTConfig
 from lightning_3d.parallel.activation_checkpoint import (
+    DEFAULT_EVERY_N,
     POLICIES,
     activation_bytes_per_block,
     apply_activation_checkpointing,
@@ -40,7 +41,7 @@ from lightning_3d.parallel.activation_checkpoint import (
 
 CONFIG = {"n_embd": 256, "n_layer": 4, "n_head": 8, "block_size": 128, "dropout": 0.0}
 BATCH = 8
-EVERY_N = 2  # apply_activation_checkpointing's default, used for "every_n"
+EVERY_N = DEFAULT_EVERY_N  # the strategy's default, used for "every_n"
 DEFAULT_OUT = Path("bench_out") / "activation_checkpointing"
 
 

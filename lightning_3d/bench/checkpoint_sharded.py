@@ -59,7 +59,7 @@ def measure(rank: int, world: int, zero_stage: int, n_layer: int, n_embd: int, r
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=directory)
     trainer.fit(model, train_dataloaders=_random_tokens(256, 128, 1, 2 * world))
-    params = strategy.count_parameters()
+    params = strategy.parallelized.count_parameters()
     times: dict[str, dict[str, list[float]]] = {f: {"save": [], "load": []} for f in FORMATS}
     written: dict[str, int] = {}
     for repeat in range(repeats):

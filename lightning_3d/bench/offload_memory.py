@@ -126,7 +126,7 @@ def _worker(args: argparse.Namespace) -> None:
     base_rss = peak_rss_mb()  # interpreter, torch, Lightning and the corpus: the same in every row
     module = LitGPT(**model_config(args.n_layer, args.n_embd), lr=1e-4, warmup_steps=0)
     strategy = ThreeDStrategy(offload=args.offload, offload_path=args.path if args.offload == "nvme" else None,
-                              activation_checkpointing=args.checkpointing, zero_stage=3 if args.params else 0,
+                              ac_policy=args.checkpointing, zero_stage=3 if args.params else 0,
                               offload_params=args.params)
     with tempfile.TemporaryDirectory(prefix="offload-memory-") as out:  # summary.json goes there
         summary = RunSummary(out_dir=out, warmup_steps=0)

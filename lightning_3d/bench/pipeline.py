@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from lightning_3d.testing.runs import fit_gpt
+from lightning_3d.testing.runs import Run, fit_gpt
 from lightning_3d.testing.world import run_world
 
 MODEL = dict(n_embd=256, n_layer=4, n_head=8, block_size=128, warmup_steps=2)
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
         data = dict(block_size=128, batch_size=m * 2, max_bytes=2_000_000)
         for schedule in args.schedules:
             strategy = {"pipeline": p, "schedule": schedule, "micro_batches": m}
-            runs = run_world(fit_gpt, p, strategy, p, args.steps, 1234, MODEL, data)
+            runs = run_world(fit_gpt, p, Run(strategy=strategy, devices=p, steps=args.steps, seed=1234, model=MODEL,
+                                             data=data))
             ranks = runs[0]["summary"]["ranks"]
             bubble = sum(r["bubble_fraction"] for r in ranks) / len(ranks)
             ideal = (p - 1) / (m + p - 1)

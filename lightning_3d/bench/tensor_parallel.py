@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from lightning_3d.testing.runs import fit_gpt
+from lightning_3d.testing.runs import Run, fit_gpt
 from lightning_3d.testing.world import run_world
 
 MODEL = dict(n_embd=256, n_layer=4, n_head=8, block_size=128, warmup_steps=2)
@@ -30,9 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     single, tp2 = [], []
     for _ in range(args.repeats):
-        one = fit_gpt(0, {"tensor": 1}, 1, args.steps, 1234, MODEL, DATA)
+        one = fit_gpt(0, Run(strategy={"tensor": 1}, devices=1, steps=args.steps, seed=1234, model=MODEL, data=DATA))
         single.append(one["summary"]["tokens_per_s"])
-        two = run_world(fit_gpt, 2, {"tensor": 2}, 2, args.steps, 1234, MODEL, DATA)
+        two = run_world(fit_gpt, 2, Run(strategy={"tensor": 2}, devices=2, steps=args.steps, seed=1234, model=MODEL,
+                                        data=DATA))
         tp2.append(two[0]["summary"]["tokens_per_s"])
         print(f"  1 process: {single[-1]:8.0f} tok/s   tensor=2: {tp2[-1]:8.0f} tok/s", flush=True)
     a, b = statistics.median(single), statistics.median(tp2)

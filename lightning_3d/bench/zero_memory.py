@@ -15,12 +15,14 @@ import argparse
 import os
 
 from lightning_3d.memory import zero_formula_bytes
-from lightning_3d.testing.runs import fit_gpt
+from lightning_3d.testing.runs import Run, fit_gpt
 from lightning_3d.testing.world import run_world
 
 
 def measure(data: int, stage: int, model: dict) -> dict:
-    runs = run_world(fit_gpt, data, {"zero_stage": stage}, data, 2, 1234, model, {"block_size": model["block_size"]})
+    run = Run(strategy={"zero_stage": stage}, devices=data, steps=2, seed=1234, model=model,
+              data={"block_size": model["block_size"]})
+    runs = run_world(fit_gpt, data, run)
     summary = runs[0]["summary"]
     return {"num_params": summary["num_params"], **summary["ranks"][0]}
 

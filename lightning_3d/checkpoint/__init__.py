@@ -1,5 +1,16 @@
 """Checkpoints: consolidated (layout-free) model and optimizer state, atomic files, checks,
-safetensors and Hugging Face exports, and loading pretrained weights."""
+safetensors and Hugging Face exports, and loading pretrained weights.
+
+The modules form layers, each importing only those below it:
+
+- ``files`` (atomic writes, weights-only reads), ``pieces`` (DCP boxes of flat slices),
+  ``view`` (the per-parameter state view: one-process names, fused q/k/v rows, full <-> local);
+- ``sharded_files`` (a sharded directory on disk);
+- ``checks`` (what a checkpoint holds), ``consolidated`` and ``sharded`` (the two writers,
+  both over ``view``);
+- ``io`` (Lightning's checkpoint IO plugin), ``export``, ``hf_export``, ``pretrained``,
+  ``strategy_hooks`` (the strategy's save and load hooks).
+"""
 
 from lightning_3d.checkpoint.checks import check_against, inspect_checkpoint
 from lightning_3d.checkpoint.consolidated import (

@@ -7,7 +7,7 @@ Three kinds are read, always without unpickling arbitrary objects:
   ``torch.load(weights_only=True)``;
 - ``"safetensors"``: a flat file of tensors (only its JSON header is read to inspect it);
 - ``"sharded"``: a directory written by ``ThreeDStrategy(checkpoint_format="sharded")``
-  (``sharded.py``), read here in one process at full size.
+  (``sharded_files.py``), read here in one process at full size.
 
 Example::
 
@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import os
-import pickle
 import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -27,11 +26,13 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
+from lightning_3d.checkpoint import sharded_files
+from lightning_3d.checkpoint.files import ZIP_MAGIC, corrupted, load_weights_only
+
 PathLike = Union[str, "os.PathLike[str]"]
 LIGHTNING = "lightning"
 SAFETENSORS = "safetensors"
 SHARDED = "sharded"
-_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format
 _PICKLE_MAGIC = b"\x80"  # torch.save's legacy format begins with a pickle protocol byte
 _MAX_LISTED = 20  # names listed per category in a mismatch error
 
@@ -39,10 +40,6 @@ _MAX_LISTED = 20  # names listed per category in a mismatch error
 def _listed(names: list[str]) -> str:
     shown = ", ".join(names[:_MAX_LISTED])
     return shown + (f", ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")
-
-
-def _corrupted(path: Path, error: BaseException) -> ValueError:
-    return ValueError(f"{path}: corrupted or truncated checkpoint file ({type(error).__name__}: {error})")
 
 
 def shapes_of(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -78,7 +75,7 @@ def detect_format(path: PathLike) -> str:
         head = f.read(9)
     if size == 0:
         raise ValueError(f"{path}: empty file (0 bytes): corrupted or truncated checkpoint file")
-    if head.startswith(_ZIP_MAGIC):
+    if head.startswith(ZIP_MAGIC):
         return LIGHTNING
     if len(head) == 9 and head[8:9] == b"{":
         # safetensors: u64 little-endian header length, then the JSON header.
@@ -97,25 +94,6 @@ def detect_format(path: PathLike) -> str:
     )
 
 
-def _torch_load(path: Path, mmap: bool, map_location: Any = "cpu") -> Any:
-    with open(path, "rb") as f:
-        zipped = f.read(4) == _ZIP_MAGIC
-    try:
-        # mmap: inspecting or exporting a large file does not read every tensor up front.
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and zipped)
-    except pickle.UnpicklingError as error:
-        if "weights only" in str(error).lower():
-            # torch's message is a page of advice; keep the line that names the refused object.
-            reason = next((line.strip() for line in str(error).splitlines() if "WeightsUnpickler" in line), "")
-            raise ValueError(
-                f"{path}: holds objects other than tensors and plain Python values; refusing to unpickle "
-                f"them (weights_only=True): {reason.split('. Please')[0]}"
-            ) from error
-        raise _corrupted(path, error) from error
-    except Exception as error:  # torch/zip/EOF errors all mean the bytes are not a whole checkpoint
-        raise _corrupted(path, error) from error
-
-
 def load_lightning_checkpoint(path: PathLike, mmap: bool = False, map_location: Any = "cpu") -> dict[str, Any]:
     """The whole Lightning checkpoint dict, read weights-only, after checking its kind and shape.
 
@@ -127,12 +105,10 @@ def load_lightning_checkpoint(path: PathLike, mmap: bool = False, map_location: 
     path = Path(path)
     kind = detect_format(path)
     if kind == SHARDED:
-        from lightning_3d.checkpoint.sharded import read_consolidated
-
-        return read_consolidated(path)
+        return sharded_files.read_consolidated(path)
     if kind != LIGHTNING:
         raise ValueError(f"{path} is a {kind} file, not a Lightning checkpoint (.ckpt)")
-    checkpoint = _torch_load(path, mmap, map_location)
+    checkpoint = load_weights_only(path, mmap, map_location)
     if not isinstance(checkpoint, Mapping) or not isinstance(checkpoint.get("state_dict"), Mapping):
         found = sorted(map(str, checkpoint))[:_MAX_LISTED] if isinstance(checkpoint, Mapping) else type(checkpoint)
         raise ValueError(
@@ -154,7 +130,7 @@ def _safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[st
             dtypes = {n: str(f.get_slice(n).get_dtype()) for n in names}
             return shapes, dtypes, dict(f.metadata() or {})
     except Exception as error:  # SafetensorError: bad header, offsets past the end of the file
-        raise _corrupted(path, error) from error
+        raise corrupted(path, error) from error
 
 
 def read_tensors(path: PathLike, mmap: bool = False) -> tuple[str, dict[str, Tensor]]:
@@ -164,15 +140,13 @@ def read_tensors(path: PathLike, mmap: bool = False) -> tuple[str, dict[str, Ten
     if kind == LIGHTNING:
         return kind, dict(load_lightning_checkpoint(path, mmap=mmap)["state_dict"])
     if kind == SHARDED:
-        from lightning_3d.checkpoint.sharded import read_tensors as read_sharded
-
-        return kind, read_sharded(path)
+        return kind, sharded_files.read_tensors(path)
     from safetensors.torch import load_file
 
     try:
         return kind, load_file(str(path), device="cpu")
     except Exception as error:
-        raise _corrupted(path, error) from error
+        raise corrupted(path, error) from error
 
 
 def inspect_checkpoint(path: PathLike) -> dict[str, Any]:
@@ -194,9 +168,8 @@ def inspect_checkpoint(path: PathLike) -> dict[str, Any]:
     if kind == SAFETENSORS:
         info["shapes"], info["dtypes"], info["metadata"] = _safetensors_header(path)
     elif kind == SHARDED:
-        from lightning_3d.checkpoint import sharded
-
-        meta, entries = sharded.read_meta(path), sharded.tensor_entries(sharded.read_metadata(path), sharded.MODEL)
+        meta = sharded_files.read_meta(path)
+        entries = sharded_files.tensor_entries(sharded_files.read_metadata(path), sharded_files.MODEL)
         info["shapes"] = {name: tuple(md.size) for name, md in entries.items()}
         info["dtypes"] = {name: str(md.properties.dtype) for name, md in entries.items()}
         info["global_step"], info["epoch"] = meta.get("global_step"), meta.get("epoch")

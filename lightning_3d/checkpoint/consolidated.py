@@ -6,7 +6,8 @@ and the optimizer state as ``torch.optim.Optimizer.state_dict()`` of the user's 
 look in one process (state keyed by parameter index, in the user's param-group order). Such a
 checkpoint loads into plain Lightning and resumes under any other layout: each rank takes its
 own part on load. The cost is that saving gathers everything (every rank takes part, rank 0
-writes) — fine for models whose state fits in one host's memory.
+writes) — fine for models whose state fits in one host's memory. What is gathered, and how it
+is cut back on load, is the per-parameter view (``view.py``) the sharded writer uses too.
 
 Under a pipeline each stage holds other parameters. Stages merge their parts over the pipeline
 group (``pp_group``), and the optimizer's parameter indices are those of one process: each
@@ -23,46 +24,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_3d.parallel.tensor import FUSED_ROWS_ATTR, local_tensor, regroup_fused_rows
-from lightning_3d.parallel.tied import TIED_ALIASES_ATTR, param_names
+from lightning_3d.checkpoint.view import StateView, full_state_dict, optimizer_params, state_in_slices, tied_aliases
 from lightning_3d.parallel.zero import ZeroDataParallel
-from lightning_3d.state import full_state_dict
-
-
-def _fused_params(module: nn.Module) -> dict[int, tuple[int, int]]:
-    return {
-        id(p): getattr(mod, FUSED_ROWS_ATTR)
-        for mod in module.modules()
-        if hasattr(mod, FUSED_ROWS_ATTR)
-        for p in mod.parameters(recurse=False)
-    }
-
-
-def _to_full(value: Any, fused: Optional[tuple[int, int]]) -> Any:
-    if not isinstance(value, Tensor):
-        return value
-    full = value.full_tensor() if isinstance(value, DTensor) else value
-    if fused is not None and full.dim() >= 1:
-        full = regroup_fused_rows(full, *fused, inverse=True)
-    return full.detach().to("cpu", copy=True)
-
-
-def _to_local_like(full: Any, param: Tensor, fused: Optional[tuple[int, int]],
-                   dtype: Optional[torch.dtype] = None) -> Any:
-    """A full tensor laid out like ``param``: this rank's shard (a DTensor) if ``param`` is one,
-    in ``dtype`` (default: the parameter's)."""
-    if not isinstance(full, Tensor) or full.dim() == 0:
-        return full.clone() if isinstance(full, Tensor) else full
-    device = local_tensor(param).device
-    full = full.to(device=device, dtype=dtype or param.dtype)
-    if fused is not None:
-        full = regroup_fused_rows(full, *fused)
-    if isinstance(param, DTensor):
-        # Every rank holds the full tensor (it read the file): take the local part, no traffic.
-        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-    return full.clone()
 
 
 # ---------------------------------------------------------------------------------- model
@@ -71,7 +35,7 @@ def full_model_state(module: nn.Module, pp_group: Any = None, names: Optional[li
     pipeline stage that holds only some). A collective: call on every rank."""
     full = full_state_dict(module, pp_group=pp_group)
     # state_dict() lists a tied weight under each of its names; full_state_dict once.
-    aliases = getattr(module, TIED_ALIASES_ATTR, {})
+    aliases = tied_aliases(module)
     full.update({alias: full[name] for alias, name in aliases.items() if name in full})
     return {name: full[name] for name in (names if names is not None else module.state_dict()) if name in full}
 
@@ -86,29 +50,24 @@ def load_full_model_state(module: nn.Module, state: Mapping[str, Tensor], strict
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if strict and (missing or unexpected):
         raise KeyError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
-    fused = _fused_params(module)
+    view = StateView(module)
     for name, full in state.items():
         if name not in own:
             continue
         target = own[name]
         if tuple(full.shape) != tuple(target.shape):
             raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} != model shape {tuple(target.shape)}")
-        value = _to_local_like(full, target, fused.get(id(target)))
-        local_tensor(target).copy_(local_tensor(value))
+        view.copy_into(target, full)
 
 
 # ------------------------------------------------------------------------------ optimizer
-def _groups(optimizer: torch.optim.Optimizer, engine: Optional[ZeroDataParallel]) -> list[list[Tensor]]:
-    return engine.original_groups if engine is not None else [g["params"] for g in optimizer.param_groups]
-
-
-def _param_layout(module: nn.Module, groups: list[list[Tensor]], pp_group: Any,
+def _param_layout(view: StateView, groups: list[list[Tensor]], pp_group: Any,
                   order: Optional[list[str]]) -> tuple[dict[int, int], list[int]]:
     """Each local parameter's index in one process's optimizer state, and the group sizes there."""
     if pp_group is None:
         params = [p for group in groups for p in group]
         return {id(p): i for i, p in enumerate(params)}, [len(g) for g in groups]
-    name_of = param_names(module)  # a tied weight under its one-process name
+    name_of = view.name_of  # a tied weight under its one-process name
     mine = [[name_of[id(p)] for p in group] for group in groups]
     parts: list[Any] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(parts, mine, group=pp_group)
@@ -118,25 +77,21 @@ def _param_layout(module: nn.Module, groups: list[list[Tensor]], pp_group: Any,
     return {id(p): index[name_of[id(p)]] for group in groups for p in group}, [len(g) for g in merged]
 
 
-def _sharded_by_engine(engine: Optional[ZeroDataParallel]) -> bool:
-    return engine is not None and engine.stage >= 1
-
-
 def full_optimizer_state(
     module: nn.Module, optimizer: torch.optim.Optimizer, engine: Optional[ZeroDataParallel] = None,
     pp_group: Any = None, order: Optional[list[str]] = None,
 ) -> dict[str, Any]:
     """The user's optimizer's ``state_dict()`` as one process would have it. A collective."""
-    groups = _groups(optimizer, engine)
+    view = StateView(module)
+    groups = optimizer_params(optimizer, engine)
     params = [p for group in groups for p in group]
-    index_of, sizes = _param_layout(module, groups, pp_group, order)
-    if _sharded_by_engine(engine):
+    index_of, sizes = _param_layout(view, groups, pp_group, order)
+    if state_in_slices(engine):
         per_param = engine.gather_param_states(optimizer)
     else:
         per_param = {id(p): optimizer.state.get(p, {}) for p in params}
-    fused = _fused_params(module)
     state = {
-        index_of[id(p)]: {key: _to_full(value, fused.get(id(p))) for key, value in per_param[id(p)].items()}
+        index_of[id(p)]: {key: view.full(p, value) for key, value in per_param[id(p)].items()}
         for p in params
         if per_param.get(id(p))
     }
@@ -161,15 +116,15 @@ def load_full_optimizer_state(
     order: Optional[list[str]] = None,
 ) -> None:
     """Inverse of :func:`full_optimizer_state`, into any layout of the same model."""
-    groups = _groups(optimizer, engine)
-    index_of, sizes = _param_layout(module, groups, pp_group, order)
+    view = StateView(module)
+    groups = optimizer_params(optimizer, engine)
+    index_of, sizes = _param_layout(view, groups, pp_group, order)
     saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
     if sizes != saved_sizes:
         raise ValueError(f"optimizer param groups differ: checkpoint has sizes {saved_sizes}, model has {sizes}")
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
     params = [p for group in groups for p in group]
-    fused = _fused_params(module)
     # torch's optimizers keep their state in the parameter's dtype (and cast to it on load); an
     # optimizer that says otherwise (OffloadedAdam: fp32 moments and master weights for bf16
     # parameters) gets it as saved — cast, a resumed run would step from rounded weights.
@@ -179,8 +134,8 @@ def load_full_optimizer_state(
         index = index_of[id(p)]
         entry = saved["state"].get(index, saved["state"].get(str(index)))
         if entry:
-            per_param[id(p)] = {k: _to_local_like(v, p, fused.get(id(p)), dtype) for k, v in entry.items()}
-    if _sharded_by_engine(engine):
+            per_param[id(p)] = {k: view.local_like(p, v, dtype) for k, v in entry.items()}
+    if state_in_slices(engine):
         engine.load_param_states(optimizer, per_param)
     else:
         for p in params:

@@ -22,7 +22,7 @@ from lightning_3d.checkpoint.checks import (
     load_lightning_checkpoint,
     shared_prefix,
 )
-from lightning_3d.checkpoint.io import atomic_write
+from lightning_3d.checkpoint.files import atomic_write
 
 
 @dataclass(frozen=True)

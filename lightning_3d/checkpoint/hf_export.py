@@ -20,7 +20,6 @@ Command line: ``python -m lightning_3d.checkpoint export-hf last.ckpt out/ [--to
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -30,8 +29,16 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_3d.checkpoint.checks import SHARDED, PathLike, check_against, detect_format, shapes_of
-from lightning_3d.checkpoint.io import _umask, fsync_dir, remove_stale_temps, temp_path_for
+from lightning_3d.checkpoint import sharded_files
+from lightning_3d.checkpoint.checks import (
+    SHARDED,
+    PathLike,
+    check_against,
+    detect_format,
+    load_lightning_checkpoint,
+    shapes_of,
+)
+from lightning_3d.checkpoint.files import finish_file, fsync_dir, publish, remove_stale_temps, temp_path_for
 from lightning_3d.models.hf import HF_CONFIG_KEY
 from lightning_3d.parallel.tied import find_tied
 
@@ -151,13 +158,9 @@ def _entries(checkpoint: Path) -> tuple[Mapping[str, Any], Callable[[], Mapping[
     first: a sharded checkpoint's ``meta.pt`` before any tensor is read, and then only model
     tensors (not the optimizer's); a ``.ckpt`` memory-mapped, its tensors read on first use."""
     if detect_format(checkpoint) == SHARDED:
-        from lightning_3d.checkpoint import sharded
-
-        meta = sharded.read_meta(checkpoint)
+        meta = sharded_files.read_meta(checkpoint)
         _check_hf_config(meta, checkpoint)
-        return meta, lambda: sharded.read_tensors(checkpoint)
-    from lightning_3d.checkpoint.checks import load_lightning_checkpoint
-
+        return meta, lambda: sharded_files.read_tensors(checkpoint)
     whole = load_lightning_checkpoint(checkpoint, mmap=True)
     _check_hf_config(whole, checkpoint)
     return whole, lambda: whole["state_dict"]
@@ -298,8 +301,6 @@ def _check_tokenizer_round_trip(tok: Any, source: Path, directory: Path, progres
 # ------------------------------------------------------------------------------ writing
 def _write_dir(out_dir: Path, write: Callable[[Path], None]) -> None:
     """``write(temp)`` into a temporary sibling directory, fsync it, then put it at ``out_dir``."""
-    from lightning_3d.checkpoint.sharded import _publish  # atomic exchange with what is there
-
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out_dir.parent)
     temp = temp_path_for(out_dir)
@@ -308,11 +309,9 @@ def _write_dir(out_dir: Path, write: Callable[[Path], None]) -> None:
     try:
         write(temp)
         for file in (f for f in temp.rglob("*") if f.is_file()):
-            os.chmod(file, 0o666 & ~_umask())
-            with open(file, "rb+") as f:
-                os.fsync(f.fileno())
+            finish_file(file)
         fsync_dir(temp)
-        _publish(temp, out_dir)
+        publish(temp, out_dir)  # atomic exchange with what is there
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise

@@ -1,12 +1,9 @@
-"""Atomic checkpoint files: a killed save never leaves a half-written file under the final name.
+"""``AtomicCheckpointIO``: Lightning's checkpoint IO plugin, with atomic saves and checked loads.
 
-A save writes ``.<name>.tmp-<pid>`` in the target directory, fsyncs it, ``os.replace``s it onto
-``<name>`` (atomic on POSIX within one file system) and fsyncs the directory so the rename itself
-survives a power loss. The temporary name starts with a dot and does not end in ``.ckpt``, so
-Lightning never takes it for a checkpoint: ``ModelCheckpoint._find_last_checkpoints`` (what
-``ckpt_path="last"`` resolves through) keeps only files whose suffix is ``.ckpt`` and whose stem
-starts with ``last``. Temporary files left by a killed save are removed by the next save into
-the same directory.
+A save goes through :func:`~lightning_3d.checkpoint.files.atomic_write` (a temporary sibling
+file, fsynced, renamed onto the final name), so a killed save never leaves a half-written file
+under the final name; loads go through :func:`~lightning_3d.checkpoint.checks.load_lightning_checkpoint`
+(weights only, with errors that name the file).
 
 Example::
 
@@ -16,10 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -29,107 +22,10 @@ from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
 from lightning_3d.checkpoint.checks import load_lightning_checkpoint
+from lightning_3d.checkpoint.files import atomic_write, remove_stale_temps
 
-_TEMP_NAME = re.compile(r"^\..+\.tmp-(\d+)$")
-
-
-def temp_path_for(path: Path) -> Path:
-    """Where a save of ``path`` writes before the rename (same directory: ``os.replace`` is atomic)."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def _process_start_time() -> float | None:
-    """When this process started (seconds since the epoch), from /proc on Linux; else ``None``."""
-    try:
-        with open("/proc/stat") as f:
-            boot = next(float(line.split()[1]) for line in f if line.startswith("btime"))
-        with open("/proc/self/stat") as f:
-            ticks = float(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
-
-
-def _is_stale(entry: Path, pid: int) -> bool:
-    if pid != os.getpid():
-        return not _pid_alive(pid)
-    # Our own id: either another thread of ours is writing it now (keep), or a killed process
-    # had the same id before a restart (pid reuse in containers): then it predates us.
-    started = _process_start_time()
-    return started is not None and entry.stat().st_mtime < started - 1.0
-
-
-def remove_stale_temps(directory: Path) -> list[Path]:
-    """Delete temporary files of saves that were killed; returns what was removed.
-
-    Stale: the process that wrote it is gone, or it carries this process's id but is older
-    than this process. Files of live writers are kept.
-    """
-    removed = []
-    for entry in directory.iterdir() if directory.is_dir() else ():
-        match = _TEMP_NAME.match(entry.name)
-        if match and _is_stale(entry, int(match.group(1))):
-            if entry.is_dir() and not entry.is_symlink():  # a sharded checkpoint's directory
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
-            removed.append(entry)
-    return removed
-
-
-def fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _umask() -> int:
-    """This process's umask, read without changing it (Linux), else the usual 0o022."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
-    except (OSError, StopIteration, ValueError):
-        return 0o022
-
-
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(temp_path)``, fsync the result, then rename it onto ``path`` atomically.
-
-    On any error (or an exception in ``write``) the temp file is removed and ``path`` is untouched.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(path.parent)
-    temp = temp_path_for(path)
-    try:
-        write(temp)
-        # Writers that make their own temp file (safetensors) leave it 0600: use the usual mode.
-        os.chmod(temp, 0o666 & ~_umask())
-        with open(temp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+# remove_stale_temps lived here first (files.py now); callers still import it from this module.
+__all__ = ["AtomicCheckpointIO", "atomic_write", "remove_stale_temps"]
 
 
 def _is_local(path: _PATH) -> bool:

@@ -14,7 +14,7 @@ Both formats load in any layout, whichever format the run itself saves.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn
@@ -30,16 +30,20 @@ from lightning_3d.checkpoint.consolidated import (
     load_full_model_state,
     load_full_optimizer_state,
 )
-from lightning_3d.state import full_state_dict
+from lightning_3d.checkpoint.view import full_state_dict
 
-CHECKPOINT_FORMATS = ("consolidated", "sharded")
+if TYPE_CHECKING:
+    from lightning_3d.recipe import Parallelized
+
 
 
 class CheckpointHooks:
-    """Mixin for ``ThreeDStrategy``; uses its ``lightning_module``, ``optimizers``,
-    ``checkpoint_format``, ``_pp_group``, ``_full_names``, ``_full_param_names``, ``_engine_for``."""
+    """Mixin for ``ThreeDStrategy``; uses only its public ``lightning_module``, ``optimizers``,
+    ``checkpoint_format`` and ``parallelized`` (the :class:`~lightning_3d.recipe.Parallelized`
+    record of setup: one-process names, the pipeline group, the ZeRO engine of each optimizer)."""
 
     checkpoint_format: str
+    parallelized: Parallelized
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -48,15 +52,16 @@ class CheckpointHooks:
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.checkpoint_format == "sharded":
             return sharded.model_state(self.lightning_module)
-        return full_model_state(self.lightning_module, self._pp_group, self._full_names)
+        recipe = self.parallelized
+        return full_model_state(self.lightning_module, recipe.pp_group, recipe.full_names)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         raw = getattr(optimizer, "_optimizer", optimizer)
+        recipe = self.parallelized
+        engine = recipe.engine_for(raw)
         if self.checkpoint_format == "sharded":
-            return sharded.optimizer_state(self.lightning_module, raw, self._engine_for(raw), self._full_param_names)
-        return full_optimizer_state(
-            self.lightning_module, raw, self._engine_for(raw), self._pp_group, self._full_param_names
-        )
+            return sharded.optimizer_state(self.lightning_module, raw, engine, recipe.full_param_names)
+        return full_optimizer_state(self.lightning_module, raw, engine, recipe.pp_group, recipe.full_param_names)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         if self.checkpoint_format != "sharded":
@@ -81,7 +86,7 @@ class CheckpointHooks:
         saved = sharded.tensor_entries(metadata, sharded.MODEL)
         strict = getattr(module, "strict_loading", True)
         check_against(shapes_of(module.state_dict()), {n: tuple(md.size) for n, md in saved.items()},
-                      strict=strict, names=self._full_names, source=str(path))
+                      strict=strict, names=self.parallelized.full_names, source=str(path))
         targets, after = sharded.model_targets(module, [n for n in module.state_dict() if n in saved])
         installs = []
         if module.trainer.state.fn == TrainerFn.FITTING and "optimizer_states" in meta:
@@ -91,7 +96,7 @@ class CheckpointHooks:
             for index, (optimizer, state) in enumerate(zip(self.optimizers, states)):
                 prefix = sharded.optimizer_prefix(index)
                 found, install = sharded.optimizer_targets(
-                    module, optimizer, self._engine_for(optimizer), sharded.tensor_entries(metadata, prefix), state,
+                    module, optimizer, self.parallelized.engine_for(optimizer), sharded.tensor_entries(metadata, prefix), state,
                     prefix,
                 )
                 targets.update(found)
@@ -107,9 +112,10 @@ class CheckpointHooks:
             return  # read in place by load_checkpoint
         # Names and shapes first (DTensors report full shapes), so a checkpoint of another model
         # fails naming the tensors before anything is overwritten.
+        names = self.parallelized.full_names
         check_against(shapes_of(self.lightning_module.state_dict()), shapes_of(checkpoint["state_dict"]),
-                      strict=strict, names=self._full_names)
-        load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict, self._full_names)
+                      strict=strict, names=names)
+        load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict, names)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if checkpoint.get("format") == sharded.FORMAT:
@@ -117,13 +123,14 @@ class CheckpointHooks:
         saved = checkpoint["optimizer_states"]
         if len(saved) != len(self.optimizers):
             raise ValueError(f"checkpoint has {len(saved)} optimizer states, the module configures {len(self.optimizers)}")
+        recipe = self.parallelized
         for optimizer, state in zip(self.optimizers, saved):
             load_full_optimizer_state(
-                self.lightning_module, optimizer, state, self._engine_for(optimizer), self._pp_group,
-                self._full_param_names,
+                self.lightning_module, optimizer, state, recipe.engine_for(optimizer), recipe.pp_group,
+                recipe.full_param_names,
             )
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """Every parameter and buffer of the module at full size, on CPU, merged over pipeline
         stages: what one process would hold. A collective: call on every rank."""
-        return full_state_dict(self.lightning_module, pp_group=self._pp_group)
+        return full_state_dict(self.lightning_module, pp_group=self.parallelized.pp_group)

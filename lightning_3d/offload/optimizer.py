@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_3d.offload.paths import PathLike
 from lightning_3d.offload.storage import Chunk, ChunkStore, CpuChunkStore, FileChunkStore, ParamSlot, plan_chunks
-from lightning_3d.offload.storage import local_tensor as _local
+from lightning_3d.parallel.tensor import local_tensor as _local
 
 DEVICES = ("cpu", "nvme")
 DEFAULT_CHUNK_BYTES = 16 * 2**20

@@ -27,16 +27,11 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from lightning_3d.offload.paths import PathLike, PrivateDirectory, check_offload_path
+from lightning_3d.parallel.tensor import local_tensor
 
 ELEMENT_BYTES = 4  # float32
-
-
-def local_tensor(t: Tensor) -> Tensor:
-    """This rank's part of ``t``: a ``DTensor``'s local shard, ``t`` itself otherwise."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 @dataclass(eq=False)

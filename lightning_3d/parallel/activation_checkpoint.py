@@ -46,8 +46,10 @@ from torch.utils.checkpoint import (
 
 from lightning_3d.parallel import activations
 from lightning_3d.parallel.fsdp import find_blocks
+from lightning_3d.parallel.tensor import local_tensor
 
 POLICIES = ("none", "full", "every_n", "selective")
+DEFAULT_EVERY_N = 2  # "every_n": blocks 0, 2, 4, ... recompute (the plan's default too)
 _POLICY_ATTR = "_activation_checkpointing"  # instance attribute: this block's policy
 _INNER_ATTR = "_activation_checkpointing_inner"  # an instance forward that was there before
 
@@ -69,12 +71,12 @@ SAVED_OPS = _ops(
 ) | _ops(torch.ops._c10d_functional, "all_reduce", "reduce_scatter_tensor")
 
 
-def checkpoint_options(policy: str, every_n: int = 2) -> dict:
+def ac_options(policy: str, every_n: int = DEFAULT_EVERY_N) -> dict:
     """Validate the activation-checkpointing options; returns them as a dict.
 
     Example::
 
-        checkpoint_options("every_n", 2)  # {"policy": "every_n", "every_n": 2}
+        ac_options("every_n", 2)  # {"policy": "every_n", "every_n": 2}
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown activation checkpointing policy {policy!r}; known: {list(POLICIES)}")
@@ -184,7 +186,7 @@ def is_checkpointed(block: nn.Module) -> bool:
     return _POLICY_ATTR in block.__dict__
 
 
-def apply_activation_checkpointing(module: nn.Module, policy: str, every_n: int = 2) -> list[str]:
+def apply_activation_checkpointing(module: nn.Module, policy: str, every_n: int = DEFAULT_EVERY_N) -> list[str]:
     """Make ``module``'s transformer blocks recompute their activations in backward, in place.
 
     Returns the names of the checkpointed blocks. Applying again replaces the previous policy
@@ -194,7 +196,7 @@ def apply_activation_checkpointing(module: nn.Module, policy: str, every_n: int 
 
         apply_activation_checkpointing(gpt, "every_n", every_n=2)  # ["blocks.0", "blocks.2"]
     """
-    checkpoint_options(policy, every_n)
+    ac_options(policy, every_n)
     chosen: list[str] = []
     for name, index, block in _block_table(module):
         if policy == "none" or (policy == "every_n" and index % every_n != 0):
@@ -217,7 +219,7 @@ class _StorageRecorder(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = _local(t).untyped_storage()
+                storage = local_tensor(t).untyped_storage()
                 ptr = storage.data_ptr()
                 old = self.seen.get(ptr)
                 if ptr and (old is None or old[0]() is None):  # first sighting (or memory reused)
@@ -237,11 +239,7 @@ class _StorageRecorder(TorchDispatchMode):
         self.owners.pop()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
-
-
-def activation_bytes_per_block(model: nn.Module, batch: Any, policy: str, every_n: int = 2) -> dict[str, int]:
+def activation_bytes_per_block(model: nn.Module, batch: Any, policy: str, every_n: int = DEFAULT_EVERY_N) -> dict[str, int]:
     """Bytes each block keeps alive for backward under ``policy``, measured on one forward.
 
     Runs ``model(batch)`` with ``policy`` applied (the model's own policy is restored after),
@@ -259,7 +257,7 @@ def activation_bytes_per_block(model: nn.Module, batch: Any, policy: str, every_
 
         activation_bytes_per_block(gpt, tokens, "full")  # {"blocks.0": 131072, ...}
     """
-    checkpoint_options(policy, every_n)
+    ac_options(policy, every_n)
     table = _block_table(model)
     before = {name: block.__dict__.get(_POLICY_ATTR) for name, _, block in table}
     recorder = _StorageRecorder()
@@ -272,8 +270,9 @@ def activation_bytes_per_block(model: nn.Module, batch: Any, policy: str, every_
         with torch.enable_grad(), recorder:
             out = model(batch)
         gc.collect()
-        skip = {_local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-        skip |= {_local(t).untyped_storage().data_ptr() for t in tree_leaves(out) if isinstance(t, torch.Tensor)}
+        skip = {local_tensor(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        skip |= {local_tensor(t).untyped_storage().data_ptr() for t in outputs}
         counts = {name: 0 for name, _, _ in table}
         for ptr, (ref, nbytes, owner) in recorder.seen.items():
             if owner is not None and ptr not in skip and ref() is not None:

@@ -61,3 +61,24 @@ def apply_zero3(
             fully_shard(child, mesh=dp_mesh, reshard_after_forward=None if keep else True, **fsdp_kwargs)
             units.append(child)
     return units
+
+
+def fsdp_policies(precision: str, offload_params: bool, device_type: str) -> dict:
+    """FSDP2 keyword arguments for ``apply_zero3`` under a Lightning ``precision`` setting.
+
+    Mixed precision: parameters are gathered in the compute dtype (half the all-gather bytes)
+    and gradients reduce-scattered in fp32; the sharded fp32 parameters are the master weights
+    the optimizer steps. ``offload_params``: the sharded parameters (and gradients) live in CPU
+    memory (pinned, on an accelerator) and are copied to the device per block; the offloaded
+    optimizer then steps them in place. (On a CPU device this changes where nothing lives, but
+    runs the same FSDP2 code path.)"""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
+    policies: dict = {}
+    compute = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
+    if compute is not None:
+        policies["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    if offload_params:
+        policies["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type != "cpu")
+    return policies

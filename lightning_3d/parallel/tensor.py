@@ -201,7 +201,13 @@ class PrepareHiddenStates(PrepareModuleInput):
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: the local shard of a ``DTensor``, ``t`` itself otherwise."""
+    """This rank's part of ``t``: the local shard of a ``DTensor``, ``t`` itself otherwise.
+
+    The project's one definition. Contract: the very tensor holding this rank's elements — no
+    copy and no autograd edge (unlike ``DTensor.to_local()``, which under grad mode returns a
+    differentiable view) — so callers may write into it in place (ZeRO buckets, checkpoint
+    loads, offload) or compare its storage (activation accounting: a view of it would share
+    the same storage, so either answers that question alike)."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 

@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_3d.parallel.tensor import local_tensor as _local
+from lightning_3d.plan import ZeroOptions
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -57,6 +58,19 @@ class _Bucket:
     received: Optional[Tensor] = None  # gloo: every rank's part of this rank's slice, to be summed
 
 
+@dataclass(frozen=True)
+class OwnedSlice:
+    """A bucket's slice on this rank, in the model's terms (checkpoints save state per parameter):
+    for ``params[i]``, ``ranges[i] = (start, stop, base)``: its local elements ``[start, stop)``
+    (memory order; none if ``start >= stop``) sit at ``[k - base]`` of the slice's state."""
+
+    param: nn.Parameter  # the optimizer's parameter: a DTensor view of this rank's slice
+    params: list[nn.Parameter]  # the bucket's model parameters
+    ranges: list[tuple[int, int, int]]
+    numel: int  # elements in the slice (padded bucket size / data-parallel size)
+    device: torch.device
+
+
 SCATTER_MODES = ("auto", "reduce_scatter", "all_to_all")
 
 
@@ -75,8 +89,12 @@ class ZeroDataParallel:
             engine.after_step()
     """
 
-    def __init__(self, mesh: DeviceMesh, stage: int, bucket_numel: int = 2**23, scatter: str = "auto") -> None:
+    def __init__(self, mesh: DeviceMesh, stage: int, bucket_numel: Optional[int] = None, scatter: str = "auto") -> None:
         """``mesh`` is the data axis, or the (data, tensor) mesh when parameters are tensor-parallel.
+
+        ``bucket_numel``: elements per gradient bucket; default: the plan's default
+        ``bucket_size_mb`` of fp32 elements (the strategy passes its own size for the
+        optimizer's element size).
 
         ``scatter`` is how stages 1–2 reduce-scatter gradients: ``"reduce_scatter"`` (the
         collective, what NCCL runs), ``"all_to_all"`` (an all-to-all of the N slices and a local
@@ -87,6 +105,8 @@ class ZeroDataParallel:
             raise ValueError(f"scatter must be one of {list(SCATTER_MODES)}, got {scatter!r}")
         if stage not in (0, 1, 2):
             raise ValueError(f"ZeroDataParallel handles zero_stage 0, 1 and 2, got {stage}")
+        if bucket_numel is None:
+            bucket_numel = ZeroOptions().bucket_bytes // 4
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
         if mesh.ndim not in (1, 2):
@@ -323,6 +343,16 @@ class ZeroDataParallel:
                 p.grad = None
 
     # ---------------------------------------------------------------- checkpoints
+    def owned_slices(self) -> list[OwnedSlice]:
+        """Each bucket's slice on this rank (stages 1–2) and which elements of each parameter it holds."""
+        slices = []
+        for b in self.buckets:
+            lo, hi = self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel
+            ends = [(offset, offset + _local(p).numel()) for p, offset in zip(b.params, b.offsets)]
+            ranges = [(max(s, lo) - s, max(max(s, lo), min(e, hi)) - s, lo - s) for s, e in ends]
+            slices.append(OwnedSlice(b.slice, list(b.params), ranges, b.shard_numel, b.flat.device))
+        return slices
+
     def gather_param_states(self, optimizer: torch.optim.Optimizer) -> dict[int, dict]:
         """Per-parameter optimizer state (stages 1–2): ``{id(param): {key: value}}``, each tensor
         shaped like the parameter (a DTensor when the parameter is one). A collective over dp."""

@@ -91,7 +91,7 @@ def update_mismatches(
 
 
 def rank_state_mismatches(runs: list[dict], reference: dict, rtol: float = 1e-5, atol: float = 1e-5) -> list[str]:
-    """:func:`weight_mismatches` of every rank's own parameters (``fit_gpt(..., rank_state=True)``)
+    """:func:`weight_mismatches` of every rank's own parameters (``fit_gpt_ranks`` or ``Run(rank_state=True)``)
     against the reference's, each rank under its own label: a rank whose copy is stale or wrong
     shows, not only rank 0's gathered weights."""
     problems = []

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 
 from lightning_3d.parallel.pipeline import make_schedule
 from lightning_3d.parallel.stages import stage_ids
@@ -25,20 +26,17 @@ WIDTH, ROWS = 4, 2  # per micro-batch: ROWS x WIDTH activations
 
 def trace_rank(schedule: str, pp_size: int, virtual: int, micro_batches: int, rank: int) -> list[tuple[str, int, int]]:
     """The sequence of computations ``rank`` runs in one training step of ``schedule``."""
-    from torch.distributed.pipelining import PipelineStage
-
     actions: list[tuple[str, int, int]] = []
     num_stages = pp_size * virtual
     example = torch.zeros(ROWS, WIDTH)
     with fake_world(rank, pp_size):
         stages = []
         for index in stage_ids(rank, pp_size, virtual):
-            stage = PipelineStage(nn.Linear(WIDTH, WIDTH), index, num_stages, torch.device("cpu"),
-                                  input_args=(example,), output_args=(example,), input_grads=(example,),
-                                  output_grads=(example,), group=dist.group.WORLD)
-            _static_shapes(stage)
-            _record(stage, actions)
-            stages.append(stage)
+            stages.append(_RecordingStage(
+                nn.Linear(WIDTH, WIDTH), index, num_stages, torch.device("cpu"), input_args=(example,),
+                output_args=(example,), input_grads=(example,), output_grads=(example,), group=dist.group.WORLD,
+                actions=actions,
+            ))
         runner = make_schedule(schedule, stages, micro_batches, lambda out, target: out.sum())
         batch = torch.randn(ROWS * micro_batches, WIDTH)
         holds_first = any(s.is_first for s in stages)
@@ -47,27 +45,32 @@ def trace_rank(schedule: str, pp_size: int, virtual: int, micro_batches: int, ra
     return actions
 
 
-def _static_shapes(stage: Any) -> None:
+class _RecordingStage(PipelineStage):
+    """A stage that records each chunk it runs, and answers the static-shape vote itself."""
+
+    def __init__(self, *args: Any, actions: list, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._actions = actions
+
+    def forward_one_chunk(self, chunk: int, *args: Any, **kwargs: Any) -> Any:
+        self._actions.append(("F", self.stage_index, chunk))
+        return super().forward_one_chunk(chunk, *args, **kwargs)
+
+    def backward_one_chunk(self, chunk: int, *args: Any, **kwargs: Any) -> Any:
+        self._actions.append(("B", self.stage_index, chunk))
+        return super().backward_one_chunk(chunk, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, chunk: int, *args: Any, **kwargs: Any) -> Any:
+        self._actions.append(("W", self.stage_index, chunk))
+        return super().backward_weight_one_chunk(chunk, *args, **kwargs)
+
     # Stages agree on static shapes (given above) by a vote over send/recv; in a fake world
     # nothing arrives, so answer the vote here. (Private torch API: kept to this one helper.)
-    def agree(*_: Any, **__: Any) -> torch.Tensor:
+    def _warmup_forward_vote(self, *_: Any, **__: Any) -> torch.Tensor:
         return torch.ones(1, dtype=torch.int32)
 
-    stage._warmup_forward_vote = agree
-    stage._warmup_backward_result = agree
-
-
-def _record(stage: Any, actions: list) -> None:
-    for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
-        if not hasattr(stage, name):
-            continue
-        original = getattr(stage, name)
-
-        def recorded(chunk: int, *args: Any, _original=original, _kind=kind, **kwargs: Any) -> Any:
-            actions.append((_kind, stage.stage_index, chunk))
-            return _original(chunk, *args, **kwargs)
-
-        setattr(stage, name, recorded)
+    def _warmup_backward_result(self, *_: Any, **__: Any) -> torch.Tensor:
+        return torch.ones(1, dtype=torch.int32)
 
 
 def simulate(orders: dict[int, list[tuple[str, int, int]]], backward_cost: int = 2) -> dict[str, Any]:

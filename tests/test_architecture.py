@@ -1,0 +1,213 @@
+"""The architecture's rules, checked on the source: the package's imports form no cycle, nothing
+outside ``strategy.py`` reads a private member of the strategy, the option table is the one
+source of names and defaults, and a fit reassigns nothing in torch or Lightning."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+import lightning_3d
+from lightning_3d.plan import DEPRECATED, OPTIONS, Plan, hydra_schema, options_table
+from lightning_3d.strategy import ThreeDStrategy
+
+PACKAGE = Path(lightning_3d.__file__).parent
+REPO = PACKAGE.parent
+
+
+def _module_name(path: Path) -> str:
+    name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every import inside the package, at any depth of the file (function-level ones too)."""
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("lightning_3d"):
+                for alias in node.names:
+                    full = f"{node.module}.{alias.name}"
+                    deps.add(full if full in modules else node.module)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("lightning_3d"))
+        graph[name] = {d for d in deps if d in modules and d != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_package_import_graph_has_no_cycle():
+    graph = import_graph()
+    assert "lightning_3d.recipe" in graph and graph["lightning_3d.strategy"]  # the walk saw the package
+    assert cycles(graph) == []
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _private_strategy_reads(source: str) -> list[str]:
+    """``<...strategy>._name`` in ``source``: a private member read through a strategy."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = ast.unparse(node.value)
+            if re.search(r"strategy$", owner):
+                found.append(f"{owner}.{node.attr}")
+    return found
+
+
+def test_no_module_outside_the_strategy_reads_its_private_members():
+    offenders = {}
+    for path in [*PACKAGE.rglob("*.py"), *(REPO / "tests").glob("*.py"), *(REPO / "examples").glob("*.py")]:
+        if path == PACKAGE / "strategy.py":
+            continue
+        reads = _private_strategy_reads(path.read_text())
+        if reads:
+            offenders[str(path.relative_to(REPO))] = reads
+    assert offenders == {}
+    assert _private_strategy_reads("trainer.strategy._pipeline.x") == ["trainer.strategy._pipeline"]
+
+
+def test_the_strategys_mixins_use_only_their_own_private_members():
+    # A base class of ThreeDStrategy defined in another module must not reach into the
+    # strategy's own private state (self._x defined in strategy.py).
+    own = {n.attr for n in ast.walk(ast.parse((PACKAGE / "strategy.py").read_text()))
+           if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+           and n.attr.startswith("_") and not n.attr.startswith("__")}
+    for base in ThreeDStrategy.__mro__[1:]:
+        if not base.__module__.startswith("lightning_3d"):
+            continue
+        tree = ast.parse(inspect.getsource(base))
+        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                and n.value.id == "self" and n.attr.startswith("_") and not n.attr.startswith("__")}
+        assert used & own == set(), f"{base.__qualname__} reads the strategy's {sorted(used & own)}"
+
+
+def test_options_have_one_source_for_names_and_defaults():
+    names = [option.name for option in OPTIONS]
+    assert len(names) == len(set(names))
+    defaults = Plan().options()
+    assert {option.name: option.default for option in OPTIONS} == defaults
+    parallelism, offload = hydra_schema("parallelism")(), hydra_schema("offload")()
+    for option in OPTIONS:
+        schema = offload if option.hydra_group == "offload" else parallelism
+        assert getattr(schema, option.key) == option.default, option.name
+    # the strategy takes exactly these names (and the deprecated ones)
+    assert ThreeDStrategy(**{o.name: o.default for o in OPTIONS if o.name != "offload_path"}).plan == \
+        Plan.from_options()
+    with pytest.raises(ValueError, match="unknown ThreeDStrategy option"):
+        ThreeDStrategy(no_such_option=1)
+
+
+def test_the_readme_carries_the_option_table():
+    assert options_table() in (REPO / "README.md").read_text()
+
+
+def test_deprecated_names_still_work_with_a_warning():
+    for old, new in DEPRECATED.items():
+        value = "full" if new == "ac_policy" else 3
+        with pytest.warns(DeprecationWarning, match=f"'{old}' is now '{new}'"):
+            plan = Plan.from_options(**{old: value})
+        assert plan.options()[new] == value
+    with pytest.raises(ValueError, match="not both"):
+        Plan.from_options(ac_policy="full", activation_checkpointing="full")
+
+
+def test_a_plan_rederives_its_defaults_when_updated():
+    plan = Plan.from_options(pipeline=2)
+    assert plan.pp.micro_batches == 2
+    assert plan.updated(pipeline=4).pp.micro_batches == 4
+    assert plan.updated(schedule="interleaved_1f1b").pp.virtual_stages == 2
+    assert Plan.from_options(**plan.options()) == plan
+
+
+def _functions_of_torch_and_lightning() -> dict[str, object]:
+    """Every attribute of the torch and Lightning namespaces and classes a strategy could patch."""
+    import lightning.pytorch as pl
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from lightning.pytorch.plugins import precision
+    from lightning.pytorch.strategies import ParallelStrategy, Strategy
+    from torch.distributed.pipelining import PipelineStage, schedules
+    from torch.distributed.tensor import DTensor
+
+    owners = {"F": F, "torch": torch, "dist": dist, "Tensor": torch.Tensor, "Module": torch.nn.Module,
+              "GradScaler": torch.amp.GradScaler, "PipelineStage": PipelineStage, "DTensor": DTensor,
+              "LightningModule": pl.LightningModule, "Trainer": pl.Trainer, "Strategy": Strategy,
+              "ParallelStrategy": ParallelStrategy}
+    owners.update({f"schedules.{n}": c for n, c in vars(schedules).items() if isinstance(c, type)})
+    owners.update({f"precision.{n}": c for n, c in vars(precision).items() if isinstance(c, type)})
+    # __slotnames__ is copyreg's cache, filled in by the first pickling of an instance.
+    return {f"{owner}.{name}": value for owner, obj in owners.items() for name, value in list(vars(obj).items())
+            if name != "__slotnames__"}
+
+
+def _fit_and_compare(rank: int, runs: list) -> dict:
+    import torch.nn.functional as F
+
+    from lightning_3d.models.lit_gpt import LitGPT
+    from lightning_3d.testing.runs import fit_gpt
+
+    cross_entropy = F.cross_entropy
+    before = _functions_of_torch_and_lightning()
+    model_class = dict(vars(LitGPT))
+    losses = [fit_gpt(rank, run)["losses"] for run in runs]
+    after = _functions_of_torch_and_lightning()
+    return {
+        "changed": sorted(k for k in before.keys() | after.keys() if before.get(k) is not after.get(k)),
+        "model_class_changed": sorted(k for k in model_class if vars(LitGPT).get(k) is not model_class[k]),
+        "cross_entropy_is_original": F.cross_entropy is cross_entropy,
+        "losses": losses,
+    }
+
+
+def test_a_tensor_parallel_and_a_pipeline_fit_reassign_nothing_in_torch_or_lightning():
+    from lightning_3d.testing.runs import Run
+    from lightning_3d.testing.world import run_world
+
+    runs = [Run(strategy={"tensor": 2}, devices=2, steps=2, validate=True),
+            Run(strategy={"pipeline": 2}, devices=2, steps=2,
+                validate=True, trainer={"precision": "bf16-mixed", "gradient_clip_val": 1.0})]
+    for rank in run_world(_fit_and_compare, 2, runs):
+        assert rank["cross_entropy_is_original"]
+        assert rank["changed"] == [] and rank["model_class_changed"] == []
+        assert all(len(losses) == 2 for losses in rank["losses"])
