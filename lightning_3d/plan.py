@@ -185,7 +185,8 @@ class Plan:
 
     def updated(self, **options: Any) -> Plan:
         """A checked copy with some flat options changed."""
-        options = {**self.given, **_renamed(options)}
+        # A plan built here keeps the options it came from; one built by hand holds them as fields.
+        options = {**(self.given or self.options()), **_renamed(options)}
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
             raise ValueError(f"unknown ThreeDStrategy option(s) {unknown}; valid options are {list(OPTION_NAMES)}")

@@ -66,7 +66,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     def __init__(self, plan: Optional[Plan] = None, *, accelerator: Optional[Any] = None,
                  parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Optional[Any] = None,
                  checkpoint_io: Optional[Any] = None, precision_plugin: Optional[Any] = None, **options: Any) -> None:
-        self.plan = (plan or Plan()).updated(**options) if options or plan is None else plan
+        self.plan = (plan or Plan()).updated(**options)  # checked, even when built by hand
         super().__init__(
             accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
             # Atomic files: a save killed half-way leaves the previous checkpoint, not a torn one.
@@ -224,8 +224,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
 
     def _before_schedule(self) -> None:
         self.pre_backward(None)
-        # Only the last stage computes (and scales) a loss; a grad scaler on the other stages
-        # sets up its scale here, so their unscale_ (of gradients scaled downstream) works.
+        # Only the last stage scales a loss: the other stages' grad scaler sets up its scale here.
         scale_loss(self.precision_plugin, torch.zeros((), device=self.root_device))
 
     @override
@@ -243,15 +242,12 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     def _evaluation_step(self, step: Callable, args: tuple, kwargs: dict, plain: bool = True) -> Any:
         # Under a pipeline, a forward-only schedule runs the batch first and the module's own
         # step then runs on every rank with self(inputs) answering the last stage's outputs.
-        with self._step_context(), self._answering_forward(args, kwargs):
+        answering = nullcontext() if self.pipeline is None else self.pipeline.answering_forward(
+            self.lightning_module, kwargs.get("batch", args[0] if args else None), self.precision_plugin.forward_context()
+        )
+        with self._step_context(), answering:
             output = step(*args, **kwargs)
             return plain_loss(output) if plain else output
-
-    def _answering_forward(self, args: tuple, kwargs: dict) -> Any:
-        if self.pipeline is None:
-            return nullcontext()
-        batch = kwargs.get("batch", args[0] if args else None)
-        return self.pipeline.answering_forward(self.lightning_module, batch, self.precision_plugin.forward_context())
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
@@ -290,10 +286,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        # Lightning's teardown, except that an offloaded optimizer's state stays where it is:
-        # it is off the device already, and reading it would stream the whole NVMe file (its
-        # files stay until the optimizer is dropped, so a checkpoint after fit still has them).
-        # The engines are detached from backward but kept: trainer.save_checkpoint() needs them.
+        # Lightning's teardown, but an offloaded optimizer's state stays put (reading it would
+        # stream the NVMe file); engines detach but stay for trainer.save_checkpoint() after fit.
         for engine in self.parallelized.engines if self.parallelized is not None else ():
             engine.detach()
         self.cluster_environment.teardown()

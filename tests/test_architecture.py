@@ -211,3 +211,15 @@ def test_a_tensor_parallel_and_a_pipeline_fit_reassign_nothing_in_torch_or_light
         assert rank["cross_entropy_is_original"]
         assert rank["changed"] == [] and rank["model_class_changed"] == []
         assert all(len(losses) == 2 for losses in rank["losses"])
+
+
+def test_a_hand_built_plan_is_checked_by_the_strategy_and_keeps_its_values():
+    from lightning_3d.layout import Layout
+    from lightning_3d.plan import PipelineOptions
+
+    plan = Plan(layout=Layout(pipeline=2), pp=PipelineOptions(schedule="gpipe"))
+    strategy = ThreeDStrategy(plan, zero_stage=1)
+    assert strategy.plan.pp.schedule == "gpipe" and strategy.plan.pp.micro_batches == 2
+    assert strategy.plan.layout.zero_stage == 1 and strategy.plan.layout.pipeline == 2
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zigzag'"):
+        ThreeDStrategy(Plan(pp=PipelineOptions(schedule="zigzag")))
