@@ -52,12 +52,29 @@ def global_grad_norm(parameters: Iterable[Tensor], sum_over: Optional[dist.Proce
         entry[2] += local.detach().float().pow(2).sum()
     total = torch.zeros((), device=device or "cpu")
     for mesh, dims, squares in groups.values():
-        for dim in dims:
-            dist.all_reduce(squares, group=mesh.get_group(dim))
-        total += squares
+        if dims:
+            # Gradients may live in CPU memory (ZeRO-3 with offload_params) while the mesh's
+            # groups are NCCL's: reduce on the mesh's own device, then come back.
+            squares = squares.to(collective_device(mesh.device_type))
+            for dim in dims:
+                dist.all_reduce(squares, group=mesh.get_group(dim))
+        total += squares.to(total.device)
     if sum_over is not None:
-        dist.all_reduce(total, group=sum_over)
+        reduced = total.to(collective_device(None, sum_over))
+        dist.all_reduce(reduced, group=sum_over)
+        total = reduced.to(total.device)
     return total.sqrt()
+
+
+def collective_device(device_type: Optional[str], group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """A device whose tensors the group's backend can reduce: the mesh's device type, or for a
+    plain group, the current accelerator when its backend is NCCL and the CPU otherwise."""
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    if device_type == "cpu":
+        return torch.device("cpu")
+    module = getattr(torch, device_type)
+    return torch.device(device_type, module.current_device())
 
 
 @torch.no_grad()
