@@ -11,26 +11,21 @@ summary.json (as examples/train.py, plus the pretrained file) and final.ckpt to 
 directory, outputs/finetune/<date>/<time>. A Hugging Face model directory (``model=hf
 model.path=DIR``) brings its own weights and tokenizer (``data=text``: local .txt / .jsonl files).
 A missing or mismatched pretrained file, model directory, tokenizer or text ends the app with one
-``error:`` line and exit code 2, before any work.
+``error:`` line and exit code 2, before any work (so does a bad command line, see
+:mod:`lightning_3d.cli`).
 """
 
-import sys
-
-import hydra
 from omegaconf import DictConfig
 
+from lightning_3d.cli import hydra_app
 from lightning_3d.config import register_configs
 from lightning_3d.finetune import main as finetune_main
 
-register_configs()
 
-
-@hydra.main(version_base=None, config_path="../conf", config_name="finetune")
-def main(cfg: DictConfig) -> None:
-    code = finetune_main(cfg, script=__file__)
-    if code:
-        sys.exit(code)
+def main(cfg: DictConfig) -> int:
+    return finetune_main(cfg, script=__file__)
 
 
 if __name__ == "__main__":
-    main()
+    register_configs()
+    hydra_app(main, config_path="../conf", config_name="finetune")

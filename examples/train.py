@@ -2,29 +2,25 @@
 
     python examples/train.py                                   # reference GPT, 2 CPU ranks
     python examples/train.py parallelism=zero3 trainer.devices=4
-    python examples/train.py -m parallelism.zero_stage=0,1,2,3  # a sweep
+    python examples/train.py -m parallelism.zero_stage=0,1,2,3  # a sweep: every job runs
     python examples/train.py model=hf model.path=DIR data=text data.path=corpus/  # a Hugging Face model
 
-Writes summary.json (layout, per-step losses, tokens/s, per-rank memory) to the run directory.
+Writes summary.json (layout, per-step losses, tokens/s, per-rank memory) to the run directory,
+a new one per run. A bad value ends the app with one ``error:`` line and exit code 2; a sweep
+with failed jobs lists them at the end and exits 1 (see :mod:`lightning_3d.cli`).
 """
 
-import sys
-
-import hydra
 from omegaconf import DictConfig
 
 from lightning_3d.app import run
+from lightning_3d.cli import hydra_app
 from lightning_3d.config import register_configs
 
-register_configs()
 
-
-@hydra.main(version_base=None, config_path="../conf", config_name="train")
-def main(cfg: DictConfig) -> None:
-    code = run(cfg, script=__file__)
-    if code:
-        sys.exit(code)
+def main(cfg: DictConfig) -> int:
+    return run(cfg, script=__file__)
 
 
 if __name__ == "__main__":
-    main()
+    register_configs()
+    hydra_app(main, config_path="../conf", config_name="train")

@@ -28,36 +28,51 @@ from lightning_3d.config import (
     world_size_of,
 )
 from lightning_3d.launch import already_launched, launch_job
-from lightning_3d.plan import Plan
+from lightning_3d.nonfinite import NonFiniteError
+from lightning_3d.preemption import Preempted
 from lightning_3d.recipe import check
 
 
 def validate(cfg: DictConfig) -> None:
-    """Raise ``ValueError`` for any inconsistent value in ``cfg`` (no side effects)."""
+    """Raise ``ValueError`` for any inconsistent value in ``cfg`` (no side effects): the layout,
+    the model's and the data's keys and values (the model built on ``meta``, the data module
+    built), the plan against the model's shapes, and the Trainer's arguments."""
     world = world_size_of(cfg.trainer)
+    max_steps = cfg.trainer.get("max_steps", -1)
+    if max_steps == 0 or (isinstance(max_steps, int) and max_steps < -1):
+        raise ValueError(f"trainer.max_steps={max_steps} trains no step (the run would save untrained weights as "
+                         "final.ckpt); give a positive number of steps, or -1 to let trainer.max_epochs decide")
     plan = plan_of(cfg.parallelism, cfg.get("offload")).resolved(world)
     layout = plan.layout
     batch_size = cfg.data.get("batch_size") if "data" in cfg else None
-    if batch_size is not None and batch_size % layout.data:
+    if isinstance(batch_size, int) and batch_size > 0 and batch_size % layout.data:
         raise ValueError(
             f"global data.batch_size ({batch_size}) is not divisible by data-parallel size ({layout.data})"
         )
-    if layout.pipeline > 1 and batch_size is not None and (batch_size // layout.data) % plan.pp.micro_batches:
+    if (layout.pipeline > 1 and isinstance(batch_size, int) and batch_size > 0
+            and (batch_size // layout.data) % plan.pp.micro_batches):
         raise ValueError(
             f"per-rank batch {batch_size // layout.data} (data.batch_size {batch_size} / data {layout.data}) "
             f"is not divisible by micro_batches={plan.pp.micro_batches}"
         )
-    if layout.tensor > 1 or layout.pipeline > 1:
-        _check_on_meta(cfg, plan, world)
+    if "model" in cfg:
+        check_target_keys(cfg.model, "model")
+        model_limits(cfg.model)  # a Hugging Face model's directory or config, said as such
+        model = model_on_meta(cfg.model)
+        if model is not None and (layout.tensor > 1 or layout.pipeline > 1):
+            check(model, plan, world)
+        if model is not None and plan.offload.device == "nvme":
+            _check_offload_room(model, plan)
     if "model" in cfg and "data" in cfg:
         check_model_and_data(cfg.model, cfg.data)
+    check_trainer(cfg.trainer, cfg.parallelism, cfg.get("offload"))
 
 
 def check_model_and_data(model: DictConfig, data: DictConfig) -> None:
     """The model's and the data's keys against their targets' parameters, each one's own checks
     (a Hugging Face model directory or config; the data files and tokenizer, when the data module
-    has a ``check`` classmethod), and the two against each other: the data's ids must fit the
-    model's vocabulary and its ``block_size`` the model's positions."""
+    has a ``check`` classmethod; the data module's constructor), and the two against each other:
+    the data's ids must fit the model's vocabulary and its ``block_size`` the model's positions."""
     check_target_keys(model, "model")
     check_target_keys(data, "data")
     limits = model_limits(model)
@@ -67,6 +82,7 @@ def check_model_and_data(model: DictConfig, data: DictConfig) -> None:
             f"data.block_size={block_size} is above the model's maximum positions {limits.max_positions} "
             f"({limits.source}); set data.block_size={limits.max_positions} or less"
         )
+    _build(data, "data")  # its constructor's own checks (batch_size, val_fraction, ...); reads no data
     data_check = getattr(target_of(data, "data"), "check", None)
     if data_check is None:
         return
@@ -79,19 +95,73 @@ def check_model_and_data(model: DictConfig, data: DictConfig) -> None:
         )
 
 
-def _check_on_meta(cfg: DictConfig, plan: Plan, world: int) -> None:
-    """The plan against the model's shapes, with the model built on ``meta`` (no memory):
-    :func:`lightning_3d.recipe.check` (tensor-parallel plan, tied weights split alike, the
-    pipeline split)."""
+def model_on_meta(model: DictConfig) -> Any:
+    """The configured model built on ``meta`` (no memory, no weights read), so its constructor's
+    checks run here; ``None`` for a module that cannot be built on meta for other reasons (the
+    ranks build it for real). ``ValueError`` for a bad value."""
     import torch
+
+    with torch.device("meta"):
+        return _build(without_weights(model), "model")
+
+
+def _build(node: DictConfig, where: str) -> Any:
+    """``instantiate(node)``; a ``ValueError``, ``TypeError`` or ``ImportError`` from the
+    constructor is a config error (``ValueError`` naming ``where``), anything else -> ``None``."""
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     try:
-        with torch.device("meta"):
-            model = instantiate(without_weights(cfg.model))
-    except Exception:  # a module that cannot be built on meta is checked by the ranks instead
-        return
-    check(model, plan, world)
+        return instantiate(node)
+    except Exception as err:  # noqa: BLE001 -- Hydra wraps the constructor's error
+        cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
+        if isinstance(cause, (ValueError, TypeError, ImportError)):
+            text = str(cause).strip().splitlines()
+            raise ValueError(f"{where} ({node.get('_target_')}): {type(cause).__name__}: "
+                             f"{text[0] if text else ''}") from None
+        return None
+
+
+def _check_offload_room(model: Any, plan: Any) -> None:
+    """The offload path has room for at least this rank's share of Adam's two fp32 moments
+    (a lower bound: the rank checks the exact size before writing)."""
+    from lightning_3d.offload.paths import check_offload_path
+
+    layout = plan.layout
+    shards = (layout.data if layout.zero_stage >= 1 else 1) * layout.tensor * layout.pipeline
+    check_offload_path(plan.offload.path, 8 * sum(p.numel() for p in model.parameters()) // shards)
+
+
+def check_trainer(trainer: DictConfig, parallelism: Any, offload: Any = None) -> None:
+    """The Trainer's arguments: Lightning's own checks (precision, max_steps, val_check_interval,
+    an unknown argument, ...) by building the Trainer here, with the strategy, without starting
+    anything, plus those Lightning leaves to the first step (``accumulate_grad_batches >= 1``,
+    ``gradient_clip_val >= 0``)."""
+    import logging
+
+    import lightning as L
+
+    kwargs = OmegaConf.to_container(trainer, resolve=True)
+    accumulate = kwargs.get("accumulate_grad_batches", 1)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"trainer.accumulate_grad_batches={accumulate!r} must be an integer >= 1")
+    clip = kwargs.get("gradient_clip_val")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+        raise ValueError(f"trainer.gradient_clip_val={clip!r} must be a number >= 0 (or null: no clipping)")
+    for key, least in (("log_every_n_steps", 0), ("num_sanity_val_steps", -1)):
+        value = kwargs.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"trainer.{key}={value!r} must be an integer >= {least}")
+    quiet = logging.getLogger("lightning.pytorch")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # "GPU available: ..." belongs to the ranks' output
+    try:
+        L.Trainer(**{**kwargs, "logger": False}, strategy=build_strategy(parallelism, offload))
+    except Exception as err:  # noqa: BLE001 -- ValueError, MisconfigurationException, TypeError, a missing accelerator
+        text = str(err).strip().splitlines()
+        raise ValueError(f"trainer: {text[0] if text else type(err).__name__}") from None
+    finally:
+        quiet.setLevel(level)
 
 
 def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
@@ -112,7 +182,10 @@ def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
         callbacks=[summary, RNGStateCheckpoint()],  # a resume from its checkpoints continues exactly
         default_root_dir=output_dir,
     )
-    trainer.fit(model, datamodule)
+    try:
+        trainer.fit(model, datamodule)
+    except (NonFiniteError, Preempted) as err:
+        _stop(trainer.global_rank, err)
     # The trained model, consolidated (any layout, plain Lightning or examples/finetune.py
     # loads it; `python -m lightning_3d.checkpoint consolidate` turns it into safetensors).
     trainer.save_checkpoint(Path(output_dir) / "final.ckpt")
@@ -158,6 +231,29 @@ def _discard_run_dir(path: Path, job_name: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _stop(rank: int, err: Exception) -> None:
+    """Rank 0 prints one ``error:`` line (every rank stopped at the same step: the check is
+    agreed), then this process ends with exit code 1 where it is the app's own run (a rank, or
+    the one process); in a ``-m`` sweep job or outside Hydra the error propagates, so the sweep
+    records the job and runs the next. No ``final.ckpt``: the weights are the last good step's,
+    which the last checkpoint written holds already. The other ranks wait for rank 0's line
+    before they exit, as the launcher ends the remaining ranks at the first exit code."""
+    import torch.distributed as dist
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if rank == 0:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        except RuntimeError:  # a peer gone already: nothing left to wait for
+            pass
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.RUN:
+        raise SystemExit(1) from None
+    raise err
+
+
 def _report(path: Path, summary: dict[str, Any] | None = None) -> None:
     if summary is None:
         if not path.exists():
@@ -165,6 +261,6 @@ def _report(path: Path, summary: dict[str, Any] | None = None) -> None:
         summary = json.loads(path.read_text())
     losses = summary.get("losses") or [float("nan")]
     print(
-        f"done: {summary['steps']} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-        f"{summary['tokens_per_s']:.0f} tokens/s; summary: {path}"
+        f"done: {summary.get('steps', 0)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+        f"{summary.get('tokens_per_s', 0.0):.0f} tokens/s; summary: {path}"
     )

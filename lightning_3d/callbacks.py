@@ -191,6 +191,9 @@ class RunSummary(Callback):
         logits = self._observed.get("logits")
         if logits:
             figures["logits_bytes"], figures["logits_dense_bytes"] = logits[-1]["local_bytes"], logits[-1]["dense_bytes"]
+        compiled = self._observed.get("compiled")
+        if compiled:
+            figures["compiled_blocks"] = compiled[-1]["blocks"]
         steps = self._observed.get("pipeline_step")
         if steps:
             bubbles = [s["bubble_fraction"] for s in steps]

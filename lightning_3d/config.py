@@ -28,9 +28,34 @@ OffloadConfig = hydra_schema("offload")
 
 def register_configs(store: Optional[ConfigStore] = None) -> None:
     """Register the schemas that ``conf/parallelism/*.yaml`` and ``conf/offload/*.yaml`` extend."""
+    from omegaconf import OmegaConf
+
     store = store or ConfigStore.instance()
+    # conf/*.yaml: hydra.run.dir / hydra.sweep.dir: ${unique_dir:outputs/${now:...}}
+    OmegaConf.register_new_resolver("unique_dir", unique_dir, use_cache=True, replace=True)
     store.store(group="parallelism", name="schema", node=ParallelismConfig)
     store.store(group="offload", name="schema", node=OffloadConfig)
+
+
+def unique_dir(path: str) -> str:
+    """``path``, or else ``path-1``, ``path-2``, ...: the first of them that did not exist, made
+    here. ``os.mkdir`` fails on an existing directory, so two runs started in the same second
+    (the same ``${now:...}`` path) never share a run directory, and neither overwrites the other's
+    outputs. Hydra resolves it once per invocation (cached; a sweep's jobs share the cache)."""
+    import os
+    from itertools import count
+    from pathlib import Path
+
+    base = Path(str(path))
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in count():
+        candidate = base if n == 0 else base.with_name(f"{base.name}-{n}")
+        try:
+            os.mkdir(candidate)
+        except FileExistsError:
+            continue
+        return str(candidate)
+    raise AssertionError("unreachable")
 
 
 def plan_of(parallelism: Any, offload: Any = None) -> Plan:
@@ -58,10 +83,18 @@ def target_of(node: Any, where: str) -> Any:
     target = node.get("_target_") if node is not None else None
     if not target:
         raise ValueError(f"{where} has no _target_ (the class to build)")
+    import logging
+
+    hydra_log = logging.getLogger("hydra.utils")
+    level = hydra_log.level
+    hydra_log.setLevel(logging.CRITICAL)  # it logs the failure too; said once, below
     try:
         return get_object(target)
     except Exception as err:  # noqa: BLE001 -- Hydra wraps import errors in several types
-        raise ValueError(f"{where}._target_={target!r} cannot be imported: {err}".splitlines()[0]) from None
+        cause = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        raise ValueError(f"{where}._target_={target!r} cannot be imported: {cause}") from None
+    finally:
+        hydra_log.setLevel(level)
 
 
 def check_target_keys(node: Any, where: str) -> None:

@@ -1,9 +1,9 @@
 """The plan: every option of ``ThreeDStrategy``, its name, default and check, in one place.
 
 A :class:`Plan` is frozen data, one group per concern (layout, tensor parallelism, pipeline,
-ZeRO buckets, activation checkpointing, offload, saved-checkpoint format, process group). It is
-validated whole when it is built, in the launching process, so a bad value fails with a
-``ValueError`` naming it before any process, process group or file exists.
+ZeRO buckets, activation checkpointing, offload, saved-checkpoint format, process group,
+non-finite losses). It is validated whole when it is built, in the launching process, so a bad
+value fails with a ``ValueError`` naming it before any process, process group or file exists.
 
 :data:`OPTIONS` is the one table of option names: ``ThreeDStrategy(**options)``, the Hydra
 ``parallelism`` / ``offload`` schemas (:func:`hydra_schema`) and the README's option table
@@ -26,9 +26,11 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 from lightning_3d.layout import Layout
+from lightning_3d.nonfinite import NonFiniteOptions
 from lightning_3d.offload.options import offload_options
 from lightning_3d.offload.optimizer import DEFAULT_CHUNK_BYTES
 from lightning_3d.parallel.activation_checkpoint import DEFAULT_EVERY_N, ac_options
+from lightning_3d.parallel.compile import check_backend
 from lightning_3d.parallel.pipeline import pipeline_options
 
 CHECKPOINT_FORMATS = ("consolidated", "sharded")
@@ -81,9 +83,15 @@ class CheckpointOptions:
 
 
 @dataclass(frozen=True)
+class CompileOptions:
+    enabled: bool = False  # torch.compile each transformer block
+    backend: str = "inductor"
+
+
+@dataclass(frozen=True)
 class DistOptions:
     backend: Optional[str] = None  # None: nccl on GPUs, gloo on CPUs
-    timeout_s: float = 1800.0  # a collective that waits longer fails (a peer has stopped)
+    timeout_s: float = 600.0  # a collective that waits longer fails (a peer stopped or stalled)
 
     @property
     def timeout(self) -> timedelta:
@@ -117,7 +125,8 @@ _GROUP_DEFAULTS = {
     for group, cls in (
         ("layout", Layout), ("tp", TensorParallelOptions), ("pp", PipelineOptions), ("zero", ZeroOptions),
         ("ac", ActivationCheckpointOptions), ("offload", OffloadOptions), ("checkpoint", CheckpointOptions),
-        ("dist", DistOptions),
+        ("compile", CompileOptions), ("dist", DistOptions),
+        ("nonfinite", NonFiniteOptions),
     )
 }
 
@@ -153,9 +162,16 @@ OPTIONS: tuple[Option, ...] = (
            hydra_group="offload", hydra_key="params"),
     Option("checkpoint_format", "checkpoint", "format",
            "saved checkpoints: `consolidated` (one file, rank 0 writes) or `sharded` (a directory, every rank writes)"),
+    Option("compile", "compile", "enabled", "`torch.compile` each transformer block (after activation "
+           "checkpointing, before FSDP2)"),
+    Option("compile_backend", "compile", "backend", "the `torch.compile` backend (`inductor`, `aot_eager`, ...)"),
     Option("process_group_backend", "dist", "backend", "`gloo`, `nccl`, ...; default follows the device",
            hydra_type=Optional[str]),
     Option("timeout_s", "dist", "timeout_s", "seconds a collective may wait before it fails"),
+    Option("nonfinite", "nonfinite", "action", "a NaN/inf loss, gradient or gradient norm: `stop` the run before "
+           "the step applies it, or `skip` the step (gradients dropped on every rank)"),
+    Option("max_nonfinite_skips", "nonfinite", "max_skips",
+           "with `nonfinite=skip`: the run stops once more steps than this were skipped"),
 )
 OPTION_NAMES: tuple[str, ...] = tuple(option.name for option in OPTIONS)
 # Old name -> new name, accepted with a DeprecationWarning for one release.
@@ -173,7 +189,9 @@ class Plan:
     ac: ActivationCheckpointOptions = field(default_factory=ActivationCheckpointOptions)
     offload: OffloadOptions = field(default_factory=OffloadOptions)
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
+    compile: CompileOptions = field(default_factory=CompileOptions)
     dist: DistOptions = field(default_factory=DistOptions)
+    nonfinite: NonFiniteOptions = field(default_factory=NonFiniteOptions)
     # The flat options this plan was built from (defaults such as micro_batches=None still
     # unresolved), so that updated(pipeline=4) re-derives them.
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -236,12 +254,26 @@ def _checked(plan: Plan) -> Plan:
         problems.append(f"tp_plan={plan.tp.plan!r} must be a mapping {{module pattern: style}}")
     if not isinstance(plan.tp.sequence_parallel, bool):
         problems.append(f"sequence_parallel={plan.tp.sequence_parallel!r} must be True or False")
+    elif plan.tp.sequence_parallel and layout.tensor == 1:  # it shards activations over the tensor group
+        problems.append("sequence_parallel=True needs tensor > 1 (with tensor=1 it would be ignored)")
     if plan.checkpoint.format not in CHECKPOINT_FORMATS:
         problems.append(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {plan.checkpoint.format!r}")
     if not _positive(plan.zero.bucket_size_mb):
         problems.append(f"bucket_size_mb must be positive, got {plan.zero.bucket_size_mb!r}")
+    if not isinstance(plan.compile.enabled, bool):
+        problems.append(f"compile={plan.compile.enabled!r} must be True or False")
+    if not isinstance(plan.compile.backend, str) or not plan.compile.backend:
+        problems.append(f"compile_backend={plan.compile.backend!r} must name a torch.compile backend")
+    elif plan.compile.enabled is True:
+        check_backend(plan.compile.backend)
+        if layout.tensor > 1 and layout.zero_stage < 3:
+            # Dynamo (torch 2.13) fails to trace tensor-parallel DTensors whose local tensors are
+            # views of the ZeRO 0-2 flat buckets; FSDP2's shards trace fine.
+            problems.append(f"compile=True with tensor={layout.tensor} needs zero_stage=3, got "
+                            f"zero_stage={layout.zero_stage}")
     if not _positive(plan.dist.timeout_s):
         problems.append(f"timeout_s must be a positive number of seconds, got {plan.dist.timeout_s!r}")
+    problems += plan.nonfinite.problems()
     if problems:
         raise ValueError("; ".join(problems))
     tp = replace(plan.tp, plan=dict(plan.tp.plan)) if plan.tp.plan else replace(plan.tp, plan=None)

@@ -9,11 +9,14 @@ every rank:
   only (and cannot mix DTensors of different placements);
 * under 16-mixed, a step whose gradients overflowed on any rank is skipped on every rank (and
   the scale backs off everywhere), or the ranks' weights part ways: Lightning calls
-  ``scaler.unscale_``, which checks this rank's gradients only.
+  ``scaler.unscale_``, which checks this rank's gradients only;
+* a non-finite loss on any rank, or a non-finite global gradient norm, stops the run (or skips
+  the step) on every rank before the optimizer applies it (:mod:`lightning_3d.nonfinite`):
+  ``optimizer_step`` runs the closure (training step + backward) wrapped in the check.
 
 :func:`distributed_precision` returns the plugin Lightning chose as an instance of a subclass of
 its own type (so every ``isinstance`` check, e.g. ``XLAStrategy``'s, still holds) with the same
-state, overriding ``clip_grad_by_norm`` and, where it has a ``torch.amp.GradScaler``, holding a
+state, overriding ``optimizer_step`` and ``clip_grad_by_norm`` and, where it has a ``torch.amp.GradScaler``, holding a
 scaler of a subclass of the scaler's type that overrides ``unscale_``. Nothing in torch or
 Lightning is reassigned, and no method is set on an instance.
 
@@ -37,6 +40,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 
+from lightning_3d.nonfinite import NonFiniteGuard, NonFiniteOptions, SkipStep
 from lightning_3d.parallel.clip import clip_grad_norm_
 
 NormScope = Callable[[], "tuple[Optional[dist.ProcessGroup], Collection[int]]"]
@@ -82,14 +86,66 @@ class SharedOverflowChecks(_Adapted):
 class GlobalNormClipping(_Adapted):
     """Mixin for a Lightning ``Precision`` type: ``clip_grad_by_norm`` (what Lightning's
     ``gradient_clip_val`` with the norm algorithm calls) clips by the norm over every rank's
-    gradients, summed over the group the norm scope names at clip time."""
+    gradients, summed over the group the norm scope names at clip time; ``optimizer_step``
+    checks the loss and gradients, and ``clip_grad_by_norm`` the norm, for non-finite values
+    before the optimizer steps (:class:`~lightning_3d.nonfinite.NonFiniteGuard`, the instance's own)."""
 
     _prefix = "Distributed"
     _norm_scope: NormScope = staticmethod(_no_scope)  # an instance's own scope replaces this
 
+    @property
+    def nonfinite(self) -> NonFiniteGuard:
+        """This plugin's guard: its options and the steps skipped so far."""
+        return self.__dict__.setdefault("_nonfinite", NonFiniteGuard())
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        guard = self.nonfinite
+        guard.step = model.trainer.global_step
+        check = getattr(model, "automatic_optimization", False)  # manual steps run no training closure
+
+        def checked_closure() -> Any:
+            result = closure()
+            if check:  # gradient overflow under 16-mixed is the scaler's to find (and skip)
+                grads = [] if self._has_scaler() else [p.grad for p in self.main_params(optimizer)
+                                                              if p.grad is not None]  # type: ignore[attr-defined]
+                guard.check_step(result, grads, model.device)
+            return result
+
+        try:
+            return super().optimizer_step(optimizer, model, checked_closure, **kwargs)  # type: ignore[misc]
+        except SkipStep:
+            # Nothing was applied (the check runs before the step); drop the gradients. ZeRO
+            # engines zero their buckets in after_step, which the strategy calls next as always.
+            optimizer.zero_grad(set_to_none=True)
+            return None
+
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         sum_over, skip = self._norm_scope()
-        clip_grad_norm_(self.main_params(optimizer), clip_val, sum_over=sum_over, skip_in_norm=skip)  # type: ignore[attr-defined]
+        norm = clip_grad_norm_(self.main_params(optimizer), clip_val, sum_over=sum_over, skip_in_norm=skip)  # type: ignore[attr-defined]
+        if bool(torch.isfinite(norm)):
+            return
+        found_inf = self._found_inf(optimizer)
+        if any(bool(f) for f in found_inf):  # an overflow the grad scaler skips (and backs off for)
+            return
+        try:
+            self.nonfinite.check_norm(norm)
+        except SkipStep:
+            if not found_inf:
+                raise
+            for flag in found_inf:  # finite gradients, overflowing norm: the scaler skips the step
+                flag.fill_(1.0)  # (unscale_ ran already: the scaler's state must see its step)
+
+    def _has_scaler(self) -> bool:
+        """An enabled grad scaler (16-mixed) checks the gradients for inf/NaN itself."""
+        scaler = getattr(self, "scaler", None)
+        return isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
+
+    def _found_inf(self, optimizer: Optimizer) -> list[torch.Tensor]:
+        """The grad scaler's found-inf flags for ``optimizer`` after ``unscale_`` (shared over
+        the ranks by :class:`SharedOverflowChecks`); empty without an enabled scaler."""
+        if not self._has_scaler():
+            return []
+        return list(self.scaler._found_inf_per_device(optimizer).values())  # type: ignore[attr-defined]
 
 
 @functools.lru_cache(maxsize=None)
@@ -134,11 +190,13 @@ def shared_overflow_scaler(scaler: torch.amp.GradScaler) -> torch.amp.GradScaler
     return _restore(SharedOverflowChecks, type(scaler), dict(vars(scaler)))
 
 
-def distributed_precision(plugin: Precision, norm_scope: NormScope = _no_scope) -> Precision:
+def distributed_precision(plugin: Precision, norm_scope: NormScope = _no_scope,
+                          nonfinite: NonFiniteOptions = NonFiniteOptions()) -> Precision:
     """``plugin`` as an instance of a subclass of its type, with the same state, whose
     ``clip_grad_by_norm`` clips by the global norm (``norm_scope()`` is called at every clip for
-    ``(sum_over, skip_in_norm)``) and whose ``scaler``, if it has a ``torch.amp.GradScaler``, is
-    :func:`shared_overflow_scaler`'s.
+    ``(sum_over, skip_in_norm)``), whose ``optimizer_step`` stops or skips a step with a
+    non-finite loss or gradient norm as ``nonfinite`` says, and whose ``scaler``, if it has a
+    ``torch.amp.GradScaler``, is :func:`shared_overflow_scaler`'s.
 
     A plugin so adapted already is returned unchanged (with the scope it was adapted with). The
     original plugin is left as it was; the result replaces it (``strategy.precision_plugin``).
@@ -149,4 +207,5 @@ def distributed_precision(plugin: Precision, norm_scope: NormScope = _no_scope) 
     if isinstance(state.get("scaler"), torch.amp.GradScaler):
         state["scaler"] = shared_overflow_scaler(state["scaler"])
     state["_norm_scope"] = norm_scope
+    state["_nonfinite"] = NonFiniteGuard(nonfinite)
     return _restore(GlobalNormClipping, type(plugin), state)

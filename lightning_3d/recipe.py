@@ -9,7 +9,8 @@ parallel model out, in one place and in this order.
 3. **Tensor parallelism** on the ``tp`` axis: weights become tp-sharded DTensors; ties re-made.
 4. **Activation checkpointing** per block: after the split (placeholders are skipped) and after
    TP (its hooks run inside the recomputed region); before FSDP2, whose per-block gather and
-   reshard hooks then wrap the checkpointed forward.
+   reshard hooks then wrap the checkpointed forward. Then, optionally, ``torch.compile`` of each
+   block (it traces the TP layers and the checkpointed region; FSDP2's hooks stay outside).
 5. **ZeRO-3**: FSDP2 on the ``dp`` axis, with precision and offload policies.
 6. **Pipeline runtime**: the schedule over this rank's stages.
 7. At optimizer setup (:func:`attach_optimizers`): **ZeRO 0-2** flat-bucket engines, then
@@ -32,6 +33,7 @@ from torch import nn
 from lightning_3d.layout import MeshAxis
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_3d.parallel.compile import compile_blocks
 from lightning_3d.parallel.fsdp import apply_zero3, fsdp_policies
 from lightning_3d.parallel.pipeline_runtime import PipelineRuntime
 from lightning_3d.parallel.stages import plan_stages, split_stages, tied_holders
@@ -167,6 +169,11 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torc
             _publish_logits_sizes(module, resolved, telemetry)
     step("activation checkpointing")
     apply_activation_checkpointing(module, plan.ac.policy, plan.ac.every_n)
+    if plan.compile.enabled:
+        step("torch.compile")
+        compiled = compile_blocks(module, plan.compile.backend)
+        if telemetry is not None:
+            telemetry.publish("compiled", blocks=compiled, backend=plan.compile.backend)
     step("ZeRO-3 (FSDP2) sharding")
     if layout.zero_stage == 3:
         policies = fsdp_policies(precision, plan.offload.params, device.type)

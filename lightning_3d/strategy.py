@@ -35,6 +35,7 @@ from lightning_3d.offload import OffloadedAdam
 from lightning_3d.parallel.loss import plain_loss, vocab_parallel_loss
 from lightning_3d.plan import Plan
 from lightning_3d.precision import distributed_precision, scale_loss
+from lightning_3d.preemption import StopOnSignal
 from lightning_3d.recipe import Parallelized, attach_optimizers, parallelize
 from lightning_3d.telemetry import Telemetry
 
@@ -74,6 +75,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.telemetry = Telemetry()  # RunSummary subscribes (logits sizes, pipeline bubbles)
+        self.signals = StopOnSignal()  # a callback: on SIGTERM / SIGINT every rank saves and stops
         self.parallelized: Optional[Parallelized] = None  # what the recipe made of the module (setup)
         self.num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
@@ -178,18 +180,18 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
             )
         self._setting_up = "optimizer setup"
         if trainer.state.fn == TrainerFn.FITTING:
+            trainer.callbacks += [] if self.signals in trainer.callbacks else [self.signals]  # SIGTERM: save, stop
             self.setup_optimizers(trainer)
             self.optimizers = attach_optimizers(self.parallelized, self.optimizers, self.plan)
         self.setup_precision_plugin()
         # Clipping by the global norm over shards and stages, and a loss-scale overflow on any
         # rank skipping the step on every rank: a subclass of the plugin Lightning chose.
-        self.precision_plugin = distributed_precision(self.precision_plugin, self._norm_scope)
+        self.precision_plugin = distributed_precision(self.precision_plugin, self._norm_scope, self.plan.nonfinite)
         self._setting_up = None
         self.barrier()
 
     def _norm_scope(self) -> tuple[Any, set[int]]:
-        # Pipeline stages own disjoint parameters: their squared norms add up over pp; a tied
-        # weight's copy on a second stage is left out of the sum.
+        # Stages own disjoint parameters: their norms add up over pp, a tied copy's only once.
         return self.parallelized.pp_group, self.parallelized.norm_duplicates()
 
     @override
@@ -216,8 +218,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         with self._step_context():
             if self.pipeline is None:
                 return plain_loss(super().training_step(*args, **kwargs))
-            batch, batch_idx = args[0], (args[1] if len(args) > 1 else 0)
-            loss = self.pipeline.train_step(self.lightning_module, batch, batch_idx, self._before_schedule,
+            batch_idx = args[1] if len(args) > 1 else 0
+            loss = self.pipeline.train_step(self.lightning_module, args[0], batch_idx, self._before_schedule,
                                             self.precision_plugin.train_step_context())
             self.lightning_module.log("train_loss", loss, prog_bar=True)
             return loss

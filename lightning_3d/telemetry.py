@@ -8,6 +8,7 @@ the strategy's or the runtime's internals, and a run nobody observes pays one em
 Events and their fields:
 
 - ``"logits"``: ``local_bytes``, ``dense_bytes`` of one vocab-parallel head output (tensor > 1);
+- ``"compiled"``: ``blocks`` compiled on this rank, ``backend``;
 - ``"pipeline_step"``: ``bubble_fraction`` (idle share of the schedule step),
   ``activation_peak`` (saved-activation bytes alive at once), ``in_flight_peak`` (micro-batches
   between their forward and backward).

@@ -1,7 +1,6 @@
 """Bad input to the strategy, the Trainer and the app's validation fails early, by name, without side effects."""
 
 import os
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -13,7 +12,6 @@ from lightning_3d import ThreeDStrategy
 from lightning_3d.config import ParallelismConfig, build_strategy, world_size_of
 from lightning_3d.data import TextDataModule
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def _quiet_trainer(**kwargs):
@@ -138,18 +136,9 @@ def test_check_batch_zero_dp():
 # ------------------------------------------------------------------ the app's config checks (in process)
 @pytest.fixture
 def compose():
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from lightning_3d.testing.apps import compose_config
 
-    from lightning_3d.config import register_configs
-
-    register_configs()
-
-    def _compose(*overrides):
-        with initialize_config_dir(config_dir=str(CONF), version_base=None):
-            return hydra_compose(config_name="train", overrides=list(overrides))
-
-    return _compose
+    return lambda *overrides: compose_config("train", *overrides)
 
 
 def test_validate_accepts_default_config(compose):

@@ -3,8 +3,9 @@ safetensors and Hugging Face exports, and loading pretrained weights.
 
 The modules form layers, each importing only those below it:
 
-- ``files`` (atomic writes, weights-only reads), ``pieces`` (DCP boxes of flat slices),
-  ``view`` (the per-parameter state view: one-process names, fused q/k/v rows, full <-> local);
+- ``files`` (atomic writes, weights-only reads), ``integrity`` (checksums recorded at save,
+  verified at every read), ``pieces`` (DCP boxes of flat slices), ``view`` (the per-parameter
+  state view: one-process names, fused q/k/v rows, full <-> local);
 - ``sharded_files`` (a sharded directory on disk);
 - ``checks`` (what a checkpoint holds), ``consolidated`` and ``sharded`` (the two writers,
   both over ``view``);

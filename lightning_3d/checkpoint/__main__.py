@@ -1,24 +1,31 @@
 """Checkpoint tools on the command line.
 
 ``python -m lightning_3d.checkpoint consolidate CKPT OUT.safetensors [--prefix model.] [--force]``
-writes the full model weights of a consolidated Lightning checkpoint as one plain safetensors
-file (see :mod:`lightning_3d.checkpoint.export`).
+(alias ``export``) writes the full model weights of a Lightning checkpoint (a ``.ckpt`` file or a
+sharded directory) as one plain safetensors file (see :mod:`lightning_3d.checkpoint.export`).
+
+``python -m lightning_3d.checkpoint inspect CKPT`` prints what a checkpoint holds after reading
+every tensor and verifying the checksums recorded when it was written.
 
 ``python -m lightning_3d.checkpoint export-hf CKPT OUT_DIR [--tokenizer DIR] [--dtype bfloat16] [--force]``
 writes a checkpoint of ``HFCausalLM`` (any layout: a ``.ckpt`` file or a sharded directory) as a
 directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads (see
 :mod:`lightning_3d.checkpoint.hf_export`); progress goes to stderr.
 
-Errors print one line ``error: ...`` on stderr and exit with code 2, before anything is written.
+Every command verifies the checksums of what it reads, and no command writes onto its input (the
+same path, inside a sharded input, or a directory holding it), ``--force`` or not. Errors print
+one line ``error: ...`` on stderr and exit with code 2, before anything is written.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from lightning_3d.checkpoint.checks import inspect_checkpoint
 from lightning_3d.checkpoint.export import export_safetensors
 from lightning_3d.checkpoint.hf_export import DTYPES, export_hf
 
@@ -37,9 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m lightning_3d.checkpoint", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     consolidate = commands.add_parser(
-        "consolidate", help="export the model weights of a Lightning checkpoint as one safetensors file"
+        "consolidate", aliases=["export"],
+        help="export the model weights of a Lightning checkpoint as one safetensors file",
     )
-    consolidate.add_argument("checkpoint", help="consolidated Lightning checkpoint (.ckpt)")
+    consolidate.set_defaults(run=_consolidate)
+    consolidate.add_argument("checkpoint", help="Lightning checkpoint (.ckpt file or sharded directory)")
     consolidate.add_argument("output", help="safetensors file to write (written atomically)")
     consolidate.add_argument(
         "--prefix", default=None,
@@ -48,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     consolidate.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     _add_export_hf(commands)
+    inspect = commands.add_parser("inspect", help="verify a checkpoint's checksums and print what it holds")
+    inspect.set_defaults(run=_inspect)
+    inspect.add_argument("checkpoint", help=".ckpt file, sharded checkpoint directory or .safetensors file")
     return parser
 
 
@@ -64,6 +76,7 @@ def _add_export_hf(commands: Any) -> None:
     export.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="cast floating weights (default: keep the checkpoint's dtypes, bit for bit)")
     export.add_argument("--force", action="store_true", help="replace OUT_DIR if it is not empty")
+    export.set_defaults(run=_export_hf)
 
 
 def _consolidate(args: argparse.Namespace) -> None:
@@ -83,19 +96,35 @@ def _export_hf(args: argparse.Namespace) -> None:
           f"to {result.path}: {', '.join(result.files)}")
 
 
-COMMANDS = {"consolidate": _consolidate, "export-hf": _export_hf}
+def _inspect(args: argparse.Namespace) -> None:
+    info = inspect_checkpoint(args.checkpoint)
+    checked = {None: "none (safetensors)", -1: "none recorded (not verified)"}.get(
+        info["verified"], f"{info['verified']} verified")
+    print(f"{info['path']}: {info['format']}, {info['bytes']:,} bytes, {len(info['shapes'])} tensors "
+          f"({info['num_params']:,} parameters), step {info['global_step']}, epoch {info['epoch']}, "
+          f"optimizer state {'yes' if info['has_optimizer_states'] else 'no'}; checksums: {checked}")
+
+
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, or 2 after printing ``error: ...``)."""
     args = build_parser().parse_args(argv)
     try:
-        COMMANDS[args.command](args)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            args.run(args)
     except (ValueError, OSError, ImportError) as error:
-        message = " ".join(str(error).split())  # one line, whatever the library's message looked like
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {_one_line(error)}", file=sys.stderr)  # the error alone, no warnings before it
         return USAGE_ERROR
+    for warning in caught:  # e.g. a checkpoint without checksums: one line each
+        if issubclass(warning.category, UserWarning):
+            print(f"warning: {_one_line(warning.message)}", file=sys.stderr)
     return 0
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())  # whatever the library's message looked like
 
 
 if __name__ == "__main__":

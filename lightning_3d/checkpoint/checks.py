@@ -28,6 +28,7 @@ from torch import Tensor
 
 from lightning_3d.checkpoint import sharded_files
 from lightning_3d.checkpoint.files import ZIP_MAGIC, corrupted, load_weights_only
+from lightning_3d.checkpoint.integrity import verify_tensors
 
 PathLike = Union[str, "os.PathLike[str]"]
 LIGHTNING = "lightning"
@@ -35,6 +36,7 @@ SAFETENSORS = "safetensors"
 SHARDED = "sharded"
 _PICKLE_MAGIC = b"\x80"  # torch.save's legacy format begins with a pickle protocol byte
 _MAX_LISTED = 20  # names listed per category in a mismatch error
+WEIGHTS = "state_dict."  # the model's tensors in a checkpoint dict (what exports verify)
 
 
 def _listed(names: list[str]) -> str:
@@ -94,18 +96,22 @@ def detect_format(path: PathLike) -> str:
     )
 
 
-def load_lightning_checkpoint(path: PathLike, mmap: bool = False, map_location: Any = "cpu") -> dict[str, Any]:
+def load_lightning_checkpoint(path: PathLike, mmap: bool = False, map_location: Any = "cpu",
+                              verify: str | None = "") -> dict[str, Any]:
     """The whole Lightning checkpoint dict, read weights-only, after checking its kind and shape.
 
     ``mmap``: tensors are read from the file on first use (zip format only); ``map_location``
-    as in ``torch.load``.
+    as in ``torch.load``. ``verify``: check the recorded checksums of the tensors whose dotted
+    path starts with it (``""``: all, ``"state_dict."``: the model's; ``None``: none, and a
+    ``.ckpt``'s ``"checksums"`` entry is left in the dict); without checksums, one warning.
 
-    ``ValueError`` if it is safetensors, corrupted, or lacks a ``"state_dict"`` of tensors.
+    ``ValueError`` if it is safetensors, corrupted (a tensor's checksum differs, naming it), or
+    lacks a ``"state_dict"`` of tensors.
     """
     path = Path(path)
     kind = detect_format(path)
     if kind == SHARDED:
-        return sharded_files.read_consolidated(path)
+        return sharded_files.read_consolidated(path, verify=verify)
     if kind != LIGHTNING:
         raise ValueError(f"{path} is a {kind} file, not a Lightning checkpoint (.ckpt)")
     checkpoint = load_weights_only(path, mmap, map_location)
@@ -117,7 +123,10 @@ def load_lightning_checkpoint(path: PathLike, mmap: bool = False, map_location: 
     not_tensors = sorted(k for k, v in checkpoint["state_dict"].items() if not isinstance(v, Tensor))
     if not_tensors:
         raise ValueError(f"{path}: 'state_dict' entries that are not tensors: {_listed(not_tensors)}")
-    return dict(checkpoint)
+    checkpoint = dict(checkpoint)
+    if verify is not None:
+        verify_tensors(checkpoint, path, verify)
+    return checkpoint
 
 
 def _safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict[str, str]]:
@@ -138,7 +147,7 @@ def read_tensors(path: PathLike, mmap: bool = False) -> tuple[str, dict[str, Ten
     path = Path(path)
     kind = detect_format(path)
     if kind == LIGHTNING:
-        return kind, dict(load_lightning_checkpoint(path, mmap=mmap)["state_dict"])
+        return kind, dict(load_lightning_checkpoint(path, mmap=mmap, verify=WEIGHTS)["state_dict"])
     if kind == SHARDED:
         return kind, sharded_files.read_tensors(path)
     from safetensors.torch import load_file
@@ -153,7 +162,9 @@ def inspect_checkpoint(path: PathLike) -> dict[str, Any]:
     """What a checkpoint file holds, without building any model; raises on a bad file.
 
     Returns ``{"path", "format", "bytes", "shapes", "dtypes", "num_params", "global_step",
-    "epoch", "has_optimizer_states", "metadata"}`` (step/epoch ``None`` for safetensors).
+    "epoch", "has_optimizer_states", "metadata", "verified"}`` (step/epoch ``None`` for
+    safetensors; ``verified``: how many tensors or shard items matched their recorded
+    checksums, -1 when none are recorded, ``None`` for safetensors). Reads every tensor to do so.
 
     Example::
 
@@ -164,18 +175,21 @@ def inspect_checkpoint(path: PathLike) -> dict[str, Any]:
     kind = detect_format(path)
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if kind == SHARDED else path.stat().st_size
     info: dict[str, Any] = {"path": str(path), "format": kind, "bytes": size,
-                            "global_step": None, "epoch": None, "has_optimizer_states": False, "metadata": {}}
+                            "global_step": None, "epoch": None, "has_optimizer_states": False, "metadata": {},
+                            "verified": None}
     if kind == SAFETENSORS:
         info["shapes"], info["dtypes"], info["metadata"] = _safetensors_header(path)
     elif kind == SHARDED:
-        meta = sharded_files.read_meta(path)
-        entries = sharded_files.tensor_entries(sharded_files.read_metadata(path), sharded_files.MODEL)
+        meta, metadata = sharded_files.read_meta(path), sharded_files.read_metadata(path)
+        info["verified"] = sharded_files.verify_shards(path, metadata, meta)
+        entries = sharded_files.tensor_entries(metadata, sharded_files.MODEL)
         info["shapes"] = {name: tuple(md.size) for name, md in entries.items()}
         info["dtypes"] = {name: str(md.properties.dtype) for name, md in entries.items()}
         info["global_step"], info["epoch"] = meta.get("global_step"), meta.get("epoch")
         info["has_optimizer_states"] = bool(meta.get("optimizer_states"))
     else:
-        checkpoint = load_lightning_checkpoint(path, mmap=True)
+        checkpoint = load_lightning_checkpoint(path, mmap=True, verify=None)
+        info["verified"] = verify_tensors(checkpoint, path)
         state = checkpoint["state_dict"]
         info["shapes"] = shapes_of(state)
         info["dtypes"] = {name: str(t.dtype) for name, t in state.items()}

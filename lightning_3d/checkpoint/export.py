@@ -18,11 +18,12 @@ from pathlib import Path
 from torch import Tensor
 
 from lightning_3d.checkpoint.checks import (
+    WEIGHTS,
     PathLike,
     load_lightning_checkpoint,
     shared_prefix,
 )
-from lightning_3d.checkpoint.files import atomic_write
+from lightning_3d.checkpoint.files import atomic_write, refuse_overlap
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ def export_safetensors(
         force: overwrite an existing ``output``.
 
     Raises ``FileExistsError`` (``output`` exists, no ``force``), ``FileNotFoundError`` and
-    ``ValueError`` (see :mod:`lightning_3d.checkpoint.checks`) before anything is written.
+    ``ValueError`` (``output`` is or is inside the checkpoint, even with ``force``; a weight
+    whose checksum differs; see :mod:`lightning_3d.checkpoint.checks`) before anything is written.
 
     Example::
 
@@ -87,11 +89,14 @@ def export_safetensors(
         31
     """
     output = Path(output)
+    if not Path(checkpoint).exists():
+        raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
+    refuse_overlap(Path(checkpoint), output)
     if output.is_dir():
         raise ValueError(f"output {output} is a directory; give a file name such as {output / 'model.safetensors'}")
     if output.exists() and not force:
         raise FileExistsError(f"output {output} already exists; pass --force (force=True) to overwrite it")
-    state = load_lightning_checkpoint(checkpoint, mmap=True)
+    state = load_lightning_checkpoint(checkpoint, mmap=True, verify=WEIGHTS)  # the weights' checksums
     strip = _strip(list(state["state_dict"]), prefix)
     tensors = _plain_tensors(state["state_dict"], strip)
     if "" in tensors:

@@ -171,6 +171,22 @@ def publish(temp: Path, path: Path) -> None:
     fsync_dir(path.parent)
 
 
+def refuse_overlap(source: Path, output: Path) -> None:
+    """``ValueError`` if writing ``output`` could touch the checkpoint ``source``: the same
+    path (or the same file under another name), ``output`` inside a ``source`` directory, or
+    ``source`` inside ``output`` (replacing that directory would delete it). Exports call it
+    first, whatever ``force`` says."""
+    src, out = Path(source).resolve(), Path(output).resolve()
+    same = src == out or (src.exists() and out.exists() and os.path.samefile(src, out))
+    if same:
+        raise ValueError(f"output {output} is the checkpoint {source} itself; write the export elsewhere")
+    if src in out.parents:
+        raise ValueError(f"output {output} is inside the checkpoint {source}; write the export outside it")
+    if out in src.parents:
+        raise ValueError(f"output {output} contains the checkpoint {source}; replacing it would delete the "
+                         "checkpoint: write the export elsewhere")
+
+
 # ------------------------------------------------------------------------------ reading
 def corrupted(path: Path, error: BaseException) -> ValueError:
     """The error for a file whose bytes are not a whole checkpoint."""

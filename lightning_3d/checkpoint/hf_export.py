@@ -32,13 +32,21 @@ from torch import Tensor, nn
 from lightning_3d.checkpoint import sharded_files
 from lightning_3d.checkpoint.checks import (
     SHARDED,
+    WEIGHTS,
     PathLike,
     check_against,
     detect_format,
     load_lightning_checkpoint,
     shapes_of,
 )
-from lightning_3d.checkpoint.files import finish_file, fsync_dir, publish, remove_stale_temps, temp_path_for
+from lightning_3d.checkpoint.files import (
+    finish_file,
+    fsync_dir,
+    publish,
+    refuse_overlap,
+    remove_stale_temps,
+    temp_path_for,
+)
 from lightning_3d.models.hf import HF_CONFIG_KEY
 from lightning_3d.parallel.tied import find_tied
 
@@ -139,14 +147,7 @@ def _check_paths(checkpoint: Path, out_dir: Path, force: bool) -> None:
     """The checkpoint exists; ``out_dir`` may be (re)written without touching the checkpoint."""
     if not checkpoint.exists():
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
-    ckpt, out = checkpoint.resolve(), out_dir.resolve()
-    if out == ckpt:
-        raise ValueError(f"output directory {out_dir} is the checkpoint {checkpoint} itself; choose another directory")
-    if ckpt in out.parents:
-        raise ValueError(f"output directory {out_dir} is inside the checkpoint {checkpoint}; choose a directory "
-                         "outside it")
-    if out in ckpt.parents:  # replacing out_dir would delete the checkpoint
-        raise ValueError(f"output directory {out_dir} contains the checkpoint {checkpoint}; choose another directory")
+    refuse_overlap(checkpoint, out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"output {out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
@@ -161,7 +162,7 @@ def _entries(checkpoint: Path) -> tuple[Mapping[str, Any], Callable[[], Mapping[
         meta = sharded_files.read_meta(checkpoint)
         _check_hf_config(meta, checkpoint)
         return meta, lambda: sharded_files.read_tensors(checkpoint)
-    whole = load_lightning_checkpoint(checkpoint, mmap=True)
+    whole = load_lightning_checkpoint(checkpoint, mmap=True, verify=WEIGHTS)
     _check_hf_config(whole, checkpoint)
     return whole, lambda: whole["state_dict"]
 

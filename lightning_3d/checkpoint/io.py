@@ -3,7 +3,8 @@
 A save goes through :func:`~lightning_3d.checkpoint.files.atomic_write` (a temporary sibling
 file, fsynced, renamed onto the final name), so a killed save never leaves a half-written file
 under the final name; loads go through :func:`~lightning_3d.checkpoint.checks.load_lightning_checkpoint`
-(weights only, with errors that name the file).
+(weights only, with errors that name the file). Every save records the CRC-32 of each tensor
+(``integrity.py``) and every load verifies them, refusing a damaged file naming the tensor.
 
 Example::
 
@@ -23,6 +24,7 @@ from typing_extensions import override
 
 from lightning_3d.checkpoint.checks import load_lightning_checkpoint
 from lightning_3d.checkpoint.files import atomic_write, remove_stale_temps
+from lightning_3d.checkpoint.integrity import with_checksums
 
 # remove_stale_temps lived here first (files.py now); callers still import it from this module.
 __all__ = ["AtomicCheckpointIO", "atomic_write", "remove_stale_temps"]
@@ -42,7 +44,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     Loading refuses arbitrary pickled objects (``torch.load(weights_only=True)``) and raises a
     ``ValueError`` naming the file when it is missing, a directory, not a Lightning checkpoint,
-    or corrupted/truncated.
+    or corrupted/truncated, or when a tensor's bytes differ from the CRC-32 recorded at save.
     """
 
     def write(self, checkpoint: dict[str, Any], file: BinaryIO) -> None:
@@ -55,6 +57,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(
                 f"{type(self).__name__}.save_checkpoint does not take storage_options, got {storage_options!r}"
             )
+        checkpoint = with_checksums(checkpoint)  # per tensor: verified on every load
         if not _is_local(path):
             super().save_checkpoint(checkpoint, path)
             return

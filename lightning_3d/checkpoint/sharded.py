@@ -43,6 +43,7 @@ from lightning_3d.checkpoint.sharded_files import (
     save,
     split_checkpoint,
     tensor_entries,
+    verify_shards,
 )
 from lightning_3d.checkpoint.view import StateView, optimizer_params, state_in_slices, to_full
 from lightning_3d.parallel.tensor import local_tensor
@@ -52,7 +53,7 @@ from lightning_3d.parallel.zero import ZeroDataParallel
 __all__ = [
     "FORMAT", "META_FILE", "MODEL", "finish_model", "is_sharded_checkpoint", "load", "model_state", "model_targets",
     "optimizer_prefix", "optimizer_state", "optimizer_targets", "read_consolidated", "read_meta", "read_metadata",
-    "read_tensors", "save", "split_checkpoint", "tensor_entries",
+    "read_tensors", "save", "split_checkpoint", "tensor_entries", "verify_shards",
 ]
 
 

@@ -8,7 +8,8 @@ A sharded checkpoint is a directory (named like a checkpoint file, e.g. ``last.c
   ``step``, ...);
 - ``meta.pt``: everything else Lightning puts in a checkpoint (loops, callbacks, LR schedulers,
   scaler, hyperparameters) and the optimizers' param groups with parameter *names*, written by
-  rank 0 and read weights-only.
+  rank 0 and read weights-only; and the CRC-32 of every DCP storage item (``integrity.py``),
+  which every read verifies first.
 
 This module knows the files, not the model: what each rank puts in (and reads back from) the
 tensors is ``sharded.py``'s business. Kept apart so that the checks and exports, which read
@@ -38,6 +39,14 @@ from lightning_3d.checkpoint.files import (
     remove,
     remove_stale_temps,
     temp_path_for,
+)
+from lightning_3d.checkpoint.integrity import (
+    KEY,
+    check_tensors,
+    item_checksums,
+    verify_items,
+    warn_unchecked,
+    with_checksums,
 )
 from lightning_3d.checkpoint.pieces import PiecesLoadPlanner, PiecesSavePlanner
 
@@ -84,11 +93,16 @@ def save(tensors: Mapping[str, Any], meta: Mapping[str, Any], path: Any) -> None
         remove_stale_temps(path.parent)
     dist.barrier()
     try:
-        dcp.save(dict(tensors), storage_writer=FileSystemWriter(temp, single_file_per_rank=True, sync_files=True),
-                 planner=PiecesSavePlanner())
+        metadata = dcp.save(dict(tensors), planner=PiecesSavePlanner(),
+                            storage_writer=FileSystemWriter(temp, single_file_per_rank=True, sync_files=True))
+        # Each rank checksums its share of the files just written (from the page cache).
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, item_checksums(temp, metadata, dist.get_rank(), dist.get_world_size()))
         if rank0:
+            record = with_checksums(meta)
+            record[KEY]["items"] = sorted(item for part in parts for item in part)
             with open(temp / META_FILE, "wb") as f:
-                torch.save(dict(meta), f)
+                torch.save(record, f)
                 f.flush()
                 os.fsync(f.fileno())
             fsync_dir(temp)
@@ -131,7 +145,31 @@ def read_meta(path: Any) -> dict[str, Any]:
     meta = load_weights_only(file, mmap=False)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{file}: not a lightning_3d sharded checkpoint (format {getattr(meta, 'get', dict)('format')!r})")
+    if KEY in meta:
+        check_tensors(meta, meta[KEY], file)  # its own tensors (RNG states, ...); the shards: verify()
     return meta
+
+
+def verify_shards(path: Any, metadata: Metadata, meta: Mapping[str, Any], prefix: str = "",
+           distributed: bool = False) -> int:
+    """Check the CRC-32 of every storage item under ``prefix`` against ``meta.pt``'s record;
+    returns how many were checked (-1: none recorded, after a warning). ``distributed``: a
+    collective, each rank reading its share, every rank raising the same error. ``ValueError``
+    naming the file and the tensor."""
+    record = meta.get(KEY)
+    if not isinstance(record, Mapping) or "items" not in record:
+        warn_unchecked(path)
+        return -1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    problems = verify_items(Path(str(path)), metadata, record["items"], prefix, rank, world)
+    if distributed:
+        parts: list[Any] = [None] * world
+        dist.all_gather_object(parts, problems)
+        problems = [problem for part in parts for problem in part]
+    if problems:
+        more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:4])})" if len(problems) > 1 else ""
+        raise ValueError(problems[0] + more)
+    return sum(1 for item in record["items"] if item[0].startswith(prefix))
 
 
 def tensor_entries(metadata: Metadata, prefix: str) -> dict[str, TensorStorageMetadata]:
@@ -158,22 +196,27 @@ def load(targets: Mapping[str, Any], path: Any, metadata: Metadata, no_dist: boo
                          f"{str(error).strip().splitlines()[-1][:300]})") from error
 
 
-def read_tensors(path: Any, prefix: str = MODEL) -> dict[str, Tensor]:
+def read_tensors(path: Any, prefix: str = MODEL, verify: bool = True) -> dict[str, Tensor]:
     """Every tensor under ``prefix`` at full size, in this process alone (no process group):
-    for export and inspection."""
+    for export and inspection. Their checksums are verified first unless ``verify=False``."""
     metadata = read_metadata(path)
+    if verify:
+        verify_shards(path, metadata, read_meta(path), prefix)
     entries = tensor_entries(metadata, prefix)
     targets = {prefix + name: torch.empty(md.size, dtype=md.properties.dtype) for name, md in entries.items()}
     load(targets, path, metadata, no_dist=True)
     return {fqn[len(prefix):]: t for fqn, t in targets.items()}
 
 
-def read_consolidated(path: Any) -> dict[str, Any]:
+def read_consolidated(path: Any, verify: str | None = "") -> dict[str, Any]:
     """The sharded checkpoint as the consolidated format (what one process would have saved):
-    full tensors, optimizer state keyed by parameter index. Read in this process alone."""
+    full tensors, optimizer state keyed by parameter index. Read in this process alone, after
+    verifying the checksums of the tensors under ``verify`` (``None``: of none)."""
     meta = read_meta(path)
-    tensors = read_tensors(path, prefix="")
-    checkpoint = {k: v for k, v in meta.items() if k not in ("format", "optimizer_states")}
+    if verify is not None:
+        verify_shards(path, read_metadata(path), meta, verify)
+    tensors = read_tensors(path, prefix="", verify=False)
+    checkpoint = {k: v for k, v in meta.items() if k not in ("format", "optimizer_states", KEY)}
     checkpoint["state_dict"] = {n[len(MODEL):]: t for n, t in tensors.items() if n.startswith(MODEL)}
     if "optimizer_states" not in meta:
         return checkpoint

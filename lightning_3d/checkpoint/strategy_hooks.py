@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
@@ -30,6 +31,7 @@ from lightning_3d.checkpoint.consolidated import (
     load_full_model_state,
     load_full_optimizer_state,
 )
+from lightning_3d.checkpoint.integrity import KEY as CHECKSUMS
 from lightning_3d.checkpoint.view import full_state_dict
 
 if TYPE_CHECKING:
@@ -87,9 +89,15 @@ class CheckpointHooks:
         strict = getattr(module, "strict_loading", True)
         check_against(shapes_of(module.state_dict()), {n: tuple(md.size) for n, md in saved.items()},
                       strict=strict, names=self.parallelized.full_names, source=str(path))
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        # Every rank checks its share of the bytes it is about to read (the optimizer's only when
+        # fitting); all refuse a damaged item before anything is read into the model.
+        sharded.verify_shards(path, metadata, meta, prefix="" if fitting else sharded.MODEL,
+                              distributed=dist.is_available() and dist.is_initialized())
+        meta.pop(CHECKSUMS, None)
         targets, after = sharded.model_targets(module, [n for n in module.state_dict() if n in saved])
         installs = []
-        if module.trainer.state.fn == TrainerFn.FITTING and "optimizer_states" in meta:
+        if fitting and "optimizer_states" in meta:
             states = meta["optimizer_states"]
             if len(states) != len(self.optimizers):
                 raise ValueError(f"{path} has {len(states)} optimizer states, the module configures {len(self.optimizers)}")

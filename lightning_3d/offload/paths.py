@@ -7,13 +7,18 @@ Two rules, both checked before the first byte is written:
 * the state lives in a *private* directory created inside ``path`` (mode ``0o700``, files
   ``0o600``, so other users on a shared workstation cannot read the model's optimizer state),
   removed with its files on :meth:`PrivateDirectory.close`, when the owner is garbage
-  collected, and at interpreter exit (``weakref.finalize``).
+  collected, and at interpreter exit (``weakref.finalize``). A process killed outright (SIGKILL,
+  out of memory) cannot clean up: its directory is named after the host and process id, and the
+  next private directory made in the same ``path`` removes those of dead processes of this host
+  (:func:`remove_stale`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import tempfile
 import weakref
 from typing import Optional, Union
@@ -63,6 +68,36 @@ def _remove(directory: str, fds: list[int]) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
+def _owner_prefix(host: str, pid: int) -> str:
+    return f"{DIR_PREFIX}{host}-{pid}-"
+
+
+def remove_stale(parent: PathLike) -> list[str]:
+    """Remove the private directories in ``parent`` left by processes of this host that no
+    longer exist (killed before they could clean up); returns the removed paths. Directories of
+    live processes, of other hosts, or not named by this module are left alone."""
+    host = socket.gethostname()
+    pattern = re.compile(rf"^{re.escape(DIR_PREFIX + host)}-(\d+)-")
+    removed = []
+    for name in os.listdir(parent):
+        match = pattern.match(name)
+        if match and not _alive(int(match.group(1))):
+            path = os.path.join(os.fspath(parent), name)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
 class PrivateDirectory:
     """A fresh ``0o700`` directory inside ``parent``, deleted with its files when closed,
     garbage collected, or at interpreter exit.
@@ -76,8 +111,10 @@ class PrivateDirectory:
     """
 
     def __init__(self, parent: PathLike) -> None:
+        remove_stale(parent)
         # mkdtemp creates the directory with mode 0o700 atomically (no window where it is open).
-        self.path = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=os.fspath(parent))
+        prefix = _owner_prefix(socket.gethostname(), os.getpid())
+        self.path = tempfile.mkdtemp(prefix=prefix, dir=os.fspath(parent))
         self._fds: list[int] = []
         self._finalizer = weakref.finalize(self, _remove, self.path, self._fds)
         os.chmod(self.path, DIR_MODE)

@@ -41,7 +41,6 @@ from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
-    noop_context_fn,
 )
 
 from lightning_3d.parallel import activations
@@ -139,9 +138,15 @@ class _CheckpointedForward:
         inner = state.get(_INNER_ATTR) or functools.partial(type(self.block).forward, self.block)
         if not torch.is_grad_enabled():  # evaluation: there is no backward to save anything for
             return inner(*args, **kwargs)
-        context_fn = _selective_contexts if state[_POLICY_ATTR] == "selective" else noop_context_fn
         # use_reentrant=False: works with kwargs and with inputs that do not require grad, and
         # restores the RNG state so dropout draws the same masks when the block is recomputed.
+        if state[_POLICY_ATTR] != "selective":
+            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        # Under torch.compile, dynamo traces selective checkpointing given as a partial of
+        # create_selective_checkpoint_contexts (activation reporting is eager-only anyway).
+        compiling = torch.compiler.is_compiling()
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy) if compiling \
+            else _selective_contexts
         return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 

@@ -8,7 +8,10 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Union
+from typing import TYPE_CHECKING, Union
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 def app_env() -> dict[str, str]:
@@ -41,3 +44,15 @@ def wait_all(procs: Mapping[str, subprocess.Popen], timeout: float) -> dict[str,
                 proc.kill()
                 proc.wait()
     return done
+
+
+def compose_config(config_name: str, *overrides: str) -> DictConfig:
+    """The app's config ``conf/<config_name>.yaml`` with ``overrides``, as Hydra composes it for
+    ``examples/*.py`` (schemas and resolvers registered), without running anything."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_3d.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base=None):
+        return compose(config_name=config_name, overrides=list(overrides))
