@@ -145,7 +145,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torc
     from torch.distributed.tensor.parallel import parallelize_module
 
     layout = plan.layout
-    names = Parallelized(module, mesh, list(module.state_dict()), [n for n, _ in module.named_parameters()])
+    made = Parallelized(module, mesh, list(module.state_dict()), [n for n, _ in module.named_parameters()])
     ties = find_tied(module)
     record_aliases(module, ties)
     if layout.tensor > 1:  # recognise the architecture while the model is still whole
@@ -155,8 +155,8 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torc
     if layout.pipeline > 1:
         spec, pp_mesh = pipeline_spec(module), mesh[MeshAxis.PIPELINE.value]
         virtual, split = plan.pp.virtual_stages, plan.pp.split
-        names.tied = TiedGroups(mesh, tied_holders(module, spec, pp_mesh.size(), virtual, split))
-        names.stages = split_stages(module, spec, pp_mesh.get_local_rank(), pp_mesh.size(), virtual, split)
+        made.tied = TiedGroups(mesh, tied_holders(module, spec, pp_mesh.size(), virtual, split))
+        made.stages = split_stages(module, spec, pp_mesh.get_local_rank(), pp_mesh.size(), virtual, split)
     step("tensor parallelism")
     if layout.tensor > 1:
         # Under a pipeline, patterns for other stages' modules (the head, say) match nothing here.
@@ -177,14 +177,14 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torc
     step("ZeRO-3 (FSDP2) sharding")
     if layout.zero_stage == 3:
         policies = fsdp_policies(precision, plan.offload.params, device.type)
-        apply_zero3(module, mesh[MeshAxis.DATA.value], roots=names.stages, **policies)
+        apply_zero3(module, mesh[MeshAxis.DATA.value], roots=made.stages, **policies)
     step("the pipeline schedule")
     if spec is not None:
-        names.runtime = PipelineRuntime(
-            names.stages, spec, mesh[MeshAxis.PIPELINE.value], plan.pp, device, mesh[MeshAxis.TENSOR.value],
+        made.runtime = PipelineRuntime(
+            made.stages, spec, mesh[MeshAxis.PIPELINE.value], plan.pp, device, mesh[MeshAxis.TENSOR.value],
             accumulation=accumulation, scale_loss=scale_loss, telemetry=telemetry,
         )
-    return names
+    return made
 
 
 def _publish_logits_sizes(module: nn.Module, resolved: dict, telemetry: Telemetry) -> None:
