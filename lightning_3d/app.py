@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -31,12 +32,32 @@ from lightning_3d.launch import already_launched, launch_job
 from lightning_3d.nonfinite import NonFiniteError
 from lightning_3d.preemption import Preempted
 from lightning_3d.recipe import check
+from lightning_3d.resume import (
+    PeriodicCheckpoint,
+    check_every_n_steps,
+    check_fits,
+    resolve_resume,
+    resume_hint,
+    resume_override,
+    written_checkpoint,
+)
+
+
+# The apps' top-level keys (conf/train.yaml, conf/finetune.yaml): any other (``+ckpt_path=...``)
+# would be read by nothing, so it is refused instead of being silently ignored.
+APP_KEYS = frozenset({"model", "data", "parallelism", "offload", "trainer", "seed", "checkpoint", "resume",
+                      "finetune"})
+CHECKPOINT_KEYS = frozenset({"every_n_steps"})
 
 
 def validate(cfg: DictConfig) -> None:
-    """Raise ``ValueError`` for any inconsistent value in ``cfg`` (no side effects): the layout,
-    the model's and the data's keys and values (the model built on ``meta``, the data module
-    built), the plan against the model's shapes, and the Trainer's arguments."""
+    """Raise ``ValueError`` for any inconsistent value in ``cfg`` (no side effects): the app's
+    keys, the periodic checkpoints and the checkpoint to resume from (``resume=``: it exists, and
+    its names and shapes are the model's), the layout, the model's and the data's keys and values
+    (the model built on ``meta``, the data module built), the plan against the model's shapes,
+    and the Trainer's arguments."""
+    check_app_keys(cfg)
+    resume = resolve_resume(cfg.get("resume"), project_dir(), finetune="finetune" in cfg)
     world = world_size_of(cfg.trainer)
     max_steps = cfg.trainer.get("max_steps", -1)
     if max_steps == 0 or (isinstance(max_steps, int) and max_steps < -1):
@@ -63,9 +84,45 @@ def validate(cfg: DictConfig) -> None:
             check(model, plan, world)
         if model is not None and plan.offload.device == "nvme":
             _check_offload_room(model, plan)
+        if model is not None and resume is not None:
+            check_fits(resume, model)
     if "model" in cfg and "data" in cfg:
         check_model_and_data(cfg.model, cfg.data)
     check_trainer(cfg.trainer, cfg.parallelism, cfg.get("offload"))
+
+
+def check_app_keys(cfg: DictConfig) -> None:
+    """Every top-level key (and every ``checkpoint.*`` key) is one the app reads;
+    ``trainer.enable_checkpointing`` is ``checkpoint.every_n_steps``'s to set."""
+    unknown = sorted(str(k) for k in cfg.keys() if k not in APP_KEYS)
+    if "ckpt_path" in unknown:
+        raise ValueError("ckpt_path is not a key of this app: to resume, pass resume=last (the newest checkpoint of "
+                         "the app's earlier runs under ./outputs) or resume=PATH")
+    if unknown:
+        one = len(unknown) == 1
+        raise ValueError(f"{', '.join(unknown)}: not {'a key' if one else 'keys'} of this app, nothing would read "
+                         f"{'it' if one else 'them'} (its keys: {', '.join(sorted(APP_KEYS))})")
+    checkpoint = cfg.get("checkpoint")
+    if checkpoint is not None:
+        extra = sorted(str(k) for k in checkpoint.keys() if k not in CHECKPOINT_KEYS)
+        if extra:
+            raise ValueError(f"{', '.join(f'checkpoint.{k}' for k in extra)}: not a key of the checkpoint block (its "
+                             f"keys: {', '.join(sorted(CHECKPOINT_KEYS))})")
+        check_every_n_steps(checkpoint.get("every_n_steps"))
+    if "enable_checkpointing" in cfg.trainer:
+        raise ValueError("trainer.enable_checkpointing: set checkpoint.every_n_steps instead (a number of steps, or "
+                         "null for no periodic checkpoints)")
+
+
+def project_dir() -> str:
+    """Where the app was started (relative ``resume=`` paths and ``./outputs`` are taken from there)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        from hydra.utils import get_original_cwd
+
+        return get_original_cwd()
+    return os.getcwd()
 
 
 def check_model_and_data(model: DictConfig, data: DictConfig) -> None:
@@ -141,7 +198,13 @@ def check_trainer(trainer: DictConfig, parallelism: Any, offload: Any = None) ->
 
     import lightning as L
 
+    from lightning_3d.flops import check_peak_tflops
+
     kwargs = OmegaConf.to_container(trainer, resolve=True)
+    try:
+        check_peak_tflops(kwargs.pop("peak_tflops", None))
+    except ValueError as err:
+        raise ValueError(f"trainer.peak_tflops: {err}") from None
     accumulate = kwargs.get("accumulate_grad_batches", 1)
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"trainer.accumulate_grad_batches={accumulate!r} must be an integer >= 1")
@@ -174,18 +237,28 @@ def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     L.seed_everything(cfg.seed, verbose=False)
     model = instantiate(cfg.model)
     datamodule = instantiate(cfg.data)
-    summary = RunSummary(out_dir=output_dir)
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    summary = RunSummary(out_dir=output_dir, peak_tflops=trainer_kwargs.pop("peak_tflops", None))  # ours, for MFU
+    callbacks = [summary, RNGStateCheckpoint()]  # a resume from its checkpoints continues exactly
+    every_n_steps = (cfg.get("checkpoint") or {}).get("every_n_steps")
+    if every_n_steps is not None:  # <run dir>/last.ckpt; preempted.ckpt goes next to it
+        callbacks.append(PeriodicCheckpoint(output_dir, every_n_steps))
     trainer = L.Trainer(
         **trainer_kwargs,
+        enable_checkpointing=every_n_steps is not None,
         strategy=build_strategy(cfg.parallelism, cfg.get("offload")),
-        callbacks=[summary, RNGStateCheckpoint()],  # a resume from its checkpoints continues exactly
+        callbacks=callbacks,
         default_root_dir=output_dir,
     )
+    # resume: pinned to one file by run(); a launcher of our own (torchrun) may leave "last" to each rank.
+    resume = resolve_resume(cfg.get("resume"), project_dir(), finetune="finetune" in cfg)
     try:
-        trainer.fit(model, datamodule)
+        with warnings.catch_warnings():
+            # A resumed run saves into its own new directory, which Lightning would warn about.
+            warnings.filterwarnings("ignore", message="The dirpath has changed from")
+            trainer.fit(model, datamodule, ckpt_path=str(resume) if resume is not None else None)
     except (NonFiniteError, Preempted) as err:
-        _stop(trainer.global_rank, err)
+        _stop(trainer, err)
     # The trained model, consolidated (any layout, plain Lightning or examples/finetune.py
     # loads it; `python -m lightning_3d.checkpoint consolidate` turns it into safetensors).
     trainer.save_checkpoint(Path(output_dir) / "final.ckpt")
@@ -204,6 +277,9 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
     try:
         if not validated:
             validate(cfg)
+        # resume=last names the newest checkpoint now, before this run writes any: every rank
+        # (and a relaunch) resumes from the same file.
+        resume = resolve_resume(cfg.get("resume"), project_dir(), finetune="finetune" in cfg)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         _discard_run_dir(Path(output_dir), hydra_cfg.job.name)
@@ -214,10 +290,15 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
             print("error: multi-node runs are started by torchrun or SLURM, one launcher per node", file=sys.stderr)
             return 2
         threads = max(1, (os.cpu_count() or 1) // world)
-        code = launch_job(world, script, list(hydra_cfg.overrides.task), output_dir, threads)
+        overrides = [o for o in hydra_cfg.overrides.task if o.split("=", 1)[0].lstrip("+~") != "resume"]
+        if resume is not None:
+            overrides.append(resume_override(resume))
+        code = launch_job(world, script, overrides, output_dir, threads)
         if code == 0:
             _report(Path(output_dir) / "summary.json")
         return code
+    if resume is not None:
+        cfg.resume = str(resume)
     summary = (body or train)(cfg, output_dir)
     if world == 1:
         _report(Path(output_dir) / "summary.json", summary)
@@ -231,19 +312,24 @@ def _discard_run_dir(path: Path, job_name: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _stop(rank: int, err: Exception) -> None:
+def _stop(trainer: Any, err: Exception) -> None:
     """Rank 0 prints one ``error:`` line (every rank stopped at the same step: the check is
-    agreed), then this process ends with exit code 1 where it is the app's own run (a rank, or
-    the one process); in a ``-m`` sweep job or outside Hydra the error propagates, so the sweep
-    records the job and runs the next. No ``final.ckpt``: the weights are the last good step's,
+    agreed; a non-finite stop adds how to resume from the last good checkpoint), then this
+    process ends with exit code 1 where it is the app's own run (a rank, or the one process);
+    in a ``-m`` sweep job or outside Hydra the error propagates, so the sweep records the job
+    and runs the next. No ``final.ckpt``: the weights are the last good step's,
     which the last checkpoint written holds already. The other ranks wait for rank 0's line
     before they exit, as the launcher ends the remaining ranks at the first exit code."""
     import torch.distributed as dist
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    if rank == 0:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+    if trainer.global_rank == 0:
+        hint = ""
+        if isinstance(err, NonFiniteError):  # (Preempted names its checkpoint and the command itself)
+            last_good = written_checkpoint(trainer)
+            hint = f"; {'the last good checkpoint is kept, ' if last_good is not None else ''}{resume_hint(last_good)}"
+        print(f"error: {err}{hint}", file=sys.stderr, flush=True)
     if dist.is_available() and dist.is_initialized():
         try:
             dist.barrier()

@@ -4,14 +4,16 @@ restored on resume."""
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import statistics
 import time
 import warnings
+from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -19,6 +21,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_3d.flops import Peak, check_peak_tflops, device_peak, model_flops_per_token
 from lightning_3d.memory import model_state_bytes, peak_rss_mb
 from lightning_3d.parallel.activations import ActivationMeter
 from lightning_3d.parallel.activation_checkpoint import is_checkpointed, transformer_blocks
@@ -28,9 +31,13 @@ def _dp_size(trainer: pl.Trainer) -> int:
     return getattr(trainer.strategy, "dp_size", trainer.world_size)
 
 
-def _batch_tokens(batch: Any) -> int:
-    first = batch[0] if isinstance(batch, (list, tuple)) else batch
-    return first.numel() if isinstance(first, torch.Tensor) else 0
+def _token_ids(batch: Any) -> Optional[torch.Tensor]:
+    """The batch's input ids ``(B, T)``: its first tensor, or a dict's ``input_ids``."""
+    if isinstance(batch, Mapping):
+        first = batch.get("input_ids")
+    else:
+        first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+    return first if isinstance(first, torch.Tensor) else None
 
 
 def describe_layout(trainer: pl.Trainer) -> dict[str, Any]:
@@ -61,15 +68,30 @@ class RunSummary(Callback):
       (what tests check rank by rank: data-parallel ranks see other samples, tensor-parallel
       peers must each compute the full loss);
     - ``tokens_per_s``: median over steps after ``warmup_steps`` of global tokens / step time;
+    - ``flops_per_token`` (training FLOPs per token, mean over the trained tokens) and
+      ``flops_formula`` (how it was counted, see :mod:`lightning_3d.flops`); ``tflops``: the
+      model FLOP/s achieved per device (median over steps after warm-up of the step's model
+      FLOPs / step time / world size, in TFLOP/s); ``peak_tflops``: the device's peak dense
+      TFLOP/s at the run's precision (``peak_tflops=`` if given, else the table in
+      :data:`lightning_3d.flops.PEAK_TFLOPS`), ``peak_source`` where it came from;
+      ``mfu = tflops / peak_tflops``. Where no peak is known (every CPU, a device not in the
+      table), ``peak_tflops`` and ``mfu`` are ``null`` and ``peak_source`` says why;
     - ``ranks``: per rank, peak RSS and the model-state bytes resident at the end of backward,
       just before the optimizer step (see :func:`lightning_3d.memory.model_state_bytes`), and
       the activation memory per transformer block of the first training batch
       (``activation_bytes_per_block``, see :meth:`activation_figures`).
 
-    Tokens/s is also shown on the progress bar as ``tok/s``.
+    Tokens/s, TFLOP/s per device and MFU (where a peak is known) are logged every optimizer step
+    and shown on the progress bar as ``tok/s``, ``tflops`` and ``mfu``.
+
+    ``peak_tflops``: the peak dense TFLOP/s of one device that MFU is measured against, for a
+    device the table does not know (or to measure against another figure); ``ValueError``
+    unless positive.
     """
 
-    def __init__(self, out_dir: Optional[str] = None, warmup_steps: int = 3, filename: str = "summary.json") -> None:
+    def __init__(self, out_dir: Optional[str] = None, warmup_steps: int = 3, filename: str = "summary.json",
+                 peak_tflops: Optional[float] = None) -> None:
+        self.peak_tflops = check_peak_tflops(peak_tflops)
         self.out_dir = out_dir
         self.warmup_steps = warmup_steps
         self.filename = filename
@@ -77,6 +99,7 @@ class RunSummary(Callback):
         self.local_losses: list[float] = []
         self.step_times: list[float] = []
         self.step_tokens: list[int] = []
+        self.step_flops: list[float] = []  # global model FLOPs of each optimizer step
         self.memory: dict[str, int] = {}
         self.activations: dict[str, int] = {}
         self.summary: dict[str, Any] = {}
@@ -84,6 +107,11 @@ class RunSummary(Callback):
         self._meter_context = ExitStack()
         self._loss_sum: Optional[torch.Tensor] = None
         self._tokens = 0
+        self._flops = 0.0
+        self._per_token: Optional[Callable[[int], float]] = None  # seq_len -> FLOPs per token
+        self._flops_formula = ""
+        self._num_params: Optional[int] = None
+        self._peak = Peak(None, "not measured")
         self._t0: Optional[float] = None
         self._last_step = 0
         self._observed: dict[str, list[dict[str, Any]]] = {}  # telemetry events by name
@@ -106,6 +134,11 @@ class RunSummary(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step
+        # Once per fit, off the step: a collective under a pipeline (stages add up), on every rank.
+        self._num_params = _count_parameters(trainer, pl_module)
+        per_token, self._flops_formula = model_flops_per_token(pl_module, self._num_params)
+        self._per_token = functools.lru_cache(maxsize=16)(per_token)  # a few sequence lengths at most
+        self._peak = device_peak(trainer.strategy.root_device, str(trainer.precision), self.peak_tflops)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
@@ -168,7 +201,12 @@ class RunSummary(Callback):
             # Lightning divides each micro-batch loss by accumulate_grad_batches: summing gives the mean.
             loss = loss.detach().float()
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
-        self._tokens += _batch_tokens(batch) * _dp_size(trainer)
+        ids = _token_ids(batch)
+        if ids is not None:
+            tokens = ids.numel() * _dp_size(trainer)
+            self._tokens += tokens
+            if self._per_token is not None and ids.dim() >= 1:
+                self._flops += tokens * self._per_token(ids.shape[-1])
         if trainer.global_step == self._last_step:
             return  # still accumulating
         self._last_step = trainer.global_step
@@ -179,9 +217,15 @@ class RunSummary(Callback):
         now = time.perf_counter()
         self.step_times.append(now - self._t0)
         self.step_tokens.append(self._tokens)
-        rate = self._tokens / max(now - self._t0, 1e-9)
-        pl_module.log("tok/s", rate, prog_bar=True, on_step=True, logger=bool(trainer.loggers))
-        self._t0, self._tokens, self._loss_sum = now, 0, None
+        self.step_flops.append(self._flops)
+        elapsed = max(now - self._t0, 1e-9)
+        logged = {"tok/s": self._tokens / elapsed}
+        if self._per_token is not None:
+            logged["tflops"] = self._flops / elapsed / trainer.world_size / 1e12
+            if self._peak.tflops is not None:
+                logged["mfu"] = logged["tflops"] / self._peak.tflops
+        pl_module.log_dict(logged, prog_bar=True, on_step=True, logger=bool(trainer.loggers))
+        self._t0, self._tokens, self._flops, self._loss_sum = now, 0, 0.0, None
 
     def _observed_figures(self) -> dict[str, Any]:
         """What the strategy's telemetry reported: the vocab-parallel logits' sizes (tensor > 1)
@@ -202,10 +246,28 @@ class RunSummary(Callback):
             figures["in_flight_peak"] = max(s["in_flight_peak"] for s in steps)
         return figures
 
-    def tokens_per_s(self) -> float:
-        rates = [n / t for n, t in zip(self.step_tokens, self.step_times) if t > 0]
+    def _steady_median(self, amounts: list[float]) -> float:
+        """Median over steps after warm-up of ``amount / step time`` (all steps if none after)."""
+        rates = [n / t for n, t in zip(amounts, self.step_times) if t > 0]
         steady = rates[self.warmup_steps :] or rates
         return statistics.median(steady) if steady else 0.0
+
+    def tokens_per_s(self) -> float:
+        return self._steady_median(self.step_tokens)
+
+    def flops_figures(self, world_size: int) -> dict[str, Any]:
+        """The summary's FLOP figures (see the class docstring)."""
+        tokens = sum(self.step_tokens)
+        tflops = self._steady_median(self.step_flops) / world_size / 1e12 if self.step_flops else None
+        peak = self._peak.tflops
+        return {
+            "flops_per_token": sum(self.step_flops) / tokens if tokens else None,
+            "flops_formula": self._flops_formula or None,
+            "tflops": tflops,
+            "peak_tflops": peak,
+            "peak_source": self._peak.source,
+            "mfu": tflops / peak if tflops is not None and peak is not None else None,
+        }
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -220,10 +282,11 @@ class RunSummary(Callback):
             dist.all_gather_object(ranks, mine)
         self.summary = {
             "layout": describe_layout(trainer),
-            "num_params": _count_parameters(trainer, pl_module),
+            "num_params": self._num_params if self._num_params is not None else _count_parameters(trainer, pl_module),
             "steps": len(self.losses),
             "losses": self.losses,
             "tokens_per_s": self.tokens_per_s(),
+            **self.flops_figures(trainer.world_size),
             "step_time_s": statistics.median(self.step_times) if self.step_times else None,
             "ranks": ranks,
         }

@@ -14,9 +14,10 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-# What gloo, NCCL and the TCP store say when the other side of a collective is gone or silent.
+# What gloo, NCCL and the TCP store say when the other side of a collective is gone or silent
+# (gloo's timeout: "Application timeout caused pair closure").
 _PEER_LOST = ("connection closed", "connection reset", "closed by peer", "broken pipe", "timed out",
-              "collective operation timeout", "socket timeout")
+              "collective operation timeout", "socket timeout", "application timeout")
 
 
 def _chain(exception: BaseException) -> list[BaseException]:
@@ -59,9 +60,11 @@ def describe_failure(exception: BaseException, rank: int, setup_step: Optional[s
         return (f"lightning_3d: rank {rank}: setting up {type(module).__name__} for {layout} failed during "
                 f"{setup_step}: {type(exception).__name__}: {first_line[:300]}")
     if is_collective_failure(exception) and dist.is_available() and dist.is_initialized():
+        from lightning_3d.resume import resume_hint, written_checkpoint
+
         return (f"lightning_3d: rank {rank}: a collective failed ({type(exception).__name__}: {first_line[:200]}). "
-                "Another rank has probably stopped; checkpoints already written are complete (saves are atomic): "
-                "relaunch with ckpt_path='last' to resume.")
+                "Another rank has probably stopped; checkpoints already written are complete (saves are atomic); "
+                f"{resume_hint(written_checkpoint(getattr(module, '_trainer', None)))}")
     if not isinstance(exception, Exception):
         return None  # KeyboardInterrupt, SystemExit: the user's or the launcher's doing
     io_error = _own_os_error(exception)

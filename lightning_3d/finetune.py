@@ -30,8 +30,9 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from lightning_3d.resume import FINETUNE_RUNS
+
 LATEST = "latest"
-FINETUNE_RUNS = "finetune"  # outputs/finetune/...: this app's own run dirs (see conf/finetune.yaml)
 
 
 def resolve_pretrained(value: str, project_dir: str | Path) -> Path:

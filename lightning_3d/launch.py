@@ -4,8 +4,26 @@ Lightning's own launcher re-runs ``sys.argv``, which under ``-m`` would make eve
 whole sweep. Here the parent re-runs the script with the current job's overrides only, in the
 job's output directory, with the environment ``torchrun`` would set (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); Lightning then sees an externally launched
-world. Transport is torch.distributed's; this only starts and watches processes. When one rank
-fails, the others are stopped rather than left hanging in a collective.
+world. Transport is torch.distributed's; this only starts and watches processes.
+
+No rank outlives the launcher, and what a rank could not clean up is cleaned here:
+
+* SIGTERM / SIGINT / SIGHUP to the launcher (a scheduler's preemption, Ctrl-C, a closed
+  terminal) are forwarded to every rank, which stop together at the end of the step with a
+  checkpoint (:class:`~lightning_3d.preemption.StopOnSignal`); ranks still running
+  :data:`GRACE_S` later (a fixed bound: schedulers kill outright after their own grace period,
+  30 s by default for SLURM and Kubernetes, so a longer one would rarely be used), or at a second
+  signal, are killed. The launcher then exits with ``128 + signal``, never 0. The ranks run in a
+  session of their own, so a terminal's Ctrl-C reaches them once, through the launcher.
+* When a rank fails, the others get :data:`FAILURE_GRACE_S` to fail by themselves (a lost peer
+  fails their collectives at once) and say why, then SIGTERM (and SIGCONT, should one be
+  stopped) and as long again to exit, removing their own files, before they are killed; a rank
+  killed by a signal is named, as it could not say anything itself.
+* Afterwards the NVMe offload directories of its ranks (named after their pids, in the paths
+  the ranks recorded in the store: :func:`lightning_3d.watchdog.record_offload_path`) are
+  removed: a SIGKILLed rank leaves its own behind.
+* Should the launcher itself be killed outright, each rank's watchdog notices (its parent
+  changed) and stops the rank as if it had been sent SIGTERM (:mod:`lightning_3d.watchdog`).
 
 The rendezvous store is hosted here, in the launching process, as ``torchrun``'s agent hosts it
 (:func:`hosted_store`): its port is one the OS assigned to a socket that listens for the whole
@@ -16,12 +34,20 @@ and being used. The ranks connect to it as clients (``TORCHELASTIC_USE_AGENT_STO
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any, Optional
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # what a scheduler or a terminal sends
+GRACE_S = 60.0  # after forwarding a signal: time for the ranks to finish the step and save
+FAILURE_GRACE_S = 5.0  # after a rank failed: for the others to exit by themselves, then again after SIGTERM
+POLL_S = 0.2
 
 
 def free_port() -> int:
@@ -80,32 +106,129 @@ def already_launched() -> bool:
     return "LOCAL_RANK" in os.environ or "SLURM_PROCID" in os.environ
 
 
-def launch_job(world_size: int, script: str, overrides: list[str], output_dir: str, threads: int) -> int:
-    """Run ``script`` with ``overrides`` on ``world_size`` local ranks; return the worst exit code."""
+def launch_job(world_size: int, script: str, overrides: list[str], output_dir: str, threads: int,
+               grace_s: float = GRACE_S) -> int:
+    """Run ``script`` with ``overrides`` on ``world_size`` local ranks; return the worst exit code
+    (``128 + n`` for a rank killed by signal ``n``, or for this launcher signalled with ``n``).
+
+    SIGTERM / SIGINT / SIGHUP to the launcher are forwarded to every rank (SIGHUP as SIGTERM), so
+    they stop together with a checkpoint (:class:`~lightning_3d.preemption.StopOnSignal`); ranks
+    still running ``grace_s`` later, or at a second signal, are killed. When a rank fails, the
+    others get :data:`FAILURE_GRACE_S` to exit, then SIGTERM and as long again before they are
+    killed. No rank outlives this call, and the NVMe offload directories of its ranks are
+    removed afterwards.
+    """
+    if not grace_s >= 0:
+        raise ValueError(f"grace_s must be a number of seconds >= 0, got {grace_s!r}")
     with hosted_store() as port:
-        return _run_ranks(world_size, script, overrides, output_dir, threads, port)
+        return _run_ranks(world_size, script, overrides, output_dir, threads, port, grace_s)
 
 
-def _run_ranks(world_size: int, script: str, overrides: list[str], output_dir: str, threads: int, port: int) -> int:
-    procs = []
-    for rank in range(world_size):
-        env = {**os.environ, **local_rank_env(rank, world_size, port, threads, agent_store=True)}
-        command = [
-            sys.executable, script, *overrides,
-            f"hydra.run.dir={output_dir}", "hydra.output_subdir=null", f"hydra.job.name=rank{rank}",
-        ]
-        procs.append(subprocess.Popen(command, env=env))
+def _run_ranks(world_size: int, script: str, overrides: list[str], output_dir: str, threads: int, port: int,
+               grace_s: float = GRACE_S) -> int:
+    from torch.distributed import TCPStore
+
+    from lightning_3d.watchdog import LAUNCHER_PID_ENV, STORE_TIMEOUT
+
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)  # what the ranks record
+    received: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # where Python lets signals be handled
+        previous = {signum: signal.signal(signum, lambda signum, _: received.append(signum)) for signum in FORWARDED}
+    procs: list[subprocess.Popen] = []
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                return failed[0]  # its peers would wait in a collective until the timeout
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.2)
+        for rank in range(world_size):
+            env = {**os.environ, **local_rank_env(rank, world_size, port, threads, agent_store=True),
+                   LAUNCHER_PID_ENV: str(os.getpid())}  # its watchdog stops the rank should this process die
+            command = [
+                sys.executable, script, *overrides,
+                f"hydra.run.dir={output_dir}", "hydra.output_subdir=null", f"hydra.job.name=rank{rank}",
+            ]
+            # A session of their own: Ctrl-C in a terminal reaches the launcher only, which
+            # forwards it once (a second SIGINT would interrupt a rank before it saves).
+            procs.append(subprocess.Popen(command, env=env, start_new_session=True))
+        return _watch(procs, received, grace_s)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        _end(procs, signal.SIGKILL, 0.0)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        _remove_offload_dirs(store, world_size, [p.pid for p in procs])
+
+
+def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float) -> int:
+    """Wait for the ranks; stop them all when one fails or this process is signalled."""
+    while True:
+        if received:
+            signum = received[0]
+            forwarded = signal.SIGTERM if signum == signal.SIGHUP else signum
+            print(f"lightning_3d: launcher: {signal.Signals(signum).name} received; forwarded to every rank, "
+                  f"which stop at the end of their step with a checkpoint (killed after {grace_s:g} s)",
+                  file=sys.stderr, flush=True)
+            _end(procs, forwarded, grace_s, received=received)
+            return 128 + signum
+        codes = [p.poll() for p in procs]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0):
+                if code < 0:  # a signal: the rank could not say anything itself
+                    print(f"lightning_3d: launcher: rank {rank} (pid {procs[rank].pid}) was killed by "
+                          f"{_signal_name(-code)}; stopping the other ranks", file=sys.stderr, flush=True)
+                # First a moment to fail by themselves (a lost peer fails their collective at once)
+                # and say why: a SIGTERM during their error handling would only interrupt it.
+                _end(procs, signal.SIGTERM, FAILURE_GRACE_S, received=received, patience_s=FAILURE_GRACE_S)
+                return 128 - code if code < 0 else code
+        if all(code == 0 for code in codes):
+            return 0
+        time.sleep(POLL_S)
+
+
+def _end(procs: list[subprocess.Popen], signum: int, grace_s: float, received: Optional[list[int]] = None,
+         patience_s: float = 0.0) -> None:
+    """After up to ``patience_s`` for the ranks to exit by themselves, send ``signum`` to those
+    still running, wait up to ``grace_s``, then SIGKILL and reap every one; the waits end early
+    if ``received`` grows (a second signal)."""
+    count = len(received) if received is not None else 0
+    _wait(procs, patience_s, lambda: received is not None and len(received) > count)
+    for proc in procs:
+        if proc.poll() is None:
+            _send(proc, signum)
+            if signum != signal.SIGKILL:
+                _send(proc, signal.SIGCONT)  # a stopped (SIGSTOP) rank acts on it only once continued
+    _wait(procs, grace_s, lambda: received is not None and len(received) > count)
+    for proc in procs:
+        if proc.poll() is None:
+            _send(proc, signal.SIGKILL)
+        proc.wait()
+
+
+def _wait(procs: list[subprocess.Popen], seconds: float, interrupted: Any) -> None:
+    """Until every process has exited, ``seconds`` have passed or ``interrupted()``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(p.poll() is None for p in procs) and not interrupted():
+        time.sleep(POLL_S)
+
+
+def _send(proc: subprocess.Popen, signum: int) -> None:
+    try:
+        proc.send_signal(signum)
+    except ProcessLookupError:  # exited meanwhile
+        pass
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _remove_offload_dirs(store: Any, world_size: int, pids: list[int]) -> None:
+    """The ranks' NVMe offload directories, in the paths they recorded in the store: a rank
+    killed (or stopped past the grace period) could not remove its own."""
+    from lightning_3d.offload.paths import remove_owned
+    from lightning_3d.watchdog import recorded_offload_paths
+
+    for parent in recorded_offload_paths(store, world_size):
+        try:
+            remove_owned(parent, pids)
+        except OSError:  # the path went away or is unreadable: nothing of ours to remove there
+            pass

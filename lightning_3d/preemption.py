@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_3d.resume import PREEMPTED as CHECKPOINT_NAME
+from lightning_3d.resume import resume_hint
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
-CHECKPOINT_NAME = "preempted.ckpt"
 
 
 class Preempted(RuntimeError):
@@ -55,7 +57,10 @@ class StopOnSignal(Callback):
         self.restore()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
-        self.restore()
+        # Keep recording: putting Lightning's SIGTERM handler back now would let a signal during
+        # the error handling broadcast from inside the handler. Lightning's signal connector puts
+        # back the handlers it found when the trainer tears down, right after this.
+        self._previous = {}
 
     def install(self) -> None:
         """Record SIGTERM / SIGINT from now on (main thread only; a no-op elsewhere)."""
@@ -95,7 +100,7 @@ class StopOnSignal(Callback):
         self.restore()
         raise Preempted(
             f"{name} received{' here' if self.received else ' by another rank'} (rank {rank}); stopped every rank "
-            f"after step {trainer.global_step} and saved {path}; resume with ckpt_path={str(path)!r}"
+            f"after step {trainer.global_step} and saved {path}; {resume_hint(path)}"
         )
 
 

@@ -221,7 +221,7 @@ def attach_optimizers(parallelized: Parallelized, optimizers: list[Optimizer], p
     wrapped = []
     for optimizer in optimizers:
         offloaded = OffloadedAdam.from_optimizer(optimizer, plan.offload.device, plan.offload.path,
-                                                 plan.offload.chunk_bytes)
+                                                 plan.offload.chunk_bytes, delay_update=plan.offload.delay_update)
         optimizer._opt_called = True  # its step is now the wrapper's: no "scheduler before step" warning
         engine = parallelized.engine_for(optimizer)
         if engine is not None:

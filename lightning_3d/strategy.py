@@ -38,6 +38,7 @@ from lightning_3d.precision import distributed_precision, scale_loss
 from lightning_3d.preemption import StopOnSignal
 from lightning_3d.recipe import Parallelized, attach_optimizers, parallelize
 from lightning_3d.telemetry import Telemetry
+from lightning_3d.watchdog import Watchdog, watch_world
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -81,6 +82,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         self._device_mesh: Optional[DeviceMesh] = None
         self._sync_grads = True
         self._setting_up: Optional[str] = None  # the setup step under way (for error reports)
+        self.watchdog: Optional[Watchdog] = None  # heartbeats: names a stalled or dead peer (setup_environment)
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
@@ -163,6 +165,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self.plan.dist.timeout, device_id=device_id)
         self.plan = self.plan.resolved(self.world_size)
         self._device_mesh = build_mesh(self.layout, self.root_device.type)
+        self.watchdog = self.watchdog or watch_world(self.global_rank, self.world_size, self.plan,
+                                                     lambda: self.lightning_module.trainer.global_step)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -283,8 +287,10 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         message = describe_failure(exception, self.global_rank, self._setting_up, self.lightning_module, self.layout)
-        if message:
-            print(message, file=sys.stderr, flush=True)
+        named = self.watchdog.failure_line(exception) if self.watchdog is not None else None
+        for line in (message, named):
+            if line:
+                print(line, file=sys.stderr, flush=True)
 
     @override
     def teardown(self) -> None:
@@ -293,9 +299,15 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         for engine in self.parallelized.engines if self.parallelized is not None else ():
             engine.detach()
         self.cluster_environment.teardown()
+        for optimizer in self.optimizers:  # offload_delay_update: the last step's weights into the model
+            if isinstance(optimizer, OffloadedAdam):
+                optimizer.synchronize()
         _optimizers_to_device([o for o in self.optimizers if not isinstance(o, OffloadedAdam)], torch.device("cpu"))
         if self.lightning_module is not None:
             self.lightning_module.cpu()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
         self.checkpoint_io.teardown()
+        if self.watchdog is not None:  # joins its thread: none left running at interpreter exit
+            self.watchdog.stop()
+            self.watchdog = None

@@ -164,3 +164,129 @@ def test_offload_memory_refuses_gpu_without_cuda(capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         bench.main(["--accelerator", "gpu"])
     assert exit_.value.code == 2 and "--accelerator gpu needs a CUDA device" in capsys.readouterr().err
+
+
+# --- one device (``python -m lightning_3d.bench --accelerator gpu``) and the offload ladder ---------
+
+
+def test_flops_per_token_reproduces_issue_15s_tflops():
+    """6 Ψ + 12 L C T at 12 x 768, T = 1024, vocab 256: 478,673 tokens/s is the table's 302 TFLOP/s."""
+    from lightning_3d.bench.compare import full_param_count
+    from lightning_3d.bench.one_device import MODEL
+    from lightning_3d.flops import named_device_peak, transformer_flops_per_token
+
+    psi = full_param_count({k: v for k, v in MODEL.items()})
+    assert psi == 86_133_504
+    per_token = transformer_flops_per_token(psi, MODEL["n_layer"], MODEL["n_embd"], MODEL["block_size"])
+    assert per_token == 6 * psi + 12 * 12 * 768 * 1024
+    assert round(478_673 * per_token / 1e12) == 302
+    assert named_device_peak("NVIDIA H200", "bf16-mixed").tflops == 989.4
+    assert named_device_peak("Tesla T4", "bf16-mixed").tflops is None
+
+
+def test_one_device_bad_settings_are_refused_before_any_process(monkeypatch):
+    from lightning_3d.bench import one_device
+    from lightning_3d.bench.__main__ import accelerator_of
+
+    with pytest.raises(ValueError, match=r"unknown rows \['ddp'\]"):
+        one_device.parse(["--accelerator", "cpu", "--rows", "torch", "ddp"])
+    with pytest.raises(ValueError, match=r"warmup \(4\) must be in \[0, steps=4\)"):
+        one_device.parse(["--accelerator", "cpu", "--quick", "--warmup", "4"])
+    with pytest.raises(ValueError, match=r"precision must be one of .* got '16-mixed'"):
+        one_device.parse(["--accelerator", "cpu", "--precision", "16-mixed"])
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert accelerator_of(["--rows", "auto", "--accelerator=gpu"]) == ("gpu", ["--rows", "auto"])
+    with pytest.raises(ValueError, match="--accelerator gpu needs a CUDA device"):
+        main(["--accelerator", "gpu", "--quick"])  # python -m lightning_3d.bench goes to one_device
+
+
+def test_one_device_rows_and_figures_on_cpu():
+    """The raw loop and Lightning ``auto`` train the same model on the same batches (in this
+    process: no process group); the summary turns their step times into the table's figures."""
+    from lightning_3d.bench import one_device
+
+    cfg = one_device.parse(["--accelerator", "cpu", "--quick", "--precision", "32-true", "--rows", "torch", "auto"])
+    spec = {k: cfg[k] for k in ("model", "batch", "steps", "warmup", "precision", "clip", "seed", "accelerator")}
+    raw = {"runs": {name: [one_device.fit_row(0, {**spec, "engine": name, "options": {}})]
+                    for name in ("torch", "auto")}, "notes": {}}
+    torch_run, auto_run = raw["runs"]["torch"][0], raw["runs"]["auto"][0]
+    assert len(torch_run["step_s"]) == len(auto_run["step_s"]) == cfg["steps"]
+    assert torch_run["num_params"] == auto_run["num_params"] == 133_440  # LitGPT 2 x 64, T = 32, vocab 256
+    records = one_device.summarize(cfg, raw)
+    by = {r["row"]: r for r in records}
+    tokens = cfg["batch"] * cfg["model"]["block_size"]
+    for r in records:
+        assert r["tokens_per_s"] == pytest.approx(tokens / r["step_s"])
+        assert r["tflops"] == pytest.approx(r["tokens_per_s"] * r["flops_per_token"] / 1e12)
+        assert r["mfu"] is None and r["device_peak_mb"] is None  # a CPU: no peak, no device memory
+    assert by["auto"]["vs_torch"] == pytest.approx(by["auto"]["tokens_per_s"] / by["torch"]["tokens_per_s"])
+    assert by["auto"]["vs_auto"] == 1.0 and by["auto"]["activation_bytes_per_block"] > 0  # RunSummary's meter
+    failed = one_device.summarize(cfg, {"runs": raw["runs"], "notes": {"3d": "failed: boom"}})
+    assert "| 3d | failed: boom |" in one_device.table([*failed, {"row": "3d", "note": "failed: boom"}])
+    assert one_device.target_misses([{"row": "3d", "note": "failed: boom"}]) == ["3d: not measured (failed: boom)"]
+
+
+def _ladder_args(tmp_path, **kw):
+    import argparse
+
+    defaults = dict(sizes=["1x64"], modes=["cpu"], rounds=1, batch_size=1, seq_len=160, row_timeout_s=120.0,
+                    budget_s=120.0, accelerator="cpu", threads=1, vocab=256, device_memory_gb=None,
+                    path=str(tmp_path), out=str(tmp_path / "out"))
+    return argparse.Namespace(**{**defaults, **kw})
+
+
+def test_offload_ladder_sizes_and_bad_input(tmp_path, capsys):
+    from lightning_3d.bench import offload_ladder as ladder
+    from lightning_3d.bench import offload_memory
+
+    assert ladder.parse_size("1.3B") == (24, 2048) and ladder.parse_size("3x128") == (3, 128)
+    for bad in ("1.3b", "3x100", "x64"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            ladder.parse_size(bad)
+    with pytest.raises(ValueError, match=r"unknown offload modes \['gpu'\]"):
+        ladder.check(_ladder_args(tmp_path, modes=["cpu", "gpu"]))
+    args = _ladder_args(tmp_path, sizes=["6.7B", "0.35B", "2x64"], modes=None)
+    assert [s[0] for s in ladder.check(args)] == ["2x64", "0.35B", "6.7B"] and args.modes == ["none", "cpu", "params"]
+    with pytest.raises(SystemExit):  # a device cap means nothing on a CPU
+        offload_memory.main(["--sizes", "1x64", "--device-memory-gb", "24"])
+    assert "--device-memory-gb needs --accelerator gpu" in capsys.readouterr().err
+
+
+def test_offload_ladder_table_counts_rows_that_do_not_fit():
+    from lightning_3d.bench import offload_ladder as ladder
+
+    def rec(size, mode, outcome, params, **kw):
+        layers, width = ladder.SIZES[size]
+        return ladder.figures({"size": size, "mode": mode, "outcome": outcome, "n_layer": layers, "n_embd": width,
+                               "batch": 8, "seq": 1024, "num_params": params, **kw}, 32_000)
+
+    fit = dict(step_s=2.0, build_s=10.0, fwd_bwd_s=0.5, optimizer_s=1.5, device_peak_mb=6 * 1024.0, peak_rss_mb=20480.0)
+    records = [rec("0.35B", "none", "fits", 350_000_000, **fit),
+               rec("1.3B", "none", "does not fit", 0, phase="step 1 of 3"),
+               rec("0.35B", "cpu", "fits", 350_000_000, **fit), rec("1.3B", "cpu", "fits", 1_300_000_000, **fit),
+               rec("2.7B", "params", "did not finish within 90 s", 0, phase="building")]
+    assert records[0]["tflops"] == pytest.approx(8 * 1024 * (6 * 350e6 + 12 * 24 * 1024 * 1024) / 2.0 / 1e12)
+    assert records[1]["num_params"] == 12 * 24 * 2048**2 + (32_000 + 1024) * 2048  # from the shape
+    assert ladder.largest_fitting(records) == {"none": "0.35B", "cpu": "1.3B", "params": None}
+    text = ladder.table(records)
+    assert "| 1.3B | 1.28 B | none | does not fit (step 1 of 3) | - | - |" in text
+    assert "| 1.3B | 1.30 B | cpu | fits | 10.0 | 2.00 | 0.50 | 1.50 |" in text and "| 6.0 | 20.0 |" in text
+
+
+def test_offload_ladder_runs_a_row_and_reports_one_that_does_not_finish(tmp_path):
+    """A real worker on CPU (tiny model), then a deadline too short to build: a row, not a crash,
+    and the larger size of that mode is not tried."""
+    from lightning_3d.bench import offload_ladder as ladder
+
+    from lightning_3d.bench.compare import full_param_count
+    from lightning_3d.bench.offload_memory import model_config
+
+    (row,) = ladder.run_ladder(_ladder_args(tmp_path), log=lambda line: None)
+    assert row["outcome"] == "fits" and row["mode"] == "cpu" and row["offload"] == "cpu"
+    # sequences of 160 tokens: the positional table grew past the default 128
+    assert row["num_params"] == full_param_count(model_config(1, 64, 256, 160)) > full_param_count(model_config(1, 64))
+    assert 0 < row["build_s"] and 0 < row["fwd_bwd_s"] < row["step_s"] and row["optimizer_s"] > 0
+    assert row["peak_rss_mb"] >= row["base_rss_mb"] > 0 and row["tflops"] > 0
+    late = ladder.run_ladder(_ladder_args(tmp_path, sizes=["1x64", "2x64"], row_timeout_s=0.5), log=lambda line: None)
+    assert [r["outcome"] for r in late] == ["did not finish within 0.5 s", "not run: 1x64 did not finish within 0.5 s"]
+    assert late[0]["phase"] == "building"

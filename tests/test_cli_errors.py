@@ -2,7 +2,7 @@
 ``error:`` line, exit code 2, no run directory), a run never reuses another's directory, and a
 sweep runs every job and reports the failed ones.
 
-The table below (65 bad values) is checked in process through Hydra's ``compose`` and
+The table below (71 bad values) is checked in process through Hydra's ``compose`` and
 :func:`lightning_3d.app.validate` (~0.1 s each); the ``CLI`` dozen also through
 ``python examples/train.py`` as a user runs it (~10 s each, all started together).
 """
@@ -91,6 +91,13 @@ BAD = {
     "data_block_size": (["data.block_size=1024"], ["data.block_size=1024", "128"]),
     "data_unknown_key": (["+data.foo=1"], ["data.foo"]),
     "data_target": (["data._target_=nope.Nope"], ["data._target_='nope.Nope'"]),
+    # ---- checkpoints and resume (resume=last with no earlier run: tests/test_app_resume.py)
+    "ckpt_path": (["+ckpt_path=last"], ["ckpt_path is not a key of this app", "resume=last"]),
+    "resume_missing": (["resume=/no/such/last.ckpt"], ["resume='/no/such/last.ckpt'", "does not exist"]),
+    "checkpoint_every_zero": (["checkpoint.every_n_steps=0"], ["checkpoint.every_n_steps=0"]),
+    "checkpoint_unknown_key": (["+checkpoint.every=5"], ["checkpoint.every"]),
+    "enable_checkpointing": (["+trainer.enable_checkpointing=true"], ["checkpoint.every_n_steps"]),
+    "top_level_unknown_key": (["+max_steps=5"], ["max_steps: not a key of this app"]),
     # ---- Hydra's own: unknown key, unknown group option, wrong type
     "hydra:unknown_key": (["parallelism.tensr=2"], ["tensr"]),
     "hydra:unknown_option": (["parallelism=nope"], ["parallelism/nope"]),
@@ -102,7 +109,7 @@ BAD = {
 # after the ranks had started (with a traceback per rank and a run directory left behind).
 CLI = ["hydra:unknown_key", "hydra:unknown_option", "hydra:wrong_type", "model_target", "batch_zero",
        "model_block_size", "val_fraction_high", "model_dropout", "precision", "max_steps_negative",
-       "accumulate_zero", "offload_path_full", "sequence_parallel_without_tensor"]
+       "accumulate_zero", "offload_path_full", "sequence_parallel_without_tensor", "ckpt_path"]
 
 
 def test_the_table_is_large():

@@ -95,3 +95,17 @@ def test_activation_checkpointing_changes_nothing(strategy, world):
     model = {"n_layer": 4, "dropout": 0.1}  # recomputed dropout must draw the same masks
     plain = {k: v for k, v in strategy.items() if k not in ("ac_policy", "ac_every_n")}
     assert_same_run(_run(strategy, world, model=model), _run(plain, world, model=model), rtol=TIGHT, atol=TIGHT)
+
+
+def test_offload_delay_update_reaches_the_optimizer():
+    """``offload_delay_update=True`` through the strategy: the first step is the same, the next
+    forwards see weights one step old (so the losses part), and a plain layout refuses it. The
+    delayed update's own numerics are tested in test_offload_delayed.py."""
+    from lightning_3d import ThreeDStrategy
+
+    with pytest.raises(ValueError, match="offload_delay_update=True needs offload"):
+        ThreeDStrategy(offload_delay_update=True)
+    plain, delayed = _run({"offload": "cpu"}, 1), _run({"offload": "cpu", "offload_delay_update": True}, 1)
+    assert delayed["losses"][0] == pytest.approx(plain["losses"][0], rel=TIGHT)
+    assert delayed["losses"][1] != pytest.approx(plain["losses"][1], rel=1e-4)
+    assert all(loss == loss for loss in delayed["losses"])  # finite: no NaN from a half-written weight

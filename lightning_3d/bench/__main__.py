@@ -3,9 +3,16 @@
     python -m lightning_3d.bench                       # the defaults of lightning_3d/bench/bench.yaml
     python -m lightning_3d.bench --quick --rows ddp 3d_zero1
     python -m lightning_3d.bench --repeats 5 steps=20 model.n_embd=512
+    python -m lightning_3d.bench --accelerator gpu     # one CUDA device: lightning_3d.bench.one_device
 
 Writes OUTDIR/bench.md (the printed table), OUTDIR/bench.json (raw figures) and, when
 matplotlib is importable, OUTDIR/bench.png. Rows and formulas: :mod:`lightning_3d.bench.compare`.
+
+The default rows are multi-process worlds on CPUs (gloo). ``--accelerator gpu`` runs the rows
+that fit one device instead (raw torch loop, Lightning ``auto``, ``3d`` with and without
+activation checkpointing and compile; tokens/s, TFLOP/s, MFU): every other argument goes to
+:mod:`lightning_3d.bench.one_device` (``--rows``, ``--steps``, ``--outdir``, ...). That path
+needs no OmegaConf, which GPU images often lack.
 """
 
 from __future__ import annotations
@@ -21,8 +28,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from lightning_3d.bench import compare
 
 LEGEND = (
@@ -37,11 +42,15 @@ DEFAULT_CONFIG = "bench.yaml"  # package data of lightning_3d.bench, read with i
 
 def default_config() -> Any:
     """The packaged defaults, read through the package's resources (works from a wheel or a zip)."""
+    from omegaconf import OmegaConf
+
     return OmegaConf.create(importlib.resources.files("lightning_3d.bench").joinpath(DEFAULT_CONFIG).read_text())
 
 
 def load_config(argv: list[str] | None) -> tuple[dict[str, Any], list[str]]:
     """Defaults from the YAML file, then --quick, then flags and key=value overrides."""
+    from omegaconf import OmegaConf
+
     parser = argparse.ArgumentParser(prog="python -m lightning_3d.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help=f"YAML of defaults (default: the packaged {DEFAULT_CONFIG})")
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, 1 repeat")
@@ -49,6 +58,8 @@ def load_config(argv: list[str] | None) -> tuple[dict[str, Any], list[str]]:
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--outdir")
+    parser.add_argument("--accelerator", choices=["cpu"], default="cpu",
+                        help="cpu (these rows); gpu: the one-device rows, see lightning_3d.bench.one_device")
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.n_embd=128")
     args = parser.parse_args(argv)
     if args.config is None:
@@ -123,7 +134,20 @@ def chart(records: list[dict[str, Any]], path: str) -> bool:
     return True
 
 
+def accelerator_of(argv: list[str]) -> tuple[str, list[str]]:
+    """``--accelerator X`` (or ``--accelerator=X``) taken out of ``argv``: (X or "cpu", the rest)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--accelerator", default="cpu")
+    known, rest = parser.parse_known_args(argv)
+    return known.accelerator, rest
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    accelerator, rest = accelerator_of(sys.argv[1:] if argv is None else argv)
+    if accelerator == "gpu":
+        from lightning_3d.bench import one_device
+
+        return one_device.main([*rest, "--accelerator", "gpu"])
     cfg, command = load_config(argv)
     compare.check_settings(cfg)  # bad rows or sizes fail here, before any process starts
     raw = compare.run_all(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))

@@ -35,6 +35,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 
+from lightning_3d.compat import functional_process_group
+
 # name -> (argument holding the tensor(s) that define the size, how the size maps to bytes sent).
 # Kinds: "ar" all-reduce, "rs" input is the full tensor, "ag" input is the local part,
 # "send" bytes sent as is, "recv" nothing sent.
@@ -133,8 +135,7 @@ def _nbytes(value: Any) -> int:
 
 def _group_size(group: Any, functional: bool) -> int:
     if functional:  # a group, a group name, a 1-D mesh or (mesh, dim): resolve to the group
-        resolved = funcol._resolve_group(group)
-        return (c10d._resolve_process_group(resolved) if isinstance(resolved, str) else resolved).size()
+        return functional_process_group(group).size()
     return group.size() if group is not None else dist.get_world_size()
 
 

@@ -30,6 +30,16 @@ with ``offload_params=True`` per precision, and the table adds the peak device m
 (``torch.cuda.max_memory_allocated``) and its ratio to offload=none. Without a CUDA device that
 flag is refused before anything starts.
 
+With ``--sizes`` the benchmark runs a size ladder instead (:mod:`lightning_3d.bench.offload_ladder`):
+
+    python -m lightning_3d.bench.offload_memory --accelerator gpu --device-memory-gb 24 --sizes 0.35B 1.3B 2.7B 6.7B
+
+per size and offload mode one process, bf16-true, full activation checkpointing, 8 x 1024
+tokens, vocab 32 000: fits?, build time, device and host peaks, step time (forward + backward
+and optimizer + transfers), TFLOP/s, and the largest size that fits. ``--device-memory-gb``
+caps the device with ``torch.cuda.set_per_process_memory_fraction`` (one GPU then stands for a
+smaller one); a size that runs out of memory is a row "does not fit", not a crash.
+
 Besides the printed table, ``OUT/summary.json`` (default ``bench_out/offload_memory``) holds every
 row machine-readable: the configuration, step time (wall and CPU medians), peak RSS, RSS over
 base, model-state bytes, the activation bytes per block of the row's first step (``RunSummary``'s
@@ -43,35 +53,17 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-MODEL = {"vocab_size": 256, "block_size": 128, "n_layer": 7, "n_head": 12, "n_embd": 768, "dropout": 0.0}
+from lightning_3d.bench import offload_ladder
+from lightning_3d.bench.offload_worker import MODEL, Row, _read, _start, _step, _worker, model_config
 
-
-def model_config(n_layer: int, n_embd: int) -> dict[str, Any]:
-    """The benchmark's LitGPT settings at another depth / width (64-wide heads)."""
-    return {**MODEL, "n_layer": n_layer, "n_embd": n_embd, "n_head": n_embd // 64}
 PRECISIONS = ("32-true", "bf16-true")
-PREFIX = "BENCH "
 DEFAULT_OUT = Path("bench_out") / "offload_memory"
-
-
-@dataclass(frozen=True)
-class Row:
-    """One configuration, run in its own process."""
-
-    precision: str
-    batch: int
-    seq: int
-    offload: str = "none"  # none | cpu | nvme
-    checkpointing: str = "none"  # activation checkpointing: none | full
-    params: bool = False  # ZeRO-3 with the parameters offloaded too (offload_params=True)
 
 
 def gpu_groups(groups: dict[str, list[Row]]) -> dict[str, list[Row]]:
@@ -88,84 +80,6 @@ def default_groups(checkpointing_rows: bool = True) -> dict[str, list[Row]]:
         fp32 += [Row("32-true", 4, 128, offload, "full") for offload in ("none", "nvme")]
     bf16 = [Row("bf16-true", 1, 32, offload) for offload in ("none", "cpu", "nvme")] + [Row("32-true", 1, 32)]
     return {"32-true": fp32, "bf16-true": bf16}
-
-
-def _say(record: dict[str, Any]) -> None:
-    print(PREFIX + json.dumps(record), flush=True)
-
-
-def _worker(args: argparse.Namespace) -> None:
-    """One configuration: train ``1 + rounds`` steps, each started by a ``step`` line on stdin."""
-    import lightning as L
-    import torch
-    from lightning.pytorch.callbacks import Callback
-
-    from lightning_3d import ThreeDStrategy
-    from lightning_3d.callbacks import RunSummary
-    from lightning_3d.data import TextDataModule
-    from lightning_3d.memory import peak_rss_mb
-    from lightning_3d.models import LitGPT
-
-    class Lockstep(Callback):
-        """Wait for the parent before each step; report the step's wall and CPU seconds."""
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if batch_idx == 0:
-                _say({"ready": True, "base_rss_mb": base_rss})
-            if sys.stdin.readline().strip() != "step":
-                raise SystemExit("benchmark parent went away")
-            self.start = time.perf_counter(), time.process_time()
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            _say({"step_s": time.perf_counter() - self.start[0], "cpu_s": time.process_time() - self.start[1]})
-
-    torch.set_num_threads(args.threads)
-    L.seed_everything(0, verbose=False)
-    data = TextDataModule(corpus="stdlib", block_size=args.seq, batch_size=args.batch, max_bytes=1_000_000, seed=0)
-    data.setup_for(1, 0)  # the corpus now, so that it is part of the base RSS
-    base_rss = peak_rss_mb()  # interpreter, torch, Lightning and the corpus: the same in every row
-    module = LitGPT(**model_config(args.n_layer, args.n_embd), lr=1e-4, warmup_steps=0)
-    strategy = ThreeDStrategy(offload=args.offload, offload_path=args.path if args.offload == "nvme" else None,
-                              ac_policy=args.checkpointing, zero_stage=3 if args.params else 0,
-                              offload_params=args.params)
-    with tempfile.TemporaryDirectory(prefix="offload-memory-") as out:  # summary.json goes there
-        summary = RunSummary(out_dir=out, warmup_steps=0)
-        trainer = L.Trainer(accelerator=args.accelerator, devices=1, strategy=strategy, precision=args.precision,
-                            max_steps=1 + args.rounds, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                            limit_val_batches=0, callbacks=[summary, Lockstep()], default_root_dir=out)
-        trainer.fit(module, data)
-    rank = summary.summary["ranks"][0]
-    device = {"device_peak_mb": rank["device_peak_mb"]} if "device_peak_mb" in rank else {}  # CUDA only
-    _say({"peak_rss_mb": peak_rss_mb(), "num_params": summary.summary["num_params"], **summary.memory,
-          **summary.activations, **device})
-
-
-def _start(row: Row, args: argparse.Namespace) -> subprocess.Popen:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", OMP_NUM_THREADS=str(args.threads))
-    command = [sys.executable, "-m", "lightning_3d.bench.offload_memory", "--worker",
-               *(f"--{f.name}={getattr(row, f.name)}" for f in fields(row)),
-               f"--rounds={args.rounds}", f"--threads={args.threads}", f"--path={args.path}",
-               f"--n-layer={args.n_layer}", f"--n-embd={args.n_embd}", f"--accelerator={args.accelerator}"]
-    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 -- the worker's warnings, closed in measure()
-    proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
-    proc.log = log  # type: ignore[attr-defined]
-    return proc
-
-
-def _read(worker: subprocess.Popen) -> dict[str, Any]:
-    """The worker's next record (other stdout lines are skipped)."""
-    for line in worker.stdout:
-        if line.startswith(PREFIX):
-            return json.loads(line[len(PREFIX):])
-    worker.log.seek(0)
-    raise RuntimeError(f"benchmark worker {worker.args[4:9]} exited with {worker.wait()}:\n{worker.log.read()[-3000:]}")
-
-
-def _step(worker: subprocess.Popen) -> dict[str, Any]:
-    worker.stdin.write("step\n")
-    worker.stdin.flush()
-    return _read(worker)
 
 
 def measure(rows: list[Row], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -248,7 +162,8 @@ def summary(results: list[dict[str, Any]], args: argparse.Namespace) -> dict[str
     """summary.json: the settings, then :func:`rows`."""
     return {
         "benchmark": "offload_memory",
-        "model": {"class": "LitGPT", **model_config(args.n_layer, args.n_embd)},
+        "model": {"class": "LitGPT", **model_config(args.n_layer, args.n_embd,
+                                                    getattr(args, "vocab", MODEL["vocab_size"]))},
         "num_params": results[0]["num_params"],
         "optimizer": "AdamW",
         "threads": args.threads,
@@ -266,9 +181,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=4, help="timed steps per configuration, interleaved")
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     parser.add_argument("--no-checkpointing-rows", action="store_true", help="skip the activation-checkpointing rows")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, help="intra-op threads per worker (default 1; --sizes: every core)")
     parser.add_argument("--n-layer", type=int, default=MODEL["n_layer"], help="blocks (default 7: 50M parameters)")
     parser.add_argument("--n-embd", type=int, default=MODEL["n_embd"], help="width, a multiple of 64 (default 768)")
+    parser.add_argument("--vocab", type=int, help=f"vocabulary (default {MODEL['vocab_size']}; --sizes: 32000)")
+    parser.add_argument("--device-memory-gb", type=float,
+                        help="gpu: cap this process's device memory (torch.cuda.set_per_process_memory_fraction)")
+    parser.add_argument("--sizes", nargs="+", help="a size ladder instead of the default rows: names "
+                        "(0.35B 1.3B 2.7B 6.7B) or LAYERSxWIDTH (e.g. 24x2048); see offload_ladder")
+    parser.add_argument("--modes", nargs="+", help="--sizes: offload modes per size (default: none cpu params)")
+    parser.add_argument("--batch-size", type=int, default=8, help="--sizes: sequences per step (default 8)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="--sizes: sequence length (default 1024)")
+    parser.add_argument("--row-timeout-s", type=float, default=150.0, help="--sizes: seconds per row")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="--sizes: no row starts after this many seconds (the rest are 'not run')")
     parser.add_argument("--path", default=tempfile.gettempdir(), help="directory for offload=nvme")
     parser.add_argument("--out", "--outdir", dest="out", default=str(DEFAULT_OUT),
                         help=f"directory for summary.json (default {DEFAULT_OUT})")
@@ -286,8 +212,22 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"need --n-layer >= 1 and --n-embd a multiple of 64, got {args.n_layer} and {args.n_embd}")
     if args.accelerator == "gpu" and not _cuda_available():
         parser.error("--accelerator gpu needs a CUDA device; torch sees none")
+    if args.device_memory_gb is not None and (args.accelerator != "gpu" or args.device_memory_gb <= 0):
+        parser.error(f"--device-memory-gb needs --accelerator gpu and a positive size, got {args.device_memory_gb} "
+                     f"with --accelerator {args.accelerator}")
+    ladder = args.sizes is not None
+    if args.threads is None:
+        args.threads = (os.cpu_count() or 1) if ladder and not args.worker else 1
+    if args.vocab is None:
+        args.vocab = 32_000 if ladder else MODEL["vocab_size"]
     if args.worker:
         _worker(args)
+        return
+    if ladder:
+        try:
+            offload_ladder.main(args)
+        except ValueError as error:
+            parser.error(str(error))
         return
     start = time.perf_counter()
     groups = default_groups(not args.no_checkpointing_rows)

@@ -49,6 +49,7 @@ from lightning_3d.checkpoint.integrity import (
     with_checksums,
 )
 from lightning_3d.checkpoint.pieces import PiecesLoadPlanner, PiecesSavePlanner
+from lightning_3d.compat import dcp_saved_metadata
 
 FORMAT = "lightning_3d.sharded/1"
 META_FILE = "meta.pt"
@@ -93,8 +94,9 @@ def save(tensors: Mapping[str, Any], meta: Mapping[str, Any], path: Any) -> None
         remove_stale_temps(path.parent)
     dist.barrier()
     try:
-        metadata = dcp.save(dict(tensors), planner=PiecesSavePlanner(),
-                            storage_writer=FileSystemWriter(temp, single_file_per_rank=True, sync_files=True))
+        metadata = dcp_saved_metadata(dcp.save(dict(tensors), planner=PiecesSavePlanner(),
+                                               storage_writer=FileSystemWriter(temp, single_file_per_rank=True,
+                                                                               sync_files=True)), temp)
         # Each rank checksums its share of the files just written (from the page cache).
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, item_checksums(temp, metadata, dist.get_rank(), dist.get_world_size()))

@@ -4,9 +4,9 @@ Per parameter the optimizer keeps ``exp_avg`` and ``exp_avg_sq`` (fp32) and, whe
 is not an fp32 CPU tensor (bf16, or on an accelerator), an fp32 ``master`` copy of its weights.
 For fp32 CPU parameters the parameter itself is the master: it is updated in place. Each
 parameter is cut into chunks of at most ``chunk_bytes`` of state; a step streams the chunks of
-every parameter that has a gradient through the store (``storage.py``), applies exactly
-``torch.optim.Adam``'s single-tensor update to each, and copies the updated master chunk back
-into the parameter. Hyperparameters are read from ``param_groups`` at every step, so LR
+every parameter that has a gradient through the store (``storage.py``), applies torch's fused
+CPU Adam(W) kernel to them, many chunks per call (``fused.py``), and copies the updated master
+chunks back into the parameter. Hyperparameters are read from ``param_groups`` at every step, so LR
 schedulers work as usual.
 
 ``optimizer.state`` is a live view: reading ``state[p]`` materialises that parameter's state
@@ -18,12 +18,14 @@ code that reads ``optimizer.state`` directly (the ZeRO engine's) sees the full s
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_3d.offload.fused import DEFAULT_GRAD_BUFFER_BYTES, AdamHyper, FusedBatch
 from lightning_3d.offload.paths import PathLike
 from lightning_3d.offload.storage import Chunk, ChunkStore, CpuChunkStore, FileChunkStore, ParamSlot, plan_chunks
 from lightning_3d.parallel.tensor import local_tensor as _local
@@ -37,7 +39,8 @@ _STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
 class OffloadedAdam(torch.optim.Optimizer):
     """Adam (``decoupled_weight_decay=False``, L2) or AdamW with offloaded state.
 
-    Numerically equal to ``torch.optim.Adam`` / ``AdamW`` (fp32, single-tensor path). Refuses
+    Bit for bit ``torch.optim.Adam`` / ``AdamW`` with ``fused=True`` on fp32 CPU tensors; equal
+    to the default (unfused) path within float rounding. Refuses
     ``amsgrad``, ``maximize``, ``capturable`` and ``differentiable``. Call :meth:`close` when
     done (NVMe files are also removed at garbage collection and interpreter exit).
 
@@ -54,10 +57,12 @@ class OffloadedAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, decoupled_weight_decay: bool = True, *,
                  device: str = "cpu", path: Optional[PathLike] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 window: int = 3) -> None:
+                 window: int = 3, delay_update: bool = False) -> None:
         """``params`` as for ``torch.optim.AdamW``; ``device`` "cpu" or "nvme" (then ``path`` is a
         directory on the drive); ``chunk_bytes`` of state per streamed chunk; ``window`` chunk
-        buffers in RAM for "nvme"."""
+        buffers in RAM for "nvme"; ``delay_update``: see :meth:`step` (changes the numerics)."""
+        if not isinstance(delay_update, bool):
+            raise ValueError(f"delay_update={delay_update!r} must be True or False")
         if device not in DEVICES:
             raise ValueError(f"offload device must be one of {DEVICES}, got {device!r}")
         if chunk_bytes < 12:
@@ -71,19 +76,30 @@ class OffloadedAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             _check_group(group)
         self.device = device
-        self._slots, self._chunks = plan_chunks(self.param_groups, chunk_bytes)
+        # Delayed: the update runs while the next forward reads the parameters, so it may not
+        # write them in place; every parameter gets a separate master.
+        self._slots, self._chunks = plan_chunks(self.param_groups, chunk_bytes, always_separate=delay_update)
         self._slot_of = {id(s.param): s for s in self._slots}
         self._layout = [id(p) for g in self.param_groups for p in g["params"]]
         segments = [c.numel * self._slots[c.slot].fields for c in self._chunks]
         # Everything above only inspects; the store is the first thing that writes (and it
         # checks the path and cleans up after itself if it fails).
         self._store: ChunkStore = CpuChunkStore(segments) if device == "cpu" else FileChunkStore(path, segments, window)
+        # A streaming store steps one chunk at a time: its gradient buffer need hold one chunk.
+        grad_buffer = DEFAULT_GRAD_BUFFER_BYTES if self._store.keeps_segments else 4 * max(
+            (c.numel for c in self._chunks), default=1)
+        self._batch = FusedBatch(grad_buffer, pinned=torch.cuda.is_available())  # pinned: device gradients land fast
+        self.delay_update = delay_update
+        self._in_flight: Optional[Future] = None  # delayed: the update started by the last step()
+        self._unapplied: list[int] = []  # delayed: slots whose new masters the parameters lack
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step") if delay_update else None
         self.state = _StateView(self)  # type: ignore[assignment]
         self.closed = False
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, device: str = "cpu", path: Optional[PathLike] = None,
-                       chunk_bytes: int = DEFAULT_CHUNK_BYTES, window: int = 3) -> "OffloadedAdam":
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES, window: int = 3,
+                       delay_update: bool = False) -> "OffloadedAdam":
         """Wrap an existing ``torch.optim.Adam`` / ``AdamW``, sharing its ``param_groups`` dicts
         (an LR scheduler built on ``optimizer`` keeps working) and importing any state it has."""
         kind = type(optimizer)
@@ -93,7 +109,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         d = optimizer.defaults
         new = cls(optimizer.param_groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
                   decoupled_weight_decay=d["decoupled_weight_decay"], device=device, path=path,
-                  chunk_bytes=chunk_bytes, window=window)
+                  chunk_bytes=chunk_bytes, window=window, delay_update=delay_update)
         try:
             if optimizer.state:
                 new.load_state_dict(optimizer.state_dict())
@@ -122,7 +138,15 @@ class OffloadedAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
-        """One Adam(W) step for every parameter whose ``grad`` is not ``None``."""
+        """One Adam(W) step for every parameter whose ``grad`` is not ``None``.
+
+        With ``delay_update=True`` (ZeRO-Offload's one-step delayed parameter update) this call
+        first waits for the update the previous call started and copies its weights into the
+        parameters, then snapshots the gradients and starts their update on a background thread
+        and returns: the next forward and backward overlap with the CPU step, and run on weights
+        one update behind. That changes the training trajectory (not the update rule); off by
+        default. :meth:`synchronize` brings the parameters up to date (e.g. before saving them).
+        """
         self._check_open()
         loss = None
         if closure is not None:
@@ -131,11 +155,25 @@ class OffloadedAdam(torch.optim.Optimizer):
         if [id(p) for g in self.param_groups for p in g["params"]] != self._layout:
             raise ValueError("param_groups changed after OffloadedAdam was built: wrap the optimizer after "
                              "anything that rewrites its parameters (e.g. the ZeRO engine's attach)")
-        hyper = []  # read at every step: schedulers change "lr" between steps
         for group in self.param_groups:
             _check_group(group)
-            hyper.append((float(group["lr"]), *map(float, group["betas"]), float(group["eps"]),
-                          float(group["weight_decay"]), bool(group["decoupled_weight_decay"])))
+        hyper = [AdamHyper.of(g) for g in self.param_groups]  # read at every step: schedulers change "lr"
+        grads = self._gradients()
+        if self._worker is not None:
+            self.synchronize()
+        for i in grads:  # counted here, before any update runs, so ``state`` never sees half a step
+            self._slots[i].step += 1
+        if self._worker is None:
+            self._update(grads, hyper, write_weights=True)
+            return loss
+        # Owned copies: the caller zeroes or overwrites .grad while the update runs.
+        grads = {i: g.to(device="cpu", dtype=torch.float32, copy=True) for i, g in grads.items()}
+        self._in_flight = self._worker.submit(self._update, grads, hyper, write_weights=False)
+        self._unapplied = list(grads)
+        return loss
+
+    def _gradients(self) -> dict[int, Tensor]:
+        """``{slot index: flat local gradient}`` of the parameters that have one, checked."""
         grads: dict[int, Tensor] = {}
         for i, slot in enumerate(self._slots):
             grad = slot.param.grad
@@ -147,18 +185,53 @@ class OffloadedAdam(torch.optim.Optimizer):
                 raise ValueError(f"gradient must be dense and shaped like its parameter {tuple(shape)}, "
                                  f"got {tuple(grad.shape)} ({grad.layout})")
             grads[i] = grad.reshape(-1)
-            slot.step += 1
+        return grads
+
+    @torch.no_grad()  # grad mode is per thread: the delayed update runs on another one
+    def _update(self, grads: dict[int, Tensor], hyper: list[AdamHyper], write_weights: bool) -> None:
+        """Step the chunks of ``grads``' slots through the store; ``write_weights``: copy the new
+        masters into separate-master parameters as each batch finishes."""
         order = [c for i in grads for c in self._slots[i].chunks]
-        for index, segment in self._store.stream(order):
-            chunk = self._chunks[index]
-            slot = self._slots[chunk.slot]
-            self._update(slot, chunk, segment, grads[chunk.slot], hyper[slot.group])
+        # A store whose segments stay put (RAM) lets many chunks go to the kernel in one call; a
+        # streaming store (NVMe) reuses its buffer once the caller moves on, so step each now.
+        batched = self._store.keeps_segments
+        try:
+            for index, segment in self._store.stream(order):
+                chunk = self._chunks[index]
+                slot = self._slots[chunk.slot]
+                self._add(slot, chunk, segment, grads[chunk.slot], hyper[slot.group], write_weights)
+                if not batched:
+                    self._batch.flush()
+            self._batch.flush()
+        finally:
+            self._batch.discard()  # after an error: forget views into buffers the store reuses
         for i in grads:
             self._slots[i].master_valid = True
-        return loss
 
-    def _update(self, slot: ParamSlot, chunk: Chunk, segment: Tensor, grad_flat: Tensor, hyper: tuple) -> None:
-        lr, beta1, beta2, eps, weight_decay, decoupled = hyper
+    def _wait(self) -> None:
+        """Delayed: let the update in flight finish (its error, if any, is raised here)."""
+        future, self._in_flight = self._in_flight, None
+        if future is not None:
+            future.result()
+
+    def synchronize(self) -> None:
+        """Finish the delayed update in flight and copy its new weights into the parameters (a
+        no-op without ``delay_update``). Call it before saving the model's weights."""
+        self._wait()
+        unapplied = [i for i in self._unapplied if self._slots[i].master_valid]
+        self._unapplied = []
+        if unapplied and not self.closed:
+            order = [c for i in unapplied for c in self._slots[i].chunks]
+            with torch.no_grad():
+                for index, segment in self._store.stream(order):
+                    chunk = self._chunks[index]
+                    n = chunk.numel
+                    _local(self._slots[chunk.slot].param).view(-1)[chunk.start : chunk.start + n].copy_(
+                        segment[2 * n : 3 * n])
+
+    def _add(self, slot: ParamSlot, chunk: Chunk, segment: Tensor, grad_flat: Tensor, hyper: AdamHyper,
+             write_weights: bool) -> None:
+        """Queue one chunk's update; :class:`FusedBatch` applies torch's fused Adam(W) to it."""
         n = chunk.numel
         exp_avg, exp_avg_sq = segment[:n], segment[n : 2 * n]
         weights = _local(slot.param).view(-1)[chunk.start : chunk.start + n]
@@ -168,24 +241,12 @@ class OffloadedAdam(torch.optim.Optimizer):
             exp_avg_sq.zero_()
         if slot.separate_master and (slot.step == 1 or not slot.master_valid):
             master.copy_(weights)
-        grad = grad_flat[chunk.start : chunk.start + n].to(device="cpu", dtype=torch.float32)
-        # The same operations, in the same order, as torch.optim.adam._single_tensor_adam.
-        if weight_decay != 0:
-            if decoupled:
-                master.mul_(1 - lr * weight_decay)
-            else:
-                grad = grad.add(master, alpha=weight_decay)
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step_size = lr / (1 - beta1**slot.step)
-        bias_correction2_sqrt = (1 - beta2**slot.step) ** 0.5
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        master.addcdiv_(exp_avg, denom, value=-step_size)
-        if slot.separate_master:
-            weights.copy_(master)
+        self._batch.add(hyper, slot.step, master, grad_flat[chunk.start : chunk.start + n], exp_avg, exp_avg_sq,
+                        weights if slot.separate_master and write_weights else None)
 
     # ------------------------------------------------------------------ state
     def _read_state(self, slot: ParamSlot) -> dict[str, Tensor]:
+        self._wait()
         local = _local(slot.param)
         keys = _STATE_KEYS[: 3 if slot.separate_master and slot.master_valid else 2]
         values = self._store.read_fields(slot.chunks, slot.fields)
@@ -198,6 +259,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         return out
 
     def _write_state(self, slot: ParamSlot, value: Mapping[str, Any]) -> None:
+        self._wait()
         step = int(float(value["step"])) if "step" in value else 0
         if step <= 0:
             slot.step, slot.master_valid = 0, False
@@ -229,8 +291,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         for group, saved in zip(self.param_groups, saved_groups):
             # In place: the dicts may be shared with the wrapped optimizer and its scheduler.
             group.update({k: v for k, v in saved.items() if k != "params"})
+        self._wait()
         for saved_id, p in zip(ids, params):
             self._write_state(self._slot_of[id(p)], state_dict["state"].get(saved_id, {}))
+        # Delayed: a saved master is one update ahead of the saved weights; the next step()
+        # copies it into the parameters, as it would have without the interruption.
+        self._unapplied = [i for i, slot in enumerate(self._slots) if slot.master_valid and self.delay_update]
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.AdamW``'s format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"
@@ -241,9 +307,15 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Release the store (NVMe: delete the files). Afterwards ``state`` is empty, and
-        ``step`` / ``state_dict`` / ``load_state_dict`` raise ``ValueError``. Idempotent."""
-        self._store.close()
-        self.closed = True
+        ``step`` / ``state_dict`` / ``load_state_dict`` raise ``ValueError``. Idempotent. A delayed
+        update in flight finishes first (the parameters keep the weights they have)."""
+        try:
+            self._wait()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+            self._store.close()
+            self.closed = True
 
     def _check_open(self) -> None:
         if self.closed:
@@ -281,6 +353,7 @@ class _StateView(MutableMapping):
 
     def __delitem__(self, p: Any) -> None:
         slot = self._slot(p)
+        self._owner._wait()
         slot.step, slot.master_valid = 0, False
 
     def __iter__(self) -> Iterator[Tensor]:

@@ -9,14 +9,17 @@ from lightning_3d.offload.paths import check_offload_path
 
 
 def offload_options(device: str, path: Optional[str], chunk_mb: Any, params: Any = False,
-                    zero_stage: int = 0) -> dict[str, Any]:
-    """``{"device", "path", "chunk_bytes", "params"}``; ``ValueError`` naming a bad value.
+                    zero_stage: int = 0, delay_update: Any = False) -> dict[str, Any]:
+    """``{"device", "path", "chunk_bytes", "params", "delay_update"}``; ``ValueError`` naming a bad value.
 
     ``params=True`` (parameters offloaded to CPU memory as well) needs ``zero_stage=3``, whose
     FSDP2 shards are what moves, and an offload device.
 
     For ``"nvme"`` the directory is checked now (exists, is a directory, is writable); its free
-    space is checked against the state's size when the optimizer is wrapped, before training."""
+    space is checked against the state's size when the optimizer is wrapped, before training.
+
+    ``delay_update=True`` (ZeRO-Offload's one-step delayed parameter update, see
+    ``OffloadedAdam.step``) needs an offload device; it changes the numerics."""
     if device not in ("none", *DEVICES):
         raise ValueError(f"offload={device!r}: use one of {['none', *DEVICES]}")
     if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float)) or not chunk_mb > 0:
@@ -26,8 +29,13 @@ def offload_options(device: str, path: Optional[str], chunk_mb: Any, params: Any
     if params and (device == "none" or zero_stage != 3):
         raise ValueError(f"offload_params=True needs zero_stage=3 and offload='cpu' or 'nvme', "
                          f"got zero_stage={zero_stage!r} and offload={device!r}")
+    if not isinstance(delay_update, bool):
+        raise ValueError(f"offload_delay_update={delay_update!r} must be True or False")
+    if delay_update and device == "none":
+        raise ValueError("offload_delay_update=True needs offload='cpu' or 'nvme', got offload='none'")
     if device == "nvme":
         if path is None:
             raise ValueError("offload='nvme' needs offload_path: a directory on the drive that holds the state")
         path = check_offload_path(path, 0)
-    return {"device": device, "path": path, "chunk_bytes": max(1, int(chunk_mb * 2**20)), "params": params}
+    return {"device": device, "path": path, "chunk_bytes": max(1, int(chunk_mb * 2**20)), "params": params,
+            "delay_update": delay_update}

@@ -88,6 +88,21 @@ def remove_stale(parent: PathLike) -> list[str]:
     return removed
 
 
+def remove_owned(parent: PathLike, pids: "list[int]") -> list[str]:
+    """Remove the private directories in ``parent`` made on this host by the processes ``pids``
+    (a launcher's ranks, once it has reaped them); returns the removed paths. Used by the
+    process that outlives them, as a SIGKILLed rank cannot clean up."""
+    host = socket.gethostname()
+    prefixes = tuple(_owner_prefix(host, pid) for pid in pids)
+    removed = []
+    for name in os.listdir(parent):
+        if prefixes and name.startswith(prefixes):
+            path = os.path.join(os.fspath(parent), name)
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -32,6 +32,11 @@ from lightning_3d.offload.paths import PathLike, PrivateDirectory, check_offload
 from lightning_3d.parallel.tensor import local_tensor
 
 ELEMENT_BYTES = 4  # float32
+# Chunks of at least this many elements are cut at multiples of it (64 bytes, a cache line).
+# torch's fused CPU Adam splits a tensor across threads and SIMD lanes in such units and steps a
+# ragged end element by element, which rounds differently; aligned chunks are split exactly
+# where the whole parameter would be, so a chunked step equals a whole-tensor step bit for bit.
+ALIGN_ELEMENTS = 16
 
 
 @dataclass(eq=False)
@@ -57,8 +62,11 @@ class Chunk:
     numel: int
 
 
-def plan_chunks(param_groups: Sequence[dict], chunk_bytes: int) -> tuple[list[ParamSlot], list[Chunk]]:
-    """Cut every parameter of ``param_groups`` into chunks of at most ``chunk_bytes`` of state."""
+def plan_chunks(param_groups: Sequence[dict], chunk_bytes: int,
+                always_separate: bool = False) -> tuple[list[ParamSlot], list[Chunk]]:
+    """Cut every parameter of ``param_groups`` into chunks of at most ``chunk_bytes`` of state
+    (at least one element), of a multiple of ``ALIGN_ELEMENTS`` elements where that fits.
+    ``always_separate``: an fp32 master in the store even for fp32 CPU parameters."""
     slots: list[ParamSlot] = []
     chunks: list[Chunk] = []
     for group_index, group in enumerate(param_groups):
@@ -70,8 +78,10 @@ def plan_chunks(param_groups: Sequence[dict], chunk_bytes: int) -> tuple[list[Pa
             if not local.is_contiguous():
                 raise ValueError(f"offload needs contiguous parameters, got shape {tuple(local.shape)} "
                                  f"with strides {local.stride()}")
-            separate = local.dtype != torch.float32 or local.device.type != "cpu"
+            separate = always_separate or local.dtype != torch.float32 or local.device.type != "cpu"
             per_chunk = max(1, chunk_bytes // (ELEMENT_BYTES * (3 if separate else 2)))
+            if per_chunk >= ALIGN_ELEMENTS:
+                per_chunk -= per_chunk % ALIGN_ELEMENTS
             first = len(chunks)
             for start in range(0, local.numel(), per_chunk):
                 chunks.append(Chunk(len(slots), start, min(per_chunk, local.numel() - start)))
@@ -85,6 +95,10 @@ def _pinned() -> bool:
 
 class ChunkStore:
     """fp32 segments addressed by index. Subclasses decide where the bytes live."""
+
+    # True: a segment yielded by stream() stays valid (and is kept) after the caller moves on,
+    # so the caller may gather many before computing; False: only until the next one is asked for.
+    keeps_segments = False
 
     def __init__(self, segment_numels: Sequence[int]) -> None:
         if any(n <= 0 for n in segment_numels):
@@ -141,6 +155,8 @@ class ChunkStore:
 
 class CpuChunkStore(ChunkStore):
     """All segments in one CPU tensor (pinned if CUDA is available)."""
+
+    keeps_segments = True
 
     def __init__(self, segment_numels: Sequence[int]) -> None:
         super().__init__(segment_numels)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_3d.compat import all_gather_single, reduce_scatter_single
 from lightning_3d.parallel.tensor import local_tensor as _local
 from lightning_3d.plan import ZeroOptions
 
@@ -264,7 +265,7 @@ class ZeroDataParallel:
                 bucket.work = dist.all_to_all_single(bucket.received, full, group=self.group, async_op=True)
             else:
                 bucket.reduced = torch.empty(bucket.shard_numel, dtype=full.dtype, device=full.device)
-                bucket.work = dist.reduce_scatter_single(bucket.reduced, full, group=self.group, async_op=True)
+                bucket.work = reduce_scatter_single(bucket.reduced, full, group=self.group, async_op=True)
 
     def finish_backward(self) -> None:
         """Call after each backward: completes the reductions of a synchronising backward."""
@@ -327,7 +328,7 @@ class ZeroDataParallel:
         """Call after ``optimizer.step()``: re-replicate parameters, clear gradients."""
         if self.stage >= 1:
             works = [
-                dist.all_gather_single(b.flat, self._own(b.flat, b), group=self.group, async_op=True)
+                all_gather_single(b.flat, self._own(b.flat, b), group=self.group, async_op=True)
                 for b in self.buckets
             ]
             for work in works:
@@ -366,7 +367,7 @@ class ZeroDataParallel:
                         entry[key] = value
                     continue
                 full = torch.empty_like(bucket.flat, dtype=_local(value).dtype)
-                dist.all_gather_single(full, _local(value), group=self.group)
+                all_gather_single(full, _local(value), group=self.group)
                 for entry, p, offset in zip(per_param, bucket.params, bucket.offsets):
                     entry[key] = _like(p, full[offset : offset + _local(p).numel()])
             for p, entry in zip(bucket.params, per_param):

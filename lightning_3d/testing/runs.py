@@ -31,7 +31,8 @@ class Run:
     ``save_to`` a ``.ckpt`` path that a ``ModelCheckpoint`` writes at the end of every training
     epoch (the usual user path), or, with ``save_every_n_steps=n``, after every n-th optimizer
     step as ``<stem>-step=<global step>.ckpt``. ``rank_state=True``: every rank also returns the
-    parameters it holds (see :func:`fit_gpt`).
+    parameters it holds (see :func:`fit_gpt`). ``accelerator`` is the Trainer's (``"gpu"`` for the
+    CUDA tests, ``tests/test_cuda.py``); returned weights are on the CPU either way.
     """
 
     strategy: Optional[dict[str, Any]] = None
@@ -47,6 +48,7 @@ class Run:
     save_to: Optional[str] = None
     save_every_n_steps: Optional[int] = None
     rank_state: bool = False
+    accelerator: str = "cpu"
 
 
 def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
@@ -102,7 +104,7 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
                                              enable_version_counter=False))
     with tempfile.TemporaryDirectory() as root:
         fit = L.Trainer(
-            accelerator="cpu",
+            accelerator=run.accelerator,
             devices=run.devices,
             strategy=ThreeDStrategy(**run.strategy) if run.strategy is not None else "auto",
             max_steps=run.steps,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_3d.compat import static_stage_shapes
 from lightning_3d.parallel.pipeline import make_schedule
 from lightning_3d.parallel.stages import stage_ids
 from lightning_3d.testing.fake import fake_world
@@ -33,8 +34,8 @@ def trace_rank(schedule: str, pp_size: int, virtual: int, micro_batches: int, ra
         stages = []
         for index in stage_ids(rank, pp_size, virtual):
             stages.append(_RecordingStage(
-                nn.Linear(WIDTH, WIDTH), index, num_stages, torch.device("cpu"), input_args=(example,),
-                output_args=(example,), input_grads=(example,), output_grads=(example,), group=dist.group.WORLD,
+                nn.Linear(WIDTH, WIDTH), index, num_stages, torch.device("cpu"), group=dist.group.WORLD,
+                **static_stage_shapes((example,), (example,)),
                 actions=actions,
             ))
         runner = make_schedule(schedule, stages, micro_batches, lambda out, target: out.sum())

@@ -71,6 +71,7 @@ class OffloadOptions:
     path: Optional[str] = None
     chunk_mb: float = DEFAULT_CHUNK_BYTES / 2**20
     params: bool = False
+    delay_update: bool = False
 
     @property
     def chunk_bytes(self) -> int:
@@ -160,6 +161,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("offload_params", "offload", "params",
            "zero_stage 3 with an offload device: sharded parameters and gradients in CPU memory too",
            hydra_group="offload", hydra_key="params"),
+    Option("offload_delay_update", "offload", "delay_update",
+           "ZeRO-Offload's one-step delayed parameter update: the CPU step overlaps the next forward and backward, "
+           "which see weights one step old (changes the numerics)", hydra_group="offload", hydra_key="delay_update"),
     Option("checkpoint_format", "checkpoint", "format",
            "saved checkpoints: `consolidated` (one file, rank 0 writes) or `sharded` (a directory, every rank writes)"),
     Option("compile", "compile", "enabled", "`torch.compile` each transformer block (after activation "
@@ -248,7 +252,8 @@ def _checked(plan: Plan) -> Plan:
                           plan.pp.split)
     ac = ac_options(plan.ac.policy, plan.ac.every_n)
     offload = plan.offload
-    checked = offload_options(offload.device, offload.path, offload.chunk_mb, offload.params, layout.zero_stage)
+    checked = offload_options(offload.device, offload.path, offload.chunk_mb, offload.params, layout.zero_stage,
+                              offload.delay_update)
     problems = []
     if plan.tp.plan is not None and not isinstance(plan.tp.plan, Mapping):
         problems.append(f"tp_plan={plan.tp.plan!r} must be a mapping {{module pattern: style}}")

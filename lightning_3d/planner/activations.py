@@ -1,0 +1,154 @@
+"""Activation bytes per transformer block per sample, measured with the project's meter.
+
+:class:`~lightning_3d.parallel.activations.ActivationMeter` is what the runs use
+(``RunSummary``'s ``activation_bytes_per_block``). It cannot count on ``meta`` (every meta
+storage has data pointer 0, so all saves look like one tensor), so one block is copied to the
+CPU at the model's real width, in the activation dtype (bf16 for the mixed precisions), with the
+policy applied as the recipe applies it, and run forward and backward at batch 1 on two short
+sequences ``T1 < T2``. Saved bytes grow linearly in the batch and, per sample, as
+``a·T + b·T²`` (``b`` is attention scores on the math path; 0 with fused attention), which the
+two points fit. Tensor parallelism is measured too: the block's column-parallel linears get
+``out / tp`` features and its row-parallel ones ``in / tp`` (the local shapes a tp rank holds),
+so what stays replicated (norm inputs, the residual stream) and what is split are both counted.
+
+Blocks the copy cannot run alone (a forward needing more than the residual stream) or whose
+split layers are not ``nn.Linear`` fall back to an estimate, marked in ``source``: the first
+measurable point scaled by Megatron's split (about 10/34 of a block's saves stay replicated).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_3d.parallel.activations import ActivationMeter
+
+MEASURE_TOKENS = 32  # T1; T2 = 2 * T1 (both capped at seq_len)
+REPLICATED_SHARE = 10 / 34  # Megatron (Korthikanti et al. 2022): 10 of 34 bytes·s·b·h per layer unsplit by TP
+
+
+@dataclass(frozen=True)
+class ActivationFit:
+    """Bytes one block keeps for backward per sample of ``T`` tokens: ``per_token·T + per_token_sq·T²``."""
+
+    per_token: float
+    per_token_sq: float
+    source: str  # "measured" or "estimated: why"
+    points: tuple[tuple[int, int], ...] = ()  # the (T, bytes) measured at batch 1
+
+    def bytes_per_sample(self, seq_len: int) -> float:
+        return self.per_token * seq_len + self.per_token_sq * seq_len**2
+
+
+def fit_points(points: Sequence[tuple[int, int]], source: str = "measured") -> ActivationFit:
+    """``a·T + b·T²`` through one or two (T, bytes) points (one point: linear)."""
+    if len(points) == 1 or points[0][0] == points[-1][0]:
+        t, b = points[0]
+        return ActivationFit(b / t, 0.0, source, tuple(points))
+    (t1, b1), (t2, b2) = points[0], points[-1]
+    sq = max(0.0, (b2 / t2 - b1 / t1) / (t2 - t1))
+    return ActivationFit(max(0.0, b1 / t1 - sq * t1), sq, source, tuple(points))
+
+
+def _local_block(block: nn.Module, prefix: str, split: set[str], columns: set[str], tp: int) -> Optional[nn.Module]:
+    """A meta copy of ``block`` with the local shapes of one of ``tp`` ranks (``split``: names of
+    the parameters tensor parallelism splits; ``columns``: names of the column-parallel modules);
+    ``None`` when a split parameter is not an ``nn.Linear`` weight (its local shape is unknown here)."""
+    local = copy.deepcopy(block)
+    if tp == 1:
+        return local
+    for name, sub in list(local.named_modules()):
+        full = f"{prefix}.{name}" if name else prefix
+        hit = f"{full}.weight" in split
+        if not hit:
+            continue
+        if type(sub) is not nn.Linear:
+            return None
+        column = full in columns
+        fin, fout = sub.in_features, sub.out_features
+        fin, fout = (fin, fout // tp) if column else (fin // tp, fout)
+        twin = nn.Linear(fin, fout, bias=sub.bias is not None, device="meta")
+        parent, _, attr = name.rpartition(".")
+        setattr(local.get_submodule(parent) if parent else local, attr, twin)
+    return local
+
+
+def _materialize(block: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A CPU copy of a meta block with random weights (sizes, not values, decide what is saved)."""
+    block = copy.deepcopy(block).to_empty(device="cpu").to(dtype)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0.0, 0.02)
+    return block
+
+
+def _measure(block: nn.Module, forward: Callable, d_model: int, seq: int, policy: str) -> int:
+    """Bytes the meter attributes to ``block`` in one forward and backward at batch 1."""
+    dtype = next(block.parameters()).dtype
+    holder = nn.Module()
+    holder.blocks = nn.ModuleList([block])  # how the recipe finds blocks to checkpoint
+    apply_activation_checkpointing(holder, policy)
+    meter = ActivationMeter()
+    unwatch = meter.watch([("block", block)])
+    meter.reset(block.parameters())
+    x = torch.randn(1, seq, d_model, dtype=dtype, requires_grad=True)  # (B=1, T, C)
+    try:
+        with meter.hooks():
+            y = forward(block, x)
+            y = y[0] if isinstance(y, (tuple, list)) else y
+            y.float().sum().backward()  # frees what was saved (and checks the block runs backward)
+    finally:
+        unwatch()
+        apply_activation_checkpointing(holder, "none")
+        block.zero_grad(set_to_none=True)
+    return meter.block_bytes["block"]
+
+
+def measure_activations(entry: tuple[str, nn.Module], *, forward: Optional[Callable],
+                        split: set[str], columns: set[str], d_model: int, n_head: int, seq_len: int, act_bytes: int,
+                        policies: Sequence[str], tp_sizes: Sequence[int]) -> dict[tuple[str, int], ActivationFit]:
+    """(policy, tp) -> :class:`ActivationFit` for the block ``entry = (name, meta block)``."""
+    name, block = entry
+    dtype = torch.float32 if act_bytes == 4 else torch.bfloat16
+    call = forward or (lambda b, x: b(x))
+    t1 = min(MEASURE_TOKENS, seq_len)
+    lengths = sorted({t1, min(2 * t1, seq_len)})
+    out: dict[tuple[str, int], ActivationFit] = {}
+    for tp in sorted(tp_sizes):
+        local = _local_block(block, name, split, columns, tp)
+        real = _materialize(local, dtype) if local is not None else None  # once per tensor size
+        for policy in policies:
+            base = out.get((policy, 1))
+            if real is not None:
+                try:
+                    out[(policy, tp)] = fit_points([(t, _measure(real, call, d_model, t, policy)) for t in lengths])
+                except Exception as err:  # noqa: BLE001 -- a block that cannot run alone: estimate
+                    reason = f"estimated: the block does not run alone ({type(err).__name__})"
+                    out[(policy, tp)] = _megatron(d_model, n_head, act_bytes, policy, tp, reason)
+            elif base is not None and base.source == "measured":
+                scale = REPLICATED_SHARE + (1 - REPLICATED_SHARE) / tp
+                out[(policy, tp)] = ActivationFit(base.per_token * scale, base.per_token_sq / tp,
+                                                  "estimated: split layers are not nn.Linear (Megatron's split)")
+            else:
+                out[(policy, tp)] = _megatron(d_model, n_head, act_bytes, policy, tp,
+                                              "estimated: split layers are not nn.Linear")
+        del real
+    return out
+
+
+def _megatron(d: int, heads: int, act_bytes: int, policy: str, tp: int, source: str) -> ActivationFit:
+    """Korthikanti et al.: per layer s·b·h·(34 + 5·a·s/h) bytes in 16 bits; TP splits 24 of the 34;
+    full recompute keeps the block input (2·s·b·h); selective drops the attention-score term."""
+    scale = act_bytes / 2
+    if policy == "full":
+        return ActivationFit(2 * d * scale, 0.0, source)
+    linear = d * (10 + 24 / tp) * scale
+    quad = 0.0 if policy == "selective" else 5 * heads / tp * scale
+    return ActivationFit(linear, quad, source)
+

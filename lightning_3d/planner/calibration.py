@@ -1,0 +1,116 @@
+"""The planner's predicted per-rank bytes next to what real runs measure, layout by layout.
+
+    python -m lightning_3d.planner.calibration [--layouts dp2_z1 tp2 ...]
+
+Runs the reference GPT (``lightning_3d.testing.runs.TINY_MODEL``, fp32, AdamW) on gloo worlds for
+two steps per layout and prints, for every rank, the measured parameter / gradient / optimizer
+bytes (``lightning_3d.memory.model_state_bytes`` at the end of backward) and activation bytes per
+block (the run summary's ``ActivationMeter``), the planner's prediction for that rank (its
+pipeline stage), and their ratio. The tests hold every ratio within 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from lightning_3d.planner.choice import Choice
+from lightning_3d.planner.facts import ModelFacts
+from lightning_3d.planner.memory import model_state, stage_parts
+
+# name -> ThreeDStrategy options (None: Lightning's own single-device strategy) and world size
+LAYOUTS: Mapping[str, tuple[Optional[dict[str, Any]], int]] = {
+    "single": (None, 1),
+    "dp2_z0": ({"zero_stage": 0}, 2),
+    "dp2_z1": ({"zero_stage": 1}, 2),
+    "dp2_z2": ({"zero_stage": 2}, 2),
+    "dp2_z3": ({"zero_stage": 3}, 2),
+    "tp2": ({"tensor": 2}, 2),
+    "pp2": ({"pipeline": 2}, 2),
+    "dp2_ac_full": ({"ac_policy": "full"}, 2),
+    "dp2_ac_selective": ({"ac_policy": "selective"}, 2),
+}
+KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes_per_block")
+
+
+def choice_of(strategy: Optional[dict[str, Any]], world: int, global_batch: int) -> Choice:
+    """The planner's :class:`Choice` for a run's strategy options."""
+    strategy = strategy or {}
+    tp, pp = strategy.get("tensor", 1), strategy.get("pipeline", 1)
+    dp = world // (tp * pp)
+    m = strategy.get("micro_batches", pp) if pp > 1 else 1
+    return Choice(dp, tp, pp, strategy.get("zero_stage", 0), m, strategy.get("schedule", "1f1b"),
+                  strategy.get("ac_policy", "none"), "none", global_batch // dp)
+
+
+def predicted_rank(facts: ModelFacts, choice: Choice, rank: int) -> dict[str, float]:
+    """What the planner predicts ``rank`` holds (mesh ``(pp, dp, tp)``, tensor innermost)."""
+    stage = rank // (choice.data * choice.tensor)
+    part, _ = stage_parts(facts, choice.pipeline)[stage]
+    params, grads, optimizer, _ = model_state(facts, choice, part)
+    # The run's meter adds up every micro-batch of the step: the whole per-rank batch.
+    act = facts.activation(choice.ac_policy, choice.tensor).bytes_per_sample(facts.seq_len) * choice.batch_per_rank
+    return {"param_bytes": params, "grad_bytes": grads, "optimizer_state_bytes": optimizer,
+            "activation_bytes_per_block": act}
+
+
+def compare(facts: ModelFacts, choice: Choice, summary: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Rows ``{rank, key, predicted, measured, ratio}`` for every rank of a run's summary."""
+    rows = []
+    for rank, measured in enumerate(summary["ranks"]):
+        for key, value in predicted_rank(facts, choice, rank).items():
+            if key in measured:
+                got = measured[key]
+                rows.append({"rank": rank, "key": key, "predicted": value, "measured": got,
+                             "ratio": value / got if got else float("inf") if value else 1.0})
+    return rows
+
+
+def run_layout(name: str, steps: int = 2) -> dict[str, Any]:
+    """A real run of layout ``name``; rank 0's summary (every rank's memory in ``ranks``)."""
+    from lightning_3d.testing.runs import Run, fit_gpt
+    from lightning_3d.testing.world import run_world
+
+    strategy, world = LAYOUTS[name]
+    run = Run(strategy=strategy, devices=world, steps=steps)
+    result = fit_gpt(0, run) if strategy is None else run_world(fit_gpt, world, run)[0]
+    return result["summary"]
+
+
+def tiny_facts(tp_sizes: tuple[int, ...] = (1, 2, 4)) -> ModelFacts:
+    """Planner facts of the model the runs train (``TINY_MODEL`` at its block size, fp32)."""
+    import torch
+
+    from lightning_3d.models import LitGPT
+    from lightning_3d.planner.facts import model_facts
+    from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL
+
+    with torch.device("meta"):
+        module = LitGPT(**TINY_MODEL)
+    return model_facts(module, seq_len=TINY_DATA["block_size"], precision="32-true", tp_sizes=tp_sizes, name="tiny")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from lightning_3d.testing.runs import TINY_DATA
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    args = parser.parse_args(argv)
+    facts = tiny_facts()
+    print("| layout | rank | quantity | predicted | measured | predicted/measured |")
+    print("|---|---|---|---|---|---|")
+    worst = 0.0
+    for name in args.layouts:
+        strategy, world = LAYOUTS[name]
+        summary = run_layout(name)
+        for row in compare(facts, choice_of(strategy, world, TINY_DATA["batch_size"]), summary):
+            worst = max(worst, abs(row["ratio"] - 1))
+            print(f"| {name} | {row['rank']} | {row['key']} | {row['predicted']:,.0f} | {row['measured']:,} | "
+                  f"{row['ratio']:.3f} |", flush=True)
+    print(f"\nlargest deviation: {100 * worst:.1f}% ({facts.num_params:,} parameters, fp32 AdamW, "
+          f"global batch {TINY_DATA['batch_size']} x {facts.seq_len} tokens)")
+
+
+if __name__ == "__main__":
+    main()

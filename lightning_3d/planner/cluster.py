@@ -1,0 +1,72 @@
+"""The machines a layout is planned for: nodes of identical devices and the links between them.
+
+Bandwidths are in GB/s (gigabytes, not gigabits, per second) per device and direction, as a
+collective's bus bandwidth: what one rank can send while every rank sends. ``peak_tflops`` is
+the dense peak of one device in the training precision (bf16 on a GPU), before any efficiency
+factor (the planner's ``efficiency`` option says how much of it a step reaches).
+
+Example::
+
+    >>> Cluster(nodes=1, devices_per_node=8, device_memory_gb=80).world_size
+    8
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int = 1
+    devices_per_node: int = 8
+    device_memory_gb: float = 80.0  # usable by one rank, per device
+    host_memory_gb: float = 1024.0  # per node, shared by its ranks (CPU offload lives here)
+    intra_node_gbps: float = 300.0  # GB/s per device inside a node (NVLink class)
+    inter_node_gbps: float = 25.0  # GB/s per device between nodes (a 200 Gb/s NIC per device)
+    peak_tflops: float = 989.0  # dense bf16 TFLOP/s of one device (H100 SXM)
+    host_link_gbps: float = 25.0  # GB/s between one device and host memory (PCIe)
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("nodes", "devices_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                problems.append(f"cluster.{name}={value!r} must be a positive integer")
+        for name in ("device_memory_gb", "host_memory_gb", "intra_node_gbps", "inter_node_gbps", "peak_tflops",
+                     "host_link_gbps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+                problems.append(f"cluster.{name}={value!r} must be a positive number")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> Cluster:
+        """From a Hydra ``cluster`` group (or any mapping); ``ValueError`` naming unknown keys."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown cluster key(s) {unknown}; known: {sorted(known)}")
+        return cls(**dict(values))
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def device_bytes(self) -> float:
+        return self.device_memory_gb * 1e9
+
+    @property
+    def host_bytes(self) -> float:
+        return self.host_memory_gb * 1e9
+
+    def describe(self) -> str:
+        return (f"{self.nodes} node(s) x {self.devices_per_node} device(s) of {self.device_memory_gb:g} GB, "
+                f"{self.peak_tflops:g} TFLOP/s peak, links {self.intra_node_gbps:g} GB/s in a node / "
+                f"{self.inter_node_gbps:g} GB/s between nodes")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

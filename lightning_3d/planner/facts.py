@@ -1,0 +1,228 @@
+"""What the planner knows about a model: its parts' parameter counts (and which of them tensor
+parallelism splits), its sizes, and its activation bytes per block, measured.
+
+Everything is read from the model built on ``meta`` (no memory), except the activation bytes:
+the project's :class:`~lightning_3d.parallel.activations.ActivationMeter` cannot count on
+``meta``, where every storage has data pointer 0 (all saves look like one tensor), so one block
+is copied to the CPU at its real width, with tensor parallelism's local shapes, and run forward
+and backward at batch 1 under each activation-checkpointing policy (see
+:mod:`lightning_3d.planner.activations`). Batch and sequence length are then scaled analytically.
+
+Example::
+
+    >>> facts = model_facts(model_on_meta(cfg.model), seq_len=128, precision="bf16-mixed", tp_sizes=(1, 2))
+    >>> facts.num_params, facts.activations[("none", 1)].bytes_per_sample(128)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from torch import nn
+
+from lightning_3d.parallel.activation_checkpoint import transformer_blocks
+from lightning_3d.planner.activations import ActivationFit, measure_activations
+
+# Bytes per parameter of (parameters, gradients, optimizer state) resident with the parameters
+# (Adam(W): two moments), and of one activation element, by Lightning precision. Mixed
+# precision keeps fp32 parameters (they are the master weights) and computes in 16 bits;
+# "bf16-true" keeps bf16 parameters, and torch's Adam keeps its moments in the parameters'
+# dtype. An offloaded optimizer (lightning_3d.offload) keeps fp32 moments, plus an fp32 master
+# copy of non-fp32 parameters, in host memory: OFFLOADED_STATE_BYTES.
+PRECISIONS: Mapping[str, tuple[int, int, int, int]] = {
+    "32-true": (4, 4, 8, 4),
+    "bf16-mixed": (4, 4, 8, 2),
+    "16-mixed": (4, 4, 8, 2),
+    "bf16-true": (2, 2, 4, 2),
+}
+
+
+def offloaded_state_bytes(param_bytes: int) -> int:
+    """Host bytes per parameter of an offloaded Adam: fp32 moments, and an fp32 master for non-fp32 weights."""
+    return 8 + (4 if param_bytes != 4 else 0)
+
+
+def check_precision(precision: str) -> tuple[int, int, int, int]:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one the planner models; use one of {list(PRECISIONS)}")
+    return PRECISIONS[precision]
+
+
+@dataclass(frozen=True)
+class Part:
+    """Parameters of one part of the model (the first stage's modules, one block, the last's)."""
+
+    params: int = 0  # elements, each parameter once
+    split: int = 0  # of which tensor parallelism splits across the tp ranks (full count)
+    flop_params: int = 0  # elements of weights used in matmuls (embedding lookups are not)
+
+    def local(self, tp: int) -> float:
+        """Elements one tensor-parallel rank holds."""
+        return self.params - self.split + self.split / tp
+
+    def __add__(self, other: Part) -> Part:
+        return Part(self.params + other.params, self.split + other.split, self.flop_params + other.flop_params)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    name: str
+    n_layer: int
+    d_model: int
+    n_head: int
+    vocab_size: int
+    seq_len: int
+    precision: str
+    first: Part  # modules only the first pipeline stage keeps (embeddings)
+    blocks: tuple[Part, ...]
+    last: Part  # modules only the last stage keeps (final norm, head)
+    tied: Part  # parameters held by both first and last (one copy per stage under a pipeline)
+    buffer_bytes: int
+    activations: Mapping[tuple[str, int], ActivationFit] = field(default_factory=dict)  # (policy, tp) -> fit
+    pipeline_ready: bool = True  # the model has a pipeline_spec
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the whole model, a tied weight once."""
+        return self.first.params + sum(b.params for b in self.blocks) + self.last.params - self.tied.params
+
+    @property
+    def flop_params(self) -> int:
+        """Weights that take part in matmuls (6 FLOPs each per trained token)."""
+        return self.first.flop_params + sum(b.flop_params for b in self.blocks) + self.last.flop_params
+
+    @property
+    def bytes(self) -> tuple[int, int, int, int]:
+        return PRECISIONS[self.precision]
+
+    def activation(self, policy: str, tp: int) -> ActivationFit:
+        try:
+            return self.activations[(policy, tp)]
+        except KeyError:
+            have = sorted(self.activations)
+            raise ValueError(f"no activation measurement for policy={policy!r}, tensor={tp}; have {have}") from None
+
+
+def _sizes(module: nn.Module) -> dict[str, Optional[int]]:
+    """n_head / d_model / vocab / positions from a config the module or its ``model`` carries."""
+    configs = [getattr(module, "config", None), getattr(getattr(module, "model", None), "config", None)]
+    names = {
+        "n_head": ("n_head", "num_attention_heads"),
+        "d_model": ("n_embd", "hidden_size", "d_model"),
+        "vocab_size": ("vocab_size",),
+        "positions": ("block_size", "max_position_embeddings", "n_positions"),
+    }
+    found: dict[str, Optional[int]] = dict.fromkeys(names)
+    for config in configs:
+        if config is None:
+            continue
+        for key, options in names.items():
+            for option in options:
+                value = config.get(option) if isinstance(config, Mapping) else getattr(config, option, None)
+                if found[key] is None and isinstance(value, int):
+                    found[key] = value
+    return found
+
+
+def _split_names(module: nn.Module) -> tuple[set[str], set[str]]:
+    """Full names of the parameters the architecture's tensor-parallel plan splits, and of its
+    column-parallel modules (none if the model has no plan: ``tensor > 1`` is then refused by the
+    strategy's own check)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from lightning_3d.parallel.tensor import resolve_plan
+    from lightning_3d.plans import build_plan
+
+    try:
+        resolved = resolve_plan(module, build_plan(module, None, False), 1)
+    except ValueError:
+        return set(), set()
+    names = set()
+    for name, style in resolved.items():
+        for pname, _ in module.get_submodule(name).named_parameters(recurse=False):
+            # Column-parallel splits weight and bias; row-parallel the weight (its bias is added once).
+            if isinstance(style, ColwiseParallel) or (isinstance(style, RowwiseParallel) and pname == "weight"):
+                names.add(f"{name}.{pname}")
+    return names, {name for name, style in resolved.items() if isinstance(style, ColwiseParallel)}
+
+
+def _part(modules: Iterable[tuple[str, nn.Module]], split: set[str]) -> Part:
+    seen: dict[int, tuple[int, bool, bool]] = {}
+    for prefix, module in modules:
+        for sub_name, sub in module.named_modules(prefix=prefix):
+            for pname, p in sub.named_parameters(recurse=False):
+                full = f"{sub_name}.{pname}"
+                old = seen.get(id(p), (p.numel(), False, False))
+                seen[id(p)] = (p.numel(), old[1] or full in split, old[2] or not isinstance(sub, nn.Embedding))
+    return Part(sum(n for n, _, _ in seen.values()), sum(n for n, s, _ in seen.values() if s),
+                sum(n for n, _, f in seen.values() if f))
+
+
+def model_facts(module: nn.Module, *, seq_len: Optional[int] = None, precision: str = "bf16-mixed",
+                policies: Sequence[str] = ("none", "selective", "full"), tp_sizes: Sequence[int] = (1,),
+                name: str = "model") -> ModelFacts:
+    """The facts of ``module`` (built on ``meta``) at ``seq_len`` tokens per sample, with
+    activations measured for each policy and each tensor size in ``tp_sizes`` that divides the
+    model. ``ValueError`` for a module the planner cannot read (no transformer blocks, no width)."""
+    check_precision(precision)
+    spec = module.pipeline_spec() if callable(getattr(module, "pipeline_spec", None)) else None
+    blocks = transformer_blocks(module)
+    if not blocks:
+        raise ValueError(f"{type(module).__name__} has no transformer blocks (an nn.ModuleList of modules with "
+                         "parameters): the planner splits models by block")
+    sizes = _sizes(module)
+    d_model = sizes["d_model"] or _width(blocks[0][1])
+    n_head = sizes["n_head"]
+    if not d_model or not n_head:
+        raise ValueError(f"cannot read the width and head count of {type(module).__name__} from its config")
+    seq_len = seq_len or sizes["positions"]
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r} must be a positive integer (the model gives no block_size)")
+    if sizes["positions"] and seq_len > sizes["positions"]:
+        raise ValueError(f"seq_len={seq_len} is above the model's maximum positions {sizes['positions']}")
+    split, columns = _split_names(module)
+    block_names = {name for name, _ in blocks}
+    if spec is not None:
+        first_modules = [(n, module.get_submodule(n)) for n in spec.first]
+        last_modules = [(n, module.get_submodule(n)) for n in spec.last]
+    else:  # no pipeline: everything outside the blocks counts with the first (only) stage
+        first_modules = [(n, m) for n, m in module.named_children() if not _holds_blocks(n, block_names)]
+        last_modules = []
+    first, last = _part(first_modules, split), _part(last_modules, split)
+    both = _part(first_modules + last_modules, split)
+    tied = first + last
+    tied = Part(tied.params - both.params, tied.split - both.split, 0)
+    block_parts = tuple(_part([(n, b)], split) for n, b in blocks)
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    vocab = sizes["vocab_size"] or 0
+    tps = sorted({t for t in tp_sizes if n_head % t == 0})
+    forward = getattr(spec, "block_forward", None) if spec is not None else None
+    activations = measure_activations(blocks[0], forward=forward, split=split, columns=columns, d_model=d_model,
+                                      n_head=n_head, seq_len=seq_len, act_bytes=PRECISIONS[precision][3],
+                                      policies=policies, tp_sizes=tps)
+    return ModelFacts(name=name, n_layer=len(blocks), d_model=d_model, n_head=n_head, vocab_size=vocab,
+                      seq_len=seq_len, precision=precision, first=first, blocks=block_parts, last=last, tied=tied,
+                      buffer_bytes=buffers, activations=activations, pipeline_ready=spec is not None)
+
+
+def _holds_blocks(name: str, block_names: set[str]) -> bool:
+    return any(b == name or b.startswith(name + ".") for b in block_names)
+
+
+def _width(block: nn.Module) -> Optional[int]:
+    for sub in block.modules():
+        if isinstance(sub, nn.LayerNorm) and sub.normalized_shape:
+            return int(sub.normalized_shape[-1])
+    return None
+
+
+def facts_summary(facts: ModelFacts) -> str:
+    """One paragraph: sizes and the measured activation bytes per block per sample."""
+    acts = ", ".join(f"{policy}/tp{tp}: {fit.bytes_per_sample(facts.seq_len) / 2**20:.2f} MiB ({fit.source})"
+                     for (policy, tp), fit in sorted(facts.activations.items()))
+    return (f"{facts.name}: {facts.num_params / 1e6:.1f}M parameters ({facts.n_layer} blocks, d_model {facts.d_model}, "
+            f"{facts.n_head} heads, vocab {facts.vocab_size}), seq_len {facts.seq_len}, {facts.precision}; "
+            f"activations per block per sample: {acts}")
+

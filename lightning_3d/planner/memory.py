@@ -1,0 +1,146 @@
+"""Per-rank memory of a layout: parameters, gradients, optimizer state, activations, buffers.
+
+Model state follows the ZeRO paper on the data axis (stage 1 shards the optimizer state, 2 also
+the gradients, 3 also the parameters), applied to what one rank holds before sharding: its
+pipeline stage's parameters (uniform split by block count, the embedding on the first stage,
+final norm and head on the last; a tied weight on both, as the pipeline keeps a copy per stage),
+with the parameters the tensor-parallel plan splits divided by ``tensor``. Bytes per element by
+precision: :data:`lightning_3d.planner.facts.PRECISIONS`. Offload moves Adam's state (fp32 moments,
+plus an fp32 master of non-fp32 weights) to host memory; ``cpu+params`` moves ZeRO-3's parameter
+and gradient shards there too.
+
+Activations: the measured bytes per block per sample (:mod:`lightning_3d.planner.activations`)
+× the stage's blocks × the micro-batch size × the micro-batches in flight (no pipeline: one;
+GPipe: all ``m``; 1F1B: stage ``s`` of ``p`` keeps ``min(m, p - s)``). A checkpointed block's
+backward recomputes it, so one block's uncheckpointed bytes exist at once on top. The last stage
+also keeps the logits (vocab-parallel: ``V / tensor``) and their fp32 softmax for the loss.
+
+Buffers: the module's buffers; ZeRO 0-2's gradient bucket in flight; ZeRO-3's gathered block
+(this one and the prefetched next, in the compute dtype) and one block's unsharded gradients;
+a pipeline's send and receive activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_3d.parallel.stages import stage_blocks
+from lightning_3d.planner.choice import Choice, PlannerOptions
+from lightning_3d.planner.facts import ModelFacts, Part, offloaded_state_bytes
+
+GB = 1e9
+
+
+def human(nbytes: float) -> str:
+    """``31.2 GB``, ``12.3 MB``, ``4.1 kB`` (powers of 1000, as device memory is sold)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+@dataclass(frozen=True)
+class MemorySplit:
+    """Bytes on one device (and the host bytes that rank needs)."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    host: float = 0.0
+    stage: int = 0  # the pipeline stage this split is for (the largest one)
+
+    @property
+    def model_state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_state + self.activations + self.buffers
+
+
+def stage_parts(facts: ModelFacts, pipeline: int) -> list[tuple[Part, int]]:
+    """(parameters, number of blocks) of each pipeline stage."""
+    runs = stage_blocks(facts.n_layer, pipeline)
+    out = []
+    for s, run in enumerate(runs):
+        part = Part()
+        for i in run:
+            part = part + facts.blocks[i]
+        if s == 0:
+            part = part + facts.first
+        if s == pipeline - 1:
+            part = part + facts.last
+        if pipeline == 1:  # one stage holds a tied weight once
+            part = Part(part.params - facts.tied.params, part.split - facts.tied.split, part.flop_params)
+        out.append((part, len(run)))
+    return out
+
+
+def model_state(facts: ModelFacts, choice: Choice, part: Part) -> tuple[float, float, float, float]:
+    """(params, grads, optimizer, host) bytes of one rank holding ``part`` of the model."""
+    p_b, g_b, o_b, _ = facts.bytes
+    n = part.local(choice.tensor)
+    dp, z = choice.data, choice.zero_stage
+    params = n * p_b / (dp if z == 3 else 1)
+    grads = n * g_b / (dp if z >= 2 else 1)
+    optimizer = n * o_b / (dp if z >= 1 else 1)
+    host = 0.0
+    if choice.offload != "none":
+        optimizer = 0.0
+        host += n / (dp if z >= 1 else 1) * offloaded_state_bytes(p_b)
+    if choice.offload == "cpu+params":  # ZeRO-3 only (the plan check refuses it otherwise)
+        host += params + grads
+        params = grads = 0.0
+    return params, grads, optimizer, host
+
+
+def activation_bytes(facts: ModelFacts, choice: Choice, stage: int, blocks: int) -> float:
+    """Saved activations of ``stage`` at their peak (see the module docstring)."""
+    seq = facts.seq_len
+    mb = choice.micro_batch_size
+    fit = facts.activation(choice.ac_policy, choice.tensor)
+    per_block = fit.bytes_per_sample(seq) * mb
+    m, p = choice.micro_batches, choice.pipeline
+    if p == 1:
+        in_flight = 1
+    elif choice.schedule == "gpipe":
+        in_flight = m
+    else:
+        in_flight = min(m, p - stage)
+    total = per_block * blocks * in_flight
+    if choice.ac_policy != "none" and blocks:  # one block recomputed at a time in backward
+        total += max(0.0, facts.activation("none", choice.tensor).bytes_per_sample(seq) * mb - per_block)
+    if stage == p - 1:
+        act = facts.bytes[3]
+        head = seq * (facts.vocab_size / choice.tensor * (act + 4) + facts.d_model * act) * mb
+        total += head * (m if p > 1 and choice.schedule == "gpipe" else 1)
+    return total
+
+
+def buffer_bytes(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> float:
+    p_b, g_b, _, act = facts.bytes
+    total = float(facts.buffer_bytes)
+    if choice.data > 1 and choice.zero_stage < 3:
+        total += options.bucket_size_mb * 2**20
+    if choice.zero_stage == 3 and (choice.data > 1 or choice.offload == "cpu+params"):
+        largest = max(b.local(choice.tensor) for b in facts.blocks)
+        compute = act if facts.precision.endswith("mixed") else p_b
+        total += largest * (2 * compute + g_b)
+    if choice.pipeline > 1:
+        total += 2 * choice.micro_batch_size * facts.seq_len * facts.d_model * act
+    return total
+
+
+def rank_memory(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> MemorySplit:
+    """The largest stage's per-rank memory (by device total)."""
+    best = None
+    buffers = buffer_bytes(facts, choice, options)
+    for stage, (part, blocks) in enumerate(stage_parts(facts, choice.pipeline)):
+        params, grads, optimizer, host = model_state(facts, choice, part)
+        split = MemorySplit(params, grads, optimizer, activation_bytes(facts, choice, stage, blocks), buffers, host,
+                            stage)
+        if best is None or split.total > best.total:
+            best = split
+    return best

@@ -1,0 +1,186 @@
+"""Enumerate layouts for a model on a cluster, predict each one, rank those that fit.
+
+:func:`plan_layouts` is pure: model facts, a cluster and options in, candidates out (fitting
+ones first, fastest first; then the rejected ones, each with one reason). The same function
+serves the CLI's table and, later, ``parallelism=auto``.
+
+Enumerated: ``data × tensor × pipeline = world`` (tensor innermost, kept inside a node and
+dividing the head count; pipeline dividing the block count), ZeRO stages, micro-batches (powers
+of two dividing the per-rank batch, at least ``pipeline`` for 1F1B as torch requires; without a
+pipeline they are gradient accumulation steps), schedules, activation checkpointing and offload.
+Every candidate is built as a :class:`~lightning_3d.plan.Plan` (``Plan.from_options``), and,
+given ``check`` (:func:`lightning_3d.recipe.check` bound to the model on ``meta``), checked
+against the model's shapes; their ``ValueError`` is the rejection's reason. A split that is
+refused as a whole (a tensor size that crosses nodes, say) is one rejected candidate, not one
+per ZeRO stage and micro-batch count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from lightning_3d.plan import Plan
+from lightning_3d.planner.choice import Choice, PlannerOptions
+from lightning_3d.planner.cluster import Cluster
+from lightning_3d.planner.facts import ModelFacts
+from lightning_3d.planner.memory import GB, MemorySplit, human, rank_memory
+from lightning_3d.planner.timing import StepTime, mfu, step_time
+
+Check = Callable[[Plan, int], None]  # raises ValueError for a plan the model cannot take
+
+
+@dataclass(frozen=True)
+class Candidate:
+    choice: Choice
+    memory: Optional[MemorySplit] = None
+    time: Optional[StepTime] = None
+    mfu: float = 0.0
+    kind: Optional[str] = None  # why rejected, as a group name ("memory", "tensor > devices per node", ...)
+    reason: Optional[str] = None  # the sentence
+
+    @property
+    def fits(self) -> bool:
+        return self.reason is None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.time.tokens_per_s if self.time is not None else 0.0
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _splits(world: int) -> Iterator[tuple[int, int, int]]:
+    for tp in _divisors(world):
+        for pp in _divisors(world // tp):
+            yield world // (tp * pp), tp, pp
+
+
+def _split_problem(facts: ModelFacts, cluster: Cluster, batch: int, dp: int, tp: int, pp: int
+                   ) -> Optional[tuple[str, str]]:
+    if tp > cluster.devices_per_node:
+        return "tensor > devices per node", (f"tp={tp} > {cluster.devices_per_node} devices per node "
+                                             "(tensor parallelism is kept inside a node)")
+    if facts.n_head % tp:
+        return "tensor does not divide heads", f"tp={tp} does not divide n_head={facts.n_head}"
+    if pp > 1 and not facts.pipeline_ready:
+        return "no pipeline spec", f"pp={pp}: the model defines no pipeline_spec()"
+    if facts.n_layer % pp:
+        return "pipeline does not divide blocks", f"pp={pp} does not divide n_layer={facts.n_layer}"
+    if batch % dp:
+        return "batch not divisible", f"global batch {batch} is not divisible by dp={dp}"
+    return None
+
+
+def _micro_batches(batch_per_rank: int, options: PlannerOptions) -> list[int]:
+    out, m = [], 1
+    while m <= min(batch_per_rank, options.max_micro_batches):
+        if batch_per_rank % m == 0:
+            out.append(m)
+        m *= 2
+    return out
+
+
+def _choices(dp: int, tp: int, pp: int, batch_per_rank: int, options: PlannerOptions) -> Iterator[Choice]:
+    schedules = options.schedules if pp > 1 else ("1f1b",)
+    for zero in options.zero_stages:
+        for offload in options.offloads:
+            if offload == "cpu+params" and zero != 3:
+                continue  # only ZeRO-3 has parameter shards to move
+            if dp == 1 and zero > 0 and offload != "cpu+params":
+                continue  # one data-parallel rank: ZeRO shards nothing (stage 3 only to offload parameters)
+            for policy in options.ac_policies:
+                for schedule in schedules:
+                    for m in _micro_batches(batch_per_rank, options):
+                        yield Choice(dp, tp, pp, zero, m, schedule, policy, offload, batch_per_rank)
+
+
+def plan_layouts(facts: ModelFacts, cluster: Cluster, options: PlannerOptions = PlannerOptions(),
+                 check: Optional[Check] = None) -> list[Candidate]:
+    """Every enumerated layout, predicted: fitting ones by predicted tokens/s (fastest first),
+    then the rejected ones with their reason.
+
+    Example::
+
+        cands = plan_layouts(facts, Cluster(nodes=1, devices_per_node=8, device_memory_gb=80), PlannerOptions())
+        best = cands[0]  # best.choice.options() -> ThreeDStrategy(**...)
+    """
+    world = cluster.world_size
+    batch = options.global_batch(world)
+    host_budget = cluster.host_bytes / cluster.devices_per_node
+    device_budget = cluster.device_bytes - options.reserve_gb * GB
+    fitting, rejected = [], []
+    checked: dict[tuple, Optional[str]] = {}
+    for dp, tp, pp in _splits(world):
+        problem = _split_problem(facts, cluster, batch, dp, tp, pp)
+        if problem is not None:
+            rejected.append(Candidate(Choice(dp, tp, pp, batch_per_rank=max(1, batch // dp)), kind=problem[0],
+                                      reason=problem[1]))
+            continue
+        for choice in _choices(dp, tp, pp, batch // dp, options):
+            if pp > 1 and choice.schedule == "1f1b" and choice.micro_batches < pp:
+                continue  # torch's Schedule1F1B refuses fewer micro-batches than stages
+            error = _plan_error(choice, world, check, checked)
+            if error is not None:
+                rejected.append(Candidate(choice, kind="plan check", reason=error))
+                continue
+            if (choice.ac_policy, tp) not in facts.activations or ("none", tp) not in facts.activations:
+                rejected.append(Candidate(choice, kind="activations not measured", reason=(
+                    f"no activation measurement for ac_policy={choice.ac_policy!r} at tensor={tp} "
+                    "(model_facts(tp_sizes=...) lacks it)")))
+                continue
+            memory = rank_memory(facts, choice, options)
+            time = step_time(facts, choice, cluster, options)
+            cand = Candidate(choice, memory, time, mfu(facts, time, cluster, world))
+            if memory.total > device_budget:
+                reserve = f" (+{options.reserve_gb:g} GB reserved)" if options.reserve_gb else ""
+                cand = replace(cand, kind="device memory", reason=(
+                    f"needs {human(memory.total)} per rank{reserve} > {cluster.device_memory_gb:g} GB"))
+            elif memory.host > host_budget:
+                cand = replace(cand, kind="host memory", reason=(
+                    f"needs {human(memory.host)} of host memory per rank x {cluster.devices_per_node} > "
+                    f"{cluster.host_memory_gb:g} GB per node"))
+            (fitting if cand.fits else rejected).append(cand)
+    fitting.sort(key=_rank_key)
+    return fitting + rejected
+
+
+def _rank_key(c: Candidate) -> tuple:
+    """Fastest first; among equally fast layouts the simpler one (less sharding, recomputation,
+    offload, fewer micro-batches), then the one with more memory to spare."""
+    ch = c.choice
+    simpler = (ch.zero_stage, ("none", "selective", "full").index(ch.ac_policy), ch.offload != "none",
+               ch.pipeline, ch.tensor, ch.micro_batches)
+    return (-round(c.tokens_per_s, 6), *simpler, c.memory.total)
+
+
+def _plan_error(choice: Choice, world: int, check: Optional[Check], cache: dict) -> Optional[str]:
+    """The strategy's own verdict on ``choice``: ``Plan.from_options`` and the model check."""
+    options = choice.options()
+    key = tuple(sorted(options.items()))
+    if key not in cache:
+        try:
+            plan = Plan.from_options(**options)
+            shape_key = ("shape", choice.tensor, choice.pipeline, plan.pp.virtual_stages)
+            if check is not None and (choice.tensor > 1 or choice.pipeline > 1):
+                if shape_key not in cache:
+                    try:
+                        check(plan, world)
+                        cache[shape_key] = None
+                    except ValueError as err:
+                        cache[shape_key] = str(err)
+                if cache[shape_key] is not None:
+                    raise ValueError(cache[shape_key])
+            cache[key] = None
+        except ValueError as err:
+            cache[key] = str(err)
+    return cache[key]
+
+
+def least_memory(candidates: list[Candidate]) -> Optional[Candidate]:
+    """Of the layouts refused for memory alone, the one that needs the least device memory."""
+    refused = [c for c in candidates if c.kind == "device memory"]
+    return min(refused, key=lambda c: c.memory.total) if refused else None

@@ -1,0 +1,211 @@
+"""``resume=last|PATH`` through the Hydra app, as a user runs it: a run cut after K steps and
+resumed to N equals the run that went through N steps in one go (per-step losses, final weights),
+in one process and (``-m slow``) resumed on two ranks; ``resume=last`` with nothing to resume is
+one ``error:`` line, exit code 2 and no run directory.
+
+The uninterrupted run ``A`` saves no checkpoint; ``B1`` stops at K (its ``trainer.max_steps``)
+and leaves ``last.ckpt`` at step K (a periodic save, every K steps); ``B2`` is started in the
+same working directory with ``resume=last``. ``model.max_steps`` pins the LR schedule's horizon
+to N in every part, as one run's schedule would be. Each part runs in its own working directory
+so that ``resume=last`` (the newest checkpoint under ``./outputs``) sees only its own history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_3d.testing.apps import compose_config, start_app, wait_all
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "examples" / "train.py"
+N, K = 6, 3
+TINY = ["model=gpt_tiny", "data.batch_size=4", "data.max_bytes=100000", "trainer.limit_val_batches=0",
+        f"model.max_steps={N}"]
+TIMEOUT = 400
+
+
+def _describe(proc):
+    return f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}"
+
+
+def _run_dirs(cwd: Path) -> list[Path]:
+    """The app's run directories under ``cwd/outputs`` (``outputs/<date>/<time>[-n]``), oldest first."""
+    return sorted((cwd / "outputs").glob("*/*"))
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def _step(path: Path) -> int:
+    return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A (N steps in one go), B1 (K steps) and resume=last with no earlier run at once; then B2
+    (resume=last to N) in B1's working directory. Returns the working directories and the
+    finished processes."""
+    cwd = {name: tmp_path_factory.mktemp(name) for name in ("a", "b", "no_run")}
+    first = {
+        "a": start_app(SCRIPT, [*TINY, "trainer.devices=1", f"trainer.max_steps={N}", "checkpoint.every_n_steps=null"],
+                       cwd["a"]),
+        "b1": start_app(SCRIPT, [*TINY, "trainer.devices=1", f"trainer.max_steps={K}", f"checkpoint.every_n_steps={K}"],
+                        cwd["b"]),
+        "no_run": start_app(SCRIPT, [*TINY, "trainer.devices=1", "resume=last"], cwd["no_run"]),
+    }
+    done = wait_all(first, timeout=TIMEOUT)
+    assert done["b1"].returncode == 0, _describe(done["b1"])
+    done.update(wait_all({"b2": start_app(SCRIPT, [*TINY, "trainer.devices=1", f"trainer.max_steps={N}", "resume=last"],
+                                          cwd["b"])}, timeout=TIMEOUT))
+    return cwd, done
+
+
+def test_resume_last_continues_exactly_as_the_uninterrupted_run(runs):
+    cwd, done = runs
+    for name in ("a", "b2"):
+        assert done[name].returncode == 0, _describe(done[name])
+    (a_dir,) = _run_dirs(cwd["a"])
+    b1_dir, b2_dir = _run_dirs(cwd["b"])
+    assert not (a_dir / "last.ckpt").exists()  # checkpoint.every_n_steps=null: none
+    assert _step(b1_dir / "last.ckpt") == K
+    output = done["b2"].stdout + done["b2"].stderr
+    assert f"Restoring states from the checkpoint path at {b1_dir / 'last.ckpt'}" in output  # resume=last found it
+    full, first, resumed = _summary(a_dir), _summary(b1_dir), _summary(b2_dir)
+    assert len(full["losses"]) == N and len(resumed["losses"]) == N - K  # only the remaining steps
+    assert first["losses"] == pytest.approx(full["losses"][:K], rel=1e-6, abs=0)
+    assert resumed["losses"] == pytest.approx(full["losses"][K:], rel=1e-6, abs=0)
+    a, b = _weights(a_dir / "final.ckpt"), _weights(b2_dir / "final.ckpt")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)
+    # the resumed run checkpoints into its own directory (at its last step), B1's file untouched
+    assert _step(b2_dir / "last.ckpt") == N and _step(b1_dir / "last.ckpt") == K
+
+
+@pytest.mark.slow
+def test_resume_last_on_two_ranks_continues_the_one_process_run(runs, tmp_path):
+    """B1's run directory alone under a fresh ``./outputs``, resumed on dp2 (global batch
+    unchanged): the launcher resolves ``last`` once and hands both ranks that file; the same
+    losses and weights as A up to the reduction order."""
+    cwd, done = runs
+    (a_dir,) = _run_dirs(cwd["a"])
+    b1_dir = _run_dirs(cwd["b"])[0]
+    b1_copy = tmp_path / "outputs" / b1_dir.parent.name / b1_dir.name
+    shutil.copytree(b1_dir, b1_copy)
+    proc = wait_all({"b2": start_app(SCRIPT, [*TINY, "trainer.devices=2", f"trainer.max_steps={N}", "resume=last"],
+                                     tmp_path)}, timeout=TIMEOUT)["b2"]
+    assert proc.returncode == 0, _describe(proc)
+    assert f"Restoring states from the checkpoint path at {b1_copy / 'last.ckpt'}" in proc.stdout + proc.stderr
+    b2_dir = _run_dirs(tmp_path)[-1]
+    resumed = _summary(b2_dir)
+    assert resumed["layout"]["world_size"] == 2 and len(resumed["losses"]) == N - K
+    assert resumed["losses"] == pytest.approx(_summary(a_dir)["losses"][K:], rel=1e-5)
+    a, b = _weights(a_dir / "final.ckpt"), _weights(b2_dir / "final.ckpt")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_resume_last_without_an_earlier_run_is_refused_before_any_rank_starts(runs):
+    """(A missing resume=PATH and +ckpt_path: the bad-value table of tests/test_cli_errors.py.)"""
+    cwd, done = runs
+    proc = done["no_run"]
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, _describe(proc)
+    assert "Traceback" not in output and "Initializing distributed" not in output, _describe(proc)
+    error_lines = [line for line in output.splitlines() if "error:" in line.lower()]
+    assert len(error_lines) == 1, _describe(proc)
+    assert error_lines[0].startswith("error: resume=last: no last.ckpt or preempted.ckpt under"), _describe(proc)
+    assert _run_dirs(cwd["no_run"]) == []  # no run directory left behind
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_any_rank_starts(runs):
+    """validate() compares the checkpoint's names and shapes with the model built on meta (no
+    tensor data read): B1's gpt_tiny checkpoint does not fit n_embd=64."""
+    from lightning_3d.app import validate
+
+    cwd, _ = runs
+    checkpoint = _run_dirs(cwd["b"])[0] / "last.ckpt"
+    validate(compose_config("train", *TINY, "trainer.devices=1", f"resume={checkpoint}"))  # fits
+    with pytest.raises(ValueError, match=r"the checkpoint does not match the model: shape mismatch .*"
+                                         r"checkpoint \(32, 32\) vs model \(64, 64\)"):
+        validate(compose_config("train", *TINY, "model.n_embd=64", "trainer.devices=1", f"resume={checkpoint}"))
+
+
+# ------------------------------------------------------------------ in process: what "last" is
+def _touch(path: Path, mtime: float, sharded: bool = False) -> Path:
+    if sharded:
+        path.mkdir(parents=True)
+        (path / ".metadata").write_bytes(b"x")
+        for entry in (path / ".metadata", path):
+            os.utime(entry, (mtime, mtime))
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"x")
+        os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_last_is_the_newest_checkpoint_of_the_apps_own_runs(tmp_path):
+    from lightning_3d.resume import newest_checkpoint
+
+    runs = tmp_path / "outputs"
+    _touch(runs / "2026-11-30" / "10-00-00" / "last.ckpt", 1000)
+    preempted = _touch(runs / "2026-11-30" / "11-00-00" / "preempted.ckpt", 3000)
+    _touch(runs / "2026-11-30" / "11-00-00" / "last.ckpt", 2000)
+    _touch(runs / "2026-11-30" / "11-00-00" / "final.ckpt", 9000)  # not a resume point
+    _touch(runs / "2026-11-30" / "12-00-00" / "last.ckpt" / "stray.txt", 8000)  # a directory, not a checkpoint
+    tuned = _touch(runs / "finetune" / "2026-11-30" / "12-00-00" / "last.ckpt", 5000)
+    assert newest_checkpoint(runs, skip="finetune") == preempted
+    assert newest_checkpoint(runs / "finetune") == tuned
+    sharded = _touch(runs / "2026-12-01" / "09-00-00" / "last.ckpt", 4000, sharded=True)
+    assert newest_checkpoint(runs, skip="finetune") == sharded
+    assert newest_checkpoint(tmp_path / "nothing") is None
+
+
+def test_resume_values_are_checked_in_the_launching_process(tmp_path, monkeypatch):
+    """validate() names the value: last with no earlier run, a safetensors export (weights only),
+    a directory that is not a checkpoint, the file ``last`` found when it is not a checkpoint.
+    (A missing path and +ckpt_path: tests/test_cli_errors.py.)"""
+    from lightning_3d.app import validate
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")
+    (tmp_path / "plain_dir").mkdir()
+    for value, named in (("last", "resume=last: no last.ckpt or preempted.ckpt under"),
+                         ("model.safetensors", "holds weights only (safetensors)"),
+                         ("plain_dir", "is a directory but not a checkpoint")):
+        with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
+            validate(compose_config("train", "model=gpt_tiny", f"resume={value}"))
+    found = _touch(tmp_path / "outputs" / "2026-11-30" / "10-00-00" / "last.ckpt", 1000)  # not a real checkpoint
+    with pytest.raises(ValueError, match=f"resume={found}: .* is neither a Lightning checkpoint"):
+        validate(compose_config("train", "model=gpt_tiny", "trainer.devices=1", "resume=last"))
+
+
+def test_a_stopped_run_names_the_checkpoint_to_resume_from(tmp_path):
+    """What the fault messages (a lost peer, a non-finite stop) offer: the newest checkpoint the
+    run wrote, else the one it resumed from itself; outside the apps, the Lightning call."""
+    from types import SimpleNamespace
+
+    from lightning_3d.resume import resume_hint, written_checkpoint
+
+    trainer = SimpleNamespace(checkpoint_callback=SimpleNamespace(dirpath=str(tmp_path)), default_root_dir="/elsewhere",
+                              ckpt_path=None)
+    assert written_checkpoint(trainer) is None and written_checkpoint(None) is None
+    trainer.ckpt_path = "/runs/a/last.ckpt"  # resumed, nothing saved yet: that file is still the newest state
+    assert written_checkpoint(trainer) == Path("/runs/a/last.ckpt")
+    _touch(tmp_path / "last.ckpt", 1000)
+    preempted = _touch(tmp_path / "preempted.ckpt", 2000)
+    assert written_checkpoint(trainer) == preempted
+    assert resume_hint(preempted) == f"resume with trainer.fit(..., ckpt_path={str(preempted)!r})"
+    assert resume_hint(None) == "resume with trainer.fit(..., ckpt_path='last')"
