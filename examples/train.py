@@ -2,6 +2,7 @@
 
     python examples/train.py                                   # reference GPT, 2 CPU ranks
     python examples/train.py parallelism=zero3 trainer.devices=4
+    python examples/train.py parallelism=auto                  # the planner's first choice for this world
     python examples/train.py -m parallelism.zero_stage=0,1,2,3  # a sweep: every job runs
     python examples/train.py model=hf model.path=DIR data=text data.path=corpus/  # a Hugging Face model
     python examples/train.py resume=last                       # continue the newest run's last.ckpt

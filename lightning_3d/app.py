@@ -30,6 +30,7 @@ from lightning_3d.config import (
 )
 from lightning_3d.launch import already_launched, launch_job
 from lightning_3d.nonfinite import NonFiniteError
+from lightning_3d.planner.auto import resolve_for_app
 from lightning_3d.preemption import Preempted
 from lightning_3d.recipe import check
 from lightning_3d.resume import (
@@ -66,11 +67,12 @@ def validate(cfg: DictConfig) -> None:
     plan = plan_of(cfg.parallelism, cfg.get("offload")).resolved(world)
     layout = plan.layout
     batch_size = cfg.data.get("batch_size") if "data" in cfg else None
-    if isinstance(batch_size, int) and batch_size > 0 and batch_size % layout.data:
+    unplanned = plan.auto.enabled  # parallelism=auto left to the ranks: the planner picks dividing sizes
+    if not unplanned and isinstance(batch_size, int) and batch_size > 0 and batch_size % layout.data:
         raise ValueError(
             f"global data.batch_size ({batch_size}) is not divisible by data-parallel size ({layout.data})"
         )
-    if (layout.pipeline > 1 and isinstance(batch_size, int) and batch_size > 0
+    if (not unplanned and layout.pipeline > 1 and isinstance(batch_size, int) and batch_size > 0
             and (batch_size // layout.data) % plan.pp.micro_batches):
         raise ValueError(
             f"per-rank batch {batch_size // layout.data} (data.batch_size {batch_size} / data {layout.data}) "
@@ -275,6 +277,9 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
     hydra_cfg = HydraConfig.get()
     output_dir = hydra_cfg.runtime.output_dir
     try:
+        # parallelism=auto: chosen here, once, and handed to the ranks as overrides (a rank of
+        # torchrun / SLURM leaves it to its strategy, which plans on rank 0 for the whole world).
+        chosen = [] if already_launched() else _resolve_auto(cfg)
         if not validated:
             validate(cfg)
         # resume=last names the newest checkpoint now, before this run writes any: every rank
@@ -290,7 +295,7 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
             print("error: multi-node runs are started by torchrun or SLURM, one launcher per node", file=sys.stderr)
             return 2
         threads = max(1, (os.cpu_count() or 1) // world)
-        overrides = [o for o in hydra_cfg.overrides.task if o.split("=", 1)[0].lstrip("+~") != "resume"]
+        overrides = [o for o in hydra_cfg.overrides.task if o.split("=", 1)[0].lstrip("+~") != "resume"] + chosen
         if resume is not None:
             overrides.append(resume_override(resume))
         code = launch_job(world, script, overrides, output_dir, threads)
@@ -303,6 +308,14 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
     if world == 1:
         _report(Path(output_dir) / "summary.json", summary)
     return 0
+
+
+def _resolve_auto(cfg: DictConfig) -> list[str]:
+    """``parallelism=auto``: the planner's choice written into ``cfg``, and as the ranks' overrides."""
+    if not cfg.parallelism.get("auto"):
+        return []
+    return resolve_for_app(cfg, plan_of(cfg.parallelism, cfg.get("offload")), model_on_meta(cfg.model),
+                           world_size_of(cfg.trainer))
 
 
 def _discard_run_dir(path: Path, job_name: str) -> None:

@@ -27,6 +27,9 @@ from lightning_3d.parallel.activations import ActivationMeter
 from lightning_3d.parallel.activation_checkpoint import is_checkpointed, transformer_blocks
 
 
+UNREAD_STEPS = 100  # losses are read to the host every this many steps (and at the end)
+
+
 def _dp_size(trainer: pl.Trainer) -> int:
     return getattr(trainer.strategy, "dp_size", trainer.world_size)
 
@@ -95,8 +98,12 @@ class RunSummary(Callback):
         self.out_dir = out_dir
         self.warmup_steps = warmup_steps
         self.filename = filename
-        self.losses: list[float] = []
-        self.local_losses: list[float] = []
+        self._losses: list[float] = []
+        self._local_losses: list[float] = []
+        # (local, global) loss tensors of the steps not read yet: reading them costs a host
+        # sync on an accelerator, so they are read together (see _read_losses), not every step.
+        self._unread: list[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = []
+        self._dp = 1  # data-parallel size, known at train start
         self.step_times: list[float] = []
         self.step_tokens: list[int] = []
         self.step_flops: list[float] = []  # global model FLOPs of each optimizer step
@@ -134,6 +141,7 @@ class RunSummary(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step
+        self._dp = _dp_size(trainer)  # a device-mesh lookup: once, not per step
         # Once per fit, off the step: a collective under a pipeline (stages add up), on every rank.
         self._num_params = _count_parameters(trainer, pl_module)
         per_token, self._flops_formula = model_flops_per_token(pl_module, self._num_params)
@@ -203,17 +211,20 @@ class RunSummary(Callback):
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         ids = _token_ids(batch)
         if ids is not None:
-            tokens = ids.numel() * _dp_size(trainer)
+            tokens = ids.numel() * self._dp
             self._tokens += tokens
             if self._per_token is not None and ids.dim() >= 1:
                 self._flops += tokens * self._per_token(ids.shape[-1])
         if trainer.global_step == self._last_step:
             return  # still accumulating
         self._last_step = trainer.global_step
-        if self._loss_sum is not None:
-            self.local_losses.append(float(self._loss_sum))
-        step_loss = trainer.strategy.reduce(self._loss_sum, reduce_op="mean") if self._loss_sum is not None else None
-        self.losses.append(float(step_loss) if step_loss is not None else float("nan"))
+        local = step_loss = self._loss_sum
+        if local is not None and trainer.world_size > 1:  # the reduction is in place: keep ours
+            local = local.clone()
+            step_loss = trainer.strategy.reduce(self._loss_sum, reduce_op="mean")
+        self._unread.append((local, step_loss))
+        if len(self._unread) >= UNREAD_STEPS:
+            self._read_losses()
         now = time.perf_counter()
         self.step_times.append(now - self._t0)
         self.step_tokens.append(self._tokens)
@@ -224,8 +235,36 @@ class RunSummary(Callback):
             logged["tflops"] = self._flops / elapsed / trainer.world_size / 1e12
             if self._peak.tflops is not None:
                 logged["mfu"] = logged["tflops"] / self._peak.tflops
-        pl_module.log_dict(logged, prog_bar=True, on_step=True, logger=bool(trainer.loggers))
+        # As host tensors: a Python number would become a tensor on the module's device, a
+        # host-to-device copy that waits for the device, three times a step.
+        pl_module.log_dict({k: torch.tensor(v, dtype=torch.float32) for k, v in logged.items()},
+                           prog_bar=True, on_step=True, logger=bool(trainer.loggers))
         self._t0, self._tokens, self._flops, self._loss_sum = now, 0, 0.0, None
+
+    @property
+    def losses(self) -> list[float]:
+        """The global mean training loss of every optimizer step so far (see the class docstring)."""
+        self._read_losses()
+        return self._losses
+
+    @property
+    def local_losses(self) -> list[float]:
+        """This rank's own loss of every optimizer step so far (see the class docstring)."""
+        self._read_losses()
+        return self._local_losses
+
+    def _read_losses(self) -> None:
+        """Move the unread steps' losses to the host: one sync for all of them."""
+        unread, self._unread = self._unread, []
+        tensors = [t for pair in unread for t in pair if t is not None]
+        if not tensors:
+            self._losses.extend(float("nan") for _ in unread)
+            return
+        values = iter(torch.stack([t.reshape(()).to(tensors[0].device) for t in tensors]).tolist())
+        for local, step_loss in unread:
+            if local is not None:
+                self._local_losses.append(next(values))
+            self._losses.append(next(values) if step_loss is not None else float("nan"))
 
     def _observed_figures(self) -> dict[str, Any]:
         """What the strategy's telemetry reported: the vocab-parallel logits' sizes (tensor > 1)

@@ -33,5 +33,7 @@ class Collectives:
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
         if isinstance(tensor, Tensor):
+            if _distributed_is_initialized() and dist.get_world_size(group) == 1:
+                return tensor  # Lightning's reduce would still barrier and all-reduce (a device sync on NCCL)
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

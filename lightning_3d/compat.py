@@ -8,9 +8,10 @@ function below calls the newest name the running torch has, looked up at call ti
 can take the new name away, and :func:`lightning_3d.bench.comm.count_collectives`'s wrappers
 are the functions called).
 
-The pipeline stage's static shapes (:func:`static_stage_shapes`), the ``Metadata`` that
-``dcp.save`` returns (:func:`dcp_saved_metadata`) and the private resolution of a functional
-collective's group (:func:`functional_process_group`) changed too. Every other torch
+The pipeline stage's static shapes (:func:`static_stage_shapes`) and its runtime shape
+inference (:func:`rng_neutral_stage`), the ``Metadata`` that ``dcp.save`` returns
+(:func:`dcp_saved_metadata`) and the private resolution of a functional collective's group
+(:func:`functional_process_group`) changed too. Every other torch
 name the package refers to resolves on torch 2.11.0 as on 2.13.0 (checked by resolving each one
 on both); add a function here, not a version test at the call site, when that stops being true.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -86,3 +88,28 @@ def dcp_saved_metadata(returned: Any, directory: Any) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
 
     return FileSystemReader(str(directory)).read_metadata()
+
+
+def rng_neutral_stage(stage_class: type) -> type:
+    """``stage_class`` (a ``PipelineStage`` subclass) made to leave the random generators as it
+    found them while it infers its shapes.
+
+    torch 2.11 infers a stage's shapes at its first step by running the stage's module once on
+    zeros, in training mode: its dropout draws from the CPU (or device) generator before the
+    step's real forward does. That first step is the first of every run, so a run resumed from a
+    checkpoint draws once more than the uninterrupted run did at that step, after its RNG states
+    were restored: dropout masks, and then losses, differ (by ~4e-3 at the first resumed step of
+    a 2-stage GPT). torch 2.13 agrees on shapes by send/recv alone and has no
+    ``_shape_inference``; the class is returned unchanged there."""
+    infer = getattr(stage_class, "_shape_inference", None)
+    if infer is None:
+        return stage_class
+
+    def _shape_inference(self: Any, *args: Any, **kwargs: Any) -> Any:
+        device = torch.device(self.device)
+        devices = [] if device.type == "cpu" else [device]
+        with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+            return infer(self, *args, **kwargs)
+
+    return type(stage_class.__name__, (stage_class,), {"_shape_inference": _shape_inference,
+                                                        "__doc__": stage_class.__doc__})

@@ -41,12 +41,23 @@ def unique_dir(path: str) -> str:
     """``path``, or else ``path-1``, ``path-2``, ...: the first of them that did not exist, made
     here. ``os.mkdir`` fails on an existing directory, so two runs started in the same second
     (the same ``${now:...}`` path) never share a run directory, and neither overwrites the other's
-    outputs. Hydra resolves it once per invocation (cached; a sweep's jobs share the cache)."""
+    outputs. Hydra resolves it once per invocation (cached; a sweep's jobs share the cache).
+
+    Under torchrun or srun every process resolves it on its own, at its own second: there it is
+    ``job-<id>`` next to where ``path`` would be (``outputs/<date>/job-<id>``), made if missing,
+    so all ranks (and nodes) of a job share one directory; with torchrun's default rendezvous id
+    ("none") it is ``path`` itself, shared by the ranks that start in the same second (give
+    ``--rdzv-id`` or ``hydra.run.dir``)."""
     import os
     from itertools import count
     from pathlib import Path
 
     base = Path(str(path))
+    job = launcher_job_id()
+    if job is not None:  # every rank of a torchrun / srun job resolves this itself: one name for all
+        shared = base.parent / f"job-{job}" if job != "none" else base  # torchrun's default id is "none"
+        shared.mkdir(parents=True, exist_ok=True)
+        return str(shared)
     base.parent.mkdir(parents=True, exist_ok=True)
     for n in count():
         candidate = base if n == 0 else base.with_name(f"{base.name}-{n}")
@@ -56,6 +67,21 @@ def unique_dir(path: str) -> str:
             continue
         return str(candidate)
     raise AssertionError("unreachable")
+
+
+def launcher_job_id() -> Optional[str]:
+    """The job id an external launcher gave every process of this run (torchrun's rendezvous id,
+    SLURM's job and step), or ``None`` when this process was not started by one. Ranks started
+    by the app's own launcher get their run directory on the command line instead."""
+    import os
+
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env:
+        return env["TORCHELASTIC_RUN_ID"]
+    if "SLURM_JOB_ID" in env and "SLURM_PROCID" in env:
+        step = env.get("SLURM_STEP_ID")
+        return env["SLURM_JOB_ID"] + (f".{step}" if step else "")
+    return None
 
 
 def plan_of(parallelism: Any, offload: Any = None) -> Plan:

@@ -16,6 +16,12 @@ the optimizer has not stepped yet:
   rank, so already agreed). Under 16-mixed an overflow the grad scaler found is the scaler's to
   handle (skip the step, lower the scale): not an error.
 
+The flags stay on the device until :meth:`NonFiniteGuard.resolve` reads them all (loss,
+gradients and norm) in one host sync per step, just before the optimizer steps (the precision
+plugin's ``_after_closure``): on a GPU each read waits for the device's queue to drain. The
+gradients are read by one fused max-abs per device and dtype, not a few kernels per tensor.
+Under 16-mixed the loss is read at once (the scaler unscales and may skip right after).
+
 ``nonfinite="stop"`` (default) raises :class:`NonFiniteError` naming the global step and the
 ranks; ``"skip"`` drops the step's gradients on every rank, leaves the optimizer (and the ZeRO
 engines' state, the loss scale) as they were, and raises once more than ``max_nonfinite_skips``
@@ -77,17 +83,45 @@ def ranks_with_nonfinite(loss: Optional[torch.Tensor], grads: Sequence[torch.Ten
     """``(ranks whose loss is not finite, ranks with a non-finite gradient)``, the same on every
     rank: a collective over the default group when one exists (one all-reduce of
     ``2 x world_size`` flags). ``None`` (a step that returned no loss) counts as finite;
-    ``grads`` are this rank's parts (local tensors of DTensors are read)."""
+    ``grads`` are this rank's parts (local tensors of DTensors are read). One host sync."""
+    return _ranks(nonfinite_flags(loss, grads, device).tolist())
+
+
+def nonfinite_flags(loss: Optional[torch.Tensor], grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The ``(2, world_size)`` flags of :func:`ranks_with_nonfinite` (row 0: loss, row 1:
+    gradients; 1.0 where that rank saw a non-finite value), agreed over the ranks but left on
+    ``device``: no host sync, so the caller can read them together with other flags."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
     flags = torch.zeros(2, world, dtype=torch.float32, device=device)
     if loss is not None:
         flags[0, rank] = (~torch.isfinite(_local(loss).detach())).any().float()
-    for grad in grads:  # on the device, no host sync per tensor
-        flags[1, rank] = torch.maximum(flags[1, rank], (~torch.isfinite(_local(grad))).any().float().to(device))
+    if grads:
+        flags[1, rank] = _any_nonfinite(grads, device)
     if world > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    loss_ranks, grad_ranks = ([int(r) for r in row.nonzero().flatten().tolist()] for row in flags)
-    return loss_ranks, grad_ranks
+    return flags
+
+
+@torch.no_grad()
+def _any_nonfinite(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """1.0 (a 0-d tensor on ``device``) if any element of ``grads`` is NaN or infinite. One
+    fused max-abs (``_foreach_norm`` of order inf, which propagates NaN) per device and dtype,
+    not a few kernels per tensor: on a GPU the check costs one read of the gradients."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        local = _local(grad)
+        if local.numel():  # the max of nothing is undefined; nothing is finite
+            groups.setdefault((local.device, local.dtype), []).append(local)
+    flag = torch.zeros((), dtype=torch.float32, device=device)
+    for tensors in groups.values():
+        largest = torch.stack(torch._foreach_norm(tensors, float("inf")))
+        flag = torch.maximum(flag, (~torch.isfinite(largest)).any().float().to(device))
+    return flag
+
+
+def _ranks(rows: list[list[float]]) -> tuple[list[int], list[int]]:
+    loss_row, grad_row = ([r for r, flag in enumerate(row) if flag] for row in rows)
+    return loss_row, grad_row
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -103,19 +137,53 @@ class NonFiniteGuard:
         self.options = options
         self.step = 0
         self.skipped: list[int] = []
+        self._flags: Optional[torch.Tensor] = None  # noted by flag_step, read by resolve
+        self._norm: Optional[torch.Tensor] = None  # noted by flag_norm, read by resolve
 
     def check_step(self, loss: Any, grads: Sequence[torch.Tensor], device: torch.device) -> None:
         """After training step and backward: stop or skip (on every rank alike) if any rank's
         loss or any of its gradients (``grads``: what the optimizer would apply) is not finite."""
-        loss_ranks, grad_ranks = ranks_with_nonfinite(loss if isinstance(loss, torch.Tensor) else None, grads, device)
-        if loss_ranks:
-            self.failed(f"non-finite loss at global step {self.step} on rank(s) {loss_ranks}")
-        if grad_ranks:
-            self.failed(f"non-finite gradients at global step {self.step} on rank(s) {grad_ranks}")
+        self.flag_step(loss, grads, device)
+        self.resolve()
 
     def check_norm(self, norm: torch.Tensor) -> None:
         """The global gradient norm (the same on every rank): stop or skip if it is not finite."""
-        if not bool(torch.isfinite(norm)):
+        self.flag_norm(norm)
+        self.resolve()
+
+    def flag_step(self, loss: Any, grads: Sequence[torch.Tensor], device: torch.device) -> None:
+        """:meth:`check_step` without reading the answer yet (no host sync): :meth:`resolve`
+        reads it, with the norm's, before the optimizer steps. The collective runs now."""
+        self._flags = nonfinite_flags(loss if isinstance(loss, torch.Tensor) else None, grads, device)
+
+    def flag_norm(self, norm: torch.Tensor) -> None:
+        """:meth:`check_norm` without reading the answer yet (see :meth:`flag_step`)."""
+        self._norm = norm
+
+    @property
+    def pending(self) -> bool:
+        """Whether flags are waiting for :meth:`resolve`."""
+        return self._flags is not None or self._norm is not None
+
+    def resolve(self) -> None:
+        """Read every flag noted since the last call in one host sync, then stop or skip as
+        :meth:`check_step` and :meth:`check_norm` would (the loss first, then the gradients,
+        then the norm); nothing noted: nothing to do."""
+        flags, norm, self._flags, self._norm = self._flags, self._norm, None, None
+        if flags is None and norm is None:
+            return
+        parts = [] if flags is None else [flags.flatten()]
+        if norm is not None:
+            parts.append((~torch.isfinite(norm.detach())).float().reshape(1).to(parts[0].device if parts else norm.device))
+        read = torch.cat(parts).tolist()  # the one host sync
+        if flags is not None:
+            world = flags.shape[1]
+            loss_ranks, grad_ranks = _ranks([read[:world], read[world : 2 * world]])
+            if loss_ranks:
+                self.failed(f"non-finite loss at global step {self.step} on rank(s) {loss_ranks}")
+            if grad_ranks:
+                self.failed(f"non-finite gradients at global step {self.step} on rank(s) {grad_ranks}")
+        if norm is not None and read[-1]:
             self.failed(f"non-finite gradient norm ({float(norm)}) at global step {self.step}")
 
     def failed(self, what: str) -> None:

@@ -105,23 +105,38 @@ class GlobalNormClipping(_Adapted):
 
         def checked_closure() -> Any:
             result = closure()
-            if check:  # gradient overflow under 16-mixed is the scaler's to find (and skip)
-                grads = [] if self._has_scaler() else [p.grad for p in self.main_params(optimizer)
-                                                              if p.grad is not None]  # type: ignore[attr-defined]
-                guard.check_step(result, grads, model.device)
+            if check and self._has_scaler():  # gradient overflow under 16-mixed is the scaler's to find
+                guard.check_step(result, [], model.device)  # now: the scaler unscales right after
+            elif check:  # read with the gradient norm's flag in _after_closure: one host sync per step
+                guard.flag_step(result, [p.grad for p in self.main_params(optimizer)  # type: ignore[attr-defined]
+                                         if p.grad is not None], model.device)
             return result
 
         try:
-            return super().optimizer_step(optimizer, model, checked_closure, **kwargs)  # type: ignore[misc]
+            output = super().optimizer_step(optimizer, model, checked_closure, **kwargs)  # type: ignore[misc]
+            # A plugin whose optimizer_step never calls _after_closure stepped unchecked: say so
+            # now rather than carry the flags into the next step.
+            guard.resolve()
+            return output
         except SkipStep:
             # Nothing was applied (the check runs before the step); drop the gradients. ZeRO
             # engines zero their buckets in after_step, which the strategy calls next as always.
             optimizer.zero_grad(set_to_none=True)
             return None
 
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        # Every Lightning plugin calls this after the closure (training step + backward), after
+        # unscaling and before the optimizer steps; it clips. The loss, gradient and norm flags
+        # noted on the way are read here together, in one host sync.
+        super()._after_closure(model, optimizer)  # type: ignore[misc]
+        self.nonfinite.resolve()
+
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         sum_over, skip = self._norm_scope()
         norm = clip_grad_norm_(self.main_params(optimizer), clip_val, sum_over=sum_over, skip_in_norm=skip)  # type: ignore[attr-defined]
+        if not self._has_scaler():  # no overflow for a scaler to skip: read with the step's flags
+            self.nonfinite.flag_norm(norm)
+            return
         if bool(torch.isfinite(norm)):
             return
         found_inf = self._found_inf(optimizer)

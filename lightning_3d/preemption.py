@@ -82,10 +82,12 @@ class StopOnSignal(Callback):
         self._previous = {}
 
     def agreed(self, device: torch.device) -> int:
-        """The signal any rank received (the largest number), agreed by every rank (a collective)."""
+        """The signal any rank received (the largest number), agreed by every rank (a collective).
+        A world of one agrees with itself: no tensor, so no host-device copy and sync per step."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return self.received
         flag = torch.tensor([self.received], dtype=torch.int64, device=device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
 
     def stop_if_signalled(self, trainer: Any, device: torch.device, rank: int) -> None:

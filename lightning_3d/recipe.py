@@ -67,8 +67,8 @@ class Parallelized:
     @property
     def pp_group(self) -> Any:
         """The pipeline process group when stages hold different parameters, else ``None``."""
-        pp = self.mesh[MeshAxis.PIPELINE.value]
-        return pp.get_group() if pp.size() > 1 else None
+        pp = self.mesh.get_group(MeshAxis.PIPELINE.value)  # no mesh slicing: called at every clip
+        return pp if pp.size() > 1 else None
 
     def bind(self, optimizer: Optimizer, engine: ZeroDataParallel) -> None:
         """Record that ``engine`` serves ``optimizer`` (the user's, or a wrapper around it)."""

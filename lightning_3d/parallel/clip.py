@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from lightning_3d.parallel.tensor import local_tensor
 
 
+@torch.no_grad()
 def global_grad_norm(parameters: Iterable[Tensor], sum_over: Optional[dist.ProcessGroup] = None,
                      skip: Collection[int] = ()) -> Tensor:
     """The 2-norm of all gradients of ``parameters`` across every rank that holds a part of them.
@@ -28,7 +29,7 @@ def global_grad_norm(parameters: Iterable[Tensor], sum_over: Optional[dist.Proce
     ``sum_over``: a group whose ranks hold disjoint parameters (pipeline stages). ``skip``: ids
     of parameters another rank of ``sum_over`` counts already (a tied weight's second copy).
     """
-    groups: dict[tuple, list] = {}  # (mesh id, sharded dims) -> [mesh, sharded dims, sum of squares]
+    groups: dict[tuple, list] = {}  # (mesh id, sharded dims) -> [mesh, sharded dims, local gradients]
     device = None
     for p in parameters:
         grad = p.grad
@@ -48,10 +49,10 @@ def global_grad_norm(parameters: Iterable[Tensor], sum_over: Optional[dist.Proce
         else:
             mesh, dims, local = None, (), grad
         device = local.device
-        entry = groups.setdefault((id(mesh), dims), [mesh, dims, torch.zeros((), device=device)])
-        entry[2] += local.detach().float().pow(2).sum()
+        groups.setdefault((id(mesh), dims), [mesh, dims, []])[2].append(local)
     total = torch.zeros((), device=device or "cpu")
-    for mesh, dims, squares in groups.values():
+    for mesh, dims, locals_ in groups.values():
+        squares = _sum_of_squares(locals_, device)
         if dims:
             # Gradients may live in CPU memory (ZeRO-3 with offload_params) while the mesh's
             # groups are NCCL's: reduce on the mesh's own device, then come back.
@@ -64,6 +65,21 @@ def global_grad_norm(parameters: Iterable[Tensor], sum_over: Optional[dist.Proce
         dist.all_reduce(reduced, group=sum_over)
         total = reduced.to(total.device)
     return total.sqrt()
+
+
+def _sum_of_squares(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """The sum of squares of every element, in float32 on ``device``: one fused norm per device
+    and dtype (``_foreach_norm``, as ``torch.nn.utils.clip_grad_norm_`` does), not a few kernels
+    per tensor."""
+    by_kind: dict[tuple, list[Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.device, t.dtype), []).append(t)
+    squares = torch.zeros((), device=device)
+    for (_, dtype), group in by_kind.items():
+        low = dtype in (torch.float16, torch.bfloat16)  # accumulate in float32, as before
+        norms = torch._foreach_norm(group, 2.0, dtype=torch.float32) if low else torch._foreach_norm(group, 2.0)
+        squares = squares + torch.stack(norms).float().pow(2).sum().to(device)
+    return squares
 
 
 def collective_device(device_type: Optional[str], group: Optional[dist.ProcessGroup] = None) -> torch.device:
@@ -85,7 +101,10 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, sum_over: Opt
     parameters = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(parameters, sum_over, skip_in_norm)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    by_kind: dict[tuple, list[Tensor]] = {}
     for p in parameters:
         grad = local_tensor(p.grad)
-        grad.mul_(scale.to(grad.device, grad.dtype))
+        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for (device, dtype), grads in by_kind.items():  # one fused multiply per device and dtype
+        torch._foreach_mul_(grads, scale.to(device, dtype))
     return norm

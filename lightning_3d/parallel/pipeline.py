@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_3d.compat import rng_neutral_stage
 from lightning_3d.parallel.stages import (  # noqa: F401  (re-exported: the pipeline's public names)
     SPLITS,
     StageModule,
@@ -83,7 +84,7 @@ def build_schedule(stages: list[StageModule], stage_indices: list[int], num_stag
     Returns ``(schedule, pipeline_stages)``."""
     from torch.distributed.pipelining import PipelineStage
 
-    stage_class = stage_class or PipelineStage
+    stage_class = rng_neutral_stage(stage_class or PipelineStage)  # torch 2.11 infers shapes by a forward
     pipeline_stages = [
         stage_class(module, index, num_stages, device, group=group) for module, index in zip(stages, stage_indices)
     ]

@@ -131,6 +131,15 @@ class ZeroDataParallel:
         self._early = True
         self.tied: dict[int, dist.ProcessGroup] = {}  # see attach()
 
+    @property
+    def passthrough(self) -> bool:
+        """Whether there is nothing to do: stage 0 on a mesh of one rank (no data or tensor
+        peers) with no tied copies on other stages. Autograd's own gradients are then exactly
+        the reduced ones, so the engine makes no buckets, hooks, copies or collectives (on a GPU
+        those cost a gradient copy, a bucket zeroing and a collective per step over a plain
+        loop), and every per-step call below is a no-op over zero buckets."""
+        return self.stage == 0 and self.mesh.size() == 1 and not self.tied
+
     # ---------------------------------------------------------------- setup
     def attach(self, optimizer: torch.optim.Optimizer, tied: Optional[dict] = None) -> None:
         """Flatten the optimizer's parameters into buckets and (stages 1–2) shard its groups.
@@ -144,6 +153,8 @@ class ZeroDataParallel:
         owned = {id(p) for b in self.buckets for p in b.params}
         for group in optimizer.param_groups:
             self.original_groups.append(list(group["params"]))
+            if self.passthrough:
+                continue
             params = [p for p in group["params"] if p.requires_grad]
             if any(id(p) in owned for p in params):
                 raise ValueError("a parameter appears in more than one optimizer param group")

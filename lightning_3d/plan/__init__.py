@@ -34,6 +34,8 @@ from lightning_3d.parallel.compile import check_backend
 from lightning_3d.parallel.pipeline import pipeline_options
 
 CHECKPOINT_FORMATS = ("consolidated", "sharded")
+# Values of options the layout planner (lightning_3d.planner) does not model: refused with auto=True.
+AUTO_UNPLANNED = {"offload": ("nvme",), "ac_policy": ("every_n",), "schedule": ("interleaved_1f1b", "zero_bubble")}
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,11 @@ class DistOptions:
 
 
 @dataclass(frozen=True)
+class AutoOptions:
+    enabled: bool = False  # the layout planner chooses the layout when the world is known (planner/auto.py)
+
+
+@dataclass(frozen=True)
 class Option:
     """One flat option: its name in ``ThreeDStrategy(...)``, where it lives in the plan, its
     Hydra group and key, and a line of documentation."""
@@ -127,7 +134,7 @@ _GROUP_DEFAULTS = {
         ("layout", Layout), ("tp", TensorParallelOptions), ("pp", PipelineOptions), ("zero", ZeroOptions),
         ("ac", ActivationCheckpointOptions), ("offload", OffloadOptions), ("checkpoint", CheckpointOptions),
         ("compile", CompileOptions), ("dist", DistOptions),
-        ("nonfinite", NonFiniteOptions),
+        ("nonfinite", NonFiniteOptions), ("auto", AutoOptions),
     )
 }
 
@@ -176,6 +183,8 @@ OPTIONS: tuple[Option, ...] = (
            "the step applies it, or `skip` the step (gradients dropped on every rank)"),
     Option("max_nonfinite_skips", "nonfinite", "max_skips",
            "with `nonfinite=skip`: the run stops once more steps than this were skipped"),
+    Option("auto", "auto", "enabled", "the layout planner's first choice for the world found at start (sizes, "
+           "ZeRO stage, micro-batches, AC, offload); options set away from their defaults constrain it"),
 )
 OPTION_NAMES: tuple[str, ...] = tuple(option.name for option in OPTIONS)
 # Old name -> new name, accepted with a DeprecationWarning for one release.
@@ -196,6 +205,7 @@ class Plan:
     compile: CompileOptions = field(default_factory=CompileOptions)
     dist: DistOptions = field(default_factory=DistOptions)
     nonfinite: NonFiniteOptions = field(default_factory=NonFiniteOptions)
+    auto: AutoOptions = field(default_factory=AutoOptions)
     # The flat options this plan was built from (defaults such as micro_batches=None still
     # unresolved), so that updated(pipeline=4) re-derives them.
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -276,6 +286,14 @@ def _checked(plan: Plan) -> Plan:
             # views of the ZeRO 0-2 flat buckets; FSDP2's shards trace fine.
             problems.append(f"compile=True with tensor={layout.tensor} needs zero_stage=3, got "
                             f"zero_stage={layout.zero_stage}")
+    if not isinstance(plan.auto.enabled, bool):
+        problems.append(f"auto={plan.auto.enabled!r} must be True or False")
+    elif plan.auto.enabled:  # values the planner does not model: refused here, before any process starts
+        for option in OPTIONS:
+            value = getattr(getattr(plan, option.group), option.attr)
+            if value in AUTO_UNPLANNED.get(option.name, ()):
+                problems.append(f"auto=True cannot plan {option.name}={value!r} (the layout planner does not model "
+                                f"it); drop auto or choose another {option.name}")
     if not _positive(plan.dist.timeout_s):
         problems.append(f"timeout_s must be a positive number of seconds, got {plan.dist.timeout_s!r}")
     problems += plan.nonfinite.problems()

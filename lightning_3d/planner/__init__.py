@@ -3,8 +3,9 @@ checkpointing and offload to run a model with on a cluster, predicted before any
 
 :func:`plan_layouts` (pure: model facts, a :class:`Cluster`, :class:`PlannerOptions` in; ranked
 :class:`Candidate` s out) is what the CLI (``python -m lightning_3d.planner``) prints and what
-``parallelism=auto`` can call. Per-rank memory: :mod:`.memory`; step time: :mod:`.timing`;
-activation bytes measured with the runs' own meter: :mod:`.activations`.
+``parallelism=auto`` runs (:mod:`.auto`: the strategy's and the app's glue). Per-rank memory:
+:mod:`.memory`; step time: :mod:`.timing`; activation bytes measured with the runs' own meter:
+:mod:`.activations`.
 
 Example::
 

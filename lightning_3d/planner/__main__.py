@@ -2,7 +2,7 @@
 
     python -m lightning_3d.planner                                  # gpt_small on one 8 x 80 GB node
     python -m lightning_3d.planner model=gpt_50m cluster=workstation_24gb
-    python -m lightning_3d.planner cluster.nodes=4 planner.batch_size=512 planner.top=20
+    python -m lightning_3d.planner cluster.nodes=4 planner.batch_size=512 top=20
 
 The ``model`` group is training's (``conf/model/``); ``cluster`` is ``conf/cluster/``; the
 ``planner`` keys are :class:`~lightning_3d.planner.choice.PlannerOptions`. Prints the model's

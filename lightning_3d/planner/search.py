@@ -2,7 +2,7 @@
 
 :func:`plan_layouts` is pure: model facts, a cluster and options in, candidates out (fitting
 ones first, fastest first; then the rejected ones, each with one reason). The same function
-serves the CLI's table and, later, ``parallelism=auto``.
+serves the CLI's table and ``parallelism=auto`` (:mod:`lightning_3d.planner.auto`).
 
 Enumerated: ``data × tensor × pipeline = world`` (tensor innermost, kept inside a node and
 dividing the head count; pipeline dividing the block count), ZeRO stages, micro-batches (powers
