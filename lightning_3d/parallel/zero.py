@@ -337,6 +337,10 @@ class ZeroDataParallel:
     # ---------------------------------------------------------------- step
     def after_step(self) -> None:
         """Call after ``optimizer.step()``: re-replicate parameters, clear gradients."""
+        if self.passthrough:  # autograd's gradients are the engine's: cleared here as the buckets' are
+            for group in self.original_groups:
+                for p in group:
+                    p.grad = None
         if self.stage >= 1:
             works = [
                 all_gather_single(b.flat, self._own(b.flat, b), group=self.group, async_op=True)
