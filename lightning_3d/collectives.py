@@ -34,6 +34,8 @@ class Collectives:
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
         if isinstance(tensor, Tensor):
             if _distributed_is_initialized() and dist.get_world_size(group) == 1:
-                return tensor  # Lightning's reduce would still barrier and all-reduce (a device sync on NCCL)
+                # Lightning's reduce would still barrier and all-reduce (a device sync on NCCL). It
+                # reduces in place and returns its input too, so callers see the same object either way.
+                return tensor
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor

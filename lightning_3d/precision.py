@@ -137,10 +137,14 @@ class GlobalNormClipping(_Adapted):
         if not self._has_scaler():  # no overflow for a scaler to skip: read with the step's flags
             self.nonfinite.flag_norm(norm)
             return
-        if bool(torch.isfinite(norm)):
-            return
         found_inf = self._found_inf(optimizer)
-        if any(bool(f) for f in found_inf):  # an overflow the grad scaler skips (and backs off for)
+        # The norm's flag and the scaler's found-inf flags in one host read (the scaler reads its
+        # own flags again in step(): 16-mixed costs two reads per step, other precisions one).
+        read = torch.cat([(~torch.isfinite(norm.detach())).float().reshape(1),
+                          *(f.detach().float().reshape(1).to(norm.device) for f in found_inf)]).tolist()
+        if not read[0]:
+            return
+        if any(read[1:]):  # an overflow the grad scaler skips (and backs off for)
             return
         try:
             self.nonfinite.check_norm(norm)

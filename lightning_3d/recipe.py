@@ -12,6 +12,8 @@ parallel model out, in one place and in this order.
    reshard hooks then wrap the checkpointed forward. Then, optionally, ``torch.compile`` of each
    block (it traces the TP layers and the checkpointed region; FSDP2's hooks stay outside).
 5. **ZeRO-3**: FSDP2 on the ``dp`` axis, with precision and offload policies.
+   Then, for a module built on ``meta`` (``LitGPT(deferred_init=True)``), **materialisation**:
+   each parameter filled once in its final dtype, device and shard (``parallel/materialize.py``).
 6. **Pipeline runtime**: the schedule over this rank's stages.
 7. At optimizer setup (:func:`attach_optimizers`): **ZeRO 0-2** flat-bucket engines, then
    **offload** of the (already sharded) optimizer state.
@@ -35,6 +37,7 @@ from lightning_3d.offload import OffloadedAdam
 from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_3d.parallel.compile import compile_blocks
 from lightning_3d.parallel.fsdp import apply_zero3, fsdp_policies
+from lightning_3d.parallel.materialize import has_meta, materialize
 from lightning_3d.parallel.pipeline_runtime import PipelineRuntime
 from lightning_3d.parallel.stages import plan_stages, split_stages, tied_holders
 from lightning_3d.parallel.tensor import resolve_plan
@@ -178,6 +181,12 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torc
     if layout.zero_stage == 3:
         policies = fsdp_policies(precision, plan.offload.params, device.type)
         apply_zero3(module, mesh[MeshAxis.DATA.value], roots=made.stages, **policies)
+    step("materialising the weights")
+    # Built on meta: each parameter filled once, in its final dtype, place and shard. Onto the
+    # meta device (the planner's validate=true) only shapes are wanted: nothing to fill.
+    if has_meta(module) and device.type != "meta":
+        offloaded = layout.zero_stage == 3 and plan.offload.params  # FSDP2 keeps those shards in CPU memory
+        materialize(module, torch.device("cpu") if offloaded else device)
     step("the pipeline schedule")
     if spec is not None:
         made.runtime = PipelineRuntime(
@@ -221,7 +230,8 @@ def attach_optimizers(parallelized: Parallelized, optimizers: list[Optimizer], p
     wrapped = []
     for optimizer in optimizers:
         offloaded = OffloadedAdam.from_optimizer(optimizer, plan.offload.device, plan.offload.path,
-                                                 plan.offload.chunk_bytes, delay_update=plan.offload.delay_update)
+                                                 plan.offload.chunk_bytes, delay_update=plan.offload.delay_update,
+                                                 direct_io="auto" if plan.offload.direct_io is None else plan.offload.direct_io)
         optimizer._opt_called = True  # its step is now the wrapper's: no "scheduler before step" warning
         engine = parallelized.engine_for(optimizer)
         if engine is not None:

@@ -33,6 +33,7 @@ from lightning_3d.failures import describe_failure
 from lightning_3d.layout import Layout, MeshAxis, build_mesh
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.parallel.loss import plain_loss, vocab_parallel_loss
+from lightning_3d.parallel.materialize import to_device_keeping_meta
 from lightning_3d.plan import Plan
 from lightning_3d.planner.auto import resolve_for_strategy
 from lightning_3d.precision import distributed_precision, scale_loss
@@ -65,6 +66,9 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     """
 
     strategy_name = "3d"
+    # A module built on meta (LitGPT(deferred_init=True)) is materialised by the recipe, after
+    # sharding, straight into its final dtype, device and shard (parallel/materialize.py).
+    materializes_meta_modules = True
 
     def __init__(self, plan: Optional[Plan] = None, *, accelerator: Optional[Any] = None,
                  parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Optional[Any] = None,
@@ -206,7 +210,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        self.model.to(self.root_device)
+        to_device_keeping_meta(self.model, self.root_device)  # meta: the recipe materialises it in place
 
     @contextmanager
     @override

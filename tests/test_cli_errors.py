@@ -175,6 +175,7 @@ def test_unique_dir_never_reuses_a_directory(tmp_path):
     assert all(Path(p).is_dir() for p in made)
 
 
+@pytest.mark.slow  # ~15 s; the fast suite keeps unique_dir's own test (above)
 def test_two_runs_in_the_same_second_keep_both_outputs(tmp_path):
     """The run directory's time part pinned (as if both started in the same second): the second
     run gets its own directory instead of overwriting the first's final.ckpt and summary.json."""

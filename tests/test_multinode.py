@@ -95,6 +95,7 @@ APP_SMALL = ["model=gpt_tiny", "data.batch_size=8", "data.max_bytes=100000", "tr
              "trainer.max_steps=3", "checkpoint.every_n_steps=null"]
 
 
+@pytest.mark.slow  # ~15 s; the fast suite keeps the two-node SLURM world without the app
 def test_the_app_under_slurm_on_two_nodes_trains_as_one_process(tmp_path):
     """``examples/train.py`` as ``srun`` runs it on two nodes (one task each, as the sbatch example
     does with 8): each task trains in its own process (the app launches nothing), both write into

@@ -209,7 +209,7 @@ def test_nvme_keeps_only_a_window_of_chunks_in_ram(tmp_path):
         opt.step()
     assert opt.offloaded_state_bytes == 130_000 * 8
     assert 0 < opt.resident_state_bytes_peak <= 3 * 4096
-    assert os.path.getsize(opt._store.file_path) == opt.offloaded_state_bytes
+    assert os.path.getsize(opt._store.file_path) == opt._store.file_bytes >= opt.offloaded_state_bytes  # direct I/O pads segments to 4 KiB
     opt.close()
 
 

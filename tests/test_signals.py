@@ -119,6 +119,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_with_a_checkpoint(tmp_path):
         app.assert_nothing_left()
 
 
+@pytest.mark.slow  # ~30 s; the fast suite names a silent peer with the watchdog alone (below)
 def test_a_stopped_rank_is_named_within_the_timeout(tmp_path):
     timeout_s = 5
     with App(tmp_path, f"parallelism.timeout_s={timeout_s}") as app:

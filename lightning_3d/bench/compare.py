@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from lightning_3d.bench import cell
 from lightning_3d.memory import zero_formula_bytes
 
 E = 4  # bytes per fp32 element
@@ -255,10 +256,6 @@ def formula(name: str) -> str:
     return f"{state}; {dp}"
 
 
-def _fmt(value: Any, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 def table(records: list[dict[str, Any]]) -> str:
     """The markdown table: one line per row, skipped rows with their note."""
     mb = 2**20
@@ -269,11 +266,11 @@ def table(records: list[dict[str, Any]]) -> str:
             lines.append(f"| {r['row']} | {r['note']} |" + " |" * 12)
             continue
         lines.append(
-            f"| {r['row']} | {r['world']} | {r['tokens_per_s']:.0f} | {_fmt(r.get('vs_ddp'), '.2f')} | "
+            f"| {r['row']} | {r['world']} | {r['tokens_per_s']:.0f} | {cell(r.get('vs_ddp'), '.2f')} | "
             f"{r['peak_rss_mb']:.0f} | {r['state_bytes'] / mb:.2f} | {r['state_formula_bytes'] / mb:.2f} | "
             f"{r['state_bytes'] / r['state_formula_bytes']:.3f} | {r['sent_bytes'] / mb:.2f} | "
             f"{r['sent_theory_bytes'] / mb:.2f} | {r['sent_bytes'] / max(r['sent_theory_bytes'], 1):.3f} | "
-            f"{_fmt(r['bubble_fraction'], '.3f')} | {_fmt(r['bubble_ideal'], '.3f')} | {formula(r['row'])} |")
+            f"{cell(r['bubble_fraction'], '.3f')} | {cell(r['bubble_ideal'], '.3f')} | {formula(r['row'])} |")
     return "\n".join(lines)
 
 

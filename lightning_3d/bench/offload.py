@@ -1,6 +1,7 @@
 """Optimizer step time and peak RSS: plain AdamW vs state offloaded to CPU RAM vs to NVMe.
 
     python -m lightning_3d.bench.offload [--numel 50000000] [--rounds 5] [--threads N] [--path DIR]
+                                         [--direct-io auto|on|off]
 
 Only the optimizer step is timed, on fixed random gradients of ``--numel`` fp32 parameters (cut
 into 24 tensors, like a model's layers). Variants: ``none`` is ``torch.optim.AdamW`` as most
@@ -11,10 +12,16 @@ the parent asks them for one step at a time in turn (interleaved, only one runni
 rotating each round, a pause between steps) and the table shows medians, and the best step as
 params/s (on a shared machine the median carries the neighbours' load, the best much less).
 Workers run with ``MALLOC_MMAP_THRESHOLD_=1048576`` (freed large tensors go back to the OS) and
-``--threads`` intra-op threads (default: every core this process may use). The NVMe file
-usually sits in the page cache on a machine with spare RAM, so its figures measure the
-streaming machinery (syscalls, copies, overlap), not the drive; RSS does not count the page
-cache.
+``--threads`` intra-op threads (default: every core this process may use). The nvme variant
+uses direct I/O (``O_DIRECT``) where the file system allows it (``--direct-io auto``, the
+default): every step then reads and writes the whole state on the drive. Buffered
+(``--direct-io off``, or a file system that refuses ``O_DIRECT``) the file usually sits in the
+page cache on a machine with spare RAM, so the figures measure the streaming machinery
+(syscalls, copies, overlap), not the drive, and RSS does not count that cache. A line below the
+table says which mode was in effect, how much the page cache grew over the nvme run
+(``/proc/meminfo`` "Cached": system-wide, so other processes' I/O shows too) and how many bytes
+per step it read from and wrote to storage (``/proc/self/io``; reads served from the page
+cache count nothing).
 """
 
 from __future__ import annotations
@@ -32,6 +39,26 @@ VARIANTS = ("none", "fused", "cpu", "nvme")
 PAIR = "pair"  # fused and cpu on the same tensors in one process: the headline ratio
 LAYERS = 24
 PAUSE_S = 0.3  # between two timed steps: longer than OpenMP's spin-wait after a parallel region
+DIRECT_IO = {"auto": "auto", "on": True, "off": False}
+
+
+def _cached_bytes() -> int:
+    """The kernel's page cache now (``Cached`` of ``/proc/meminfo``, all processes); 0 off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Cached:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def _storage_bytes() -> tuple[int, int]:
+    """Bytes this process has read from and written to storage (``/proc/self/io``); 0s off Linux."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines())
+        return int(fields["read_bytes"]), int(fields["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return 0, 0
 
 
 def _params(args: argparse.Namespace) -> list:
@@ -87,29 +114,41 @@ def _worker(args: argparse.Namespace) -> None:
 
     params = _params(args)
     rss_before = peak_rss_mb()  # parameters + gradients + interpreter
+    cached_before = _cached_bytes()
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=args.worker == "fused" or None)
     if args.worker in ("cpu", "nvme"):
         path = args.path if args.worker == "nvme" else None
-        opt = OffloadedAdam.from_optimizer(opt, device=args.worker, path=path, chunk_bytes=args.chunk_mb * 2**20)
+        # Passed only when asked for: "auto" is OffloadedAdam's default.
+        io = {} if args.direct_io == "auto" or args.worker == "cpu" else {"direct_io": DIRECT_IO[args.direct_io]}
+        opt = OffloadedAdam.from_optimizer(opt, device=args.worker, path=path, chunk_bytes=args.chunk_mb * 2**20,
+                                           **io)
     opt.step()  # the first step creates the state: not timed
     print("ready", flush=True)
+    steps, storage_before = 0, _storage_bytes()
     for line in sys.stdin:
         if line.strip() != "step":
             break
         start = time.perf_counter()
         opt.step()
+        steps += 1
         print(json.dumps({"step_s": time.perf_counter() - start}), flush=True)
+    read, written = (after - before for after, before in zip(_storage_bytes(), storage_before))
+    cache_added = _cached_bytes() - cached_before
     resident = getattr(opt, "resident_state_bytes_peak", 8 * args.numel)
+    direct = getattr(getattr(opt, "_store", None), "direct_io", None)
     if isinstance(opt, OffloadedAdam):
         opt.close()
     print(json.dumps({"peak_rss_mb": peak_rss_mb(), "rss_before_mb": rss_before,
-                      "resident_state_mb": resident / 2**20}), flush=True)
+                      "resident_state_mb": resident / 2**20, "direct_io": direct,
+                      "page_cache_added_mb": cache_added / 2**20, "read_mb_per_step": read / 2**20 / max(steps, 1),
+                      "written_mb_per_step": written / 2**20 / max(steps, 1)}), flush=True)
 
 
 def _start_worker(variant: str, args: argparse.Namespace) -> subprocess.Popen:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", OMP_NUM_THREADS=str(args.threads))
     command = [sys.executable, "-m", "lightning_3d.bench.offload", "--worker", variant, "--numel", str(args.numel),
-               "--chunk-mb", str(args.chunk_mb), "--threads", str(args.threads), "--path", args.path]
+               "--chunk-mb", str(args.chunk_mb), "--threads", str(args.threads), "--path", args.path,
+               "--direct-io", args.direct_io]
     return subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -130,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="intra-op threads of every variant (default: all usable cores)")
     parser.add_argument("--path", default=tempfile.gettempdir(), help="directory for the nvme variant")
+    parser.add_argument("--direct-io", choices=tuple(DIRECT_IO), default="auto",
+                        help="nvme variant: O_DIRECT on, off, or where the file system allows it (auto)")
     parser.add_argument("--worker", choices=(*VARIANTS, PAIR), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("numel", "rounds", "chunk_mb", "threads"):
@@ -172,6 +213,12 @@ def main(argv: list[str] | None = None) -> None:
               f"{args.numel / row['best_s'] / 1e6:.1f} | "
               f"{row['peak_rss_mb']:.0f} | {row['rss_before_mb']:.0f} | "
               f"{row['peak_rss_mb'] - row['rss_before_mb']:.0f} | {row['resident_state_mb']:.0f} |")
+    nvme = med["nvme"]
+    mode = {True: "on (O_DIRECT)", False: "off (page cache)"}.get(nvme["direct_io"], "?")
+    print(f"\nnvme: direct I/O {mode} (--direct-io {args.direct_io}); page cache grew "
+          f"{nvme['page_cache_added_mb']:.0f} MB over its run (/proc/meminfo Cached, system-wide); storage "
+          f"reads {nvme['read_mb_per_step']:.0f} MB and writes {nvme['written_mb_per_step']:.0f} MB per step "
+          f"(/proc/self/io)")
     state_mb = 8 * args.numel / 2**20
     fused_s, cpu_s = (statistics.median(r[key] for r in pairs) for key in ("fused_s", "cpu_s"))
     print(f"\nSame tensors, one process, {args.threads} thread(s), median of {len(pairs)} interleaved pairs: "

@@ -14,7 +14,10 @@ Every (size, mode) is a row, whatever happens to it: its figures; "does not fit"
 device (under ``--device-memory-gb``) runs out of memory; "did not finish within N s" when it
 outlasts ``--row-timeout-s`` (with the phase it reached); "killed" when the OS ended it (host
 memory, most likely); "not run" once ``--budget-s`` has passed or a smaller size of the same
-mode did not fit. Figures: build time (model built, Trainer set up, up to the first batch),
+mode did not fit. The model is built on ``meta`` and materialised by the strategy straight into
+its final dtype, device and shard (``LitGPT(deferred_init=True)``; ``--eager-init``: whole in
+fp32 on the host first, the old path). Figures: build time (model built, Trainer set up, up to
+the first batch; ``build_peak_rss_mb`` in the JSON: the host peak by then),
 device and host peaks, step time split into forward + backward (to ``on_before_optimizer_step``,
 device synchronised) and the rest (clipping, the optimizer step and its transfers), TFLOP/s of
 model FLOPs (:func:`lightning_3d.flops.transformer_flops_per_token`; recomputation not counted).

@@ -10,7 +10,8 @@ processes of one precision start together, then the parent lets them take one tr
 a time in turn (order rotated each round, only one computing at a time) and the table shows
 median step times. The first step (optimizer state created) is not timed. Workers run with
 ``MALLOC_MMAP_THRESHOLD_=1048576`` (freed large tensors go back to the OS; see DESIGN.md) and
-``--threads`` intra-op threads.
+``--threads`` intra-op threads. The model is built on ``meta`` and materialised in its final
+place (``LitGPT(deferred_init=True)``; ``--eager-init`` for the old whole-fp32-first build).
 
 Columns: peak RSS, and the same minus the RSS after imports and data (``over base``: what the
 model, its training state and the activations added); bytes of parameters, gradients and optimizer
@@ -195,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--row-timeout-s", type=float, default=150.0, help="--sizes: seconds per row")
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="--sizes: no row starts after this many seconds (the rest are 'not run')")
+    parser.add_argument("--eager-init", action="store_true",
+                        help="build the model whole in fp32 on the host first (the old path) instead of on meta, "
+                        "materialised by the strategy straight into its final dtype, device and shard")
     parser.add_argument("--path", default=tempfile.gettempdir(), help="directory for offload=nvme")
     parser.add_argument("--out", "--outdir", dest="out", default=str(DEFAULT_OUT),
                         help=f"directory for summary.json (default {DEFAULT_OUT})")

@@ -66,7 +66,8 @@ def _worker(args: argparse.Namespace) -> None:
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx == 0:
                 sync()
-                _say({"ready": True, "base_rss_mb": base_rss, "build_s": time.perf_counter() - build_start})
+                _say({"ready": True, "base_rss_mb": base_rss, "build_s": time.perf_counter() - build_start,
+                      "build_peak_rss_mb": peak_rss_mb()})
             if sys.stdin.readline().strip() != "step":
                 raise SystemExit("benchmark parent went away")
             self.start = time.perf_counter(), time.process_time()
@@ -92,7 +93,10 @@ def _worker(args: argparse.Namespace) -> None:
     data.setup_for(1, 0)  # the corpus now, so that it is part of the base RSS
     base_rss = peak_rss_mb()  # interpreter, torch, Lightning and the corpus: the same in every row
     build_start = time.perf_counter()  # build time: model, Trainer setup, up to the first batch
-    module = LitGPT(**model_config(args.n_layer, args.n_embd, args.vocab, args.seq), lr=1e-4, warmup_steps=0)
+    # Built on meta and materialised by the strategy in its final place (--eager-init: the
+    # model whole in fp32 on the host first, then cast, moved and sharded).
+    module = LitGPT(**model_config(args.n_layer, args.n_embd, args.vocab, args.seq), lr=1e-4, warmup_steps=0,
+                    deferred_init=not getattr(args, "eager_init", False))
     strategy = ThreeDStrategy(offload=args.offload, offload_path=args.path if args.offload == "nvme" else None,
                               ac_policy=args.checkpointing, zero_stage=3 if args.params else 0,
                               offload_params=args.params)
@@ -119,7 +123,7 @@ def _start(row: Row, args: argparse.Namespace) -> subprocess.Popen:
                *(f"--{f.name}={getattr(row, f.name)}" for f in fields(row)),
                f"--rounds={args.rounds}", f"--threads={args.threads}", f"--path={args.path}",
                f"--n-layer={args.n_layer}", f"--n-embd={args.n_embd}", f"--accelerator={args.accelerator}",
-               f"--vocab={args.vocab}",
+               f"--vocab={args.vocab}", *(["--eager-init"] if getattr(args, "eager_init", False) else []),
                *([f"--device-memory-gb={args.device_memory_gb}"] if args.device_memory_gb is not None else [])]
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 -- the worker's warnings, closed in measure()
     proc = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_3d.bench import cell
 from lightning_3d.flops import named_device_peak, transformer_flops_per_token
 
 MODEL = {"vocab_size": 256, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768, "dropout": 0.0}
@@ -260,10 +261,6 @@ def target_misses(records: list[dict[str, Any]]) -> list[str]:
     return misses
 
 
-def _fmt(value: Any, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
 def table(records: list[dict[str, Any]]) -> str:
     lines = ["| row | tokens/s | x auto | x torch | x 3d | TFLOP/s | MFU | device peak MB | act. MB/block |",
              "|---" * 9 + "|"]
@@ -273,10 +270,10 @@ def table(records: list[dict[str, Any]]) -> str:
             continue
         act = r["activation_bytes_per_block"]
         lines.append(
-            f"| {r['row']} | {r['tokens_per_s']:,.0f} | {_fmt(r.get('vs_auto'), '.3f')} | "
-            f"{_fmt(r.get('vs_torch'), '.3f')} | {_fmt(r.get('vs_3d'), '.3f')} | {r['tflops']:.3g} | "
-            f"{_fmt(r['mfu'], '.1%')} | {_fmt(r['device_peak_mb'], '.0f')} | "
-            f"{_fmt(act / 2**20 if act else None, '.1f')} |")
+            f"| {r['row']} | {r['tokens_per_s']:,.0f} | {cell(r.get('vs_auto'), '.3f')} | "
+            f"{cell(r.get('vs_torch'), '.3f')} | {cell(r.get('vs_3d'), '.3f')} | {r['tflops']:.3g} | "
+            f"{cell(r['mfu'], '.1%')} | {cell(r['device_peak_mb'], '.0f')} | "
+            f"{cell(act / 2**20 if act else None, '.1f')} |")
     return "\n".join(lines)
 
 

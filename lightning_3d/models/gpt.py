@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from lightning_3d.parallel.materialize import DeferredInit, ParamInit
 
 
 @dataclass
@@ -58,6 +62,19 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+# The fills of GPT's parameters (module-level, so a recorded plan pickles and deep-copies).
+def _normal(t: torch.Tensor, generator: Optional[torch.Generator], std: float) -> None:
+    nn.init.normal_(t, mean=0.0, std=std, generator=generator)
+
+
+def _zeros(t: torch.Tensor, generator: Optional[torch.Generator]) -> None:
+    nn.init.zeros_(t)
+
+
+def _ones(t: torch.Tensor, generator: Optional[torch.Generator]) -> None:
+    nn.init.ones_(t)
 
 
 class CausalSelfAttention(nn.Module):
@@ -126,8 +143,13 @@ class GPT(nn.Module):
     # residual stream's variance does not grow with depth (GPT-2 trick).
     _RESIDUAL_PROJ = ("attn.wo", "mlp.fc2")
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, defer_init: bool = False) -> None:
+        """``defer_init=True``: stay on ``meta`` and record the init (the CPU generator's state
+        now and every parameter's fill) for :func:`lightning_3d.parallel.materialize.materialize`,
+        which gives the same weights as the eager build in their final dtype, device and shard."""
         super().__init__()
+        if not isinstance(defer_init, bool):
+            raise ValueError(f"defer_init={defer_init!r} must be True or False")
         self.config = config
         # Build on meta and materialise afterwards, so that init_weights() is
         # the ONLY consumer of the RNG. That makes
@@ -145,32 +167,47 @@ class GPT(nn.Module):
             # Deliberately not tied to tok_emb: tied weights would have to live
             # on both the first and the last pipeline stage.
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if target.type != "meta":
+        self.deferred_init: Optional[DeferredInit] = None
+        if defer_init:
+            self.deferred_init = DeferredInit.capture(self.parameter_inits())
+        elif target.type != "meta":
             self.to_empty(device=target)
             self.init_weights()
 
+    def parameter_inits(self) -> list[ParamInit]:
+        """Every parameter's initial fill, in the order :meth:`init_weights` draws random numbers
+        (``named_modules()`` order; weight before bias)."""
+        std = 0.02
+        proj_std = std / math.sqrt(2 * self.config.n_layer)
+        inits: list[ParamInit] = []
+
+        def add(name: str, param: Optional[nn.Parameter], fill: Any) -> None:
+            if param is not None:
+                inits.append(ParamInit(name, tuple(param.shape), fill))
+
+        for name, module in self.named_modules():
+            prefix = f"{name}." if name else ""
+            if isinstance(module, nn.Linear):
+                s = proj_std if name.endswith(self._RESIDUAL_PROJ) else std
+                add(prefix + "weight", module.weight, partial(_normal, std=s))
+                add(prefix + "bias", module.bias, _zeros)
+            elif isinstance(module, nn.Embedding):
+                add(prefix + "weight", module.weight, partial(_normal, std=std))
+            elif isinstance(module, nn.LayerNorm):
+                add(prefix + "weight", module.weight, _ones)
+                add(prefix + "bias", module.bias, _zeros)
+        return inits
+
     @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re-)initialise every parameter in place.
+        """(Re-)initialise every parameter in place (:meth:`parameter_inits`).
 
         Deterministic given the global RNG state; modules are visited in
         ``named_modules()`` order. Safe to call after ``to_empty()``.
         """
-        std = 0.02
-        proj_std = std / math.sqrt(2 * self.config.n_layer)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                s = proj_std if name.endswith(self._RESIDUAL_PROJ) else std
-                nn.init.normal_(module.weight, mean=0.0, std=s)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, nn.LayerNorm):
-                if module.weight is not None:
-                    nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+        for init in self.parameter_inits():
+            init.fill(self.get_parameter(init.name), None)
+        self.deferred_init = None
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Map token ids ``idx`` (B, T) to next-token logits (B, T, vocab)."""

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import torchmetrics
 
 from lightning_3d.models.gpt import GPT, GPTConfig
+from lightning_3d.parallel.materialize import has_meta, materialize
 from lightning_3d.parallel.pipeline import PipelineSpec
 
 
@@ -38,6 +39,13 @@ class LitGPT(pl.LightningModule):
 
     All constructor arguments are plain keywords so Hydra can build it with
     ``_target_: lightning_3d.models.LitGPT``.
+
+    ``deferred_init=True`` builds the network on ``meta`` (no memory, no random fill) and
+    records its init; ``ThreeDStrategy`` then materialises every parameter once, straight in its
+    final dtype, device and shard (bf16 on the device, ZeRO-3 shards, CPU-offloaded shards),
+    with the same weights as the eager build at the same seed, bit for bit. Under another
+    strategy :meth:`configure_model` materialises it as the eager build would (fp32, CPU). For
+    models of billions of parameters: no full fp32 copy on the host, no copy per setup step.
     """
 
     def __init__(
@@ -57,7 +65,10 @@ class LitGPT(pl.LightningModule):
         max_steps: int | None = None,
         min_lr_ratio: float = 0.1,
         optimizer: str = "adamw",
+        deferred_init: bool = False,
     ) -> None:
+        if not isinstance(deferred_init, bool):
+            raise ValueError(f"deferred_init={deferred_init!r} must be True or False")
         super().__init__()
         self.save_hyperparameters()
         self.config = GPTConfig(
@@ -78,7 +89,20 @@ class LitGPT(pl.LightningModule):
 
     def build_model(self) -> torch.nn.Module:
         """The network trained; subclasses swap in other architectures with the same interface."""
-        return GPT(self.config)
+        return GPT(self.config, defer_init=self.hparams.get("deferred_init", False))
+
+    def configure_model(self) -> None:
+        # A deferred model under a strategy that does not materialise meta modules itself
+        # (ThreeDStrategy does, after sharding): here, in the eager build's place (fp32, CPU).
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if has_meta(self.model) and not getattr(strategy, "materializes_meta_modules", False):
+            materialize(self.model, torch.device("cpu"))
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # LitGPT.load_from_checkpoint of a deferred run builds on meta, then loads the weights into
+        # this module: they need storage first. (In a Trainer the strategy has materialised it.)
+        if has_meta(self.model):
+            materialize(self.model, torch.device("cpu"))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)

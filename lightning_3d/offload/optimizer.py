@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -57,10 +57,12 @@ class OffloadedAdam(torch.optim.Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, decoupled_weight_decay: bool = True, *,
                  device: str = "cpu", path: Optional[PathLike] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 window: int = 3, delay_update: bool = False) -> None:
+                 window: int = 3, delay_update: bool = False, direct_io: Union[str, bool] = "auto") -> None:
         """``params`` as for ``torch.optim.AdamW``; ``device`` "cpu" or "nvme" (then ``path`` is a
         directory on the drive); ``chunk_bytes`` of state per streamed chunk; ``window`` chunk
-        buffers in RAM for "nvme"; ``delay_update``: see :meth:`step` (changes the numerics)."""
+        buffers in RAM for "nvme"; ``delay_update``: see :meth:`step` (changes the numerics);
+        ``direct_io`` ("auto", True, False): "nvme" reads and writes with ``O_DIRECT``, bypassing
+        the page cache (see :class:`FileChunkStore`; the numbers are the same either way)."""
         if not isinstance(delay_update, bool):
             raise ValueError(f"delay_update={delay_update!r} must be True or False")
         if device not in DEVICES:
@@ -84,7 +86,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         segments = [c.numel * self._slots[c.slot].fields for c in self._chunks]
         # Everything above only inspects; the store is the first thing that writes (and it
         # checks the path and cleans up after itself if it fails).
-        self._store: ChunkStore = CpuChunkStore(segments) if device == "cpu" else FileChunkStore(path, segments, window)
+        self._store: ChunkStore = (CpuChunkStore(segments) if device == "cpu"
+                                   else FileChunkStore(path, segments, window, direct_io=direct_io))
         # A streaming store steps one chunk at a time: its gradient buffer need hold one chunk.
         grad_buffer = DEFAULT_GRAD_BUFFER_BYTES if self._store.keeps_segments else 4 * max(
             (c.numel for c in self._chunks), default=1)
@@ -99,7 +102,7 @@ class OffloadedAdam(torch.optim.Optimizer):
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, device: str = "cpu", path: Optional[PathLike] = None,
                        chunk_bytes: int = DEFAULT_CHUNK_BYTES, window: int = 3,
-                       delay_update: bool = False) -> "OffloadedAdam":
+                       delay_update: bool = False, direct_io: Union[str, bool] = "auto") -> "OffloadedAdam":
         """Wrap an existing ``torch.optim.Adam`` / ``AdamW``, sharing its ``param_groups`` dicts
         (an LR scheduler built on ``optimizer`` keeps working) and importing any state it has."""
         kind = type(optimizer)
@@ -109,7 +112,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         d = optimizer.defaults
         new = cls(optimizer.param_groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
                   decoupled_weight_decay=d["decoupled_weight_decay"], device=device, path=path,
-                  chunk_bytes=chunk_bytes, window=window, delay_update=delay_update)
+                  chunk_bytes=chunk_bytes, window=window, delay_update=delay_update, direct_io=direct_io)
         try:
             if optimizer.state:
                 new.load_state_dict(optimizer.state_dict())

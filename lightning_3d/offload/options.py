@@ -9,8 +9,9 @@ from lightning_3d.offload.paths import check_offload_path
 
 
 def offload_options(device: str, path: Optional[str], chunk_mb: Any, params: Any = False,
-                    zero_stage: int = 0, delay_update: Any = False) -> dict[str, Any]:
-    """``{"device", "path", "chunk_bytes", "params", "delay_update"}``; ``ValueError`` naming a bad value.
+                    zero_stage: int = 0, delay_update: Any = False, direct_io: Any = None) -> dict[str, Any]:
+    """``{"device", "path", "chunk_bytes", "params", "delay_update", "direct_io"}``; ``ValueError``
+    naming a bad value.
 
     ``params=True`` (parameters offloaded to CPU memory as well) needs ``zero_stage=3``, whose
     FSDP2 shards are what moves, and an offload device.
@@ -19,7 +20,10 @@ def offload_options(device: str, path: Optional[str], chunk_mb: Any, params: Any
     space is checked against the state's size when the optimizer is wrapped, before training.
 
     ``delay_update=True`` (ZeRO-Offload's one-step delayed parameter update, see
-    ``OffloadedAdam.step``) needs an offload device; it changes the numerics."""
+    ``OffloadedAdam.step``) needs an offload device; it changes the numerics.
+
+    ``direct_io`` (``"nvme"`` only): ``None`` opens the state file with ``O_DIRECT`` where the file
+    system allows, ``True`` requires it, ``False`` uses the page cache (see ``FileChunkStore``)."""
     if device not in ("none", *DEVICES):
         raise ValueError(f"offload={device!r}: use one of {['none', *DEVICES]}")
     if isinstance(chunk_mb, bool) or not isinstance(chunk_mb, (int, float)) or not chunk_mb > 0:
@@ -33,9 +37,13 @@ def offload_options(device: str, path: Optional[str], chunk_mb: Any, params: Any
         raise ValueError(f"offload_delay_update={delay_update!r} must be True or False")
     if delay_update and device == "none":
         raise ValueError("offload_delay_update=True needs offload='cpu' or 'nvme', got offload='none'")
+    if direct_io is not None and not isinstance(direct_io, bool):
+        raise ValueError(f"offload_direct_io={direct_io!r} must be True, False or None (where the file system allows)")
+    if direct_io is not None and device != "nvme":
+        raise ValueError(f"offload_direct_io={direct_io!r} applies to offload='nvme' only, got offload={device!r}")
     if device == "nvme":
         if path is None:
             raise ValueError("offload='nvme' needs offload_path: a directory on the drive that holds the state")
         path = check_offload_path(path, 0)
     return {"device": device, "path": path, "chunk_bytes": max(1, int(chunk_mb * 2**20)), "params": params,
-            "delay_update": delay_update}
+            "delay_update": delay_update, "direct_io": direct_io}

@@ -147,6 +147,27 @@ class PrivateDirectory:
         os.ftruncate(fd, nbytes)
         return fd
 
+    def reopen(self, name: str, flags: int) -> int:
+        """Open ``name`` (made by :meth:`create_file`) once more with ``flags`` (e.g. ``os.O_RDWR |
+        os.O_DIRECT``) and return the new descriptor, closed with the directory; ``OSError`` if
+        the OS or file system refuses the flags."""
+        if self.closed:
+            raise ValueError(f"private directory {self.path!r} is closed")
+        if os.sep in name or name in ("", ".", ".."):
+            raise ValueError(f"file name must be a plain name, got {name!r}")
+        fd = os.open(os.path.join(self.path, name), flags | getattr(os, "O_CLOEXEC", 0))
+        self._fds.append(fd)
+        return fd
+
+    def close_file(self, fd: int) -> None:
+        """Close ``fd``, one of this directory's descriptors, now rather than with the directory
+        (a number closed behind the directory's back could be reused by another file, which
+        :meth:`close` would then close)."""
+        if fd not in self._fds:
+            raise ValueError(f"descriptor {fd} is not open in private directory {self.path!r}")
+        self._fds.remove(fd)
+        os.close(fd)
+
     @property
     def closed(self) -> bool:
         return not self._finalizer.alive

@@ -7,9 +7,11 @@ contiguous read and one contiguous write. A store keeps the segments and hands t
 * :class:`CpuChunkStore` — one flat fp32 tensor in CPU RAM (pinned when CUDA is present, so
   host-device copies of master weights are fast); :meth:`stream` yields views, nothing moves.
 * :class:`FileChunkStore` — one file in a private directory (see ``paths.py``); :meth:`stream`
-  reads chunk ``i + 1`` while the caller computes on chunk ``i`` and writes chunk ``i - 1``
-  back at the same time, through ``window`` preallocated buffers. Only those buffers ever hold
-  state in RAM: ``resident_state_bytes_peak`` reports their size.
+  reads chunks ``i + 1 .. i + window - 1`` on a reader thread while the caller computes on
+  chunk ``i`` and a writer thread writes chunk ``i - 1`` back, through ``window`` preallocated
+  buffers. Only those buffers hold state in RAM (``resident_state_bytes_peak``
+  reports their size); with direct I/O (``O_DIRECT``, where the file system allows it) not even
+  the page cache keeps a copy.
 
 :func:`plan_chunks` decides the layout; segment ``i`` of a store starts at element
 ``offsets[i]``; all state is float32.
@@ -17,13 +19,16 @@ contiguous read and one contiguous write. A store keeps the segments and hands t
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import sys
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -37,6 +42,13 @@ ELEMENT_BYTES = 4  # float32
 # ragged end element by element, which rounds differently; aligned chunks are split exactly
 # where the whole parameter would be, so a chunked step equals a whole-tensor step bit for bit.
 ALIGN_ELEMENTS = 16
+# O_DIRECT wants buffers, file offsets and lengths at multiples of the device's logical block
+# size: 512 or 4096 bytes on today's drives, so 4096 serves both.
+DIRECT_IO_ALIGNMENT = 4096
+# How the OS or a file system says "no O_DIRECT here" (tmpfs before Linux 6.6: EINVAL at open).
+_REFUSED_ERRNOS = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -160,7 +172,9 @@ class CpuChunkStore(ChunkStore):
 
     def __init__(self, segment_numels: Sequence[int]) -> None:
         super().__init__(segment_numels)
-        self._data: Optional[Tensor] = torch.zeros(self.total_numel, dtype=torch.float32, pin_memory=_pinned())
+        # Not zero-filled (12 bytes a parameter, seconds at billions): the optimizer writes every
+        # field of a parameter at its first step or load, and reads none before.
+        self._data: Optional[Tensor] = torch.empty(self.total_numel, dtype=torch.float32, pin_memory=_pinned())
         self.resident_state_bytes_peak = self.nbytes
 
     def _segment(self, index: int) -> Tensor:
@@ -189,6 +203,18 @@ def _bytes_of(t: Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
+def _aligned_empty(nbytes: int, alignment: int, pinned: bool = False) -> Tensor:
+    """An uninitialised float32 tensor of ``nbytes`` whose first byte sits at a multiple of
+    ``alignment`` (over-allocated by ``alignment`` bytes and sliced), as ``O_DIRECT`` needs."""
+    raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pinned)
+    skip = -raw.data_ptr() % alignment
+    return raw[skip : skip + nbytes].view(torch.float32)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _read_exact(fd: int, view: memoryview, offset: int) -> None:
     done = 0
     while done < len(view):
@@ -209,56 +235,148 @@ def _write_exact(fd: int, view: memoryview, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def _release(pool: ThreadPoolExecutor, directory: PrivateDirectory) -> None:
-    pool.shutdown(wait=True)  # pending writes finish before their file is closed
+def _release(pools: tuple[ThreadPoolExecutor, ...], directory: PrivateDirectory) -> None:
+    for pool in pools:
+        pool.shutdown(wait=True)  # pending writes finish before their file is closed
     directory.close()
+
+
+def _open_direct(directory: PrivateDirectory, name: str, alignment: int) -> int:
+    """``name`` opened once more with ``O_DIRECT``, after one aligned read and write of its
+    first block through it (some file systems accept the flag and refuse the I/O); ``OSError``
+    if the OS or the file system refuses."""
+    flag = getattr(os, "O_DIRECT", None)
+    if flag is None:
+        raise OSError(errno.EOPNOTSUPP, f"{sys.platform} has no O_DIRECT")
+    fd = directory.reopen(name, os.O_RDWR | flag)
+    try:
+        probe = _bytes_of(_aligned_empty(alignment, alignment))
+        _read_exact(fd, probe, 0)  # the file is new and sparse: zeros, written back unchanged
+        _write_exact(fd, probe, 0)
+    except BaseException:
+        directory.close_file(fd)
+        raise
+    return fd
 
 
 class FileChunkStore(ChunkStore):
     """Segments in one file under a private directory inside ``path``, streamed through
-    ``window`` preallocated buffers of ``buffer_numel`` elements by two I/O threads.
+    ``window`` preallocated buffers by one reader and one writer thread: while the caller
+    computes on segment ``k``, the writer writes ``k - 1`` back and the reader fills the other
+    buffers with ``k + 1 .. k + window - 1``, each as soon as its buffer's write-back is done.
+
+    ``direct_io`` (``"auto"``, ``True``, ``False``): with direct I/O the file is read and written
+    with ``O_DIRECT``, bypassing the page cache. Buffered, every byte of state streamed also
+    lands in the kernel's page cache, so a step that streams N bytes of state through a few
+    buffers can still grow host RAM use by N (reclaimable, but it evicts other data and is not
+    counted in RSS); direct, host RAM holds only the window. The numbers are identical either
+    way. Direct I/O needs buffers and file offsets at multiples of :data:`DIRECT_IO_ALIGNMENT`
+    bytes, so each segment starts at such an offset in the file (padding up to
+    ``DIRECT_IO_ALIGNMENT - 4`` bytes per segment: ``file_bytes`` may exceed ``nbytes``).
+    ``"auto"`` probes the file system when the file is created (Linux only; tmpfs before Linux
+    6.6 and some network or FUSE file systems refuse it) and falls back to buffered I/O with
+    one ``INFO`` log line; ``True`` raises ``ValueError`` where it is refused. :attr:`direct_io`
+    tells which is in effect.
 
     The file is created sparse (reads as zeros). ``path`` is checked for room first, and if
     anything fails after the private directory exists, it is removed before the error escapes.
+
+    Example::
+
+        store = FileChunkStore("/mnt/nvme", [4096, 1000], direct_io="auto")
+        for index, segment in store.stream([0, 1]):
+            segment.add_(1)   # written back in the background
+        store.close()
     """
 
-    def __init__(self, path: PathLike, segment_numels: Sequence[int], window: int = 3) -> None:
+    FILE_NAME = "optimizer_state.bin"
+
+    def __init__(self, path: PathLike, segment_numels: Sequence[int], window: int = 3,
+                 direct_io: Union[str, bool] = "auto") -> None:
         super().__init__(segment_numels)
         if window < 2:
             raise ValueError(f"window must be >= 2 (one buffer computing, one reading), got {window}")
+        if direct_io != "auto" and not isinstance(direct_io, bool):
+            raise ValueError(f"direct_io must be 'auto', True or False, got {direct_io!r}")
+        want_direct = direct_io is not False and self.total_numel > 0
+        padded = self._layout(DIRECT_IO_ALIGNMENT if want_direct else ELEMENT_BYTES)
         check_offload_path(path, self.nbytes)
+        if padded > self.nbytes:  # direct I/O's padding takes disk space too
+            check_offload_path(path, padded)
         self.window = window
-        self.buffer_numel = max(self.segment_numels, default=1)
         self._buffers: list[Optional[Tensor]] = [None] * window
         self.directory = PrivateDirectory(path)
         try:
-            # One reader and one writer in flight at a time; both syscalls release the GIL.
-            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload-io")
-            self._finalizer = weakref.finalize(self, _release, self._pool, self.directory)
-            self._fd = self.directory.create_file("optimizer_state.bin", self.nbytes)
-            if hasattr(os, "posix_fadvise"):  # segments are visited in file order
-                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-read")
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-write")
+            self._finalizer = weakref.finalize(self, _release, (self._reader, self._writer), self.directory)
+            self._fd = self.directory.create_file(self.FILE_NAME, padded)
+            if want_direct:
+                self._open_direct(path, direct_io)
+            if not self.direct_io:
+                self._layout(ELEMENT_BYTES)
+                os.ftruncate(self._fd, self.file_bytes)
+                if hasattr(os, "posix_fadvise"):  # segments are visited in file order
+                    os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         except BaseException:
             self.directory.close()
             raise
 
+    def _layout(self, alignment: int) -> int:
+        """Place segment ``i`` at byte ``file_offsets[i]``, a multiple of ``alignment``, and
+        move ``io_bytes[i]`` (its size rounded up to ``alignment``) per read or write; returns
+        the file's size."""
+        self.alignment = alignment
+        self.direct_io = alignment != ELEMENT_BYTES
+        self.io_bytes = [_round_up(n * ELEMENT_BYTES, alignment) for n in self.segment_numels]
+        self.file_offsets = [0, *accumulate(self.io_bytes)][:-1] if self.io_bytes else []
+        self.file_bytes = sum(self.io_bytes)
+        self.buffer_numel = max(self.io_bytes, default=ELEMENT_BYTES) // ELEMENT_BYTES
+        return self.file_bytes
+
+    def _open_direct(self, path: PathLike, direct_io: Union[str, bool]) -> None:
+        """Switch the store's I/O to an ``O_DIRECT`` descriptor, or record that it stays buffered."""
+        try:
+            self._fd = _open_direct(self.directory, self.FILE_NAME, DIRECT_IO_ALIGNMENT)
+        except OSError as error:
+            if error.errno not in _REFUSED_ERRNOS:
+                raise
+            if direct_io is True:
+                raise ValueError(f"direct_io=True, but the file system of offload path {os.fspath(path)!r} "
+                                 f"refuses O_DIRECT: {error}") from error
+            _log.info("offload path %r refuses O_DIRECT (%s): optimizer state goes through the page cache",
+                      os.fspath(path), error)
+            self.direct_io = False
+
     @property
     def file_path(self) -> str:
-        return os.path.join(self.directory.path, "optimizer_state.bin")
+        return os.path.join(self.directory.path, self.FILE_NAME)
 
-    def _buffer(self, slot: int, numel: int) -> Tensor:
+    def _new_buffer(self, numel: int, pinned: bool = False) -> Tensor:
+        if self.direct_io:
+            return _aligned_empty(numel * ELEMENT_BYTES, self.alignment, pinned)
+        return torch.empty(numel, dtype=torch.float32, pin_memory=pinned)
+
+    def _buffer(self, slot: int) -> Tensor:
         if self._buffers[slot] is None:  # allocated on first use, then reused for every step
-            self._buffers[slot] = torch.empty(self.buffer_numel, dtype=torch.float32, pin_memory=_pinned())
+            self._buffers[slot] = self._new_buffer(self.buffer_numel, pinned=_pinned())
             allocated = sum(b.numel() for b in self._buffers if b is not None)
             self.resident_state_bytes_peak = max(self.resident_state_bytes_peak, allocated * ELEMENT_BYTES)
-        return self._buffers[slot][:numel]
+        return self._buffers[slot]
 
-    def _load(self, index: int, into: Tensor) -> Tensor:
-        _read_exact(self._fd, _bytes_of(into), self.offsets[index] * ELEMENT_BYTES)
-        return into
+    def _load(self, index: int, buffer: Tensor) -> Tensor:
+        """Read segment ``index`` into the front of ``buffer``; returns the segment's view."""
+        _read_exact(self._fd, _bytes_of(buffer)[: self.io_bytes[index]], self.file_offsets[index])
+        return buffer[: self.segment_numels[index]]
 
-    def _store(self, index: int, data: Tensor) -> None:
-        _write_exact(self._fd, _bytes_of(data), self.offsets[index] * ELEMENT_BYTES)
+    def _store(self, index: int, buffer: Tensor) -> None:
+        """Write segment ``index`` from the front of ``buffer`` (with its padding, if any)."""
+        _write_exact(self._fd, _bytes_of(buffer)[: self.io_bytes[index]], self.file_offsets[index])
+
+    def _load_after(self, pending: Optional[Future], index: int, buffer: Tensor) -> Tensor:
+        if pending is not None:  # the buffer is free once its write-behind is done
+            pending.result()
+        return self._load(index, buffer)
 
     def _check_open(self) -> None:
         # A closed descriptor's number may already belong to another file: never touch it.
@@ -268,26 +386,25 @@ class FileChunkStore(ChunkStore):
     def stream(self, indices: Iterable[int]) -> Iterator[tuple[int, Tensor]]:
         self._check_open()
         order = list(indices)
+        if len(set(order)) != len(order):  # a repeat could be read before its write-behind lands
+            raise ValueError(f"stream() visits each segment once, got indices {order}")
+        # Every buffer but the caller's is reading ahead: a read queued behind a buffer's write-back
+        # starts (on the reader thread) the moment that write ends, not when the caller next asks.
+        ahead = self.window - 1
         writes: list[Optional[Future]] = [None] * self.window  # per buffer slot: its last write
         reads: dict[int, Future] = {}
-
-        def start_read(k: int) -> None:
-            slot = k % self.window
-            if writes[slot] is not None:  # the buffer is free once its write-behind is done
-                writes[slot].result()
-                writes[slot] = None
-            buffer = self._buffer(slot, self.segment_numels[order[k]])
-            reads[k] = self._pool.submit(self._load, order[k], buffer)
-
+        started = 0
         try:
-            if order:
-                start_read(0)
             for k, index in enumerate(order):
-                if k + 1 < len(order):
-                    start_read(k + 1)  # read-ahead while the caller computes on chunk k
+                while started < min(len(order), k + 1 + ahead):  # read-ahead, never blocking here
+                    slot = started % self.window
+                    reads[started] = self._reader.submit(self._load_after, writes[slot], order[started],
+                                                         self._buffer(slot))
+                    writes[slot] = None  # now awaited by that read
+                    started += 1
                 segment = reads.pop(k).result()
                 yield index, segment
-                writes[k % self.window] = self._pool.submit(self._store, index, segment)  # write-behind
+                writes[k % self.window] = self._writer.submit(self._store, index, self._buffers[k % self.window])
             for future in writes:
                 if future is not None:
                     future.result()  # surface write errors; the step is durable after this
@@ -296,12 +413,18 @@ class FileChunkStore(ChunkStore):
 
     def read(self, index: int) -> Tensor:
         self._check_open()
-        return self._load(index, torch.empty(self.segment_numels[index], dtype=torch.float32))
+        return self._load(index, self._new_buffer(self.io_bytes[index] // ELEMENT_BYTES))
 
     def write(self, index: int, data: Tensor) -> None:
         self._check(index, data)
         self._check_open()
-        self._store(index, data.contiguous())
+        if not self.direct_io:
+            self._store(index, data.contiguous())
+            return
+        buffer = self._new_buffer(self.io_bytes[index] // ELEMENT_BYTES)
+        buffer[: data.numel()].copy_(data)
+        buffer[data.numel() :].zero_()  # the padding: deterministic file contents
+        self._store(index, buffer)
 
     def close(self) -> None:
         self._finalizer()

@@ -74,6 +74,7 @@ class OffloadOptions:
     chunk_mb: float = DEFAULT_CHUNK_BYTES / 2**20
     params: bool = False
     delay_update: bool = False
+    direct_io: Optional[bool] = None  # None: O_DIRECT where the file system allows
 
     @property
     def chunk_bytes(self) -> int:
@@ -171,6 +172,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("offload_delay_update", "offload", "delay_update",
            "ZeRO-Offload's one-step delayed parameter update: the CPU step overlaps the next forward and backward, "
            "which see weights one step old (changes the numerics)", hydra_group="offload", hydra_key="delay_update"),
+    Option("offload_direct_io", "offload", "direct_io",
+           "nvme: `O_DIRECT` reads and writes, bypassing the page cache; `null` where the file system allows, "
+           "`true` required, `false` buffered (faster while the state fits in spare RAM; same numbers)",
+           hydra_group="offload", hydra_key="direct_io", hydra_type=Optional[bool]),
     Option("checkpoint_format", "checkpoint", "format",
            "saved checkpoints: `consolidated` (one file, rank 0 writes) or `sharded` (a directory, every rank writes)"),
     Option("compile", "compile", "enabled", "`torch.compile` each transformer block (after activation "
@@ -263,7 +268,7 @@ def _checked(plan: Plan) -> Plan:
     ac = ac_options(plan.ac.policy, plan.ac.every_n)
     offload = plan.offload
     checked = offload_options(offload.device, offload.path, offload.chunk_mb, offload.params, layout.zero_stage,
-                              offload.delay_update)
+                              offload.delay_update, offload.direct_io)
     problems = []
     if plan.tp.plan is not None and not isinstance(plan.tp.plan, Mapping):
         problems.append(f"tp_plan={plan.tp.plan!r} must be a mapping {{module pattern: style}}")

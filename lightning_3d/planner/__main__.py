@@ -3,17 +3,27 @@
     python -m lightning_3d.planner                                  # gpt_small on one 8 x 80 GB node
     python -m lightning_3d.planner model=gpt_50m cluster=workstation_24gb
     python -m lightning_3d.planner cluster.nodes=4 planner.batch_size=512 top=20
+    python -m lightning_3d.plan model=gpt_70b cluster=128_nodes_8x80gb layout.tensor=8 layout.pipeline=8 \
+        planner.zero_stages=[1] planner.offloads=[none] validate=true
 
 The ``model`` group is training's (``conf/model/``); ``cluster`` is ``conf/cluster/``; the
 ``planner`` keys are :class:`~lightning_3d.planner.choice.PlannerOptions`. Prints the model's
 facts (activation bytes measured per block), the ranked table and the rejected layouts. A bad
 value, or a cluster on which nothing fits, ends with one ``error:`` line and exit code 2.
+
+``layout.data`` / ``layout.tensor`` / ``layout.pipeline`` keep only layouts of those sizes (a
+fixed ``tensor`` also limits the activation measurement to that size, which is what makes a
+70B model quick to plan). ``validate=true`` then builds the first choice at its full world size
+in this one process (:mod:`lightning_3d.planner.validate`), prints its per-rank-kind table of
+predicted against built bytes, and ends with an ``error:`` line and exit code 2 if a shape or
+placement is wrong or a figure is more than 10% off.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+import time
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -29,6 +39,8 @@ def plan(cfg: DictConfig) -> int:
     from lightning_3d.planner.table import nothing_fits, ranked_table, rejected_summary
     from lightning_3d.recipe import check
 
+    started = time.perf_counter()
+    validate = bool(cfg.get("validate", False))
     try:
         cluster = Cluster.from_mapping(OmegaConf.to_container(cfg.cluster, resolve=True))
         options = planner_options(cfg.planner)
@@ -37,10 +49,21 @@ def plan(cfg: DictConfig) -> int:
         if module is None:
             raise ValueError(f"model ({cfg.model.get('_target_')}) cannot be built on meta, so it cannot be planned")
         name = HydraConfig.get().runtime.choices.get("model", "model") if HydraConfig.initialized() else "model"
+        sizes = layout_pins(cfg.get("layout"))
         tps = [t for t in range(1, cluster.devices_per_node + 1) if cluster.devices_per_node % t == 0]
+        tps = [sizes["tensor"]] if "tensor" in sizes else tps
         facts = model_facts(module, seq_len=options.seq_len, precision=options.precision, tp_sizes=tps, name=name,
                             policies=tuple(dict.fromkeys(("none", *options.ac_policies))))
         candidates = plan_layouts(facts, cluster, options, check=functools.partial(check, module))
+        candidates = [c for c in candidates if all(getattr(c.choice, k) == v for k, v in sizes.items())]
+        if not candidates:
+            pins = ", ".join(f"{k}={v}" for k, v in sizes.items())
+            raise ValueError(f"no layout of {cluster.world_size} ranks has {pins} (data x tensor x pipeline must "
+                             "equal nodes x devices_per_node)")
+        if validate and candidates and candidates[0].fits:
+            from lightning_3d.planner.validate import check_choice
+
+            check_choice(candidates[0].choice, options.precision)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -60,6 +83,49 @@ def plan(cfg: DictConfig) -> int:
     trainer = "".join(f", Trainer({k}={v!r})" for k, v in best.choice.trainer_options().items())
     print(f"\nfirst choice: ThreeDStrategy({options_text}){trainer}")
     print(rejected_summary(candidates))
+    if validate:
+        return validated(lambda: model_on_meta(cfg.model), facts, best.choice, options.precision, started)
+    return 0
+
+
+def layout_pins(node) -> dict[str, int]:
+    """The sizes ``layout.*`` fixes (``null``: free); ``ValueError`` for anything but a positive integer."""
+    values = dict(OmegaConf.to_container(node, resolve=True)) if node is not None else {}
+    unknown = sorted(set(values) - {"data", "tensor", "pipeline"})
+    if unknown:
+        raise ValueError(f"unknown layout key(s) {unknown}; known: ['data', 'pipeline', 'tensor']")
+    bad = {k: v for k, v in values.items()
+           if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1)}
+    if bad:
+        raise ValueError(f"layout sizes must be positive integers or null, got {bad}")
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def validated(make_module, facts, choice, precision: str, started: float) -> int:
+    """Build ``choice`` at full size and print the comparison; 2 and an ``error:`` line if it is off."""
+    import resource
+
+    from lightning_3d.planner.validate import table, validate_layout
+
+    start = time.perf_counter()
+    try:
+        result = validate_layout(make_module, facts, choice, precision)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: kB
+    print(f"\nvalidation: {choice.label()} built at {choice.world_size:,} ranks on a fake process group, "
+          f"{len(result.kinds)} rank kind(s)\n")
+    print(table(result.rows, result.activations))
+    tensors = sum(b.tensors for b in result.built)
+    print(f"\n{tensors} parameter tensors checked for shape and placement; validation {seconds:.1f} s "
+          f"(planning and validation {time.perf_counter() - started:.1f} s); process peak RSS {peak:.2f} GB")
+    if result.problems:
+        more = f" (and {len(result.problems) - 1} more)" if len(result.problems) > 1 else ""
+        print(f"error: validation failed: {result.problems[0]}{more}", file=sys.stderr)
+        return 2
+    print("validation: every rank kind matches the prediction (shapes, placements, bytes within 10%)")
     return 0
 
 

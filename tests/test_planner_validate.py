@@ -1,0 +1,128 @@
+"""``python -m lightning_3d.plan validate=true``: the planner's choice built at its full world size in
+one process (fake process group, ``meta`` tensors) and held against the prediction.
+
+Fake world, one process: a 64-rank dp × tp × pp layout of the tiny GPT under ZeRO 1 and 3 passes
+through the app; a memory model that predicts wrong bytes, and a tensor-parallel plan the
+planner misreads, are each caught. ``-m slow``: the 1,024-rank layout of the 70B configuration.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import pytest
+import torch
+
+from lightning_3d.planner.choice import Choice
+from lightning_3d.planner.validate import rank_kinds, validate_layout
+
+TINY = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32)
+
+
+def _tiny():
+    from lightning_3d.models import LitGPT
+
+    with torch.device("meta"):
+        return LitGPT(**TINY)
+
+
+@pytest.fixture(scope="module")
+def tiny_facts():
+    from lightning_3d.planner.facts import model_facts
+
+    return model_facts(_tiny(), precision="bf16-mixed", tp_sizes=(1, 2), policies=("none", "full"), name="tiny")
+
+
+def _app(*overrides: str) -> int:
+    from lightning_3d.planner.__main__ import plan
+    from lightning_3d.testing.apps import compose_config
+
+    return plan(compose_config("plan", *overrides))
+
+
+def test_rank_kinds_one_per_stage_kind_at_both_corners():
+    kinds = rank_kinds(Choice(data=4, tensor=2, pipeline=4), n_layer=8)
+    # Stages 1 and 2 hold two blocks and no ends: one kind. Corners (dp 0, tp 0) and (dp 3, tp 1).
+    assert [k.rank for k in kinds] == [0, 7, 8, 15, 24, 31]
+    assert [(k.stage, k.dp_rank, k.tp_rank) for k in kinds[-2:]] == [(3, 0, 0), (3, 3, 1)]
+    assert "embeddings" in kinds[0].label and "head" in kinds[-1].label
+    assert [k.rank for k in rank_kinds(Choice(data=1, tensor=1, pipeline=1), n_layer=2)] == [0]
+
+
+@pytest.mark.parametrize("zero, policy", [(1, "none"), (3, "full")])
+def test_app_validates_a_64_rank_layout(capsys, zero, policy):
+    code = _app("model=gpt_tiny", "cluster.nodes=8", "layout.tensor=4", "layout.pipeline=2",
+                f"planner.zero_stages=[{zero}]", "planner.offloads=[none]", f"planner.ac_policies=[{policy}]",
+                "validate=true")
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert f"dp=8 tp=4 pp=2 zero={zero}" in out and f"ac={policy}" in out and "built at 64 ranks" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "bytes |" in line]
+    assert len(rows) == 2 * 2 * 3  # two stage kinds x two corners x three quantities
+    assert {line.split("|")[1].strip() for line in rows} == {"0", "31", "32", "63"}
+    assert all(abs(float(line.split("|")[6]) - 1) <= 0.1 for line in rows)
+    assert "every rank kind matches" in out
+
+
+def test_a_wrong_memory_model_is_caught(monkeypatch, capsys, tiny_facts):
+    import lightning_3d.planner.calibration as calibration
+
+    honest = calibration.model_state
+
+    def inflated(facts, choice, part):  # a memory model that forgets ZeRO's sharding of the optimizer state
+        params, grads, optimizer, host = honest(facts, choice, part)
+        return params, grads, optimizer * choice.data, host
+
+    choice = Choice(data=4, tensor=2, pipeline=2, zero_stage=1, micro_batches=2, batch_per_rank=2)
+    assert not validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
+    monkeypatch.setattr(calibration, "model_state", inflated)
+    problems = validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
+    assert problems and all("optimizer_state_bytes" in p for p in problems)
+    ratio = float(problems[0].split("ratio ")[1].split(",")[0])
+    assert ratio == pytest.approx(4, abs=0.02)  # Adam's scalar step counters: a few bytes
+    code = _app("model=gpt_tiny", "cluster.nodes=2", "cluster.devices_per_node=8", "layout.tensor=2",
+                "layout.pipeline=2", "planner.zero_stages=[1]", "planner.offloads=[none]",
+                "planner.ac_policies=[none]", "validate=true")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: validation failed:"), err
+
+
+def test_a_misread_tensor_plan_is_caught(monkeypatch, tiny_facts):
+    import lightning_3d.planner.facts as facts_module
+
+    choice = Choice(data=2, tensor=2, pipeline=1, zero_stage=3)
+    monkeypatch.setattr(facts_module, "_split_names", lambda module: (set(), set()))  # "TP splits nothing"
+    problems = validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
+    assert any("is not split by the plan but placed" in p and "attn.wq.weight" in p for p in problems), problems
+
+
+def test_activations_measured_on_other_shapes_are_caught(monkeypatch, tiny_facts):
+    import lightning_3d.planner.activations as activations
+
+    choice = Choice(data=2, tensor=2, pipeline=2, zero_stage=1, micro_batches=2, batch_per_rank=2, ac_policy="full")
+    assert not validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
+    # A planner that measured the block at full width, as if tensor parallelism split nothing in it.
+    monkeypatch.setattr(activations, "_local_block", lambda block, prefix, split, columns, tp: block)
+    problems = validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
+    assert problems and all("activation bytes were measured on" in p for p in problems), problems
+
+
+def test_offload_is_refused_before_building(tiny_facts):
+    with pytest.raises(ValueError, match=r"offload='cpu'.*planner.offloads=\[none\]"):
+        validate_layout(_tiny, tiny_facts, Choice(data=2, tensor=1, pipeline=1, zero_stage=1, offload="cpu"),
+                        "bf16-mixed")
+
+
+@pytest.mark.slow
+def test_70b_at_1024_ranks(capsys):
+    start = time.perf_counter()
+    code = _app("model=gpt_70b", "cluster=128_nodes_8x80gb", "layout.tensor=8", "layout.pipeline=8",
+                "planner.zero_stages=[1]", "planner.offloads=[none]", "validate=true", "top=3")
+    seconds = time.perf_counter() - start
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "built at 1,024 ranks" in out and "every rank kind matches" in out
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    with capsys.disabled():
+        print(f"\n70B at 1,024 ranks: plan + validate {seconds:.1f} s in-process; pytest's peak RSS {rss:.2f} GB")
