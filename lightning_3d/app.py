@@ -30,7 +30,7 @@ from lightning_3d.config import (
 )
 from lightning_3d.launch import already_launched, launch_job
 from lightning_3d.nonfinite import NonFiniteError
-from lightning_3d.planner.auto import resolve_for_app
+from lightning_3d.planner.auto import plan_for_app, record_planned
 from lightning_3d.preemption import Preempted
 from lightning_3d.recipe import check
 from lightning_3d.resume import (
@@ -279,7 +279,7 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
     try:
         # parallelism=auto: chosen here, once, and handed to the ranks as overrides (a rank of
         # torchrun / SLURM leaves it to its strategy, which plans on rank 0 for the whole world).
-        chosen = [] if already_launched() else _resolve_auto(cfg)
+        chosen, planned = ([], None) if already_launched() else _resolve_auto(cfg)
         if not validated:
             validate(cfg)
         # resume=last names the newest checkpoint now, before this run writes any: every rank
@@ -300,21 +300,26 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
             overrides.append(resume_override(resume))
         code = launch_job(world, script, overrides, output_dir, threads)
         if code == 0:
+            record_planned(Path(output_dir) / "summary.json", planned)  # the ranks did not plan: add it
             _report(Path(output_dir) / "summary.json")
         return code
     if resume is not None:
         cfg.resume = str(resume)
     summary = (body or train)(cfg, output_dir)
     if world == 1:
+        record_planned(Path(output_dir) / "summary.json", planned)
+        if planned is not None:
+            summary["planned"] = planned
         _report(Path(output_dir) / "summary.json", summary)
     return 0
 
 
-def _resolve_auto(cfg: DictConfig) -> list[str]:
-    """``parallelism=auto``: the planner's choice written into ``cfg``, and as the ranks' overrides."""
+def _resolve_auto(cfg: DictConfig) -> tuple[list[str], dict[str, Any] | None]:
+    """``parallelism=auto``: the planner's choice written into ``cfg``, as the ranks' overrides,
+    and its predictions for ``summary.json``; ``([], None)`` without auto."""
     if not cfg.parallelism.get("auto"):
-        return []
-    return resolve_for_app(cfg, plan_of(cfg.parallelism, cfg.get("offload")), model_on_meta(cfg.model),
+        return [], None
+    return plan_for_app(cfg, plan_of(cfg.parallelism, cfg.get("offload")), model_on_meta(cfg.model),
                            world_size_of(cfg.trainer))
 
 

@@ -82,7 +82,11 @@ class RunSummary(Callback):
     - ``ranks``: per rank, peak RSS and the model-state bytes resident at the end of backward,
       just before the optimizer step (see :func:`lightning_3d.memory.model_state_bytes`), and
       the activation memory per transformer block of the first training batch
-      (``activation_bytes_per_block``, see :meth:`activation_figures`).
+      (``activation_bytes_per_block``, see :meth:`activation_figures`);
+    - ``planned`` (only under ``auto=True`` / ``parallelism=auto``): the planner's predictions for
+      the layout it chose (options, per-rank memory parts, step time parts, tokens/s; see
+      :func:`lightning_3d.planner.auto.planned_figures`), read from the strategy's ``planned``,
+      to set against the measured figures above.
 
     Tokens/s, TFLOP/s per device and MFU (where a peak is known) are logged every optimizer step
     and shown on the progress bar as ``tok/s``, ``tflops`` and ``mfu``.
@@ -329,6 +333,9 @@ class RunSummary(Callback):
             "step_time_s": statistics.median(self.step_times) if self.step_times else None,
             "ranks": ranks,
         }
+        planned = getattr(trainer.strategy, "planned", None)  # parallelism=auto's predictions
+        if planned is not None:
+            self.summary["planned"] = planned
         if trainer.is_global_zero:
             out = Path(self.out_dir or trainer.default_root_dir)
             out.mkdir(parents=True, exist_ok=True)

@@ -32,8 +32,8 @@ through it, which makes them picklable although the class is not a module attrib
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Collection
-from typing import Any, Optional, Union
+from collections.abc import Callable
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist

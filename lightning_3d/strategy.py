@@ -88,6 +88,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         self._sync_grads = True
         self._setting_up: Optional[str] = None  # the setup step under way (for error reports)
         self.watchdog: Optional[Watchdog] = None  # heartbeats: names a stalled or dead peer (setup_environment)
+        self.planned: Optional[dict[str, Any]] = None  # auto=True: the planner's predictions (RunSummary writes them)
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:

@@ -131,6 +131,21 @@ def test_strategy_option_matches_auto_on_one_device(case, auto, tmp_path):
         assert list(tmp_path.iterdir()) == []  # the private state directory is gone
 
 
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("options", [{"offload": "cpu"}, {"zero_stage": 3, "offload": "cpu", "offload_params": True}],
+                         ids=["offload_cpu", "zero3_offload_params"])
+def test_a_model_built_on_meta_trains_as_the_eager_build(options):
+    """``LitGPT(deferred_init=True)`` materialised on the device (or in CPU shards) by the strategy:
+    the same initial weights bit for bit, and the same run (at bf16 tolerance) as the eager build."""
+    eager = fit_child(gpu_run(options, "bf16-true"))
+    deferred = fit_child(Run(strategy=options, accelerator="gpu", steps=STEPS, seed=SEED, model={"deferred_init": True},
+                             trainer={"precision": "bf16-true", **CLIP}))
+    for name, w0 in eager["initial_state"].items():
+        assert torch.equal(deferred["initial_state"][name], w0), name
+    assert_matches_auto(deferred, eager, "bf16-true")  # CUDA's embedding backward is not bit-reproducible
+
 def test_update_bound_detects_a_ten_percent_learning_rate_change():
     """The bf16 bound above can fail: on CPU (fp32, in this process, Lightning's plain strategy)
     a run at 1.1x the learning rate is outside it, and outside the loss bound of fp32 too."""

@@ -9,6 +9,7 @@ import logging
 import os
 import tempfile
 import threading
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -225,6 +226,11 @@ def test_the_strategy_option_reaches_the_nvme_store(value, mode, tmp_path, monke
 
     monkeypatch.setattr(storage.FileChunkStore, "__init__", spy)
     options = {"offload": "nvme", "offload_path": str(tmp_path), "offload_chunk_mb": 0.01, "offload_direct_io": value}
-    result = fit_gpt(0, Run(strategy=options, devices=1, steps=1))
+    with mock.patch.dict(os.environ):  # the in-process fit sets MASTER_PORT: later apps must not inherit it
+        try:
+            result = fit_gpt(0, Run(strategy=options, devices=1, steps=1))
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
     assert seen == [mode]
     assert all(loss == loss for loss in result["losses"])

@@ -18,7 +18,8 @@ import torch
 from lightning_3d.memory import zero_formula_bytes
 from lightning_3d.plan import Plan
 from lightning_3d.planner import Choice, Cluster, PlannerOptions, model_facts, plan_layouts
-from lightning_3d.planner.calibration import LAYOUTS, choice_of, compare, run_layout, tiny_facts
+from lightning_3d.planner.calibration import compare, run_layout, tiny_facts
+from lightning_3d.planner.layouts import LAYOUTS, choice_of
 from lightning_3d.planner.memory import model_state, stage_parts
 from lightning_3d.testing.runs import TINY_DATA
 

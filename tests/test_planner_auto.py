@@ -16,7 +16,8 @@ import torch
 from lightning_3d import ThreeDStrategy
 from lightning_3d.plan import Plan
 from lightning_3d.planner import Cluster, PlannerOptions, model_facts, plan_layouts
-from lightning_3d.planner.auto import choose, constraints, found_cluster, host_memory_gb, planned
+from lightning_3d.planner.auto import (CPU_OPTIONS, choose, constraints, found_cluster, host_memory_gb, planned,
+                                       planned_figures, record_planned)
 from lightning_3d.recipe import check
 from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL, Run, fit_gpt
 from lightning_3d.testing.world import run_world
@@ -92,6 +93,30 @@ def test_the_cpu_cluster_is_the_host_shared_by_its_ranks():
     assert cluster.device_memory_gb == pytest.approx(host_memory_gb() / 4)
 
 
+def test_the_predictions_are_recorded_as_json_next_to_the_measured(module, tmp_path):
+    """``planned_figures``: the choice's options and predicted parts, as JSON; ``record_planned``
+    adds them to a written summary.json, keeping what was measured."""
+    best = choose(module, TIGHT, Plan.from_options(auto=True), batch_size=BATCH, seq_len=SEQ)
+    figures = json.loads(json.dumps(planned_figures(best, TIGHT)))
+    assert Plan.from_options(**{k: v for k, v in figures["layout"].items() if k not in ("micro_batches",
+                                                                                      "batch_per_rank")})
+    assert (figures["layout"]["zero_stage"], figures["layout"]["tensor"]) == (best.choice.zero_stage,
+                                                                               best.choice.tensor)
+    mem, time = figures["memory_bytes"], figures["step_time_s"]
+    assert mem["total"] == pytest.approx(best.memory.total) == pytest.approx(
+        mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"] + mem["buffers"])
+    assert time["total"] == pytest.approx(time["compute"] + time["comm"] + time["bubble"] + time["offload"]
+                                          + time["optimizer"])
+    assert figures["tokens_per_s"] == pytest.approx(BATCH * SEQ / time["total"])
+    assert figures["cluster"]["devices_per_node"] == 4
+    path = tmp_path / "summary.json"
+    record_planned(path, figures)  # no summary written: nothing to add to
+    assert not path.exists()
+    path.write_text(json.dumps({"tokens_per_s": 123.0}))
+    record_planned(path, figures)
+    assert json.loads(path.read_text()) == {"tokens_per_s": 123.0, "planned": figures}
+
+
 def test_a_two_rank_auto_run_trains_the_chosen_layout(module, capfd):
     """``ThreeDStrategy(auto=True, zero_stage=2)`` on 2 CPU ranks: rank 0 plans (the same choice as
     the planner here, for the cluster found), every rank trains it, rank 0 logs it once."""
@@ -99,8 +124,12 @@ def test_a_two_rank_auto_run_trains_the_chosen_layout(module, capfd):
     cluster = found_cluster(2, 1, "cpu")
     best = choose(module, cluster, Plan.from_options(auto=True, zero_stage=2), batch_size=BATCH, seq_len=SEQ,
                   device_type="cpu")
-    assert best.choice == _first(module, cluster, zero_stages=(2,), offloads=("none",))[0].choice
+    assert best.choice == _first(module, cluster, zero_stages=(2,), offloads=("none",), **CPU_OPTIONS)[0].choice
+    expected = json.loads(json.dumps(planned_figures(best, cluster)))
     for rank in out:
+        # the predictions, next to the measured figures (RunSummary reads the strategy's planned)
+        assert rank["summary"]["planned"]["layout"] == expected["layout"]
+        assert rank["summary"]["planned"]["step_time_s"] == pytest.approx(expected["step_time_s"])
         layout = rank["summary"]["layout"]
         assert (layout["data"], layout["tensor"], layout["pipeline"], layout["zero_stage"]) == \
             (best.choice.data, best.choice.tensor, best.choice.pipeline, 2)
@@ -111,7 +140,7 @@ def test_a_two_rank_auto_run_trains_the_chosen_layout(module, capfd):
 
 def test_the_app_runs_parallelism_auto(tmp_path):
     """``python examples/train.py parallelism=auto``: chosen in the launching process, logged once,
-    and the ranks train it (summary.json names the layout)."""
+    and the ranks train it (summary.json names the layout and carries the prediction)."""
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_PROCID")}
     args = ["parallelism=auto", "parallelism.zero_stage=1", "model=gpt_tiny", f"data.batch_size={BATCH}",
             "data.max_bytes=300000", "trainer.limit_val_batches=0", "trainer.max_steps=3",
@@ -122,6 +151,10 @@ def test_the_app_runs_parallelism_auto(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = re.findall(r"auto: dp=(\d+) x tp=(\d+) x pp=(\d+), ZeRO stage (\d+)", proc.stdout + proc.stderr)
     assert len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    layout = json.loads((tmp_path / "summary.json").read_text())["layout"]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    layout = summary["layout"]
     assert tuple(str(layout[k]) for k in ("data", "tensor", "pipeline", "zero_stage")) == lines[0]
     assert layout["zero_stage"] == 1
+    planned = summary["planned"]  # the launcher's prediction, next to what the ranks measured
+    assert planned["layout"]["zero_stage"] == 1 and planned["layout"]["data"] == layout["data"]
+    assert planned["step_time_s"]["total"] > 0 and planned["memory_bytes"]["total"] > 0

@@ -11,7 +11,9 @@ The cluster found (:func:`found_cluster`): devices per node = the local world si
 CPU the host's RAM divided by its ranks (the ranks share the host; offload then saves nothing,
 so CPU offload is not enumerated on CPUs unless asked for). Links and peaks the machine cannot
 report are assumptions, named in :data:`CPU_ASSUMED` / :data:`GPU_ASSUMED`: they shift the
-ranking's compute-to-communication balance, never what fits.
+ranking's compute-to-communication balance, never what fits. On CPU ranks communication does
+not overlap compute (:data:`CPU_OPTIONS`); ``python -m lightning_3d.planner.machine`` measures
+a machine's own figures.
 
 Options given together with ``auto`` (rule: an option set to anything but its default):
 ``data`` / ``tensor`` / ``pipeline`` keep only layouts of that size; ``zero_stage``,
@@ -49,6 +51,9 @@ from lightning_3d.planner.search import Candidate, plan_layouts
 # CPU ranks: gloo through shared memory inside a node, a 10 Gb/s-class network between nodes,
 # and a few hundred GFLOP/s of fp32 matmuls per rank; the host link is memory itself.
 CPU_ASSUMED = {"intra_node_gbps": 2.0, "inter_node_gbps": 1.0, "peak_tflops": 0.2, "host_link_gbps": 20.0}
+# CPU ranks: a collective is CPU work on the rank's own cores (gloo reduces and copies there), so
+# no share of it hides behind compute (measured: python -m lightning_3d.planner.calibration --time).
+CPU_OPTIONS = {"overlap": 0.0}
 # GPUs: an NVLink-class node and one 200 Gb/s NIC per device (Cluster's defaults); the peak
 # from lightning_3d.flops' table where the device is known, else an H100's.
 GPU_ASSUMED = {"intra_node_gbps": 300.0, "inter_node_gbps": 25.0, "peak_tflops": 989.0, "host_link_gbps": 25.0}
@@ -133,7 +138,8 @@ def choose(module: Any, cluster: Cluster, plan: Plan, *, batch_size: Optional[in
     from lightning_3d.recipe import check
 
     fixed = constraints(plan, device_type)
-    options = PlannerOptions(batch_size=batch_size, seq_len=seq_len, precision=precision, **fixed.planner)
+    options = PlannerOptions(batch_size=batch_size, seq_len=seq_len, precision=precision,
+                             **(CPU_OPTIONS if device_type != "cuda" else {}), **fixed.planner)
     tps = [t for t in range(1, cluster.devices_per_node + 1) if cluster.devices_per_node % t == 0]
     facts = model_facts(module, seq_len=seq_len, precision=precision, tp_sizes=tps, name=type(module).__name__,
                         policies=tuple(dict.fromkeys(("none", *options.ac_policies))))
@@ -166,6 +172,25 @@ def describe(candidate: Candidate, cluster: Cluster) -> str:
             f"on {cluster.describe()}")
 
 
+def planned_figures(candidate: Candidate, cluster: Cluster) -> dict[str, Any]:
+    """The choice's predictions as JSON data, for the run's ``summary.json`` (key ``"planned"``,
+    next to what the run measured): the layout's options, per-rank memory parts (bytes, the
+    largest pipeline stage), step time parts (seconds), tokens/s, MFU and the cluster assumed."""
+    c, memory, time = candidate.choice, candidate.memory, candidate.time
+    return {
+        "layout": {**c.options(), "micro_batches": c.micro_batches, "batch_per_rank": c.batch_per_rank},
+        "label": c.label(),
+        "memory_bytes": {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
+                         "activations": memory.activations, "buffers": memory.buffers, "total": memory.total,
+                         "host": memory.host},
+        "step_time_s": {"compute": time.compute, "comm": time.comm, "bubble": time.bubble,
+                        "offload": time.offload, "optimizer": time.optimizer, "total": time.total},
+        "tokens_per_s": candidate.tokens_per_s,
+        "mfu": candidate.mfu,
+        "cluster": cluster.as_dict(),
+    }
+
+
 def data_batch(trainer: Any) -> tuple[Optional[int], Optional[int]]:
     """(global batch per loader step, tokens per sample) from the trainer's data module, where it says."""
     datamodule = getattr(trainer, "datamodule", None)
@@ -180,7 +205,9 @@ def data_batch(trainer: Any) -> tuple[Optional[int], Optional[int]]:
 
 def resolve_for_strategy(strategy: Any) -> Plan:
     """The strategy's plan with ``auto`` resolved, once the process group exists
-    (``setup_environment``): rank 0 plans, every rank gets its plan (or its ``ValueError``)."""
+    (``setup_environment``): rank 0 plans, every rank gets its plan (or its ``ValueError``).
+    The predictions (:func:`planned_figures`) are left on every rank as ``strategy.planned``,
+    which :class:`~lightning_3d.callbacks.RunSummary` writes into ``summary.json``."""
     import torch.distributed as dist
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -195,7 +222,7 @@ def resolve_for_strategy(strategy: Any) -> Plan:
             best = choose(strategy.lightning_module, cluster, strategy.plan, accumulate=accumulate,
                           batch_size=batch * accumulate if batch else None, seq_len=seq_len, precision=precision,
                           device_type=device_type)
-            payload = [("ok", best.choice, describe(best, cluster))]
+            payload = [("ok", (best.choice, planned_figures(best, cluster)), describe(best, cluster))]
         except ValueError as err:
             payload = [("error", str(err), None)]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -205,14 +232,30 @@ def resolve_for_strategy(strategy: Any) -> Plan:
     if kind == "error":
         raise ValueError(value)
     rank_zero_info(line)
-    return planned(strategy.plan, value)
+    choice, strategy.planned = value
+    return planned(strategy.plan, choice)
 
 
-def resolve_for_app(cfg: Any, plan: Plan, model: Any, world: int) -> list[str]:
+def record_planned(summary_path: Any, figures: Optional[Mapping[str, Any]]) -> None:
+    """Add ``figures`` (:func:`planned_figures`) to a written ``summary.json`` under ``"planned"``
+    (the app's launcher, which planned, once its ranks are done); nothing when either is missing."""
+    import json
+    from pathlib import Path
+
+    path = Path(summary_path)
+    if figures is None or not path.is_file():
+        return
+    summary = json.loads(path.read_text())
+    summary["planned"] = dict(figures)
+    path.write_text(json.dumps(summary, indent=2))
+
+
+def plan_for_app(cfg: Any, plan: Plan, model: Any, world: int) -> tuple[list[str], dict[str, Any]]:
     """``parallelism=auto`` in the launching process of the Hydra app (``plan``: of ``cfg``'s
     ``parallelism`` and ``offload``; ``model``: built on meta; ``world``: trainer.devices x
     num_nodes): the choice written into ``cfg`` (``parallelism.*`` and ``offload.*``,
-    ``parallelism.auto=false``) and returned as the overrides that give the ranks the same layout."""
+    ``parallelism.auto=false``) and returned as the overrides that give the ranks the same
+    layout, with its predictions (:func:`planned_figures`, for :func:`record_planned`)."""
     import torch
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
     from omegaconf import OmegaConf
@@ -243,4 +286,5 @@ def resolve_for_app(cfg: Any, plan: Plan, model: Any, world: int) -> list[str]:
         values.update({"offload.device": chosen.offload.device, "offload.params": chosen.offload.params})
     for key, value in values.items():
         OmegaConf.update(cfg, key, value, merge=False)
-    return [f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in values.items()]
+    overrides = [f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in values.items()]
+    return overrides, planned_figures(best, cluster)

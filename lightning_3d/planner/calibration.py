@@ -1,6 +1,7 @@
 """The planner's predicted per-rank bytes next to what real runs measure, layout by layout.
 
     python -m lightning_3d.planner.calibration [--layouts dp2_z1 tp2 ...]
+    python -m lightning_3d.planner.calibration --time [--rounds 3]   # step time: time_calibration.py
 
 Runs the reference GPT (``lightning_3d.testing.runs.TINY_MODEL``, fp32, AdamW) on gloo worlds for
 two steps per layout and prints, for every rank, the measured parameter / gradient / optimizer
@@ -17,31 +18,10 @@ from typing import Any, Optional
 
 from lightning_3d.planner.choice import Choice
 from lightning_3d.planner.facts import ModelFacts
+from lightning_3d.planner.layouts import LAYOUTS, choice_of
 from lightning_3d.planner.memory import model_state, stage_parts
 
-# name -> ThreeDStrategy options (None: Lightning's own single-device strategy) and world size
-LAYOUTS: Mapping[str, tuple[Optional[dict[str, Any]], int]] = {
-    "single": (None, 1),
-    "dp2_z0": ({"zero_stage": 0}, 2),
-    "dp2_z1": ({"zero_stage": 1}, 2),
-    "dp2_z2": ({"zero_stage": 2}, 2),
-    "dp2_z3": ({"zero_stage": 3}, 2),
-    "tp2": ({"tensor": 2}, 2),
-    "pp2": ({"pipeline": 2}, 2),
-    "dp2_ac_full": ({"ac_policy": "full"}, 2),
-    "dp2_ac_selective": ({"ac_policy": "selective"}, 2),
-}
 KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes_per_block")
-
-
-def choice_of(strategy: Optional[dict[str, Any]], world: int, global_batch: int) -> Choice:
-    """The planner's :class:`Choice` for a run's strategy options."""
-    strategy = strategy or {}
-    tp, pp = strategy.get("tensor", 1), strategy.get("pipeline", 1)
-    dp = world // (tp * pp)
-    m = strategy.get("micro_batches", pp) if pp > 1 else 1
-    return Choice(dp, tp, pp, strategy.get("zero_stage", 0), m, strategy.get("schedule", "1f1b"),
-                  strategy.get("ac_policy", "none"), "none", global_batch // dp)
 
 
 def predicted_rank(facts: ModelFacts, choice: Choice, rank: int) -> dict[str, float]:
@@ -92,11 +72,24 @@ def tiny_facts(tp_sizes: tuple[int, ...] = (1, 2, 4)) -> ModelFacts:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    from lightning_3d.planner import time_calibration
     from lightning_3d.testing.runs import TINY_DATA
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", default=None,
+                        help=f"memory: {list(LAYOUTS)}; --time: {list(time_calibration.TIME_LAYOUTS)}")
+    parser.add_argument("--time", action="store_true", help="calibrate step time instead (planner/time_calibration.py)")
+    parser.add_argument("--rounds", type=int, default=3, help="--time: every layout once per round")
+    parser.add_argument("--save", default=None, help="--time: write the raw measurements to this JSON file")
     args = parser.parse_args(argv)
+    known = time_calibration.TIME_LAYOUTS if args.time else LAYOUTS
+    unknown = [n for n in args.layouts or () if n not in known]
+    if unknown:
+        parser.error(f"unknown layout(s) {unknown}; known: {list(known)}")
+    if args.time:
+        time_calibration.main(args.layouts or list(known), args.rounds, args.save)
+        return
+    args.layouts = args.layouts or list(LAYOUTS)
     facts = tiny_facts()
     print("| layout | rank | quantity | predicted | measured | predicted/measured |")
     print("|---|---|---|---|---|---|")

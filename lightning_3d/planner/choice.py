@@ -72,7 +72,13 @@ class PlannerOptions:
     ``cpu_adam_params_per_s``: parameters one node's CPUs step per second in an offloaded Adam;
     ``latency_us``: the fixed cost of one collective or point-to-point message;
     ``launch_overhead_us``: the fixed cost of one block's forward and backward on one
-    micro-batch (kernel launches), which many tiny micro-batches cannot go below.
+    micro-batch (kernel launches), which many tiny micro-batches cannot go below;
+    ``forward_share``: the forward's share of a block's forward + backward time, which full
+    activation checkpointing runs again (1/3: the forward's 2 of 6 matmul FLOPs; 0.29-0.34
+    measured on this project's 2-core CPU; ``python -m lightning_3d.planner.machine`` measures it);
+    ``adam_params_per_s``: parameters one device's (not offloaded) Adam updates per second, a
+    memory-bound pass over parameters, gradients and moments (~28 bytes each in fp32: 1e11 is an
+    H100's 3 TB/s; measured ~1e8 per core of this project's CPU).
     """
 
     batch_size: Optional[int] = None
@@ -85,6 +91,8 @@ class PlannerOptions:
     cpu_adam_params_per_s: float = 2e9
     latency_us: float = 10.0
     launch_overhead_us: float = 30.0
+    forward_share: float = 1 / 3
+    adam_params_per_s: float = 1e11
     zero_stages: tuple[int, ...] = ZERO_STAGES
     ac_policies: tuple[str, ...] = ("none", "selective", "full")
     offloads: tuple[str, ...] = ("none", "cpu")
@@ -99,7 +107,7 @@ class PlannerOptions:
                 problems.append(f"{name}={value!r} must be a positive integer or null")
         if self.precision not in PRECISIONS:
             problems.append(f"precision={self.precision!r} must be one of {list(PRECISIONS)}")
-        for name, low, high in (("efficiency", 0.0, 1.0), ("overlap", 0.0, 1.0)):
+        for name, low, high in (("efficiency", 0.0, 1.0), ("overlap", 0.0, 1.0), ("forward_share", 0.0, 1.0)):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not low < value <= high:
                 if not (name == "overlap" and value == 0):
@@ -108,7 +116,7 @@ class PlannerOptions:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 problems.append(f"{name}={value!r} must be a number >= 0")
-        for name in ("bucket_size_mb", "cpu_adam_params_per_s"):
+        for name in ("bucket_size_mb", "cpu_adam_params_per_s", "adam_params_per_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 problems.append(f"{name}={value!r} must be a positive number")

@@ -9,7 +9,7 @@ from lightning_3d.planner.memory import GB, human
 from lightning_3d.planner.search import Candidate, least_memory
 
 HEADER = ("| # | dp×tp×pp | ZeRO | micro-batches | AC | offload | params | grads | optim | activ | buffers | "
-          "total GB | compute | comm | bubble | offload | step | tokens/s | MFU |")
+          "total GB | compute | comm | bubble | optim step | offload | step | tokens/s | MFU |")
 
 
 def _gb(value: float) -> str:
@@ -33,7 +33,7 @@ def ranked_table(candidates: list[Candidate], top: int = 10) -> str:
             f"| {i} | {ch.data}×{ch.tensor}×{ch.pipeline} | {ch.zero_stage} | {micro} | {ch.ac_policy} | "
             f"{ch.offload} | "
             f"{_gb(m.params)} | {_gb(m.grads)} | {_gb(m.optimizer)} | {_gb(m.activations)} | {_gb(m.buffers)} | "
-            f"{_gb(m.total)} | {_ms(t.compute)} | {_ms(t.comm)} | {_ms(t.bubble)} | {_ms(t.offload)} | "
+            f"{_gb(m.total)} | {_ms(t.compute)} | {_ms(t.comm)} | {_ms(t.bubble)} | {_ms(t.optimizer)} | {_ms(t.offload)} | "
             f"{_ms(t.total)} | {c.tokens_per_s:,.0f} | {100 * c.mfu:.1f}% |")
     return "\n".join(rows)
 

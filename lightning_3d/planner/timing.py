@@ -4,8 +4,9 @@
 matmul weights (forward 2, backward 4; tensor-split weights divided by ``tensor``) plus
 ``12·L·d·T / tensor`` for attention scores (PaLM's count, which ignores the causal mask's
 savings), at ``peak_tflops × efficiency``. Full activation checkpointing runs each block's
-forward again (blocks' FLOPs × 8/6); selective recomputes only elementwise ops (no matmul FLOPs,
-so nothing is added: its cost is memory traffic, outside this model).
+forward again: blocks' time × (1 + ``forward_share``), 8/6 with the default share of 1/3 (the
+forward's 2 of 6 FLOPs); selective recomputes only elementwise ops (no matmul FLOPs, so nothing
+is added: its cost is memory traffic, outside this model).
 
 **Communication** (ring collectives, bytes one rank sends over its link): data-parallel
 gradient sync once per step — ZeRO 0 an all-reduce (2·(n−1)/n·G), ZeRO 1-2 a reduce-scatter of
@@ -25,6 +26,27 @@ free). **Offload**: the host's Adam over this rank's shard, plus gradients down
 and parameters up over the host link.
 
 MFU counts the model's FLOPs (without recomputation) per second over the world's peak.
+
+**Calibrated against measured runs** (``python -m lightning_3d.planner.calibration --time``:
+a 3.3 M-parameter GPT, fp32, on this project's 2-core CPU, gloo; the table in the README).
+What the measurements led to, each a device constant that ``lightning_3d.planner.machine``
+measures rather than a per-layout factor:
+
+- **optimizer step** (new, ``StepTime.optimizer``): Adam's memory-bound pass over the rank's parameters
+  (ZeRO 1-3: its shard) at ``adam_params_per_s``; offloaded layouts keep the host's Adam. ZeRO
+  1/2 measured 5-9% faster than ZeRO 0 at equal traffic, which only this term predicts;
+- **full checkpointing** recomputes ``forward_share`` of a block's time (was a fixed 2/6 of its
+  FLOPs); measured 0.31-0.33 here, so 8/6 stays the default, and full checkpointing measured
+  1.2-1.3x a plain step, as predicted;
+- **CPU ranks** do not overlap communication (``overlap=0``,
+  :data:`lightning_3d.planner.auto.CPU_OPTIONS`): gloo reduces and copies on the rank's own core;
+- the rate of a rank is the measured rate of a whole block (``machine.block_rate``), not a bare
+  matmul's: 85-95% of it per core here, but 65% with two threads in one process.
+
+Still under-predicted here (not fitted, see the README): tensor parallelism (measured 1.7-1.9x its
+prediction; the all-reduces are ~15% of it, DTensor dispatch per op is the likely rest),
+ZeRO-3 (1.5x: FSDP2's per-block gathers and copies beyond their traffic) and selective
+checkpointing (+15% over no checkpointing, modelled as free).
 """
 
 from __future__ import annotations
@@ -45,10 +67,11 @@ class StepTime:
     bubble: float
     offload: float
     tokens: int  # tokens per optimizer step, whole world
+    optimizer: float = 0.0  # the on-device optimizer step (after the pipeline flushes: no bubble)
 
     @property
     def total(self) -> float:
-        return self.compute + self.comm + self.bubble + self.offload
+        return self.compute + self.comm + self.bubble + self.offload + self.optimizer
 
     @property
     def tokens_per_s(self) -> float:
@@ -68,7 +91,7 @@ def step_time(facts: ModelFacts, choice: Choice, cluster: Cluster, options: Plan
     dp, tp, pp, m = choice.data, choice.tensor, choice.pipeline, choice.micro_batches
     seq, d = facts.seq_len, facts.d_model
     tokens_rank = choice.batch_per_rank * seq  # tokens one data-parallel rank processes per step
-    recompute = 8 / 6 if choice.ac_policy == "full" else 1.0
+    recompute = 1 + options.forward_share if choice.ac_policy == "full" else 1.0
     speed = cluster.peak_tflops * 1e12 * options.efficiency
     stages = stage_parts(facts, pp)
     runs = stage_blocks(facts.n_layer, pp)
@@ -112,6 +135,9 @@ def step_time(facts: ModelFacts, choice: Choice, cluster: Cluster, options: Plan
         bw = (cluster.inter_node_gbps if across else cluster.intra_node_gbps) * 1e9
         pp_time = 2 * m * (choice.micro_batch_size * seq * d * act / bw + latency)
     bubble = compute * (pp - 1) / m
+    optimizer = 0.0
+    if choice.offload == "none":  # the optimizer's pass over this rank's (ZeRO: sharded) parameters
+        optimizer = elements / (dp if choice.zero_stage >= 1 else 1) / options.adam_params_per_s
     offload = 0.0
     if choice.offload != "none":
         shard = elements / (dp if choice.zero_stage >= 1 else 1)
@@ -120,7 +146,7 @@ def step_time(facts: ModelFacts, choice: Choice, cluster: Cluster, options: Plan
         if choice.offload == "cpu+params":  # per micro-batch: shards up for forward and backward, gradients down
             offload += m * shard * (2 * p_b + g_b) / (cluster.host_link_gbps * 1e9)
     tokens = choice.batch_per_rank * dp * seq
-    return StepTime(compute, dp_time + tp_time + pp_time, bubble, offload, tokens)
+    return StepTime(compute, dp_time + tp_time + pp_time, bubble, offload, tokens, optimizer)
 
 
 def mfu(facts: ModelFacts, time: StepTime, cluster: Cluster, world_size: int) -> float:
