@@ -308,8 +308,6 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
     summary = (body or train)(cfg, output_dir)
     if world == 1:
         record_planned(Path(output_dir) / "summary.json", planned)
-        if planned is not None:
-            summary["planned"] = planned
         _report(Path(output_dir) / "summary.json", summary)
     return 0
 

@@ -38,6 +38,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_3d.parallel.tensor import by_device_and_dtype, local_tensor
+
 NONFINITE_ACTIONS = ("stop", "skip")
 
 
@@ -78,23 +80,16 @@ class SkipStep(Exception):
     the precision plugin's ``optimizer_step``; never escapes it)."""
 
 
-def ranks_with_nonfinite(loss: Optional[torch.Tensor], grads: Sequence[torch.Tensor],
-                         device: torch.device) -> tuple[list[int], list[int]]:
-    """``(ranks whose loss is not finite, ranks with a non-finite gradient)``, the same on every
-    rank: a collective over the default group when one exists (one all-reduce of
-    ``2 x world_size`` flags). ``None`` (a step that returned no loss) counts as finite;
-    ``grads`` are this rank's parts (local tensors of DTensors are read). One host sync."""
-    return _ranks(nonfinite_flags(loss, grads, device).tolist())
-
-
 def nonfinite_flags(loss: Optional[torch.Tensor], grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The ``(2, world_size)`` flags of :func:`ranks_with_nonfinite` (row 0: loss, row 1:
-    gradients; 1.0 where that rank saw a non-finite value), agreed over the ranks but left on
-    ``device``: no host sync, so the caller can read them together with other flags."""
+    """``(2, world_size)`` flags (row 0: loss, row 1: gradients; 1.0 where that rank saw a
+    non-finite value), the same on every rank: one all-reduce of the flags over the default
+    group when one exists. ``None`` (a step that returned no loss) counts as finite; ``grads``
+    are this rank's parts (local tensors of DTensors are read). Left on ``device``: no host
+    sync, so the caller reads them together with other flags."""
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
     flags = torch.zeros(2, world, dtype=torch.float32, device=device)
     if loss is not None:
-        flags[0, rank] = (~torch.isfinite(_local(loss).detach())).any().float()
+        flags[0, rank] = (~torch.isfinite(local_tensor(loss).detach())).any().float()  # a vocab-parallel loss: its part
     if grads:
         flags[1, rank] = _any_nonfinite(grads, device)
     if world > 1:
@@ -107,13 +102,9 @@ def _any_nonfinite(grads: Sequence[torch.Tensor], device: torch.device) -> torch
     """1.0 (a 0-d tensor on ``device``) if any element of ``grads`` is NaN or infinite. One
     fused max-abs (``_foreach_norm`` of order inf, which propagates NaN) per device and dtype,
     not a few kernels per tensor: on a GPU the check costs one read of the gradients."""
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for grad in grads:
-        local = _local(grad)
-        if local.numel():  # the max of nothing is undefined; nothing is finite
-            groups.setdefault((local.device, local.dtype), []).append(local)
     flag = torch.zeros((), dtype=torch.float32, device=device)
-    for tensors in groups.values():
+    # The max of nothing is undefined; nothing is finite.
+    for tensors in by_device_and_dtype(g for g in grads if local_tensor(g).numel()).values():
         largest = torch.stack(torch._foreach_norm(tensors, float("inf")))
         flag = torch.maximum(flag, (~torch.isfinite(largest)).any().float().to(device))
     return flag
@@ -122,11 +113,6 @@ def _any_nonfinite(grads: Sequence[torch.Tensor], device: torch.device) -> torch
 def _ranks(rows: list[list[float]]) -> tuple[list[int], list[int]]:
     loss_row, grad_row = ([r for r, flag in enumerate(row) if flag] for row in rows)
     return loss_row, grad_row
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)  # a DTensor loss (vocab-parallel) checks its own part
-    return to_local() if to_local is not None else t
 
 
 class NonFiniteGuard:
@@ -160,11 +146,6 @@ class NonFiniteGuard:
         """:meth:`check_norm` without reading the answer yet (see :meth:`flag_step`)."""
         self._norm = norm
 
-    @property
-    def pending(self) -> bool:
-        """Whether flags are waiting for :meth:`resolve`."""
-        return self._flags is not None or self._norm is not None
-
     def resolve(self) -> None:
         """Read every flag noted since the last call in one host sync, then stop or skip as
         :meth:`check_step` and :meth:`check_norm` would (the loss first, then the gradients,
@@ -174,7 +155,8 @@ class NonFiniteGuard:
             return
         parts = [] if flags is None else [flags.flatten()]
         if norm is not None:
-            parts.append((~torch.isfinite(norm.detach())).float().reshape(1).to(parts[0].device if parts else norm.device))
+            device = parts[0].device if parts else norm.device
+            parts.append((~torch.isfinite(norm.detach())).float().reshape(1).to(device))
         read = torch.cat(parts).tolist()  # the one host sync
         if flags is not None:
             world = flags.shape[1]

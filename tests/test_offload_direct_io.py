@@ -70,6 +70,7 @@ def test_direct_and_buffered_store_the_same_bits(direct_dir, tmp_path):
     direct = FileChunkStore(direct_dir, ODD, direct_io=True)
     buffered = FileChunkStore(tmp_path, ODD, direct_io=False)
     assert direct.direct_io and not buffered.direct_io
+    assert direct.directory._fds == [direct._fd]  # the buffered descriptor it was created with is closed
     got_direct, got_buffered = _fill_and_step(direct), _fill_and_step(buffered)
     assert [t.numel() for t in got_direct] == ODD
     assert all(torch.equal(a, b) for a, b in zip(got_direct, got_buffered))
@@ -163,6 +164,7 @@ def test_offloaded_adam_steps_identically_with_direct_io_on_and_off(direct_dir, 
     on_params, on_state = _adam_run(direct_dir, True, monkeypatch)
     off_params, off_state = _adam_run(tmp_path, False, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(on_params, off_params))
+    assert on_state["state"].keys() == off_state["state"].keys()
     for i, s in off_state["state"].items():
         assert all(torch.equal(on_state["state"][i][k], v) for k, v in s.items())
     ref_gen = torch.Generator().manual_seed(1)  # and both equal torch's own fused AdamW

@@ -118,8 +118,7 @@ def _worker(args: argparse.Namespace) -> None:
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=args.worker == "fused" or None)
     if args.worker in ("cpu", "nvme"):
         path = args.path if args.worker == "nvme" else None
-        # Passed only when asked for: "auto" is OffloadedAdam's default.
-        io = {} if args.direct_io == "auto" or args.worker == "cpu" else {"direct_io": DIRECT_IO[args.direct_io]}
+        io = {"direct_io": DIRECT_IO[args.direct_io]} if args.worker == "nvme" else {}
         opt = OffloadedAdam.from_optimizer(opt, device=args.worker, path=path, chunk_bytes=args.chunk_mb * 2**20,
                                            **io)
     opt.step()  # the first step creates the state: not timed

@@ -336,8 +336,10 @@ class FileChunkStore(ChunkStore):
 
     def _open_direct(self, path: PathLike, direct_io: Union[str, bool]) -> None:
         """Switch the store's I/O to an ``O_DIRECT`` descriptor, or record that it stays buffered."""
+        buffered = self._fd
         try:
             self._fd = _open_direct(self.directory, self.FILE_NAME, DIRECT_IO_ALIGNMENT)
+            self.directory.close_file(buffered)  # every read and write goes through the direct one
         except OSError as error:
             if error.errno not in _REFUSED_ERRNOS:
                 raise

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_3d.parallel.tensor import local_tensor
+from lightning_3d.parallel.tensor import by_device_and_dtype, local_tensor
 
 
 @torch.no_grad()
@@ -71,12 +71,9 @@ def _sum_of_squares(tensors: list[Tensor], device: torch.device) -> Tensor:
     """The sum of squares of every element, in float32 on ``device``: one fused norm per device
     and dtype (``_foreach_norm``, as ``torch.nn.utils.clip_grad_norm_`` does), not a few kernels
     per tensor."""
-    by_kind: dict[tuple, list[Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.device, t.dtype), []).append(t)
     squares = torch.zeros((), device=device)
-    for (_, dtype), group in by_kind.items():
-        low = dtype in (torch.float16, torch.bfloat16)  # accumulate in float32, as before
+    for (_, dtype), group in by_device_and_dtype(tensors).items():
+        low = dtype in (torch.float16, torch.bfloat16)  # accumulate in float32
         norms = torch._foreach_norm(group, 2.0, dtype=torch.float32) if low else torch._foreach_norm(group, 2.0)
         squares = squares + torch.stack(norms).float().pow(2).sum().to(device)
     return squares
@@ -101,10 +98,6 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, sum_over: Opt
     parameters = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(parameters, sum_over, skip_in_norm)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    by_kind: dict[tuple, list[Tensor]] = {}
-    for p in parameters:
-        grad = local_tensor(p.grad)
-        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
-    for (device, dtype), grads in by_kind.items():  # one fused multiply per device and dtype
+    for (device, dtype), grads in by_device_and_dtype(p.grad for p in parameters).items():  # one fused multiply each
         torch._foreach_mul_(grads, scale.to(device, dtype))
     return norm

@@ -108,7 +108,7 @@ def materialize(module: nn.Module, device: torch.device) -> int:
     module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     filled = 0
     with torch.no_grad():
-        for prefix, owner in records:
+        for _, owner in records:
             filled += _replay(owner, owner.deferred_init)
             owner.deferred_init = None
     return filled

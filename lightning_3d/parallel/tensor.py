@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -209,6 +209,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     loads, offload) or compare its storage (activation accounting: a view of it would share
     the same storage, so either answers that question alike)."""
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """This rank's parts of ``tensors`` (:func:`local_tensor`) grouped by device and dtype, in
+    order: the unit of one fused ``torch._foreach_*`` call."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        local = local_tensor(t)
+        groups.setdefault((local.device, local.dtype), []).append(local)
+    return groups
 
 
 def regroup_fused_rows(t: torch.Tensor, chunks: int, tp: int, dim: int = 0, inverse: bool = False) -> torch.Tensor:

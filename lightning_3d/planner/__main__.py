@@ -36,6 +36,7 @@ def plan(cfg: DictConfig) -> int:
     from lightning_3d.app import model_on_meta
     from lightning_3d.config import check_target_keys
     from lightning_3d.planner import Cluster, model_facts, plan_layouts
+    from lightning_3d.planner.search import divisors
     from lightning_3d.planner.table import nothing_fits, ranked_table, rejected_summary
     from lightning_3d.recipe import check
 
@@ -50,8 +51,7 @@ def plan(cfg: DictConfig) -> int:
             raise ValueError(f"model ({cfg.model.get('_target_')}) cannot be built on meta, so it cannot be planned")
         name = HydraConfig.get().runtime.choices.get("model", "model") if HydraConfig.initialized() else "model"
         sizes = layout_pins(cfg.get("layout"))
-        tps = [t for t in range(1, cluster.devices_per_node + 1) if cluster.devices_per_node % t == 0]
-        tps = [sizes["tensor"]] if "tensor" in sizes else tps
+        tps = [sizes["tensor"]] if "tensor" in sizes else divisors(cluster.devices_per_node)
         facts = model_facts(module, seq_len=options.seq_len, precision=options.precision, tp_sizes=tps, name=name,
                             policies=tuple(dict.fromkeys(("none", *options.ac_policies))))
         candidates = plan_layouts(facts, cluster, options, check=functools.partial(check, module))
@@ -60,7 +60,7 @@ def plan(cfg: DictConfig) -> int:
             pins = ", ".join(f"{k}={v}" for k, v in sizes.items())
             raise ValueError(f"no layout of {cluster.world_size} ranks has {pins} (data x tensor x pipeline must "
                              "equal nodes x devices_per_node)")
-        if validate and candidates and candidates[0].fits:
+        if validate and candidates[0].fits:
             from lightning_3d.planner.validate import check_choice
 
             check_choice(candidates[0].choice, options.precision)

@@ -45,7 +45,7 @@ from typing import Any, Optional
 from lightning_3d.plan import AUTO_UNPLANNED, OPTIONS, Plan
 from lightning_3d.planner.choice import Choice, PlannerOptions
 from lightning_3d.planner.cluster import Cluster
-from lightning_3d.planner.search import Candidate, plan_layouts
+from lightning_3d.planner.search import Candidate, divisors, plan_layouts
 
 # What a machine cannot tell us, by device kind (GB/s per device, dense TFLOP/s per device).
 # CPU ranks: gloo through shared memory inside a node, a 10 Gb/s-class network between nodes,
@@ -140,7 +140,7 @@ def choose(module: Any, cluster: Cluster, plan: Plan, *, batch_size: Optional[in
     fixed = constraints(plan, device_type)
     options = PlannerOptions(batch_size=batch_size, seq_len=seq_len, precision=precision,
                              **(CPU_OPTIONS if device_type != "cuda" else {}), **fixed.planner)
-    tps = [t for t in range(1, cluster.devices_per_node + 1) if cluster.devices_per_node % t == 0]
+    tps = divisors(cluster.devices_per_node)
     facts = model_facts(module, seq_len=seq_len, precision=precision, tp_sizes=tps, name=type(module).__name__,
                         policies=tuple(dict.fromkeys(("none", *options.ac_policies))))
     candidates = plan_layouts(facts, cluster, options, check=functools.partial(check, module))

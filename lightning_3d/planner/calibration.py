@@ -35,6 +35,13 @@ def predicted_rank(facts: ModelFacts, choice: Choice, rank: int) -> dict[str, fl
             "activation_bytes_per_block": act}
 
 
+def ratio(predicted: float, measured: float) -> float:
+    """``predicted / measured``; 1 when both are 0, infinite when only ``measured`` is."""
+    if measured:
+        return predicted / measured
+    return float("inf") if predicted else 1.0
+
+
 def compare(facts: ModelFacts, choice: Choice, summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Rows ``{rank, key, predicted, measured, ratio}`` for every rank of a run's summary."""
     rows = []
@@ -43,7 +50,7 @@ def compare(facts: ModelFacts, choice: Choice, summary: Mapping[str, Any]) -> li
             if key in measured:
                 got = measured[key]
                 rows.append({"rank": rank, "key": key, "predicted": value, "measured": got,
-                             "ratio": value / got if got else float("inf") if value else 1.0})
+                             "ratio": ratio(value, got)})
     return rows
 
 

@@ -49,13 +49,14 @@ class Candidate:
         return self.time.tokens_per_s if self.time is not None else 0.0
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The whole numbers that divide ``n``, ascending."""
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def _splits(world: int) -> Iterator[tuple[int, int, int]]:
-    for tp in _divisors(world):
-        for pp in _divisors(world // tp):
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
             yield world // (tp * pp), tp, pp
 
 

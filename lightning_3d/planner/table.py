@@ -33,7 +33,8 @@ def ranked_table(candidates: list[Candidate], top: int = 10) -> str:
             f"| {i} | {ch.data}×{ch.tensor}×{ch.pipeline} | {ch.zero_stage} | {micro} | {ch.ac_policy} | "
             f"{ch.offload} | "
             f"{_gb(m.params)} | {_gb(m.grads)} | {_gb(m.optimizer)} | {_gb(m.activations)} | {_gb(m.buffers)} | "
-            f"{_gb(m.total)} | {_ms(t.compute)} | {_ms(t.comm)} | {_ms(t.bubble)} | {_ms(t.optimizer)} | {_ms(t.offload)} | "
+            f"{_gb(m.total)} | {_ms(t.compute)} | {_ms(t.comm)} | {_ms(t.bubble)} | {_ms(t.optimizer)} | "
+            f"{_ms(t.offload)} | "
             f"{_ms(t.total)} | {c.tokens_per_s:,.0f} | {100 * c.mfu:.1f}% |")
     return "\n".join(rows)
 

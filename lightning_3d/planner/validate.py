@@ -47,8 +47,9 @@ import torch
 from torch import nn
 
 from lightning_3d.layout import MeshAxis
-from lightning_3d.parallel.stages import stage_blocks
+from lightning_3d.parallel.stages import plan_stages, stage_blocks
 from lightning_3d.parallel.tensor import local_tensor as _local
+from lightning_3d.planner.calibration import ratio
 from lightning_3d.planner.choice import Choice
 from lightning_3d.planner.facts import ModelFacts
 
@@ -132,8 +133,10 @@ def reference(module: nn.Module, choice: Choice) -> Reference:
     if pipeline == 1:
         stages = [set(shapes)]
     else:
-        spec = module.pipeline_spec()
-        runs = stage_blocks(len(module.get_submodule(spec.blocks)), pipeline)
+        from lightning_3d.recipe import pipeline_spec
+
+        spec = pipeline_spec(module)
+        runs = plan_stages(module, spec, pipeline)  # the uniform split the run (and the planner) uses
         stages = []
         for s, run in enumerate(runs):
             prefixes = [f"{spec.blocks}.{i}" for i in run]
@@ -362,9 +365,7 @@ class Row:
     @property
     def ratio(self) -> float:
         """predicted / built, as the calibration table prints it."""
-        if self.built:
-            return self.predicted / self.built
-        return 1.0 if not self.predicted else math.inf
+        return ratio(self.predicted, self.built)
 
     @property
     def off(self) -> bool:
