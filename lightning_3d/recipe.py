@@ -231,7 +231,8 @@ def attach_optimizers(parallelized: Parallelized, optimizers: list[Optimizer], p
     for optimizer in optimizers:
         offloaded = OffloadedAdam.from_optimizer(optimizer, plan.offload.device, plan.offload.path,
                                                  plan.offload.chunk_bytes, delay_update=plan.offload.delay_update,
-                                                 direct_io="auto" if plan.offload.direct_io is None else plan.offload.direct_io)
+                                                 direct_io="auto" if plan.offload.direct_io is None else plan.offload.direct_io,
+                                                 overlap=plan.offload.overlap)
         optimizer._opt_called = True  # its step is now the wrapper's: no "scheduler before step" warning
         engine = parallelized.engine_for(optimizer)
         if engine is not None:

@@ -283,3 +283,57 @@ def test_zero_engine_on_nccl_matches_a_plain_step(nccl_results, stage):
     ``lightning_3d.compat``, all-reduce, the initial broadcast) gives plain SGD's weights on one
     rank, on the device's torch (2.11 has no ``dist.all_gather_single``)."""
     assert nccl_results[f"zero{stage}"] is None, nccl_results[f"zero{stage}"]
+
+
+def _offload_overlap(rank: int, device: str) -> dict:
+    """bf16 parameters on ``device`` stepped by ``OffloadedAdam`` with and without overlap (tiny
+    staging buffers, so the buffers turn many times), and fp32 ``torch.optim.AdamW(fused=True)``
+    on the CPU from the same start; after each step the compute stream sums the weights, as the
+    next forward would read them."""
+    from lightning_3d.offload import OffloadedAdam
+
+    sizes, steps = (1000, 3000, 517), 3
+    start = [torch.randn(n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16) for n in sizes]
+    grads = [[torch.randn(n, generator=torch.Generator().manual_seed(100 * s + n)).to(torch.bfloat16)
+              for n in sizes] for s in range(steps)]
+    out: dict = {}
+    OffloadedAdam.stage_bytes = 1024  # this child process only
+    for overlap in (True, False):
+        params = [torch.nn.Parameter(t.to(device, copy=True)) for t in start]
+        opt = OffloadedAdam(params, lr=1e-2, chunk_bytes=12 * 256, overlap=overlap)
+        sums = []
+        for s in range(steps):
+            for p, g in zip(params, grads[s]):
+                p.grad = g.to(device)
+            opt.step()
+            sums.append(sum(p.float().sum() for p in params).item())  # compute stream, right after the step
+            opt.zero_grad(set_to_none=True)
+        out[overlap] = ([p.detach().cpu() for p in params], sums)
+        opt.close()
+    masters = [torch.nn.Parameter(t.float()) for t in start]
+    reference = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    for s in range(steps):
+        for p, g in zip(masters, grads[s]):
+            p.grad = g.float()
+        reference.step()
+    out["reference"] = [p.detach().to(torch.bfloat16) for p in masters]
+    return out
+
+
+def test_offload_overlap_check_runs_on_cpu():
+    """The check below on CPU parameters (no side streams there): both paths equal the reference."""
+    out = run_world(_offload_overlap, 1, "cpu")[0]
+    for overlap in (True, False):
+        assert all(torch.equal(a, b) for a, b in zip(out[overlap][0], out["reference"]))
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_offload_overlap_matches_blocking_bit_for_bit():
+    """Gradients down and weights up on side streams: the same weights as the blocking path and as
+    fp32 AdamW on the CPU cast to bf16, and every forward after a step reads the new weights."""
+    out = run_world(_offload_overlap, 1, "cuda")[0]
+    (overlapped, sums_o), (blocking, sums_b) = out[True], out[False]
+    assert all(torch.equal(a, b) for a, b in zip(overlapped, blocking))
+    assert all(torch.equal(a, b) for a, b in zip(overlapped, out["reference"]))
+    assert sums_o == sums_b

@@ -195,3 +195,26 @@ def test_pipeline_stages_skip_the_other_stages_draws():
     reference = fit_gpt(0, dataclasses.replace(run, strategy=None))
     staged = run_world(fit_gpt, 2, dataclasses.replace(run, devices=2, model=DEFERRED))[0]
     assert_same_run(staged, reference)
+
+
+def test_a_fused_projection_under_tensor_parallelism_gets_its_regrouped_rows():
+    """A fused [q; k; v] projection split over 2 tensor ranks: rank 1 holds [q_1; k_1; v_1], as the
+    eager build's FusedColwiseParallel lays it out (one rank of a fake world, no communication)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_3d.parallel.tensor import FusedColwiseParallel
+    from lightning_3d.testing.fake import fake_world
+
+    def fill(t, g):
+        t.copy_(torch.arange(t.numel(), dtype=t.dtype).view_as(t))
+
+    with fake_world(1, 2):
+        holder = torch.nn.Linear(4, 12, bias=False, device="meta")  # 3 chunks (q, k, v) of 4 rows
+        holder.deferred_init = DeferredInit(torch.random.get_rng_state(), (ParamInit("weight", (12, 4), fill),))
+        parallelize_module(holder, init_device_mesh("cpu", (2,)), FusedColwiseParallel(3))
+        assert materialize(holder, torch.device("cpu")) == 1
+        local = holder.weight.to_local()
+    full = torch.arange(48, dtype=torch.float32).view(12, 4)
+    expected = torch.cat([full[c * 4 + 2: c * 4 + 4] for c in range(3)])  # the second half of each chunk
+    assert torch.equal(local, expected)

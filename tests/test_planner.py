@@ -65,7 +65,7 @@ def test_facts_count_the_model(facts):
 def test_memory_is_the_zero_formula(facts, stage, data):
     """fp32 Adam on one stage without tensor parallelism is exactly the paper's 16Ψ / 8Ψ+8Ψ/N / ..."""
     (part, _), = stage_parts(facts, 1)
-    params, grads, optimizer, host = model_state(facts, Choice(data, 1, 1, stage), part)
+    params, grads, optimizer, host, _ = model_state(facts, Choice(data, 1, 1, stage), part)
     assert host == 0
     assert math.isclose(params + grads + optimizer, zero_formula_bytes(facts.num_params, stage, data), rel_tol=1e-12)
 
@@ -82,9 +82,9 @@ def test_tensor_and_pipeline_split_the_model_state(facts):
 
 def test_offload_moves_optimizer_state_to_the_host(facts):
     (part, _), = stage_parts(facts, 1)
-    _, _, device_optim, host = model_state(facts, Choice(2, 1, 1, 1, offload="cpu"), part)
-    assert device_optim == 0 and host == 8 * facts.num_params / 2
-    params, grads, _, host3 = model_state(facts, Choice(2, 1, 1, 3, offload="cpu+params"), part)
+    _, _, device_optim, host, disk = model_state(facts, Choice(2, 1, 1, 1, offload="cpu"), part)
+    assert device_optim == 0 and host == 8 * facts.num_params / 2 and disk == 0
+    params, grads, _, host3, _ = model_state(facts, Choice(2, 1, 1, 3, offload="cpu+params"), part)
     assert params == grads == 0 and host3 == 16 * facts.num_params / 2
 
 

@@ -75,8 +75,12 @@ def test_options_given_with_auto_constrain_the_choice(module):
 
 
 def test_values_the_planner_cannot_plan_are_refused_when_built(tmp_path):
-    with pytest.raises(ValueError, match=r"auto=True cannot plan offload='nvme'"):
-        ThreeDStrategy(auto=True, offload="nvme", offload_path=str(tmp_path))
+    # NVMe is planned where the run names its drive (and only then)
+    assert constraints(Plan.from_options(auto=True, offload="nvme", offload_path=str(tmp_path)),
+                       "cuda").planner["offloads"] == ("nvme", "nvme+params")
+    assert not any(o.startswith("nvme") for o in constraints(Plan.from_options(auto=True), "cuda").planner["offloads"])
+    assert constraints(Plan.from_options(auto=True, tensor=2, sequence_parallel=True, schedule="zero_bubble",
+                                         virtual_stages=2)).sizes == {"tensor": 2, "sequence_parallel": True}
     with pytest.raises(ValueError, match=r"auto=True cannot plan ac_policy='every_n'"):
         ThreeDStrategy(auto=True, ac_policy="every_n")
     with pytest.raises(ValueError, match=r"auto='yes' must be True or False"):

@@ -71,8 +71,8 @@ def test_a_wrong_memory_model_is_caught(monkeypatch, capsys, tiny_facts):
     honest = calibration.model_state
 
     def inflated(facts, choice, part):  # a memory model that forgets ZeRO's sharding of the optimizer state
-        params, grads, optimizer, host = honest(facts, choice, part)
-        return params, grads, optimizer * choice.data, host
+        params, grads, optimizer, host, disk = honest(facts, choice, part)
+        return params, grads, optimizer * choice.data, host, disk
 
     choice = Choice(data=4, tensor=2, pipeline=2, zero_stage=1, micro_batches=2, batch_per_rank=2)
     assert not validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems

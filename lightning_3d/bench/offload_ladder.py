@@ -8,7 +8,9 @@ Per size (ascending) and offload mode, one worker process of
 bf16-true with full activation checkpointing on ``--batch-size`` x ``--seq-len`` tokens per step
 (default 8 x 1024, issue 14's setting): one untimed step, then ``--rounds`` timed steps. Modes:
 ``none`` (no offload), ``cpu`` / ``nvme`` (Adam state and fp32 masters off the device) and
-``params`` (ZeRO-3 with ``offload_params=True``: the parameters in CPU memory too).
+``params`` (ZeRO-3 with ``offload_params=True``: the parameters in CPU memory too) and
+``cpu-blocking`` (``cpu`` with ``offload_overlap=False``: transfers in turn with the CPU step, so
+``cpu`` against it is what the side streams save).
 
 Every (size, mode) is a row, whatever happens to it: its figures; "does not fit" when the
 device (under ``--device-memory-gb``) runs out of memory; "did not finish within N s" when it
@@ -41,7 +43,7 @@ from lightning_3d.flops import transformer_flops_per_token
 
 # name: (n_layer, n_embd); GPT-3's shapes at these sizes (Brown et al. 2020, table 2.1).
 SIZES = {"0.35B": (24, 1024), "1.3B": (24, 2048), "2.7B": (32, 2560), "6.7B": (32, 4096)}
-MODES = ("none", "cpu", "nvme", "params")
+MODES = ("none", "cpu", "nvme", "params", "cpu-blocking")  # cpu-blocking: offload_overlap=False
 DEFAULT_MODES = ("none", "cpu", "params")
 
 
@@ -76,8 +78,9 @@ def check(args: argparse.Namespace) -> list[tuple[str, int, int]]:
 
 def row_of(mode: str, args: argparse.Namespace) -> om.Row:
     precision = "bf16-true" if args.accelerator == "gpu" else "32-true"  # CPUs without AMX crawl in bf16
-    return om.Row(precision, args.batch_size, args.seq_len, offload="cpu" if mode == "params" else mode,
-                  checkpointing="full", params=mode == "params")
+    offload = "cpu" if mode in ("params", "cpu-blocking") else mode
+    return om.Row(precision, args.batch_size, args.seq_len, offload=offload, checkpointing="full",
+                  params=mode == "params", overlap=mode != "cpu-blocking")
 
 
 def run_one(row: om.Row, n_layer: int, n_embd: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -18,7 +18,7 @@ into one reusable fp32 buffer, so a bf16 model costs no allocation per step.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -65,7 +65,8 @@ class FusedBatch:
     Views handed to :meth:`add` must stay valid until the next :meth:`flush`.
     """
 
-    def __init__(self, grad_buffer_bytes: int = DEFAULT_GRAD_BUFFER_BYTES, pinned: bool = False) -> None:
+    def __init__(self, grad_buffer_bytes: int = DEFAULT_GRAD_BUFFER_BYTES, pinned: bool = False,
+                 copy_back: Optional[Callable[[Tensor, Tensor], None]] = None) -> None:
         if grad_buffer_bytes < 4:
             raise ValueError(f"grad_buffer_bytes must hold one fp32 value, got {grad_buffer_bytes}")
         self._buffer_numel = grad_buffer_bytes // 4
@@ -75,6 +76,9 @@ class FusedBatch:
         self._pending: dict[tuple[AdamHyper, int], tuple[list[Tensor], ...]] = {}
         self._copy_back: list[tuple[Tensor, Tensor]] = []
         self.numel = 0  # elements pending
+        # (weights, new master) -> None; default ``weights.copy_(master)`` (an accelerator's
+        # WeightUploader starts the copy on a side stream instead).
+        self.copy_back = copy_back or (lambda weights, master: weights.copy_(master))
 
     def add(self, hyper: AdamHyper, step: int, master: Tensor, grad: Tensor, exp_avg: Tensor,
             exp_avg_sq: Tensor, weights: Optional[Tensor] = None) -> None:
@@ -105,7 +109,7 @@ class FusedBatch:
         for (hyper, step), (masters, grads, exp_avgs, exp_avg_sqs) in self._pending.items():
             fused_adam_(masters, grads, exp_avgs, exp_avg_sqs, step, hyper)
         for weights, master in self._copy_back:
-            weights.copy_(master)
+            self.copy_back(weights, master)
         self.discard()
 
     def discard(self) -> None:

@@ -28,10 +28,12 @@ from torch.distributed.tensor import DTensor
 from lightning_3d.offload.fused import DEFAULT_GRAD_BUFFER_BYTES, AdamHyper, FusedBatch
 from lightning_3d.offload.paths import PathLike
 from lightning_3d.offload.storage import Chunk, ChunkStore, CpuChunkStore, FileChunkStore, ParamSlot, plan_chunks
+from lightning_3d.offload.transfer import DEFAULT_STAGE_BYTES, GradientPrefetcher, WeightUploader
 from lightning_3d.parallel.tensor import local_tensor as _local
 
 DEVICES = ("cpu", "nvme")
 DEFAULT_CHUNK_BYTES = 16 * 2**20
+DEFAULT_WINDOW = 3  # NVMe: chunks in RAM at once (one stepping, the rest reading ahead / writing back)
 _REFUSED = ("amsgrad", "maximize", "capturable", "differentiable")
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
 
@@ -53,18 +55,24 @@ class OffloadedAdam(torch.optim.Optimizer):
     """
 
     state_dtype = torch.float32  # of the moments and masters, whatever the parameters' dtype
+    stage_bytes = DEFAULT_STAGE_BYTES  # overlap: each pinned staging buffer (two per direction)
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, decoupled_weight_decay: bool = True, *,
                  device: str = "cpu", path: Optional[PathLike] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 window: int = 3, delay_update: bool = False, direct_io: Union[str, bool] = "auto") -> None:
+                 window: int = DEFAULT_WINDOW, delay_update: bool = False, direct_io: Union[str, bool] = "auto",
+                 overlap: bool = True) -> None:
         """``params`` as for ``torch.optim.AdamW``; ``device`` "cpu" or "nvme" (then ``path`` is a
         directory on the drive); ``chunk_bytes`` of state per streamed chunk; ``window`` chunk
         buffers in RAM for "nvme"; ``delay_update``: see :meth:`step` (changes the numerics);
         ``direct_io`` ("auto", True, False): "nvme" reads and writes with ``O_DIRECT``, bypassing
-        the page cache (see :class:`FileChunkStore`; the numbers are the same either way)."""
-        if not isinstance(delay_update, bool):
-            raise ValueError(f"delay_update={delay_update!r} must be True or False")
+        the page cache (see :class:`FileChunkStore`; the numbers are the same either way);
+        ``overlap`` (parameters on an accelerator): gradients come down and weights go up on side
+        streams while the CPU steps (:mod:`lightning_3d.offload.transfer`); ``False`` copies in
+        turn with the step. The numbers are the same either way."""
+        for name, value in (("delay_update", delay_update), ("overlap", overlap)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r} must be True or False")
         if device not in DEVICES:
             raise ValueError(f"offload device must be one of {DEVICES}, got {device!r}")
         if chunk_bytes < 12:
@@ -91,7 +99,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         # A streaming store steps one chunk at a time: its gradient buffer need hold one chunk.
         grad_buffer = DEFAULT_GRAD_BUFFER_BYTES if self._store.keeps_segments else 4 * max(
             (c.numel for c in self._chunks), default=1)
-        self._batch = FusedBatch(grad_buffer, pinned=torch.cuda.is_available())  # pinned: device gradients land fast
+        self.overlap = overlap
+        self._uploader = WeightUploader(self.stage_bytes) if overlap else None
+        self._batch = FusedBatch(grad_buffer, pinned=torch.cuda.is_available(),  # pinned: device gradients land fast
+                                 copy_back=self._uploader.put if overlap else None)
         self.delay_update = delay_update
         self._in_flight: Optional[Future] = None  # delayed: the update started by the last step()
         self._unapplied: list[int] = []  # delayed: slots whose new masters the parameters lack
@@ -101,8 +112,9 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, device: str = "cpu", path: Optional[PathLike] = None,
-                       chunk_bytes: int = DEFAULT_CHUNK_BYTES, window: int = 3,
-                       delay_update: bool = False, direct_io: Union[str, bool] = "auto") -> "OffloadedAdam":
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES, window: int = DEFAULT_WINDOW,
+                       delay_update: bool = False, direct_io: Union[str, bool] = "auto",
+                       overlap: bool = True) -> "OffloadedAdam":
         """Wrap an existing ``torch.optim.Adam`` / ``AdamW``, sharing its ``param_groups`` dicts
         (an LR scheduler built on ``optimizer`` keeps working) and importing any state it has."""
         kind = type(optimizer)
@@ -112,7 +124,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         d = optimizer.defaults
         new = cls(optimizer.param_groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
                   decoupled_weight_decay=d["decoupled_weight_decay"], device=device, path=path,
-                  chunk_bytes=chunk_bytes, window=window, delay_update=delay_update, direct_io=direct_io)
+                  chunk_bytes=chunk_bytes, window=window, delay_update=delay_update, direct_io=direct_io,
+                  overlap=overlap)
         try:
             if optimizer.state:
                 new.load_state_dict(optimizer.state_dict())
@@ -198,18 +211,34 @@ class OffloadedAdam(torch.optim.Optimizer):
         # A store whose segments stay put (RAM) lets many chunks go to the kernel in one call; a
         # streaming store (NVMe) reuses its buffer once the caller moves on, so step each now.
         batched = self._store.keeps_segments
+        slices = [grads[self._chunks[k].slot][self._chunks[k].start : self._chunks[k].start + self._chunks[k].numel]
+                  for k in order]
+        fetch = self._prefetcher(slices)
         try:
-            for index, segment in self._store.stream(order):
+            for position, (index, segment) in enumerate(self._store.stream(order)):
                 chunk = self._chunks[index]
                 slot = self._slots[chunk.slot]
-                self._add(slot, chunk, segment, grads[chunk.slot], hyper[slot.group], write_weights)
+                grad = fetch.get(position) if fetch is not None else slices[position]
+                self._add(slot, chunk, segment, grad, hyper[slot.group], write_weights)
                 if not batched:
                     self._batch.flush()
             self._batch.flush()
         finally:
             self._batch.discard()  # after an error: forget views into buffers the store reuses
+            if fetch is not None:
+                fetch.close()
+            if self._uploader is not None:
+                self._uploader.finish()
         for i in grads:
             self._slots[i].master_valid = True
+
+    def _prefetcher(self, slices: list[Tensor]) -> Optional[GradientPrefetcher]:
+        """Gradients on an accelerator, in one dtype, with ``overlap``: brought down a group ahead."""
+        if not self.overlap or not slices:
+            return None
+        if any(s.device.type != "cuda" for s in slices) or len({s.dtype for s in slices}) != 1:
+            return None
+        return GradientPrefetcher(slices, self.stage_bytes)
 
     def _wait(self) -> None:
         """Delayed: let the update in flight finish (its error, if any, is raised here)."""
@@ -232,9 +261,10 @@ class OffloadedAdam(torch.optim.Optimizer):
                     _local(self._slots[chunk.slot].param).view(-1)[chunk.start : chunk.start + n].copy_(
                         segment[2 * n : 3 * n])
 
-    def _add(self, slot: ParamSlot, chunk: Chunk, segment: Tensor, grad_flat: Tensor, hyper: AdamHyper,
+    def _add(self, slot: ParamSlot, chunk: Chunk, segment: Tensor, grad: Tensor, hyper: AdamHyper,
              write_weights: bool) -> None:
-        """Queue one chunk's update; :class:`FusedBatch` applies torch's fused Adam(W) to it."""
+        """Queue one chunk's update (``grad``: the chunk's gradient, any dtype and device);
+        :class:`FusedBatch` applies torch's fused Adam(W) to it."""
         n = chunk.numel
         exp_avg, exp_avg_sq = segment[:n], segment[n : 2 * n]
         weights = _local(slot.param).view(-1)[chunk.start : chunk.start + n]
@@ -244,7 +274,7 @@ class OffloadedAdam(torch.optim.Optimizer):
             exp_avg_sq.zero_()
         if slot.separate_master and (slot.step == 1 or not slot.master_valid):
             master.copy_(weights)
-        self._batch.add(hyper, slot.step, master, grad_flat[chunk.start : chunk.start + n], exp_avg, exp_avg_sq,
+        self._batch.add(hyper, slot.step, master, grad, exp_avg, exp_avg_sq,
                         weights if slot.separate_master and write_weights else None)
 
     # ------------------------------------------------------------------ state

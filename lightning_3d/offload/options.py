@@ -9,9 +9,10 @@ from lightning_3d.offload.paths import check_offload_path
 
 
 def offload_options(device: str, path: Optional[str], chunk_mb: Any, params: Any = False,
-                    zero_stage: int = 0, delay_update: Any = False, direct_io: Any = None) -> dict[str, Any]:
-    """``{"device", "path", "chunk_bytes", "params", "delay_update", "direct_io"}``; ``ValueError``
-    naming a bad value.
+                    zero_stage: int = 0, delay_update: Any = False, direct_io: Any = None,
+                    overlap: Any = True) -> dict[str, Any]:
+    """``{"device", "path", "chunk_bytes", "params", "delay_update", "direct_io", "overlap"}``;
+    ``ValueError`` naming a bad value.
 
     ``params=True`` (parameters offloaded to CPU memory as well) needs ``zero_stage=3``, whose
     FSDP2 shards are what moves, and an offload device.
@@ -35,6 +36,8 @@ def offload_options(device: str, path: Optional[str], chunk_mb: Any, params: Any
                          f"got zero_stage={zero_stage!r} and offload={device!r}")
     if not isinstance(delay_update, bool):
         raise ValueError(f"offload_delay_update={delay_update!r} must be True or False")
+    if not isinstance(overlap, bool):
+        raise ValueError(f"offload_overlap={overlap!r} must be True or False")
     if delay_update and device == "none":
         raise ValueError("offload_delay_update=True needs offload='cpu' or 'nvme', got offload='none'")
     if direct_io is not None and not isinstance(direct_io, bool):
@@ -46,4 +49,4 @@ def offload_options(device: str, path: Optional[str], chunk_mb: Any, params: Any
             raise ValueError("offload='nvme' needs offload_path: a directory on the drive that holds the state")
         path = check_offload_path(path, 0)
     return {"device": device, "path": path, "chunk_bytes": max(1, int(chunk_mb * 2**20)), "params": params,
-            "delay_update": delay_update, "direct_io": direct_io}
+            "delay_update": delay_update, "direct_io": direct_io, "overlap": overlap}

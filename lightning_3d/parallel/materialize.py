@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_3d.parallel.tensor import local_tensor
+from lightning_3d.parallel.tensor import FUSED_ROWS_ATTR, local_tensor, regroup_fused_rows
 
 AHEAD = 2  # parameters filled ahead of the one being copied (at least 1)
 
@@ -122,6 +122,9 @@ def _replay(owner: nn.Module, record: DeferredInit) -> int:
     generator = torch.Generator(device="cpu")
     generator.set_state(record.rng_state)
     params = dict(owner.named_parameters(remove_duplicate=False))  # a tied weight under each name
+    # Fused projections under tensor parallelism hold their rows regrouped ([q_r; k_r; v_r] per rank).
+    fused = {id(p): getattr(m, FUSED_ROWS_ATTR) for m in owner.modules() if hasattr(m, FUSED_ROWS_ATTR)
+             for p in m.parameters(recurse=False)}
     filled = 0
     todo = iter(enumerate(record.inits))
     pending: deque[tuple[ParamInit, Future]] = deque()
@@ -146,7 +149,8 @@ def _replay(owner: nn.Module, record: DeferredInit) -> int:
             if param is None:  # held by another pipeline stage: its draws still count
                 continue
             local = local_tensor(param)
-            part = _local_part(full, param)
+            rows = regroup_fused_rows(full, *fused[id(param)]) if id(param) in fused else full
+            part = _local_part(rows, param)
             if local.device.type != "cpu" and part.dtype != local.dtype:
                 part = part.to(local.dtype)  # cast on the host: half the bytes cross to the device
             local.copy_(part)  # casts as module.to(dtype) does (round to nearest even)

@@ -103,6 +103,12 @@ def make_schedule(schedule: str, pipeline_stages: list, micro_batches: int, loss
                                     loss_fn=loss_fn, scale_grads=False)
 
 
+def interleaved_rounds(micro_batches: int, pipeline: int) -> int:
+    """How torch's interleaved schedules group ``micro_batches`` (rounds of about ``pipeline``
+    each); the micro-batches must be a multiple of it."""
+    return max(1, micro_batches // pipeline)
+
+
 def pipeline_options(pipeline: int, micro_batches: Optional[int], schedule: str, virtual: Optional[int],
                      split: Any = "uniform") -> dict:
     """Validate the pipeline options before any process exists."""
@@ -117,6 +123,11 @@ def pipeline_options(pipeline: int, micro_batches: Optional[int], schedule: str,
         raise ValueError(f"virtual_stages={virtual!r} must be a positive integer")
     if virtual > 1 and schedule not in MULTI_STAGE:
         raise ValueError(f"virtual_stages={virtual} needs an interleaved schedule {list(MULTI_STAGE)}, not {schedule!r}")
+    rounds = interleaved_rounds(micro_batches, pipeline)
+    if schedule in MULTI_STAGE and pipeline > 1 and micro_batches % rounds:
+        raise ValueError(f"schedule={schedule!r} runs micro_batches={micro_batches} in {rounds} rounds "
+                         f"(micro_batches // pipeline={pipeline}) and needs a multiple of them: use "
+                         f"{micro_batches - micro_batches % rounds} or {micro_batches - micro_batches % rounds + rounds}")
     split = validate_split(split)
     if not isinstance(split, str) and pipeline > 1 and len(split) != pipeline * virtual - 1:
         raise ValueError(

@@ -35,7 +35,7 @@ from lightning_3d.parallel.pipeline import pipeline_options
 
 CHECKPOINT_FORMATS = ("consolidated", "sharded")
 # Values of options the layout planner (lightning_3d.planner) does not model: refused with auto=True.
-AUTO_UNPLANNED = {"offload": ("nvme",), "ac_policy": ("every_n",), "schedule": ("interleaved_1f1b", "zero_bubble")}
+AUTO_UNPLANNED = {"ac_policy": ("every_n",)}
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class OffloadOptions:
     params: bool = False
     delay_update: bool = False
     direct_io: Optional[bool] = None  # None: O_DIRECT where the file system allows
+    overlap: bool = True  # parameters on an accelerator: transfers on side streams beside the CPU step
 
     @property
     def chunk_bytes(self) -> int:
@@ -176,6 +177,9 @@ OPTIONS: tuple[Option, ...] = (
            "nvme: `O_DIRECT` reads and writes, bypassing the page cache; `null` where the file system allows, "
            "`true` required, `false` buffered (faster while the state fits in spare RAM; same numbers)",
            hydra_group="offload", hydra_key="direct_io", hydra_type=Optional[bool]),
+    Option("offload_overlap", "offload", "overlap",
+           "parameters on an accelerator: gradients come down and weights go up on side streams while the CPU "
+           "steps; `false` copies in turn with the step (same numbers)", hydra_group="offload", hydra_key="overlap"),
     Option("checkpoint_format", "checkpoint", "format",
            "saved checkpoints: `consolidated` (one file, rank 0 writes) or `sharded` (a directory, every rank writes)"),
     Option("compile", "compile", "enabled", "`torch.compile` each transformer block (after activation "
@@ -268,7 +272,7 @@ def _checked(plan: Plan) -> Plan:
     ac = ac_options(plan.ac.policy, plan.ac.every_n)
     offload = plan.offload
     checked = offload_options(offload.device, offload.path, offload.chunk_mb, offload.params, layout.zero_stage,
-                              offload.delay_update, offload.direct_io)
+                              offload.delay_update, offload.direct_io, offload.overlap)
     problems = []
     if plan.tp.plan is not None and not isinstance(plan.tp.plan, Mapping):
         problems.append(f"tp_plan={plan.tp.plan!r} must be a mapping {{module pattern: style}}")

@@ -21,7 +21,6 @@ placement is wrong or a figure is more than 10% off.
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 
@@ -35,10 +34,9 @@ def plan(cfg: DictConfig) -> int:
 
     from lightning_3d.app import model_on_meta
     from lightning_3d.config import check_target_keys
-    from lightning_3d.planner import Cluster, model_facts, plan_layouts
-    from lightning_3d.planner.search import divisors
+    from lightning_3d.planner import Cluster
+    from lightning_3d.planner.search import plan_candidates
     from lightning_3d.planner.table import nothing_fits, ranked_table, rejected_summary
-    from lightning_3d.recipe import check
 
     started = time.perf_counter()
     validate = bool(cfg.get("validate", False))
@@ -51,10 +49,8 @@ def plan(cfg: DictConfig) -> int:
             raise ValueError(f"model ({cfg.model.get('_target_')}) cannot be built on meta, so it cannot be planned")
         name = HydraConfig.get().runtime.choices.get("model", "model") if HydraConfig.initialized() else "model"
         sizes = layout_pins(cfg.get("layout"))
-        tps = [sizes["tensor"]] if "tensor" in sizes else divisors(cluster.devices_per_node)
-        facts = model_facts(module, seq_len=options.seq_len, precision=options.precision, tp_sizes=tps, name=name,
-                            policies=tuple(dict.fromkeys(("none", *options.ac_policies))))
-        candidates = plan_layouts(facts, cluster, options, check=functools.partial(check, module))
+        tps = [sizes["tensor"]] if "tensor" in sizes else None
+        facts, candidates = plan_candidates(module, cluster, options, tp_sizes=tps, name=name)
         candidates = [c for c in candidates if all(getattr(c.choice, k) == v for k, v in sizes.items())]
         if not candidates:
             pins = ", ".join(f"{k}={v}" for k, v in sizes.items())

@@ -4,12 +4,18 @@
 (``RunSummary``'s ``activation_bytes_per_block``). It cannot count on ``meta`` (every meta
 storage has data pointer 0, so all saves look like one tensor), so one block is copied to the
 CPU at the model's real width, in the activation dtype (bf16 for the mixed precisions), with the
-policy applied as the recipe applies it, and run forward and backward at batch 1 on two short
+policy applied as the recipe applies it, and run forward at batch 1 on two short
 sequences ``T1 < T2``. Saved bytes grow linearly in the batch and, per sample, as
 ``a·T + b·T²`` (``b`` is attention scores on the math path; 0 with fused attention), which the
 two points fit. Tensor parallelism is measured too: the block's column-parallel linears get
 ``out / tp`` features and its row-parallel ones ``in / tp`` (the local shapes a tp rank holds),
 so what stays replicated (norm inputs, the residual stream) and what is split are both counted.
+
+Sequence parallelism (:func:`measure_sequence_parallel`) shards the norms, dropout and residual
+stream by sequence, so what it saves depends on where DTensor gathers: the block is measured as
+one rank of a fake world of ``tp`` ranks (no communication), with the architecture's own
+sequence-parallel plan applied by ``parallelize_module``. Without sequence parallelism the same
+fake-world measurement gives the local-shape copy's bytes exactly (a test holds them equal).
 
 Blocks the copy cannot run alone (a forward needing more than the residual stream) or whose
 split layers are not ``nn.Linear`` fall back to an estimate, marked in ``source``: the first
@@ -19,12 +25,13 @@ measurable point scaled by Megatron's split (about 10/34 of a block's saves stay
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_3d.parallel.activations import ActivationMeter
@@ -88,8 +95,11 @@ def _materialize(block: nn.Module, dtype: torch.dtype) -> nn.Module:
     return block
 
 
-def _measure(block: nn.Module, forward: Callable, d_model: int, seq: int, policy: str) -> int:
-    """Bytes the meter attributes to ``block`` in one forward and backward at batch 1."""
+def _measure(block: nn.Module, forward: Callable, d_model: int, seq: int, policy: str, backward: bool = False) -> int:
+    """Bytes the meter attributes to ``block`` (what its forward saves) at batch 1, then the graph
+    is dropped. The count is complete after the forward (a test holds it equal with and without a
+    backward), and a backward costs minutes at a 70B width on a CPU without fast bf16 matmuls
+    (its weight gradients are ``(d, T) @ (T, 4d)`` products); ``backward=True`` runs one anyway."""
     dtype = next(block.parameters()).dtype
     holder = nn.Module()
     holder.blocks = nn.ModuleList([block])  # how the recipe finds blocks to checkpoint
@@ -102,7 +112,10 @@ def _measure(block: nn.Module, forward: Callable, d_model: int, seq: int, policy
         with meter.hooks():
             y = forward(block, x)
             y = y[0] if isinstance(y, (tuple, list)) else y
-            y.float().sum().backward()  # frees what was saved (and checks the block runs backward)
+            y = y.to_local() if isinstance(y, DTensor) else y  # sequence-parallel: this rank's shard
+            if backward:
+                y.float().sum().backward()  # frees what was saved (and checks the block runs backward)
+            del y
     finally:
         unwatch()
         apply_activation_checkpointing(holder, "none")
@@ -139,6 +152,48 @@ def measure_activations(entry: tuple[str, nn.Module], *, forward: Optional[Calla
                 out[(policy, tp)] = _megatron(d_model, n_head, act_bytes, policy, tp,
                                               "estimated: split layers are not nn.Linear")
         del real
+    return out
+
+
+def measure_sequence_parallel(entry: tuple[str, nn.Module], plan: Mapping[str, Any], *,
+                              forward: Optional[Callable], d_model: int, seq_len: int, act_bytes: int,
+                              policies: Sequence[str], tp: int) -> dict[tuple, ActivationFit]:
+    """``(policy, tp, "sp")`` -> :class:`ActivationFit` for the block ``entry = (name, meta block)``
+    under ``plan`` (the block's own entries of the model's sequence-parallel plan, names relative
+    to the block, ``""`` the block itself), measured as rank 0 of a fake world of ``tp`` ranks.
+
+    Needs a process without a default process group (the fake world is one); ``ValueError``
+    otherwise, or when ``tp`` does not divide the measured lengths."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_3d.testing.fake import fake_world
+
+    if dist.is_initialized():
+        raise ValueError("sequence-parallel activations are measured in a fake world, which needs a process "
+                         "without a process group")
+    _, block = entry
+    dtype = torch.float32 if act_bytes == 4 else torch.bfloat16
+    call = forward or (lambda b, x: b(x))
+    t1 = min(MEASURE_TOKENS, seq_len)
+    lengths = sorted({t1, min(2 * t1, seq_len)})
+    if any(t % tp for t in lengths):
+        raise ValueError(f"tensor={tp} does not divide the measured sequence lengths {lengths}")
+    out: dict[tuple, ActivationFit] = {}
+    with fake_world(0, tp):
+        mesh = init_device_mesh("cpu", (tp,))
+        real = copy.deepcopy(block).to(dtype)  # still on meta: split first, so only this rank's shards exist
+        inner = {name: style for name, style in plan.items() if name}
+        parallelize_module(real, mesh, inner)
+        if "" in plan:  # the block's own style (turns the replicated stream into sequence shards)
+            parallelize_module(real, mesh, plan[""])
+        real.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in real.parameters():
+                (p.to_local() if isinstance(p, DTensor) else p).normal_(0.0, 0.02)
+        for policy in policies:
+            out[(policy, tp, "sp")] = fit_points([(t, _measure(real, call, d_model, t, policy)) for t in lengths])
     return out
 
 

@@ -17,12 +17,15 @@ a machine's own figures.
 
 Options given together with ``auto`` (rule: an option set to anything but its default):
 ``data`` / ``tensor`` / ``pipeline`` keep only layouts of that size; ``zero_stage``,
-``ac_policy``, ``schedule`` and ``offload="cpu"`` (with ``offload_params``) narrow the
-planner's enumeration to that value; ``micro_batches`` keeps only pipelined layouts with that
+``ac_policy``, ``schedule``, ``virtual_stages`` and ``offload="cpu"`` / ``"nvme"`` (with
+``offload_params``) narrow the planner's enumeration to that value; ``sequence_parallel=True``
+keeps only sequence-parallel layouts; ``micro_batches`` keeps only pipelined layouts with that
 many (layouts without a pipeline are unaffected). An option at its default (``zero_stage=0``,
-``tensor=1``, ...) leaves the planner free. Values the planner does not model (``offload="nvme"``,
-``ac_policy="every_n"``, the interleaved schedules) are refused with a ``ValueError``, as is a
-constraint no fitting layout meets. Every other option (bucket size, checkpoint format, compile,
+``tensor=1``, ...) leaves the planner free, except that NVMe is only considered where
+``offload_path`` names the drive. What the planner does not model (``ac_policy="every_n"``) is
+refused with a ``ValueError``, as is a constraint no fitting layout meets. Sequence-parallel
+activations are measured in a fake world, which cannot coexist with the run's process group, so
+the strategy's ``auto`` does not choose sequence parallelism (the CLI planner does). Every other option (bucket size, checkpoint format, compile,
 ...) passes through to the chosen plan unchanged.
 
 The data decide the batch: the global batch per optimizer step is the data module's
@@ -36,7 +39,6 @@ micro-batches must equal ``accumulate_grad_batches``; with one, they split the l
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,7 +47,7 @@ from typing import Any, Optional
 from lightning_3d.plan import AUTO_UNPLANNED, OPTIONS, Plan
 from lightning_3d.planner.choice import Choice, PlannerOptions
 from lightning_3d.planner.cluster import Cluster
-from lightning_3d.planner.search import Candidate, divisors, plan_layouts
+from lightning_3d.planner.search import Candidate, plan_candidates
 
 # What a machine cannot tell us, by device kind (GB/s per device, dense TFLOP/s per device).
 # CPU ranks: gloo through shared memory inside a node, a 10 Gb/s-class network between nodes,
@@ -53,7 +55,13 @@ from lightning_3d.planner.search import Candidate, divisors, plan_layouts
 CPU_ASSUMED = {"intra_node_gbps": 2.0, "inter_node_gbps": 1.0, "peak_tflops": 0.2, "host_link_gbps": 20.0}
 # CPU ranks: a collective is CPU work on the rank's own cores (gloo reduces and copies there), so
 # no share of it hides behind compute (measured: python -m lightning_3d.planner.calibration --time).
-CPU_OPTIONS = {"overlap": 0.0}
+# Round figures python -m lightning_3d.planner.machine measured on gloo ranks of this project's
+# 2-core CPU (2026-12-01, a loaded machine): gloo's all-to-all reduce-scatter and its all-gather
+# reach ~0.8 and ~0.4 of an all-reduce's bytes/s; a tensor-parallel block costs ~0.5 more than its
+# FLOP share (norms every rank repeats, DTensor dispatch); selective checkpointing adds ~0.3 of a
+# block's time; a step of a gloo world costs ~15 ms whatever the model.
+CPU_OPTIONS = {"overlap": 0.0, "reduce_scatter_efficiency": 0.8, "all_gather_efficiency": 0.4, "tp_overhead": 0.5,
+               "selective_share": 0.3, "step_overhead_us": 15000.0}
 # GPUs: an NVLink-class node and one 200 Gb/s NIC per device (Cluster's defaults); the peak
 # from lightning_3d.flops' table where the device is known, else an H100's.
 GPU_ASSUMED = {"intra_node_gbps": 300.0, "inter_node_gbps": 25.0, "peak_tflops": 989.0, "host_link_gbps": 25.0}
@@ -66,7 +74,7 @@ class Constraints:
     """What the options given with ``auto`` leave the planner: its enumeration and the sizes to keep."""
 
     planner: Mapping[str, Any]  # PlannerOptions keywords (zero_stages, ac_policies, offloads, schedules)
-    sizes: Mapping[str, int]  # Choice field -> the only value kept (data, tensor, pipeline)
+    sizes: Mapping[str, Any]  # Choice field -> the only value kept (data, tensor, pipeline, sequence_parallel)
     micro_batches: Optional[int] = None  # pipelined layouts: only this many
 
 
@@ -109,13 +117,18 @@ def constraints(plan: Plan, device_type: str = "cuda") -> Constraints:
         planner["ac_policies"] = (given["ac_policy"],)
     if "schedule" in given:
         planner["schedules"] = (given["schedule"],)
-    if given.get("offload") == "cpu":
-        planner["offloads"] = ("cpu+params",) if given.get("offload_params") else ("cpu", "cpu+params")
+    if given.get("virtual_stages") is not None and given["virtual_stages"] > 1:
+        planner["virtual_stages"] = (given["virtual_stages"],)
+    device = given.get("offload")
+    if device in ("cpu", "nvme"):
+        planner["offloads"] = (f"{device}+params",) if given.get("offload_params") else (device, f"{device}+params")
     elif given.get("offload_params"):
-        raise ValueError("auto=True with offload_params=True needs offload='cpu'")
+        raise ValueError("auto=True with offload_params=True needs offload='cpu' or 'nvme'")
     elif device_type != "cuda":
         planner["offloads"] = ("none",)  # CPU ranks: host memory is device memory, offload saves nothing
-    sizes = {name: given[name] for name in ("data", "tensor", "pipeline") if name in given}
+    elif "offload_path" not in given:  # NVMe needs a drive the run names
+        planner["offloads"] = tuple(o for o in PlannerOptions().offloads if not o.startswith("nvme"))
+    sizes = {name: given[name] for name in ("data", "tensor", "pipeline", "sequence_parallel") if name in given}
     return Constraints(planner, sizes, given.get("micro_batches"))
 
 
@@ -133,17 +146,16 @@ def choose(module: Any, cluster: Cluster, plan: Plan, *, batch_size: Optional[in
            device_type: str = "cuda") -> Candidate:
     """The planner's first fitting layout of ``module`` on ``cluster`` that the options of ``plan``
     and the data allow; ``ValueError`` naming why none is left."""
-    from lightning_3d.planner.facts import model_facts
+    import torch.distributed as dist
+
     from lightning_3d.planner.table import nothing_fits
-    from lightning_3d.recipe import check
 
     fixed = constraints(plan, device_type)
+    # Sequence parallelism's activations are measured in a fake world: not beside a live process group.
+    alone = {} if fixed.sizes.get("sequence_parallel") or not dist.is_initialized() else {"sequence_parallel": False}
     options = PlannerOptions(batch_size=batch_size, seq_len=seq_len, precision=precision,
-                             **(CPU_OPTIONS if device_type != "cuda" else {}), **fixed.planner)
-    tps = divisors(cluster.devices_per_node)
-    facts = model_facts(module, seq_len=seq_len, precision=precision, tp_sizes=tps, name=type(module).__name__,
-                        policies=tuple(dict.fromkeys(("none", *options.ac_policies))))
-    candidates = plan_layouts(facts, cluster, options, check=functools.partial(check, module))
+                             **(CPU_OPTIONS if device_type != "cuda" else {}), **fixed.planner, **alone)
+    _, candidates = plan_candidates(module, cluster, options, name=type(module).__name__)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise ValueError(f"auto: {nothing_fits(candidates, cluster, options.reserve_gb, options.offloads)}")
@@ -182,9 +194,10 @@ def planned_figures(candidate: Candidate, cluster: Cluster) -> dict[str, Any]:
         "label": c.label(),
         "memory_bytes": {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
                          "activations": memory.activations, "buffers": memory.buffers, "total": memory.total,
-                         "host": memory.host},
+                         "host": memory.host, "disk": memory.disk},
         "step_time_s": {"compute": time.compute, "comm": time.comm, "bubble": time.bubble,
-                        "offload": time.offload, "optimizer": time.optimizer, "total": time.total},
+                        "offload": time.offload, "optimizer": time.optimizer, "overhead": time.overhead,
+                        "total": time.total},
         "tokens_per_s": candidate.tokens_per_s,
         "mfu": candidate.mfu,
         "cluster": cluster.as_dict(),

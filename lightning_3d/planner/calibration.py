@@ -27,10 +27,11 @@ KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes_
 def predicted_rank(facts: ModelFacts, choice: Choice, rank: int) -> dict[str, float]:
     """What the planner predicts ``rank`` holds (mesh ``(pp, dp, tp)``, tensor innermost)."""
     stage = rank // (choice.data * choice.tensor)
-    part, _ = stage_parts(facts, choice.pipeline)[stage]
-    params, grads, optimizer, _ = model_state(facts, choice, part)
+    part, _ = stage_parts(facts, choice.pipeline, choice.virtual_stages)[stage]
+    params, grads, optimizer, _, _ = model_state(facts, choice, part)
     # The run's meter adds up every micro-batch of the step: the whole per-rank batch.
-    act = facts.activation(choice.ac_policy, choice.tensor).bytes_per_sample(facts.seq_len) * choice.batch_per_rank
+    fit = facts.activation(choice.ac_policy, choice.tensor, choice.sequence_parallel)
+    act = fit.bytes_per_sample(facts.seq_len) * choice.batch_per_rank
     return {"param_bytes": params, "grad_bytes": grads, "optimizer_state_bytes": optimizer,
             "activation_bytes_per_block": act}
 
@@ -75,7 +76,8 @@ def tiny_facts(tp_sizes: tuple[int, ...] = (1, 2, 4)) -> ModelFacts:
 
     with torch.device("meta"):
         module = LitGPT(**TINY_MODEL)
-    return model_facts(module, seq_len=TINY_DATA["block_size"], precision="32-true", tp_sizes=tp_sizes, name="tiny")
+    return model_facts(module, seq_len=TINY_DATA["block_size"], precision="32-true", tp_sizes=tp_sizes, name="tiny",
+                       sequence_parallel=True)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

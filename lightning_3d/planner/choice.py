@@ -16,7 +16,10 @@ from lightning_3d.parallel.activation_checkpoint import POLICIES
 from lightning_3d.parallel.pipeline import MULTI_STAGE, SCHEDULES
 from lightning_3d.planner.facts import PRECISIONS
 
-OFFLOADS = ("none", "cpu", "cpu+params")  # cpu+params: ZeRO-3 shards of parameters on the host too
+# Where Adam's state goes; "+params": ZeRO-3's parameter and gradient shards in host memory too.
+OFFLOADS = ("none", "cpu", "cpu+params", "nvme", "nvme+params")
+# The schedules, the simpler first (the planner's order among equally fast layouts).
+SCHEDULE_ORDER = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,17 @@ class Choice:
     ac_policy: str = "none"
     offload: str = "none"  # one of OFFLOADS
     batch_per_rank: int = 1  # samples per data-parallel rank per optimizer step
+    virtual_stages: int = 1  # stages per pipeline rank (the interleaved schedules: more than 1)
+    sequence_parallel: bool = False  # tensor > 1: norms, dropout and the residual stream sharded by sequence
+
+    @property
+    def offload_device(self) -> str:
+        """``none``, ``cpu`` or ``nvme``: where Adam's state lives."""
+        return self.offload.split("+")[0]
+
+    @property
+    def offload_params(self) -> bool:
+        return self.offload.endswith("+params")
 
     @property
     def world_size(self) -> int:
@@ -43,10 +57,13 @@ class Choice:
         """``ThreeDStrategy`` / ``Plan.from_options`` keyword arguments of this layout."""
         out: dict[str, Any] = {"data": self.data, "tensor": self.tensor, "pipeline": self.pipeline,
                                "zero_stage": self.zero_stage, "ac_policy": self.ac_policy,
-                               "offload": "none" if self.offload == "none" else "cpu",
-                               "offload_params": self.offload == "cpu+params"}
+                               "offload": self.offload_device, "offload_params": self.offload_params}
         if self.pipeline > 1:
             out.update(micro_batches=self.micro_batches, schedule=self.schedule)
+            if self.schedule in MULTI_STAGE:
+                out["virtual_stages"] = self.virtual_stages
+        if self.sequence_parallel:
+            out["sequence_parallel"] = True
         return out
 
     def trainer_options(self) -> dict[str, Any]:
@@ -55,7 +72,10 @@ class Choice:
 
     def label(self) -> str:
         sched = f"{self.schedule} m={self.micro_batches}" if self.pipeline > 1 else f"accum={self.micro_batches}"
-        return (f"dp={self.data} tp={self.tensor} pp={self.pipeline} zero={self.zero_stage} {sched} "
+        if self.virtual_stages > 1:
+            sched += f" v={self.virtual_stages}"
+        sp = " sp" if self.sequence_parallel else ""
+        return (f"dp={self.data} tp={self.tensor}{sp} pp={self.pipeline} zero={self.zero_stage} {sched} "
                 f"mb={self.micro_batch_size} ac={self.ac_policy} offload={self.offload}")
 
 
@@ -78,7 +98,24 @@ class PlannerOptions:
     measured on this project's 2-core CPU; ``python -m lightning_3d.planner.machine`` measures it);
     ``adam_params_per_s``: parameters one device's (not offloaded) Adam updates per second, a
     memory-bound pass over parameters, gradients and moments (~28 bytes each in fp32: 1e11 is an
-    H100's 3 TB/s; measured ~1e8 per core of this project's CPU).
+    H100's 3 TB/s; measured ~1e8 per core of this project's CPU);
+    ``selective_share``: what selective activation checkpointing adds to a block's forward +
+    backward time, as a share of it (its recomputed elementwise ops and caching; 0.05: a GPU's
+    fused elementwise kernels; measured ~0.3 on this project's CPU);
+    ``reduce_scatter_efficiency`` / ``all_gather_efficiency``: the bytes per second of a
+    reduce-scatter / all-gather over an all-reduce's, per byte a rank sends (1: NCCL's rings run
+    all three at the link's rate; gloo's all-gather reached ~0.3 here);
+    ``tp_overhead``: a tensor-parallel block's time beyond its FLOP share and its all-reduces, as
+    a share of that FLOP share (the norms and residuals every tensor rank repeats, DTensor's
+    per-op dispatch; 0.05 on a GPU, ~0.4 measured on this project's CPU);
+    ``step_overhead_us``: the fixed cost of one optimizer step whatever the model (the training
+    loop, the data loader, the strategy's per-step agreement collectives; ~10 ms measured on two
+    gloo ranks here). Every one of these is measured by ``python -m lightning_3d.planner.machine``.
+
+    What is enumerated: ``zero_stages``, ``ac_policies``, ``offloads`` (:data:`OFFLOADS`),
+    ``schedules`` (with a pipeline; the interleaved ones with each of ``virtual_stages`` stages
+    per rank), ``sequence_parallel`` (also each tensor-parallel layout with it) and micro-batches
+    up to ``max_micro_batches``.
     """
 
     batch_size: Optional[int] = None
@@ -93,10 +130,17 @@ class PlannerOptions:
     launch_overhead_us: float = 30.0
     forward_share: float = 1 / 3
     adam_params_per_s: float = 1e11
+    selective_share: float = 0.05
+    reduce_scatter_efficiency: float = 1.0
+    all_gather_efficiency: float = 1.0
+    tp_overhead: float = 0.05
+    step_overhead_us: float = 1000.0
     zero_stages: tuple[int, ...] = ZERO_STAGES
     ac_policies: tuple[str, ...] = ("none", "selective", "full")
-    offloads: tuple[str, ...] = ("none", "cpu")
-    schedules: tuple[str, ...] = ("1f1b", "gpipe")
+    offloads: tuple[str, ...] = ("none", "cpu", "nvme")
+    schedules: tuple[str, ...] = SCHEDULE_ORDER
+    virtual_stages: tuple[int, ...] = (2,)  # stages per rank tried with the interleaved schedules
+    sequence_parallel: bool = True  # also try each tensor-parallel layout with sequence parallelism
     max_micro_batches: int = 64
 
     def __post_init__(self) -> None:
@@ -107,12 +151,14 @@ class PlannerOptions:
                 problems.append(f"{name}={value!r} must be a positive integer or null")
         if self.precision not in PRECISIONS:
             problems.append(f"precision={self.precision!r} must be one of {list(PRECISIONS)}")
-        for name, low, high in (("efficiency", 0.0, 1.0), ("overlap", 0.0, 1.0), ("forward_share", 0.0, 1.0)):
+        for name, low, high in (("efficiency", 0.0, 1.0), ("overlap", 0.0, 1.0), ("forward_share", 0.0, 1.0),
+                                ("reduce_scatter_efficiency", 0.0, 1.0), ("all_gather_efficiency", 0.0, 1.0)):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not low < value <= high:
                 if not (name == "overlap" and value == 0):
                     problems.append(f"{name}={value!r} must be in ({low}, {high}]")
-        for name in ("reserve_gb", "latency_us", "launch_overhead_us"):
+        for name in ("reserve_gb", "latency_us", "launch_overhead_us", "selective_share", "tp_overhead",
+                     "step_overhead_us"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 problems.append(f"{name}={value!r} must be a number >= 0")
@@ -121,9 +167,8 @@ class PlannerOptions:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 problems.append(f"{name}={value!r} must be a positive number")
         policies = tuple(p for p in POLICIES if p != "every_n")
-        schedules = tuple(s for s in SCHEDULES if s not in MULTI_STAGE)  # interleaved: not modelled yet
         for name, allowed in (("zero_stages", ZERO_STAGES), ("ac_policies", policies), ("offloads", OFFLOADS),
-                              ("schedules", schedules)):
+                              ("schedules", SCHEDULES)):
             values = tuple(getattr(self, name))
             bad = [v for v in values if v not in allowed]
             if not values or bad:
@@ -131,9 +176,14 @@ class PlannerOptions:
         if not isinstance(self.max_micro_batches, int) or isinstance(self.max_micro_batches, bool) \
                 or self.max_micro_batches < 1:
             problems.append(f"max_micro_batches={self.max_micro_batches!r} must be a positive integer")
+        virtual = tuple(self.virtual_stages)
+        if not virtual or any(not isinstance(v, int) or isinstance(v, bool) or v < 2 for v in virtual):
+            problems.append(f"virtual_stages={list(virtual)!r} must be a non-empty list of integers >= 2")
+        if not isinstance(self.sequence_parallel, bool):
+            problems.append(f"sequence_parallel={self.sequence_parallel!r} must be true or false")
         if problems:
             raise ValueError("; ".join(problems))
-        for name in ("zero_stages", "ac_policies", "offloads", "schedules"):
+        for name in ("zero_stages", "ac_policies", "offloads", "schedules", "virtual_stages"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def global_batch(self, world_size: int) -> int:

@@ -27,6 +27,8 @@ class Cluster:
     inter_node_gbps: float = 25.0  # GB/s per device between nodes (a 200 Gb/s NIC per device)
     peak_tflops: float = 989.0  # dense bf16 TFLOP/s of one device (H100 SXM)
     host_link_gbps: float = 25.0  # GB/s between one device and host memory (PCIe)
+    nvme_gbps: float = 6.0  # GB/s of a node's local drives, each direction (offload to nvme)
+    nvme_gb: float = 3840.0  # free space on a node's local drives
 
     def __post_init__(self) -> None:
         problems = []
@@ -35,7 +37,7 @@ class Cluster:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 problems.append(f"cluster.{name}={value!r} must be a positive integer")
         for name in ("device_memory_gb", "host_memory_gb", "intra_node_gbps", "inter_node_gbps", "peak_tflops",
-                     "host_link_gbps"):
+                     "host_link_gbps", "nvme_gbps", "nvme_gb"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 problems.append(f"cluster.{name}={value!r} must be a positive number")

@@ -4,8 +4,8 @@ parallelism splits), its sizes, and its activation bytes per block, measured.
 Everything is read from the model built on ``meta`` (no memory), except the activation bytes:
 the project's :class:`~lightning_3d.parallel.activations.ActivationMeter` cannot count on
 ``meta``, where every storage has data pointer 0 (all saves look like one tensor), so one block
-is copied to the CPU at its real width, with tensor parallelism's local shapes, and run forward
-and backward at batch 1 under each activation-checkpointing policy (see
+is copied to the CPU at its real width, with tensor parallelism's local shapes, and its forward
+run at batch 1 under each activation-checkpointing policy (see
 :mod:`lightning_3d.planner.activations`). Batch and sequence length are then scaled analytically.
 
 Example::
@@ -16,14 +16,14 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
 from torch import nn
 
 from lightning_3d.parallel.activation_checkpoint import transformer_blocks
-from lightning_3d.planner.activations import ActivationFit, measure_activations
+from lightning_3d.planner.activations import ActivationFit, measure_activations, measure_sequence_parallel
 
 # Bytes per parameter of (parameters, gradients, optimizer state) resident with the parameters
 # (Adam(W): two moments), and of one activation element, by Lightning precision. Mixed
@@ -80,7 +80,8 @@ class ModelFacts:
     last: Part  # modules only the last stage keeps (final norm, head)
     tied: Part  # parameters held by both first and last (one copy per stage under a pipeline)
     buffer_bytes: int
-    activations: Mapping[tuple[str, int], ActivationFit] = field(default_factory=dict)  # (policy, tp) -> fit
+    # (policy, tp) -> fit; (policy, tp, "sp") with sequence parallelism
+    activations: Mapping[tuple, ActivationFit] = field(default_factory=dict)
     pipeline_ready: bool = True  # the model has a pipeline_spec
 
     @property
@@ -97,12 +98,15 @@ class ModelFacts:
     def bytes(self) -> tuple[int, int, int, int]:
         return PRECISIONS[self.precision]
 
-    def activation(self, policy: str, tp: int) -> ActivationFit:
+    def activation(self, policy: str, tp: int, sequence_parallel: bool = False) -> ActivationFit:
+        """The fit for ``policy`` at tensor size ``tp`` (with sequence parallelism: key ``(policy, tp, "sp")``)."""
+        key = (policy, tp, "sp") if sequence_parallel else (policy, tp)
         try:
-            return self.activations[(policy, tp)]
+            return self.activations[key]
         except KeyError:
-            have = sorted(self.activations)
-            raise ValueError(f"no activation measurement for policy={policy!r}, tensor={tp}; have {have}") from None
+            have = sorted(self.activations, key=str)
+            raise ValueError(f"no activation measurement for policy={policy!r}, tensor={tp}"
+                             f"{', sequence_parallel' if sequence_parallel else ''}; have {have}") from None
 
 
 def _sizes(module: nn.Module) -> dict[str, Optional[int]]:
@@ -162,10 +166,12 @@ def _part(modules: Iterable[tuple[str, nn.Module]], split: set[str]) -> Part:
 
 def model_facts(module: nn.Module, *, seq_len: Optional[int] = None, precision: str = "bf16-mixed",
                 policies: Sequence[str] = ("none", "selective", "full"), tp_sizes: Sequence[int] = (1,),
-                name: str = "model") -> ModelFacts:
+                name: str = "model", sequence_parallel: bool = False) -> ModelFacts:
     """The facts of ``module`` (built on ``meta``) at ``seq_len`` tokens per sample, with
     activations measured for each policy and each tensor size in ``tp_sizes`` that divides the
-    model. ``ValueError`` for a module the planner cannot read (no transformer blocks, no width)."""
+    model; ``sequence_parallel``: also with sequence parallelism at each tensor size above 1, where
+    it can be measured (:func:`sequence_parallel_activations`). ``ValueError`` for a module the
+    planner cannot read (no transformer blocks, no width)."""
     check_precision(precision)
     spec = module.pipeline_spec() if callable(getattr(module, "pipeline_spec", None)) else None
     blocks = transformer_blocks(module)
@@ -202,9 +208,41 @@ def model_facts(module: nn.Module, *, seq_len: Optional[int] = None, precision: 
     activations = measure_activations(blocks[0], forward=forward, split=split, columns=columns, d_model=d_model,
                                       n_head=n_head, seq_len=seq_len, act_bytes=PRECISIONS[precision][3],
                                       policies=policies, tp_sizes=tps)
+    if sequence_parallel:
+        activations.update(sequence_parallel_activations(module, blocks[0], forward=forward, d_model=d_model,
+                                                         seq_len=seq_len, act_bytes=PRECISIONS[precision][3],
+                                                         policies=policies, tp_sizes=[t for t in tps if t > 1]))
     return ModelFacts(name=name, n_layer=len(blocks), d_model=d_model, n_head=n_head, vocab_size=vocab,
                       seq_len=seq_len, precision=precision, first=first, blocks=block_parts, last=last, tied=tied,
                       buffer_bytes=buffers, activations=activations, pipeline_ready=spec is not None)
+
+
+def sequence_parallel_activations(module: nn.Module, block: tuple[str, nn.Module], *, forward: Optional[Callable],
+                                  d_model: int, seq_len: int, act_bytes: int, policies: Sequence[str],
+                                  tp_sizes: Sequence[int]) -> dict[tuple, ActivationFit]:
+    """``(policy, tp, "sp")`` fits of the block under the architecture's sequence-parallel plan.
+    None where the model has no plan, the plan does not divide the model, or this process
+    already has a process group (``parallelism=auto`` inside a run: the fake world that measures
+    it cannot coexist with one); the planner then rejects those layouts as not measured."""
+    import torch.distributed as dist
+
+    from lightning_3d.parallel.tensor import resolve_plan
+    from lightning_3d.plans import build_plan
+
+    name = block[0]
+    out: dict[tuple, ActivationFit] = {}
+    if dist.is_initialized():
+        return out
+    for tp in tp_sizes:
+        try:
+            plan = resolve_plan(module, build_plan(module, None, True), tp)
+            own = {key[len(name) + 1:] if key != name else "": style for key, style in plan.items()
+                   if key == name or key.startswith(name + ".")}
+            out.update(measure_sequence_parallel(block, own, forward=forward, d_model=d_model, seq_len=seq_len,
+                                                 act_bytes=act_bytes, policies=policies, tp=tp))
+        except ValueError:
+            continue
+    return out
 
 
 def _holds_blocks(name: str, block_names: set[str]) -> bool:
@@ -220,8 +258,9 @@ def _width(block: nn.Module) -> Optional[int]:
 
 def facts_summary(facts: ModelFacts) -> str:
     """One paragraph: sizes and the measured activation bytes per block per sample."""
-    acts = ", ".join(f"{policy}/tp{tp}: {fit.bytes_per_sample(facts.seq_len) / 2**20:.2f} MiB ({fit.source})"
-                     for (policy, tp), fit in sorted(facts.activations.items()))
+    acts = ", ".join(f"{key[0]}/tp{key[1]}{'/sp' if len(key) > 2 else ''}: "
+                     f"{fit.bytes_per_sample(facts.seq_len) / 2**20:.2f} MiB ({fit.source})"
+                     for key, fit in sorted(facts.activations.items(), key=lambda kv: (len(kv[0]), kv[0])))
     return (f"{facts.name}: {facts.num_params / 1e6:.1f}M parameters ({facts.n_layer} blocks, d_model {facts.d_model}, "
             f"{facts.n_head} heads, vocab {facts.vocab_size}), seq_len {facts.seq_len}, {facts.precision}; "
             f"activations per block per sample: {acts}")

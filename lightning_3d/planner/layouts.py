@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from lightning_3d.parallel.pipeline import MULTI_STAGE
 from lightning_3d.planner.choice import Choice
 
 _DATA_PARALLEL: Mapping[str, tuple[Optional[dict[str, Any]], int]] = {
@@ -20,17 +21,22 @@ _DATA_PARALLEL: Mapping[str, tuple[Optional[dict[str, Any]], int]] = {
     "dp2_z3": ({"zero_stage": 3}, 2),
     "tp2": ({"tensor": 2}, 2),
 }
+_SEQUENCE_PARALLEL: Mapping[str, tuple[Optional[dict[str, Any]], int]] = {
+    "tp2_sp": ({"tensor": 2, "sequence_parallel": True}, 2),
+}
 _CHECKPOINTING: Mapping[str, tuple[Optional[dict[str, Any]], int]] = {
     "dp2_ac_full": ({"ac_policy": "full"}, 2),
     "dp2_ac_selective": ({"ac_policy": "selective"}, 2),
 }
 # Memory: one pipeline (its micro-batch count does not change what a rank holds).
 LAYOUTS: Mapping[str, tuple[Optional[dict[str, Any]], int]] = {
-    **_DATA_PARALLEL, "pp2": ({"pipeline": 2}, 2), **_CHECKPOINTING}
+    **_DATA_PARALLEL, **_SEQUENCE_PARALLEL, "pp2": ({"pipeline": 2}, 2), **_CHECKPOINTING}
 # Step time: the bubble shrinks with micro-batches, so two of them; simplest first (the planner's tie-break).
 TIME_LAYOUTS: Mapping[str, tuple[Optional[dict[str, Any]], int]] = {
     **_DATA_PARALLEL, "pp2_m2": ({"pipeline": 2, "micro_batches": 2}, 2),
-    "pp2_m4": ({"pipeline": 2, "micro_batches": 4}, 2), **_CHECKPOINTING}
+    "pp2_m4": ({"pipeline": 2, "micro_batches": 4}, 2),
+    "pp2_i1f1b_m4": ({"pipeline": 2, "micro_batches": 4, "schedule": "interleaved_1f1b"}, 2),
+    "pp2_zb_m4": ({"pipeline": 2, "micro_batches": 4, "schedule": "zero_bubble"}, 2), **_CHECKPOINTING}
 
 
 def choice_of(strategy: Optional[dict[str, Any]], world: int, global_batch: int) -> Choice:
@@ -39,5 +45,8 @@ def choice_of(strategy: Optional[dict[str, Any]], world: int, global_batch: int)
     tp, pp = strategy.get("tensor", 1), strategy.get("pipeline", 1)
     dp = world // (tp * pp)
     m = strategy.get("micro_batches", pp) if pp > 1 else 1
-    return Choice(dp, tp, pp, strategy.get("zero_stage", 0), m, strategy.get("schedule", "1f1b"),
-                  strategy.get("ac_policy", "none"), "none", global_batch // dp)
+    schedule = strategy.get("schedule", "1f1b")
+    virtual = strategy.get("virtual_stages") or (2 if pp > 1 and schedule in MULTI_STAGE else 1)
+    offload = strategy.get("offload", "none") + ("+params" if strategy.get("offload_params") else "")
+    return Choice(dp, tp, pp, strategy.get("zero_stage", 0), m, schedule, strategy.get("ac_policy", "none"), offload,
+                  global_batch // dp, virtual, bool(strategy.get("sequence_parallel", False)))

@@ -9,9 +9,15 @@ precision: :data:`lightning_3d.planner.facts.PRECISIONS`. Offload moves Adam's s
 plus an fp32 master of non-fp32 weights) to host memory; ``cpu+params`` moves ZeRO-3's parameter
 and gradient shards there too.
 
+Under an interleaved schedule a rank holds ``virtual_stages`` stages (``r``, ``r + p``, ...), the
+first on rank 0 and the last on rank ``p − 1``. Offload to ``nvme`` keeps Adam's state on the
+drive (``MemorySplit.disk``) and in host memory only its streaming window.
+
 Activations: the measured bytes per block per sample (:mod:`lightning_3d.planner.activations`)
-× the stage's blocks × the micro-batch size × the micro-batches in flight (no pipeline: one;
-GPipe: all ``m``; 1F1B: stage ``s`` of ``p`` keeps ``min(m, p - s)``). A checkpointed block's
+× the blocks of a chunk (a rank's blocks over its ``virtual_stages``) × the micro-batch size ×
+the chunks in flight at the peak (:func:`lightning_3d.planner.schedule.in_flight_chunks`: no
+pipeline one; GPipe all ``m``; 1F1B ``min(m, p − r)`` on rank ``r``; the interleaved schedules
+by torch's warm-up count). A checkpointed block's
 backward recomputes it, so one block's uncheckpointed bytes exist at once on top. The last stage
 also keeps the logits (vocab-parallel: ``V / tensor``) and their fp32 softmax for the loss.
 
@@ -24,11 +30,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_3d.parallel.stages import stage_blocks
+from lightning_3d.offload.optimizer import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW
+from lightning_3d.parallel.stages import stage_blocks, stage_ids
 from lightning_3d.planner.choice import Choice, PlannerOptions
 from lightning_3d.planner.facts import ModelFacts, Part, offloaded_state_bytes
+from lightning_3d.planner.schedule import in_flight_chunks
 
 GB = 1e9
+NVME_RESIDENT_BYTES = DEFAULT_WINDOW * DEFAULT_CHUNK_BYTES  # the NVMe store's streaming window in host RAM
 
 
 def human(nbytes: float) -> str:
@@ -49,7 +58,8 @@ class MemorySplit:
     activations: float
     buffers: float
     host: float = 0.0
-    stage: int = 0  # the pipeline stage this split is for (the largest one)
+    stage: int = 0  # the pipeline rank this split is for (the largest one)
+    disk: float = 0.0  # bytes on the node's drive (offload to nvme)
 
     @property
     def model_state(self) -> float:
@@ -60,58 +70,65 @@ class MemorySplit:
         return self.model_state + self.activations + self.buffers
 
 
-def stage_parts(facts: ModelFacts, pipeline: int) -> list[tuple[Part, int]]:
-    """(parameters, number of blocks) of each pipeline stage."""
-    runs = stage_blocks(facts.n_layer, pipeline)
-    out = []
+def stage_parts(facts: ModelFacts, pipeline: int, virtual: int = 1) -> list[tuple[Part, int]]:
+    """(parameters, number of blocks) of each pipeline rank, its ``virtual`` stages together."""
+    stages = pipeline * virtual
+    runs = stage_blocks(facts.n_layer, stages)
+    parts = []
     for s, run in enumerate(runs):
         part = Part()
         for i in run:
             part = part + facts.blocks[i]
         if s == 0:
             part = part + facts.first
-        if s == pipeline - 1:
+        if s == stages - 1:
             part = part + facts.last
-        if pipeline == 1:  # one stage holds a tied weight once
+        parts.append((part, len(run)))
+    out = []
+    for rank in range(pipeline):
+        part, blocks = Part(), 0
+        for s in stage_ids(rank, pipeline, virtual):
+            part, blocks = part + parts[s][0], blocks + parts[s][1]
+        if pipeline == 1:  # one rank holds a tied weight once
             part = Part(part.params - facts.tied.params, part.split - facts.tied.split, part.flop_params)
-        out.append((part, len(run)))
+        out.append((part, blocks))
     return out
 
 
-def model_state(facts: ModelFacts, choice: Choice, part: Part) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer, host) bytes of one rank holding ``part`` of the model."""
+def model_state(facts: ModelFacts, choice: Choice, part: Part) -> tuple[float, float, float, float, float]:
+    """(params, grads, optimizer, host, disk) bytes of one rank holding ``part`` of the model."""
     p_b, g_b, o_b, _ = facts.bytes
     n = part.local(choice.tensor)
     dp, z = choice.data, choice.zero_stage
     params = n * p_b / (dp if z == 3 else 1)
     grads = n * g_b / (dp if z >= 2 else 1)
     optimizer = n * o_b / (dp if z >= 1 else 1)
-    host = 0.0
+    host = disk = 0.0
     if choice.offload != "none":
         optimizer = 0.0
-        host += n / (dp if z >= 1 else 1) * offloaded_state_bytes(p_b)
-    if choice.offload == "cpu+params":  # ZeRO-3 only (the plan check refuses it otherwise)
+        state = n / (dp if z >= 1 else 1) * offloaded_state_bytes(p_b)
+        if choice.offload_device == "nvme":
+            disk, host = state, float(NVME_RESIDENT_BYTES)
+        else:
+            host = state
+    if choice.offload_params:  # ZeRO-3 only (the plan check refuses it otherwise)
         host += params + grads
         params = grads = 0.0
-    return params, grads, optimizer, host
+    return params, grads, optimizer, host, disk
 
 
 def activation_bytes(facts: ModelFacts, choice: Choice, stage: int, blocks: int) -> float:
-    """Saved activations of ``stage`` at their peak (see the module docstring)."""
+    """Saved activations of pipeline rank ``stage`` (holding ``blocks`` blocks) at their peak
+    (see the module docstring)."""
     seq = facts.seq_len
     mb = choice.micro_batch_size
-    fit = facts.activation(choice.ac_policy, choice.tensor)
+    fit = facts.activation(choice.ac_policy, choice.tensor, choice.sequence_parallel)
     per_block = fit.bytes_per_sample(seq) * mb
-    m, p = choice.micro_batches, choice.pipeline
-    if p == 1:
-        in_flight = 1
-    elif choice.schedule == "gpipe":
-        in_flight = m
-    else:
-        in_flight = min(m, p - stage)
-    total = per_block * blocks * in_flight
+    m, p, v = choice.micro_batches, choice.pipeline, choice.virtual_stages
+    chunks = in_flight_chunks(choice.schedule, p, m, stage, v)
+    total = per_block * blocks / v * chunks
     if choice.ac_policy != "none" and blocks:  # one block recomputed at a time in backward
-        total += max(0.0, facts.activation("none", choice.tensor).bytes_per_sample(seq) * mb - per_block)
+        total += max(0.0, facts.activation("none", choice.tensor, choice.sequence_parallel).bytes_per_sample(seq) * mb - per_block)
     if stage == p - 1:
         act = facts.bytes[3]
         head = seq * (facts.vocab_size / choice.tensor * (act + 4) + facts.d_model * act) * mb
@@ -137,10 +154,10 @@ def rank_memory(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> M
     """The largest stage's per-rank memory (by device total)."""
     best = None
     buffers = buffer_bytes(facts, choice, options)
-    for stage, (part, blocks) in enumerate(stage_parts(facts, choice.pipeline)):
-        params, grads, optimizer, host = model_state(facts, choice, part)
+    for stage, (part, blocks) in enumerate(stage_parts(facts, choice.pipeline, choice.virtual_stages)):
+        params, grads, optimizer, host, disk = model_state(facts, choice, part)
         split = MemorySplit(params, grads, optimizer, activation_bytes(facts, choice, stage, blocks), buffers, host,
-                            stage)
+                            stage, disk)
         if best is None or split.total > best.total:
             best = split
     return best

@@ -7,7 +7,9 @@ serves the CLI's table and ``parallelism=auto`` (:mod:`lightning_3d.planner.auto
 Enumerated: ``data × tensor × pipeline = world`` (tensor innermost, kept inside a node and
 dividing the head count; pipeline dividing the block count), ZeRO stages, micro-batches (powers
 of two dividing the per-rank batch, at least ``pipeline`` for 1F1B as torch requires; without a
-pipeline they are gradient accumulation steps), schedules, activation checkpointing and offload.
+pipeline they are gradient accumulation steps), schedules (the interleaved ones with each of
+``virtual_stages`` stages per rank), sequence parallelism (with ``tensor > 1``, where measured),
+activation checkpointing and offload (to host memory or NVMe, with ZeRO-3's parameters or without).
 Every candidate is built as a :class:`~lightning_3d.plan.Plan` (``Plan.from_options``), and,
 given ``check`` (:func:`lightning_3d.recipe.check` bound to the model on ``meta``), checked
 against the model's shapes; their ``ValueError`` is the rejection's reason. A split that is
@@ -17,12 +19,15 @@ per ZeRO stage and micro-batch count.
 
 from __future__ import annotations
 
+import functools
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
+from lightning_3d.parallel.pipeline import MULTI_STAGE
 from lightning_3d.plan import Plan
-from lightning_3d.planner.choice import Choice, PlannerOptions
+from lightning_3d.planner.choice import OFFLOADS, Choice, PlannerOptions
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.facts import ModelFacts
 from lightning_3d.planner.memory import GB, MemorySplit, human, rank_memory
@@ -85,18 +90,34 @@ def _micro_batches(batch_per_rank: int, options: PlannerOptions) -> list[int]:
     return out
 
 
-def _choices(dp: int, tp: int, pp: int, batch_per_rank: int, options: PlannerOptions) -> Iterator[Choice]:
-    schedules = options.schedules if pp > 1 else ("1f1b",)
+def _schedules(pp: int, n_layer: int, options: PlannerOptions) -> Iterator[tuple[str, int]]:
+    """(schedule, virtual stages) pairs for a pipeline of ``pp`` ranks (one stand-in without one)."""
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    for schedule in options.schedules:
+        if schedule not in MULTI_STAGE:
+            yield schedule, 1
+            continue
+        for virtual in options.virtual_stages:
+            if n_layer % (pp * virtual) == 0:  # interleaving needs the uniform split to come out even
+                yield schedule, virtual
+
+
+def _choices(dp: int, tp: int, pp: int, batch_per_rank: int, n_layer: int, options: PlannerOptions
+             ) -> Iterator[Choice]:
     for zero in options.zero_stages:
         for offload in options.offloads:
-            if offload == "cpu+params" and zero != 3:
+            params = offload.endswith("+params")
+            if params and zero != 3:
                 continue  # only ZeRO-3 has parameter shards to move
-            if dp == 1 and zero > 0 and offload != "cpu+params":
+            if dp == 1 and zero > 0 and not params:
                 continue  # one data-parallel rank: ZeRO shards nothing (stage 3 only to offload parameters)
             for policy in options.ac_policies:
-                for schedule in schedules:
+                for schedule, virtual in _schedules(pp, n_layer, options):
                     for m in _micro_batches(batch_per_rank, options):
-                        yield Choice(dp, tp, pp, zero, m, schedule, policy, offload, batch_per_rank)
+                        for sp in ((False, True) if tp > 1 and options.sequence_parallel else (False,)):
+                            yield Choice(dp, tp, pp, zero, m, schedule, policy, offload, batch_per_rank, virtual, sp)
 
 
 def plan_layouts(facts: ModelFacts, cluster: Cluster, options: PlannerOptions = PlannerOptions(),
@@ -121,16 +142,18 @@ def plan_layouts(facts: ModelFacts, cluster: Cluster, options: PlannerOptions = 
             rejected.append(Candidate(Choice(dp, tp, pp, batch_per_rank=max(1, batch // dp)), kind=problem[0],
                                       reason=problem[1]))
             continue
-        for choice in _choices(dp, tp, pp, batch // dp, options):
+        for choice in _choices(dp, tp, pp, batch // dp, facts.n_layer, options):
             if pp > 1 and choice.schedule == "1f1b" and choice.micro_batches < pp:
                 continue  # torch's Schedule1F1B refuses fewer micro-batches than stages
             error = _plan_error(choice, world, check, checked)
             if error is not None:
                 rejected.append(Candidate(choice, kind="plan check", reason=error))
                 continue
-            if (choice.ac_policy, tp) not in facts.activations or ("none", tp) not in facts.activations:
+            keys = [(policy, tp) + (("sp",) if choice.sequence_parallel else ()) for policy in ("none", choice.ac_policy)]
+            if any(key not in facts.activations for key in keys):
                 rejected.append(Candidate(choice, kind="activations not measured", reason=(
-                    f"no activation measurement for ac_policy={choice.ac_policy!r} at tensor={tp} "
+                    f"no activation measurement for ac_policy={choice.ac_policy!r} at tensor={tp}"
+                    f"{' with sequence parallelism' if choice.sequence_parallel else ''} "
                     "(model_facts(tp_sizes=...) lacks it)")))
                 continue
             memory = rank_memory(facts, choice, options)
@@ -144,23 +167,47 @@ def plan_layouts(facts: ModelFacts, cluster: Cluster, options: PlannerOptions = 
                 cand = replace(cand, kind="host memory", reason=(
                     f"needs {human(memory.host)} of host memory per rank x {cluster.devices_per_node} > "
                     f"{cluster.host_memory_gb:g} GB per node"))
+            elif memory.disk * cluster.devices_per_node > cluster.nvme_gb * GB:
+                cand = replace(cand, kind="NVMe space", reason=(
+                    f"needs {human(memory.disk)} on the drive per rank x {cluster.devices_per_node} > "
+                    f"{cluster.nvme_gb:g} GB per node"))
             (fitting if cand.fits else rejected).append(cand)
     fitting.sort(key=_rank_key)
     return fitting + rejected
+
+
+def plan_candidates(module: Any, cluster: Cluster, options: PlannerOptions, *, tp_sizes: Optional[list[int]] = None,
+                    name: str = "model") -> tuple[ModelFacts, list[Candidate]]:
+    """Facts of ``module`` (built on ``meta``), activations measured at every tensor size a node
+    allows (or ``tp_sizes``), and :func:`plan_layouts` with the strategy's own check of the model:
+    what the CLI and ``parallelism=auto`` both plan from."""
+    from lightning_3d.planner.facts import model_facts
+    from lightning_3d.recipe import check
+
+    facts = model_facts(module, seq_len=options.seq_len, precision=options.precision,
+                        tp_sizes=tp_sizes or divisors(cluster.devices_per_node), name=name,
+                        policies=tuple(dict.fromkeys(("none", *options.ac_policies))),
+                        sequence_parallel=options.sequence_parallel)
+    return facts, plan_layouts(facts, cluster, options, check=functools.partial(check, module))
 
 
 def _rank_key(c: Candidate) -> tuple:
     """Fastest first; among equally fast layouts the simpler one (less sharding, recomputation,
     offload, fewer micro-batches), then the one with more memory to spare."""
     ch = c.choice
-    simpler = (ch.zero_stage, ("none", "selective", "full").index(ch.ac_policy), ch.offload != "none",
-               ch.pipeline, ch.tensor, ch.micro_batches)
+    simpler = (ch.zero_stage, ("none", "selective", "full").index(ch.ac_policy), OFFLOADS.index(ch.offload),
+               ch.pipeline, ch.tensor, ch.schedule in MULTI_STAGE, ch.virtual_stages, ch.sequence_parallel,
+               ch.micro_batches)
     return (-round(c.tokens_per_s, 6), *simpler, c.memory.total)
 
 
 def _plan_error(choice: Choice, world: int, check: Optional[Check], cache: dict) -> Optional[str]:
-    """The strategy's own verdict on ``choice``: ``Plan.from_options`` and the model check."""
+    """The strategy's own verdict on ``choice``: ``Plan.from_options`` and the model check. An NVMe
+    choice is checked with this machine's temporary directory standing in for the cluster's drive
+    (the run names its own ``offload_path``)."""
     options = choice.options()
+    if choice.offload_device == "nvme":
+        options["offload_path"] = tempfile.gettempdir()
     key = tuple(sorted(options.items()))
     if key not in cache:
         try:

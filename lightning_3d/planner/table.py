@@ -9,7 +9,7 @@ from lightning_3d.planner.memory import GB, human
 from lightning_3d.planner.search import Candidate, least_memory
 
 HEADER = ("| # | dp×tp×pp | ZeRO | micro-batches | AC | offload | params | grads | optim | activ | buffers | "
-          "total GB | compute | comm | bubble | optim step | offload | step | tokens/s | MFU |")
+          "total GB | compute | comm | bubble | optim step | offload | fixed | step | tokens/s | MFU |")
 
 
 def _gb(value: float) -> str:
@@ -29,12 +29,14 @@ def ranked_table(candidates: list[Candidate], top: int = 10) -> str:
         ch, m, t = c.choice, c.memory, c.time
         micro = f"{ch.schedule} {ch.micro_batches}×{ch.micro_batch_size}" if ch.pipeline > 1 else \
             f"accum {ch.micro_batches}×{ch.micro_batch_size}"
+        micro += f" v{ch.virtual_stages}" if ch.virtual_stages > 1 else ""
+        sp = " sp" if ch.sequence_parallel else ""
         rows.append(
-            f"| {i} | {ch.data}×{ch.tensor}×{ch.pipeline} | {ch.zero_stage} | {micro} | {ch.ac_policy} | "
+            f"| {i} | {ch.data}×{ch.tensor}{sp}×{ch.pipeline} | {ch.zero_stage} | {micro} | {ch.ac_policy} | "
             f"{ch.offload} | "
             f"{_gb(m.params)} | {_gb(m.grads)} | {_gb(m.optimizer)} | {_gb(m.activations)} | {_gb(m.buffers)} | "
             f"{_gb(m.total)} | {_ms(t.compute)} | {_ms(t.comm)} | {_ms(t.bubble)} | {_ms(t.optimizer)} | "
-            f"{_ms(t.offload)} | "
+            f"{_ms(t.offload)} | {_ms(t.overhead)} | "
             f"{_ms(t.total)} | {c.tokens_per_s:,.0f} | {100 * c.mfu:.1f}% |")
     return "\n".join(rows)
 
@@ -68,4 +70,5 @@ def nothing_fits(candidates: list[Candidate], cluster: Cluster, reserve_gb: floa
             f"{human(best.memory.total)} per rank ({best.choice.label()}); give cluster.device_memory_gb >= "
             f"{need:.3g} (with planner.reserve_gb={reserve_gb:g}), more devices, or a smaller planner.batch_size"
             + ("" if "cpu+params" in offloads else
-               ", or try planner.offloads=[none,cpu,cpu+params] (ZeRO-3 parameter shards in host memory)"))
+               ", or try planner.offloads=[none,cpu,cpu+params,nvme,nvme+params] (ZeRO-3 parameter shards in "
+               "host memory, Adam's state on NVMe)"))

@@ -9,7 +9,10 @@ steps and takes the median step time after the run summary's warm-up steps. A sh
 speed drifts from minute to minute, so the layouts are run in **rounds** (every layout once per
 round, the world-2 ones in one world per round), each round first measuring the machine's
 constants (:mod:`lightning_3d.planner.machine`) under the same load; the order rotates from
-round to round (:func:`rotated`). Two tables are printed: medians over rounds of step times,
+round to round (:func:`rotated`). Each world also trains the tests' tiny GPT for a few steps
+(:func:`lightning_3d.planner.machine.tiny_step_seconds`): what its step takes beyond the model's
+prediction is that world's fixed cost per step. A round without a 2-rank layout measures no link
+and no world-of-2 figure: they print as not measured. Two tables are printed: medians over rounds of step times,
 predicted with the median constants, and each layout's fastest round ("best"), predicted with
 the quietest constants (a shared machine only ever adds time); the min-max over rounds is the
 noise.
@@ -25,12 +28,12 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from lightning_3d.planner.auto import CPU_OPTIONS
 from lightning_3d.planner.choice import PlannerOptions
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.facts import ModelFacts
 from lightning_3d.planner.layouts import TIME_LAYOUTS, choice_of
-from lightning_3d.planner.machine import MachineConstants
+from lightning_3d.planner.machine import (MachineConstants, machine_cluster, measured, planner_options,
+                                          tiny_step_seconds)
 from lightning_3d.planner.timing import StepTime, step_time
 
 TIME_MODEL = dict(n_layer=4, n_head=4, n_embd=256, block_size=128)  # 3.3 M parameters, ~20 GFLOP a step
@@ -97,21 +100,17 @@ def confident_misorders(measured: Mapping[str, float], predicted: Mapping[str, f
 
 
 def cluster_of(constants: MachineConstants, world: int) -> Cluster:
-    """This machine as the planner's :class:`Cluster` for a ``world``-rank run (memory is not
-    what is calibrated here: generous)."""
-    return Cluster(nodes=1, devices_per_node=world, device_memory_gb=1e3, host_memory_gb=1e3,
-                   intra_node_gbps=constants.intra_node_gbps, inter_node_gbps=constants.intra_node_gbps,
-                   peak_tflops=constants.gflops[world] / 1e3, host_link_gbps=10.0)
+    """This machine as the planner's :class:`Cluster` for a ``world``-rank run
+    (:func:`lightning_3d.planner.machine.machine_cluster`; memory is not what is calibrated
+    here: generous)."""
+    return machine_cluster(constants, world)
 
 
 def options_of(constants: MachineConstants, batch: int, seq_len: int, world: int) -> PlannerOptions:
-    """Planner options with the measured constants: the measured block rate is the peak
-    (``efficiency=1``); CPU ranks' communication does not overlap (``CPU_OPTIONS``)."""
-    return PlannerOptions(batch_size=batch, seq_len=seq_len, precision="32-true", efficiency=1.0, **CPU_OPTIONS,
-                          latency_us=constants.latency_us, launch_overhead_us=constants.launch_overhead_us,
-                          forward_share=constants.forward_share,
-                          **({"adam_params_per_s": constants.adam_params_per_s[world]}
-                             if constants.adam_params_per_s else {}))
+    """Planner options with the measured constants (:func:`lightning_3d.planner.machine.planner_options`:
+    the measured block rate is the peak, ``efficiency=1``; CPU ranks' communication does not
+    overlap, ``CPU_OPTIONS``; every other modelled cost as measured)."""
+    return planner_options(constants, batch, seq_len, world)
 
 
 def predict(facts: ModelFacts, name: str, constants: MachineConstants) -> StepTime:
@@ -141,11 +140,25 @@ def _world_round(rank: int, names: Sequence[str], steps: int) -> dict[str, Any]:
 
     probe = _rank_probe(rank, TIME_MODEL["n_embd"], TIME_DATA["batch_size"] // 2, TIME_DATA["block_size"],
                         SIZES, 15)
-    return {"probe": probe, "times": {name: _run(rank, name, steps) for name in names}}
+    probe["tiny_step_s"] = tiny_step_seconds(rank, 2)
+    times = {name: _run(rank, name, steps) for name in names}
+    probe["gflops"] = max(probe["gflops"], _block_rate_again(TIME_DATA["batch_size"] // 2, 1))
+    return {"probe": probe, "times": times}
 
 
-def _single_round(steps: int) -> tuple[float, float, float, float]:
-    """(block GFLOP/s, matmul GFLOP/s, AdamW parameters/s with a 1-rank world's threads, step
+def _block_rate_again(batch: int, threads: int) -> float:
+    """The block rate measured once more after a world's runs. A round keeps the higher of the
+    two: another job on this shared machine, for the second or so a measurement takes, can
+    starve a process of its cores (two threads in one process lost 10-20x here: each waits for
+    the other at every op), a moment the layouts' median steps mostly miss."""
+    from lightning_3d.planner.machine import block_rate
+
+    return block_rate(TIME_MODEL["n_embd"], batch, TIME_DATA["block_size"], threads)[0]
+
+
+def _single_round(steps: int) -> tuple[float, float, float, float, float]:
+    """(block GFLOP/s, the higher of before and after the runs (:func:`_block_rate_again`), matmul
+    GFLOP/s, AdamW parameters/s with a 1-rank world's threads, the tiny GPT's step seconds, step
     seconds of ``single``), in this process."""
     import torch
 
@@ -159,7 +172,9 @@ def _single_round(steps: int) -> tuple[float, float, float, float]:
         rate = matmul_gflops(TIME_MODEL["n_embd"], batch * seq, threads)
         block, _ = block_rate(TIME_MODEL["n_embd"], batch, seq, threads)
         adam = adam_params_per_s(1 << 21, threads)
-        return block, rate, adam, _run(0, "single", steps)
+        tiny, seconds = tiny_step_seconds(0, 1), _run(0, "single", steps)
+        block = max(block, _block_rate_again(batch, threads))
+        return block, rate, adam, tiny, seconds
     finally:
         torch.set_num_threads(before)
 
@@ -167,8 +182,11 @@ def _single_round(steps: int) -> tuple[float, float, float, float]:
 def measure_round(names: Sequence[str], steps: int = STEPS) -> tuple[MachineConstants, dict[str, float]]:
     """One round: every layout of ``names`` once, in that order (``single``, in this process,
     before or after the 2-process world's runs as it is named first or not), with the constants
-    measured just before each world's runs. Returns (the constants, step seconds by name)."""
-    from lightning_3d.planner.machine import from_probes, threads_per_rank
+    measured just before each world's runs. Returns (the constants, step seconds by name).
+    Without a 2-rank layout named no 2-process world runs: the link and the other figures only
+    a world of 2 measures are left out (``nan``, printed as not measured), and the 1-process
+    world's rates stand in for its rates."""
+    from lightning_3d.planner.machine import from_probes, step_overheads, threads_per_rank
     from lightning_3d.testing.world import run_world
 
     unknown = [n for n in names if n not in TIME_LAYOUTS]
@@ -179,37 +197,59 @@ def measure_round(names: Sequence[str], steps: int = STEPS) -> tuple[MachineCons
     if names and names[0] == "single":
         *alone, measured["single"] = _single_round(steps)
     pair = [n for n in names if TIME_LAYOUTS[n][1] == 2]
-    probes = [{"gflops": 1.0, "matmul_gflops": 1.0, "overhead_us": 0.0, "forward_share": 1 / 3,
-               "adam_params_per_s": 1e8, "allreduce_s": [1e-4, 1e-3]}]  # no world of 2 measured: not used
+    probes: list[dict[str, Any]] = []
     if pair:
         results = run_world(_world_round, 2, pair, steps)
         probes = [r["probe"] for r in results]
         measured.update({n: statistics.median(r["times"][n] for r in results) for n in pair})
     if "single" in names and alone is None:
         *alone, measured["single"] = _single_round(steps)
-    if alone is None:
-        alone = [statistics.median(p[k] for p in probes) for k in ("gflops", "matmul_gflops", "adam_params_per_s")]
-    found = from_probes(probes, SIZES, 2, alone[0], alone[1], {1: threads_per_rank(1), 2: threads_per_rank(2)},
-                        alone[2])
-    return found, measured
+    threads = {1: threads_per_rank(1), 2: threads_per_rank(2)}
+    if not probes:  # one process only: no link, no world of 2
+        found = _alone_constants(alone, threads)
+    else:
+        if alone is None:
+            alone = [statistics.median(p[k] for p in probes) for k in ("gflops", "matmul_gflops", "adam_params_per_s")]
+        found = from_probes(probes, SIZES, 2, alone[0], alone[1], threads, alone[2])
+    tiny = {} if alone is None or len(alone) < 4 else {1: alone[3]}
+    if probes:
+        tiny[2] = statistics.median(p["tiny_step_s"] for p in probes)
+    return step_overheads(found, tiny), measured
+
+
+def _alone_constants(alone: Sequence[float], threads: Mapping[int, int]) -> MachineConstants:
+    """Constants of a round that ran only the 1-process world: its rates for both world sizes,
+    the link and the world-of-2 figures not measured (``nan``)."""
+    block, matmul, adam = alone[:3]
+    nan = float("nan")
+    return MachineConstants({1: block, 2: block}, nan, nan, nan, dict(threads),
+                            forward_share=nan, matmul_gflops={1: matmul, 2: matmul},
+                            adam_params_per_s={1: adam, 2: adam}, reduce_scatter_efficiency=nan,
+                            all_gather_efficiency=nan, tp_overhead=nan, selective_share=nan)
 
 
 def combine(found: Sequence[MachineConstants], how: str = "median") -> MachineConstants:
     """One set of constants from every round's: ``"median"`` of each, or the ``"best"`` (fastest
-    rates, least latency and overhead: the machine at its quietest, to set against the
-    fastest round of each layout)."""
+    rates and efficiencies, least latency and overheads: the machine at its quietest, to set
+    against the fastest round of each layout). Shares (forward, selective) are medians either way."""
     if how not in ("median", "best") or not found:
         raise ValueError(f"how={how!r} must be 'median' or 'best', with constants of >= 1 round (got {len(found)})")
     fast, slow = (statistics.median, statistics.median) if how == "median" else (max, min)
-    matmul = None if found[0].matmul_gflops is None else {w: fast(c.matmul_gflops[w] for c in found)
-                                                          for w in found[0].matmul_gflops}
-    adam = None if found[0].adam_params_per_s is None else {w: fast(c.adam_params_per_s[w] for c in found)
-                                                            for w in found[0].adam_params_per_s}
-    return MachineConstants({w: fast(c.gflops[w] for c in found) for w in found[0].gflops},
-                            fast(c.intra_node_gbps for c in found), slow(c.latency_us for c in found),
-                            slow(c.launch_overhead_us for c in found), dict(found[0].threads),
-                            forward_share=statistics.median(c.forward_share for c in found), matmul_gflops=matmul,
-                            adam_params_per_s=adam)
+
+    def per_world(name: str, pick: Any) -> Optional[dict[int, float]]:
+        first = getattr(found[0], name)
+        return None if first is None else {w: pick(getattr(c, name)[w] for c in found) for w in first}
+
+    return MachineConstants(per_world("gflops", fast), fast(c.intra_node_gbps for c in found),
+                            slow(c.latency_us for c in found), slow(c.launch_overhead_us for c in found),
+                            dict(found[0].threads), forward_share=statistics.median(c.forward_share for c in found),
+                            matmul_gflops=per_world("matmul_gflops", fast),
+                            adam_params_per_s=per_world("adam_params_per_s", fast),
+                            reduce_scatter_efficiency=fast(c.reduce_scatter_efficiency for c in found),
+                            all_gather_efficiency=fast(c.all_gather_efficiency for c in found),
+                            tp_overhead=slow(c.tp_overhead for c in found),
+                            selective_share=statistics.median(c.selective_share for c in found),
+                            step_overhead_us=per_world("step_overhead_us", slow))
 
 
 def rotated(names: Sequence[str], round_index: int) -> list[str]:
@@ -279,11 +319,12 @@ def table(result: Mapping[str, Any]) -> str:
     measured_rank = dict(zip(medians, ranks(list(medians.values()))))
     predicted_rank = dict(zip(guesses, ranks(list(guesses.values()))))
     lines = [f"| layout | measured s, {result['how']} (min-max over rounds) | predicted s | "
-             "compute / comm / bubble / optimizer | measured rank | predicted rank |", "|---|---|---|---|---|---|"]
+             "compute / comm / bubble / optimizer / step overhead | measured rank | predicted rank |",
+             "|---|---|---|---|---|---|"]
     for name in sorted(medians, key=medians.get):
         runs, t = result["measured"][name], result["predicted"][name]
         lines.append(f"| {name} | {medians[name]:.3f} ({min(runs):.3f}-{max(runs):.3f}) | {guesses[name]:.3f} | "
-                     f"{t.compute:.3f} / {t.comm:.3f} / {t.bubble:.3f} / {t.optimizer:.3f} | "
+                     f"{t.compute:.3f} / {t.comm:.3f} / {t.bubble:.3f} / {t.optimizer:.3f} / {t.overhead:.3f} | "
                      f"{measured_rank[name]:g} | {predicted_rank[name]:g} |")
     v = result["verdict"]
     lines.append("")
@@ -292,12 +333,25 @@ def table(result: Mapping[str, Any]) -> str:
                  f"{'within' if v['within'] else 'NOT within'} 10%. Predicted >20% apart yet measured the other "
                  f"way: {', '.join(f'{a} < {b}' for a, b in v['misordered']) or 'none'}.")
     for i, c in [*enumerate(result["constants"]), (result["how"], result["combined"])]:
-        mm = c.matmul_gflops or {1: float("nan"), 2: float("nan")}
-        lines.append(f"round {i}: block {c.gflops[1]:.1f} GFLOP/s (world 1, {c.threads[1]} threads) / "
-                     f"{c.gflops[2]:.1f} per rank (world 2) [bare matmul {mm[1]:.1f} / {mm[2]:.1f}]; forward share "
-                     f"{c.forward_share:.2f}; AdamW {_adam(c)}; gloo {c.intra_node_gbps:.2f} GB/s, "
-                     f"{c.latency_us:.0f} us; block overhead {c.launch_overhead_us:.0f} us")
+        lines.append(f"round {i}: {constants_line(c)}")
     return "\n".join(lines)
+
+
+def constants_line(c: MachineConstants) -> str:
+    """One round's constants in words; figures a round did not measure say so."""
+    mm = c.matmul_gflops or {1: float("nan"), 2: float("nan")}
+    line = (f"block {c.gflops[1]:.1f} GFLOP/s (world 1, {c.threads[1]} threads) / {c.gflops[2]:.1f} per rank "
+            f"(world 2) [bare matmul {mm[1]:.1f} / {mm[2]:.1f}]; AdamW {_adam(c)}; ")
+    if not measured(c.intra_node_gbps):
+        line += "no world of 2 ran: gloo link, forward share, block overhead and the rest not measured"
+    else:
+        line += (f"forward share {c.forward_share:.2f}; gloo {c.intra_node_gbps:.2f} GB/s, {c.latency_us:.0f} us; "
+                 f"block overhead {c.launch_overhead_us:.0f} us; reduce-scatter / all-gather efficiency "
+                 f"{c.reduce_scatter_efficiency:.2f} / {c.all_gather_efficiency:.2f}; tensor-parallel overhead "
+                 f"{c.tp_overhead:.2f}; selective checkpointing +{c.selective_share:.2f}")
+    steps = c.step_overhead_us or {}
+    return line + "; step overhead " + (" / ".join(f"{steps[w] / 1e3:.1f} ms (world {w})" for w in sorted(steps))
+                                        or "not measured")
 
 
 def raw(result: Mapping[str, Any]) -> dict[str, Any]:

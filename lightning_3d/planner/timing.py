@@ -5,13 +5,17 @@ matmul weights (forward 2, backward 4; tensor-split weights divided by ``tensor`
 ``12·L·d·T / tensor`` for attention scores (PaLM's count, which ignores the causal mask's
 savings), at ``peak_tflops × efficiency``. Full activation checkpointing runs each block's
 forward again: blocks' time × (1 + ``forward_share``), 8/6 with the default share of 1/3 (the
-forward's 2 of 6 FLOPs); selective recomputes only elementwise ops (no matmul FLOPs, so nothing
-is added: its cost is memory traffic, outside this model).
+forward's 2 of 6 FLOPs); selective recomputes only elementwise ops (no matmul FLOPs), which costs
+blocks' time × (1 + ``selective_share``): memory traffic and dispatch, measured. A
+tensor-parallel block costs (1 + ``tp_overhead``) of its FLOP share: norms and residuals every
+tensor rank repeats, and the per-op dispatch of distributed tensors.
 
 **Communication** (ring collectives, bytes one rank sends over its link): data-parallel
 gradient sync once per step — ZeRO 0 an all-reduce (2·(n−1)/n·G), ZeRO 1-2 a reduce-scatter of
 gradients plus an all-gather of updated parameters, ZeRO 3 a reduce-scatter plus two parameter
-all-gathers (forward and backward, in the compute dtype) — over the intra-node link when the
+all-gathers (forward and backward, in the compute dtype), a reduce-scatter's bytes counting
+1/``reduce_scatter_efficiency`` and an all-gather's 1/``all_gather_efficiency`` (1 with NCCL's
+rings; gloo's are slower than its all-reduce per byte) — over the intra-node link when the
 data-parallel group sits in one node (``data × tensor ≤ devices_per_node``, tensor innermost),
 else the inter-node link; up to ``overlap`` of the backward time hides it (ZeRO-3's gathers
 overlap the forward too). Tensor parallelism: per block and micro-batch, 2 all-reduces of the
@@ -19,11 +23,18 @@ activations in forward and 2 in backward (2 more when full checkpointing recompu
 exposed, on the intra-node link (tensor groups never cross nodes). Pipeline: each micro-batch's
 activations forward and gradients back, one hop per stage.
 
-**Bubble**: ``(p − 1) / m`` of the compute time (so ``(p−1)/(m+p−1)`` of compute + bubble), for
-GPipe and 1F1B alike. Every collective and message also costs ``latency_us``, and every block's
+**Bubble** (:mod:`lightning_3d.planner.schedule`): ``(p − 1) / m`` of the compute time for GPipe
+and 1F1B alike (so ``(p−1)/(m+p−1)`` of compute + bubble), ``(p − 1) / (v·m)`` for interleaved
+1F1B with ``v`` stages per rank, a third of that for zero-bubble (weight gradients fill the
+idle slots); the pipeline's messages are ``2·v·m`` per rank. Every collective and message also costs ``latency_us``, and every block's
 forward and backward on one micro-batch ``launch_overhead_us`` (so tiny micro-batches are not
-free). **Offload**: the host's Adam over this rank's shard, plus gradients down
-and parameters up over the host link.
+free). **Step overhead** (``StepTime.overhead``): ``step_overhead_us`` once per optimizer step,
+whatever the model — the training loop, the data loader, the strategy's per-step agreement
+collectives. **Offload**: the host's Adam over this rank's shard (with ``nvme``: or the drive's
+reading and writing the shard's state, ``nvme_gbps`` shared by the node's ranks, whichever is
+slower, as the store streams while Adam steps), plus gradients down and parameters up over the
+host link. Sequence parallelism moves the same activation bytes as tensor parallelism's
+all-reduces (a reduce-scatter and an all-gather each), so its time is tensor parallelism's.
 
 MFU counts the model's FLOPs (without recomputation) per second over the world's peak.
 
@@ -43,21 +54,35 @@ measures rather than a per-layout factor:
 - the rate of a rank is the measured rate of a whole block (``machine.block_rate``), not a bare
   matmul's: 85-95% of it per core here, but 65% with two threads in one process.
 
-Still under-predicted here (not fitted, see the README): tensor parallelism (measured 1.7-1.9x its
-prediction; the all-reduces are ~15% of it, DTensor dispatch per op is the likely rest),
-ZeRO-3 (1.5x: FSDP2's per-block gathers and copies beyond their traffic) and selective
-checkpointing (+15% over no checkpointing, modelled as free).
+- **step overhead**: a tiny GPT (2 blocks of 32 wide) trained by Lightning measures what a step
+  costs whatever the model, beyond what this model predicts for it: ~5 ms in one process, ~15 ms
+  on two gloo ranks (the loss mean, the non-finite flag, the gradient buckets' launches, each a
+  gloo round trip): most of the 35 ms the 2-rank layouts measured above their prediction;
+- **gloo's reduce-scatter and all-gather** (ZeRO 1-3) are slower per byte than its all-reduce:
+  each is timed against it (``reduce_scatter_efficiency`` ~0.3-0.85, ``all_gather_efficiency``
+  ~0.25-0.6 here), the rest of that gap;
+- **tensor parallelism**: one GPT block under the built-in plan, its forward + backward timed on
+  two ranks less its 4 activation all-reduces, over its FLOP share at the block rate
+  (``tp_overhead``, 0.1-1.3 here: noisy on a loaded machine);
+- **selective checkpointing**: a block's forward + backward with and without it
+  (``selective_share``, 0.15-0.35 here).
+
+Still under-predicted: ZeRO-3 (FSDP2's per-block hooks and copies beyond its traffic, not a term
+yet) and, on a loaded machine, every 2-rank layout (two ranks wait for each other at every
+collective, so a third job's time slices cost them twice).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_3d.parallel.stages import stage_blocks
+from lightning_3d.parallel.stages import stage_blocks, stage_ids
 from lightning_3d.planner.choice import Choice, PlannerOptions
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.facts import ModelFacts
+from lightning_3d.planner.facts import offloaded_state_bytes
 from lightning_3d.planner.memory import stage_parts
+from lightning_3d.planner.schedule import bubble_share, messages
 
 
 @dataclass(frozen=True)
@@ -68,10 +93,11 @@ class StepTime:
     offload: float
     tokens: int  # tokens per optimizer step, whole world
     optimizer: float = 0.0  # the on-device optimizer step (after the pipeline flushes: no bubble)
+    overhead: float = 0.0  # the step's fixed cost: loop, data loader, per-step agreement collectives
 
     @property
     def total(self) -> float:
-        return self.compute + self.comm + self.bubble + self.offload + self.optimizer
+        return self.compute + self.comm + self.bubble + self.offload + self.optimizer + self.overhead
 
     @property
     def tokens_per_s(self) -> float:
@@ -91,25 +117,31 @@ def step_time(facts: ModelFacts, choice: Choice, cluster: Cluster, options: Plan
     dp, tp, pp, m = choice.data, choice.tensor, choice.pipeline, choice.micro_batches
     seq, d = facts.seq_len, facts.d_model
     tokens_rank = choice.batch_per_rank * seq  # tokens one data-parallel rank processes per step
-    recompute = 1 + options.forward_share if choice.ac_policy == "full" else 1.0
+    recompute = {"full": 1 + options.forward_share, "selective": 1 + options.selective_share}.get(choice.ac_policy, 1.0)
+    # A tensor-parallel block also costs what its FLOP share does not count: replicated norms, dispatch.
+    split_cost = 1 + options.tp_overhead if tp > 1 else 1.0
     speed = cluster.peak_tflops * 1e12 * options.efficiency
-    stages = stage_parts(facts, pp)
-    runs = stage_blocks(facts.n_layer, pp)
+    v = choice.virtual_stages
+    stages = stage_parts(facts, pp, v)
+    runs = stage_blocks(facts.n_layer, pp * v)
     compute = 0.0
     for s, (part, blocks) in enumerate(stages):
-        block_flops = sum(facts.blocks[i].flop_params for i in runs[s])
+        block_flops = sum(facts.blocks[i].flop_params for k in stage_ids(s, pp, v) for i in runs[k])
         other = part.flop_params - block_flops  # the head (embedding lookups have no matmul)
         attention = 12 * blocks * d * seq
         # The plans split every matmul weight of a block and the head across the tensor ranks.
-        per_token = ((6 * block_flops + attention) * recompute + 6 * other) / tp
+        per_token = ((6 * block_flops + attention) * recompute * split_cost + 6 * other) / tp
         launches = m * blocks * options.launch_overhead_us * 1e-6
         compute = max(compute, tokens_rank * per_token / speed + launches)
     # Data-parallel gradient sync of the largest stage.
     elements = max(part.local(tp) for part, _ in stages)
     ring = _ring(dp)
     gathered = act if facts.precision.endswith("mixed") else p_b
-    volume = {0: 2 * ring * elements * g_b, 1: ring * elements * (g_b + p_b), 2: ring * elements * (g_b + p_b),
-              3: ring * elements * (g_b + 2 * gathered)}[choice.zero_stage]
+    # Bytes at the all-reduce's rate: a reduce-scatter's and an all-gather's count 1/efficiency each.
+    scatter, gather = g_b / options.reduce_scatter_efficiency, 1 / options.all_gather_efficiency
+    volume = {0: 2 * ring * elements * g_b, 1: ring * elements * (scatter + p_b * gather),
+              2: ring * elements * (scatter + p_b * gather),
+              3: ring * elements * (scatter + 2 * gathered * gather)}[choice.zero_stage]
     inside = dp * tp <= cluster.devices_per_node
     dp_bw = (cluster.intra_node_gbps if inside or cluster.nodes == 1 else cluster.inter_node_gbps) * 1e9
     hideable = (compute * 2 / 3) / (m if pp > 1 else 1)  # backward of the last micro-batch only, under a pipeline
@@ -117,12 +149,12 @@ def step_time(facts: ModelFacts, choice: Choice, cluster: Cluster, options: Plan
         hideable = compute / (m if pp > 1 else 1)
     latency = options.latency_us * 1e-6
     if dp == 1:
-        messages = 0
+        collectives = 0
     elif choice.zero_stage == 3:  # per block: gather in forward, gather and reduce-scatter in backward
-        messages = 3 * facts.n_layer // pp
+        collectives = 3 * facts.n_layer // pp
     else:
-        messages = (2 if choice.zero_stage else 1) * max(1, -(-elements * g_b // (options.bucket_size_mb * 2**20)))
-    dp_time = max(0.0, volume / dp_bw + messages * latency - options.overlap * hideable)
+        collectives = (2 if choice.zero_stage else 1) * max(1, -(-elements * g_b // (options.bucket_size_mb * 2**20)))
+    dp_time = max(0.0, volume / dp_bw + collectives * latency - options.overlap * hideable)
     # Tensor parallelism: activation all-reduces per block and micro-batch.
     blocks = max(b for _, b in stages)
     per_allreduce = 2 * _ring(tp) * choice.micro_batch_size * seq * d * act
@@ -133,8 +165,8 @@ def step_time(facts: ModelFacts, choice: Choice, cluster: Cluster, options: Plan
     if pp > 1:
         across = dp * tp >= cluster.devices_per_node and cluster.nodes > 1
         bw = (cluster.inter_node_gbps if across else cluster.intra_node_gbps) * 1e9
-        pp_time = 2 * m * (choice.micro_batch_size * seq * d * act / bw + latency)
-    bubble = compute * (pp - 1) / m
+        pp_time = messages(pp, m, v) * (choice.micro_batch_size * seq * d * act / bw + latency)
+    bubble = compute * bubble_share(choice.schedule, pp, m, v)
     optimizer = 0.0
     if choice.offload == "none":  # the optimizer's pass over this rank's (ZeRO: sharded) parameters
         optimizer = elements / (dp if choice.zero_stage >= 1 else 1) / options.adam_params_per_s
@@ -142,11 +174,14 @@ def step_time(facts: ModelFacts, choice: Choice, cluster: Cluster, options: Plan
     if choice.offload != "none":
         shard = elements / (dp if choice.zero_stage >= 1 else 1)
         adam = shard / (options.cpu_adam_params_per_s / cluster.devices_per_node)
+        if choice.offload_device == "nvme":  # the store reads ahead and writes back while Adam steps
+            adam = max(adam, shard * offloaded_state_bytes(p_b) / (cluster.nvme_gbps * 1e9 / cluster.devices_per_node))
         offload = adam + shard * (g_b + p_b) / (cluster.host_link_gbps * 1e9)
-        if choice.offload == "cpu+params":  # per micro-batch: shards up for forward and backward, gradients down
+        if choice.offload_params:  # per micro-batch: shards up for forward and backward, gradients down
             offload += m * shard * (2 * p_b + g_b) / (cluster.host_link_gbps * 1e9)
     tokens = choice.batch_per_rank * dp * seq
-    return StepTime(compute, dp_time + tp_time + pp_time, bubble, offload, tokens, optimizer)
+    return StepTime(compute, dp_time + tp_time + pp_time, bubble, offload, tokens, optimizer,
+                    options.step_overhead_us * 1e-6)
 
 
 def mfu(facts: ModelFacts, time: StepTime, cluster: Cluster, world_size: int) -> float:

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from lightning_3d.layout import MeshAxis
-from lightning_3d.parallel.stages import plan_stages, stage_blocks
+from lightning_3d.parallel.stages import plan_stages, stage_blocks, stage_ids
 from lightning_3d.parallel.tensor import local_tensor as _local
 from lightning_3d.planner.calibration import ratio
 from lightning_3d.planner.choice import Choice
@@ -92,15 +92,17 @@ def rank_kinds(choice: Choice, n_layer: int) -> list[RankKind]:
     last (dp -1, tp -1). ``torch.chunk``'s chunks never grow with the rank, so every other data
     rank's bytes lie between those of the two corners (a middle rank can hold a third chunk size
     of a small parameter; it is checked by the same rule wherever it is built)."""
-    dp, tp, pp = choice.data, choice.tensor, choice.pipeline
+    dp, tp, pp, v = choice.data, choice.tensor, choice.pipeline, choice.virtual_stages
+    runs = stage_blocks(n_layer, pp * v)
     kinds, seen = [], set()
-    for stage, run in enumerate(stage_blocks(n_layer, pp)):
-        key = (len(run), stage == 0, stage == pp - 1)
+    for stage in range(pp):  # a pipeline rank with its virtual stages
+        blocks = sum(len(runs[s]) for s in stage_ids(stage, pp, v))
+        key = (blocks, stage == 0, stage == pp - 1)
         if key in seen:
             continue
         seen.add(key)
         ends = [name for name, here in (("embeddings", stage == 0), ("head", stage == pp - 1)) if here]
-        what = f"stage {stage}/{pp}: {len(run)} blocks" + "".join(f" + {e}" for e in ends)
+        what = f"stage {stage}/{pp}: {blocks} blocks" + "".join(f" + {e}" for e in ends)
         for d, t in dict.fromkeys(((0, 0), (dp - 1, tp - 1))):
             rank = (stage * dp + d) * tp + t  # mesh (pp, dp, tp), tensor innermost
             kinds.append(RankKind(rank, stage, d, t, f"{what}, dp {d}/{dp}, tp {t}/{tp}"))
@@ -136,12 +138,16 @@ def reference(module: nn.Module, choice: Choice) -> Reference:
         from lightning_3d.recipe import pipeline_spec
 
         spec = pipeline_spec(module)
-        runs = plan_stages(module, spec, pipeline)  # the uniform split the run (and the planner) uses
+        virtual = choice.virtual_stages
+        # The uniform split the run (and the planner) uses, its stage s on pipeline rank s % pipeline.
+        runs = plan_stages(module, spec, pipeline * virtual, "uniform", virtual)
         stages = []
-        for s, run in enumerate(runs):
-            prefixes = [f"{spec.blocks}.{i}" for i in run]
-            prefixes += list(spec.first) if s == 0 else []
-            prefixes += list(spec.last) if s == pipeline - 1 else []
+        for rank in range(pipeline):
+            prefixes = []
+            for s in stage_ids(rank, pipeline, virtual):
+                prefixes += [f"{spec.blocks}.{i}" for i in runs[s]]
+                prefixes += list(spec.first) if s == 0 else []
+                prefixes += list(spec.last) if s == len(runs) - 1 else []
             stages.append({n for n in shapes if any(n == p or n.startswith(p + ".") for p in prefixes)})
     return Reference(shapes, stages, split, measured)
 
@@ -387,8 +393,10 @@ def predicted_activations(facts: ModelFacts, choice: Choice, kinds: list[RankKin
     """rank -> the planner's peak activation bytes for that rank's stage (not built: see the module docstring)."""
     from lightning_3d.planner.memory import activation_bytes
 
-    runs = stage_blocks(facts.n_layer, choice.pipeline)
-    return {k.rank: activation_bytes(facts, choice, k.stage, len(runs[k.stage])) for k in kinds}
+    from lightning_3d.planner.memory import stage_parts
+
+    parts = stage_parts(facts, choice.pipeline, choice.virtual_stages)
+    return {k.rank: activation_bytes(facts, choice, k.stage, parts[k.stage][1]) for k in kinds}
 
 
 def table(rows: list[Row], activations: Optional[dict[int, float]] = None) -> str:

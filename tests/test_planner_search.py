@@ -1,0 +1,193 @@
+"""What the planner's search enumerates beyond dp × tp × pp: interleaved and zero-bubble pipeline
+schedules, sequence parallelism and NVMe offload — their memory and time terms, and that each
+layout is built as predicted (fake world, one process).
+
+Plain unit tests on a 4-block tiny GPT; the sequence-parallel activation bytes are measured in a
+fake world (and equal a real gloo run's meter: ``python -m lightning_3d.planner.calibration
+--layouts tp2_sp``, and the ``-m slow`` calibration test in test_planner.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_3d.parallel.pipeline import pipeline_options
+from lightning_3d.planner import Cluster, PlannerOptions, plan_layouts
+from lightning_3d.planner.choice import Choice
+from lightning_3d.planner.memory import NVME_RESIDENT_BYTES, model_state, rank_memory, stage_parts
+from lightning_3d.planner.schedule import bubble_share, in_flight_chunks, messages
+from lightning_3d.planner.timing import step_time
+from lightning_3d.planner.validate import rank_kinds, validate_layout
+
+TINY = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32)
+
+
+def _tiny():
+    from lightning_3d.models import LitGPT
+
+    with torch.device("meta"):
+        return LitGPT(**TINY)
+
+
+@pytest.fixture(scope="module")
+def facts():
+    from lightning_3d.planner.facts import model_facts
+
+    return model_facts(_tiny(), precision="bf16-mixed", tp_sizes=(1, 2), policies=("none", "full"), name="tiny",
+                       sequence_parallel=True)
+
+
+def test_in_flight_chunks_follow_torchs_warmup():
+    """The interleaved schedules' peak equals torch's own warm-up count + 1 (private torch helper,
+    used here only to hold the planner to the schedule torch runs)."""
+    from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+    for schedule, factor in (("interleaved_1f1b", 2), ("zero_bubble", 1)):
+        for p in (2, 3, 4):
+            for v in (2, 3):
+                for m in (p, 2 * p, 4 * p):
+                    per_round = m // max(1, m // p)
+                    for rank in range(p):
+                        torch_warmup = _get_warmup_ops(rank, v, per_round, p, m, multiply_factor=factor)
+                        assert in_flight_chunks(schedule, p, m, rank, v) == min(torch_warmup + 1, v * m)
+    assert in_flight_chunks("1f1b", 4, 8, 0) == 4 and in_flight_chunks("1f1b", 4, 8, 3) == 1
+    assert in_flight_chunks("gpipe", 4, 8, 3) == 8 and in_flight_chunks("1f1b", 1, 8, 0) == 1
+
+
+def test_bubbles_shrink_with_interleaving_and_zero_bubble():
+    one_f_one_b = bubble_share("1f1b", 4, 8)
+    assert one_f_one_b == bubble_share("gpipe", 4, 8) == 3 / 8
+    assert bubble_share("interleaved_1f1b", 4, 8, 2) == one_f_one_b / 2
+    assert bubble_share("zero_bubble", 4, 8, 2) == one_f_one_b / 6
+    assert bubble_share("1f1b", 1, 8) == 0 and messages(1, 8) == 0
+    assert messages(4, 8, 2) == 2 * messages(4, 8)
+
+
+def test_interleaved_ranks_hold_their_virtual_stages(facts):
+    """pp 2 × v 2 over 4 blocks: rank 0 holds stages 0 and 2 (embeddings + 2 blocks), rank 1 stages 1
+    and 3 (2 blocks + head), the same parameters in total as the plain split."""
+    plain, interleaved = stage_parts(facts, 2), stage_parts(facts, 2, 2)
+    assert [b for _, b in interleaved] == [2, 2]
+    assert sum(p.params for p, _ in interleaved) == sum(p.params for p, _ in plain)
+    assert interleaved[0][0].params == facts.first.params + facts.blocks[0].params + facts.blocks[2].params
+    kinds = rank_kinds(Choice(1, 1, 2, virtual_stages=2), facts.n_layer)
+    assert [k.stage for k in kinds] == [0, 1] and "2 blocks + embeddings" in kinds[0].label
+
+
+def test_schedules_trade_memory_for_bubble(facts):
+    """At equal micro-batches: interleaving keeps more in flight on rank 0 and idles less; zero-bubble
+    idles least."""
+    base = dict(data=1, tensor=1, pipeline=2, micro_batches=4, batch_per_rank=8)
+    choices = {s: Choice(**base, schedule=s, virtual_stages=1 if s == "1f1b" else 2)
+               for s in ("1f1b", "interleaved_1f1b", "zero_bubble")}
+    cluster, options = Cluster(nodes=1, devices_per_node=2), PlannerOptions()
+    act = {s: rank_memory(facts, c, options).activations for s, c in choices.items()}
+    bubble = {s: step_time(facts, c, cluster, options).bubble for s, c in choices.items()}
+    assert act["1f1b"] < act["interleaved_1f1b"]
+    assert bubble["zero_bubble"] < bubble["interleaved_1f1b"] < bubble["1f1b"]
+
+
+def test_the_search_enumerates_schedules_sequence_parallelism_and_nvme(facts):
+    cands = plan_layouts(facts, Cluster(nodes=1, devices_per_node=4),
+                         PlannerOptions(offloads=("none", "nvme"), max_micro_batches=4))
+    fitting = [c.choice for c in cands if c.fits]
+    assert {c.schedule for c in fitting if c.pipeline > 1} == {"1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"}
+    assert {c.virtual_stages for c in fitting if c.schedule == "zero_bubble"} == {2}
+    assert any(c.sequence_parallel for c in fitting) and not any(c.sequence_parallel for c in fitting if c.tensor == 1)
+    assert any(c.offload == "nvme" for c in fitting)
+    # pp 4 × v 2 = 8 stages for 4 blocks: not enumerated.
+    assert not any(c.pipeline == 4 and c.virtual_stages > 1 for c in fitting)
+
+
+def test_sequence_parallelism_keeps_less_in_the_same_time(facts):
+    tp2, sp = Choice(1, 2, 1, batch_per_rank=8), Choice(1, 2, 1, batch_per_rank=8, sequence_parallel=True)
+    options, cluster = PlannerOptions(), Cluster(nodes=1, devices_per_node=2)
+    assert rank_memory(facts, sp, options).activations < rank_memory(facts, tp2, options).activations
+    assert step_time(facts, sp, cluster, options).total == step_time(facts, tp2, cluster, options).total
+    assert sp.options()["sequence_parallel"] is True and "sequence_parallel" not in tp2.options()
+
+
+def test_nvme_keeps_adams_state_on_the_drive(facts):
+    (part, _), = stage_parts(facts, 1)
+    cpu = model_state(facts, Choice(2, 1, 1, 1, offload="cpu"), part)
+    nvme = model_state(facts, Choice(2, 1, 1, 1, offload="nvme"), part)
+    assert nvme[2] == cpu[2] == 0  # no optimizer state on the device
+    assert nvme[4] == cpu[3] and nvme[3] == NVME_RESIDENT_BYTES  # the state on the drive, a window in RAM
+    params = model_state(facts, Choice(2, 1, 1, 3, offload="nvme+params"), part)
+    assert params[0] == params[1] == 0 and params[3] > NVME_RESIDENT_BYTES  # shards in RAM
+    assert Choice(2, 1, 1, 3, offload="nvme+params").options() | {} == {
+        **Choice(2, 1, 1, 3).options(), "offload": "nvme", "offload_params": True}
+    cluster, options = Cluster(nodes=1, devices_per_node=2), PlannerOptions()
+    nvme_time = step_time(facts, Choice(2, 1, 1, 1, offload="nvme", batch_per_rank=4), cluster, options).offload
+    cpu_time = step_time(facts, Choice(2, 1, 1, 1, offload="cpu", batch_per_rank=4), cluster, options).offload
+    assert nvme_time > cpu_time > 0
+
+
+def test_a_host_too_small_for_cpu_offload_plans_nvme_and_a_full_drive_refuses_it():
+    """A 15 M-parameter model whose offloaded Adam state (120 MB) does not fit the host's 80 MB, but
+    the NVMe store's window does; with no room on the drive nothing fits."""
+    from lightning_3d.models import LitGPT
+    from lightning_3d.planner.facts import model_facts
+
+    with torch.device("meta"):
+        module = LitGPT(**{**TINY, "n_layer": 2, "n_embd": 768})
+    wide = model_facts(module, precision="bf16-mixed", policies=("none",))
+    options = PlannerOptions(reserve_gb=0, offloads=("cpu", "nvme"), zero_stages=(0,), ac_policies=("none",))
+    tight = dict(nodes=1, devices_per_node=1, device_memory_gb=1, host_memory_gb=0.08)
+    cands = plan_layouts(wide, Cluster(**tight), options)
+    assert cands[0].fits and cands[0].choice.offload == "nvme"
+    assert any(c.kind == "host memory" and c.choice.offload == "cpu" for c in cands)
+    full = plan_layouts(wide, Cluster(**tight, nvme_gb=0.01), options)
+    assert not any(c.fits for c in full) and any(c.kind == "NVMe space" for c in full)
+
+
+def test_interleaved_micro_batches_must_fill_torchs_rounds():
+    with pytest.raises(ValueError, match=r"micro_batches=16 in 5 rounds .* use 15 or 20"):
+        pipeline_options(3, 16, "zero_bubble", None)
+    assert pipeline_options(3, 15, "interleaved_1f1b", None)["virtual_stages"] == 2
+
+
+@pytest.mark.parametrize("choice", [
+    Choice(data=2, tensor=2, pipeline=2, zero_stage=1, micro_batches=2, schedule="interleaved_1f1b",
+           batch_per_rank=2, virtual_stages=2),
+    Choice(data=2, tensor=2, pipeline=1, zero_stage=3, batch_per_rank=2, sequence_parallel=True),
+], ids=["interleaved", "sequence_parallel"])
+def test_interleaved_and_sequence_parallel_layouts_are_built_as_predicted(facts, choice):
+    """Each rank kind built at world 8 in a fake world: its own stages' parameters, placements and
+    bytes as the planner predicts."""
+    result = validate_layout(_tiny, facts, choice, "bf16-mixed")
+    assert not result.problems, result.problems
+    assert len(result.built) == 2 * (choice.pipeline if choice.pipeline > 1 else 1)
+
+
+def test_the_fake_world_measurement_equals_the_local_shape_copy(facts):
+    """Without sequence parallelism, the block measured as one rank of a fake world under the plain
+    tensor-parallel plan keeps exactly the bytes of the local-shape copy ``model_facts`` measures:
+    the fake world that measures sequence parallelism counts as the plain measurement does."""
+    from lightning_3d.parallel.activation_checkpoint import transformer_blocks
+    from lightning_3d.parallel.tensor import resolve_plan
+    from lightning_3d.planner.activations import measure_sequence_parallel
+    from lightning_3d.plans import build_plan
+
+    module = _tiny()
+    name, block = transformer_blocks(module)[0]
+    plan = resolve_plan(module, build_plan(module, None, False), 2)
+    own = {k[len(name) + 1:]: v for k, v in plan.items() if k.startswith(name + ".")}
+    fake = measure_sequence_parallel((name, block), own, forward=None, d_model=facts.d_model, seq_len=facts.seq_len,
+                                     act_bytes=2, policies=("none", "full"), tp=2)
+    for policy in ("none", "full"):
+        assert fake[(policy, 2, "sp")].points == facts.activation(policy, 2).points
+    assert facts.activation("none", 2, True).bytes_per_sample(32) < facts.activation("none", 2).bytes_per_sample(32)
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_the_forward_alone_counts_what_a_backward_would_free(policy):
+    """The planner measures a block's forward only (a backward costs minutes at a 70B width on a
+    CPU without fast bf16 matmuls); with a backward after it the meter's count is the same."""
+    from lightning_3d.parallel.activation_checkpoint import transformer_blocks
+    from lightning_3d.planner.activations import _materialize, _measure
+
+    block = _materialize(transformer_blocks(_tiny())[0][1], torch.float32)
+    call = lambda b, x: b(x)  # noqa: E731
+    assert _measure(block, call, 32, 32, policy) == _measure(block, call, 32, 32, policy, backward=True) > 0
