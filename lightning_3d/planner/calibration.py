@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from lightning_3d.planner.choice import Choice
 from lightning_3d.planner.facts import ModelFacts
-from lightning_3d.planner.layouts import LAYOUTS, choice_of
+from lightning_3d.planner.layouts import LAYOUTS, choice_of, tiny_facts  # noqa: F401 -- tiny_facts: re-exported
 from lightning_3d.planner.memory import model_state, stage_parts
 
 KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes_per_block")
@@ -64,20 +64,6 @@ def run_layout(name: str, steps: int = 2) -> dict[str, Any]:
     run = Run(strategy=strategy, devices=world, steps=steps)
     result = fit_gpt(0, run) if strategy is None else run_world(fit_gpt, world, run)[0]
     return result["summary"]
-
-
-def tiny_facts(tp_sizes: tuple[int, ...] = (1, 2, 4)) -> ModelFacts:
-    """Planner facts of the model the runs train (``TINY_MODEL`` at its block size, fp32)."""
-    import torch
-
-    from lightning_3d.models import LitGPT
-    from lightning_3d.planner.facts import model_facts
-    from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL
-
-    with torch.device("meta"):
-        module = LitGPT(**TINY_MODEL)
-    return model_facts(module, seq_len=TINY_DATA["block_size"], precision="32-true", tp_sizes=tp_sizes, name="tiny",
-                       sequence_parallel=True)
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -3,6 +3,7 @@
 Shared by the memory calibration (``calibration.py``) and the step-time one
 (``time_calibration.py``): each entry is ``name -> (ThreeDStrategy options, world size)``, where
 ``None`` stands for Lightning's own single-device strategy.
+:func:`tiny_facts` is the planner's view of the model the memory calibration trains.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Optional
 
 from lightning_3d.parallel.pipeline import MULTI_STAGE
 from lightning_3d.planner.choice import Choice
+from lightning_3d.planner.facts import ModelFacts
 
 _DATA_PARALLEL: Mapping[str, tuple[Optional[dict[str, Any]], int]] = {
     "single": (None, 1),
@@ -50,3 +52,17 @@ def choice_of(strategy: Optional[dict[str, Any]], world: int, global_batch: int)
     offload = strategy.get("offload", "none") + ("+params" if strategy.get("offload_params") else "")
     return Choice(dp, tp, pp, strategy.get("zero_stage", 0), m, schedule, strategy.get("ac_policy", "none"), offload,
                   global_batch // dp, virtual, bool(strategy.get("sequence_parallel", False)))
+
+
+def tiny_facts(tp_sizes: tuple[int, ...] = (1, 2, 4)) -> ModelFacts:
+    """Planner facts of the model the runs train (``TINY_MODEL`` at its block size, fp32)."""
+    import torch
+
+    from lightning_3d.models import LitGPT
+    from lightning_3d.planner.facts import model_facts
+    from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL
+
+    with torch.device("meta"):
+        module = LitGPT(**TINY_MODEL)
+    return model_facts(module, seq_len=TINY_DATA["block_size"], precision="32-true", tp_sizes=tp_sizes, name="tiny",
+                       sequence_parallel=True)

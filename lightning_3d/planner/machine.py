@@ -402,7 +402,7 @@ def step_overheads(constants: MachineConstants, tiny_seconds: Mapping[int, float
     mean, the non-finite flag; in a world of ``n > 1`` ranks, one gloo round trip each)."""
     import dataclasses
 
-    from lightning_3d.planner.calibration import tiny_facts
+    from lightning_3d.planner.layouts import tiny_facts
     from lightning_3d.planner.layouts import choice_of
     from lightning_3d.planner.timing import step_time
     from lightning_3d.testing.runs import TINY_DATA
