@@ -107,3 +107,96 @@ def test_the_store_lives_exactly_as_long_as_the_block():
 def test_rank_env_says_who_hosts_the_store():
     assert local_rank_env(1, 2, 1234, 1, agent_store=True)["TORCHELASTIC_USE_AGENT_STORE"] == "True"
     assert local_rank_env(1, 2, 1234, 1)["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0 starts it
+
+
+def _fail_like_a_world(rank, kind):
+    """Rank 1 reports a lost connection at once; rank 0 — the cause — fails a moment later, or is
+    killed by a signal and reports nothing."""
+    if rank == 1:
+        raise RuntimeError("[pair.cc:537] Read error [127.0.0.1]:12202: Connection reset by peer")
+    time.sleep(1.0)
+    if kind == "killed":
+        os.kill(os.getpid(), 9)
+    raise ValueError("the root cause")
+
+
+@pytest.mark.parametrize("kind", ["error", "killed"])
+def test_a_failed_world_reports_the_rank_that_caused_it_first(kind):
+    with pytest.raises(RuntimeError) as failed:
+        run_world(_fail_like_a_world, 2, kind, timeout=WORLD_TIMEOUT_S)
+    message = str(failed.value)
+    if kind == "error":  # reported second, named first
+        assert message.startswith("rank 0 failed:") and "ValueError: the root cause" in message
+        assert "rank 1 also failed:" in message and "Connection reset by peer" in message
+    else:
+        assert message.startswith("rank 1 failed:")
+        assert "rank 0 reported nothing (killed by SIGKILL)" in message
+
+
+def _die_silently_while_a_peer_waits(rank):
+    """Rank 0 ends without a report or a traceback (as a segfault or an OOM kill would); rank 1
+    waits for it in a collective, which only gloo's own timeout would end."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=PG_TIMEOUT)
+    if rank == 0:
+        os._exit(3)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_rank_that_dies_without_a_report_fails_the_world_at_once():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 0 reported nothing \(exit code 3\)"):
+        run_world(_die_silently_while_a_peer_waits, 2, timeout=WORLD_TIMEOUT_S)
+    assert time.monotonic() - start < WORLD_TIMEOUT_S / 2  # not the whole timeout
+
+def _where_am_i(rank):
+    import torch
+
+    return os.environ.get("LIGHTNING3D_TEST_MARK"), os.getcwd(), torch.get_num_threads()
+
+
+def test_forked_ranks_take_the_callers_environment_and_directory(monkeypatch, tmp_path):
+    """A fork server started earlier (by an earlier world) holds an older environment; a rank
+    must see the caller's as it is now, as a spawned one would."""
+    run_world(_where_am_i, 1, timeout=WORLD_TIMEOUT_S, start_method="forkserver")  # the server is up
+    monkeypatch.setenv("LIGHTNING3D_TEST_MARK", "now")
+    monkeypatch.chdir(tmp_path)
+    for method in ("forkserver", "spawn"):
+        [(mark, cwd, threads)] = run_world(_where_am_i, 1, timeout=WORLD_TIMEOUT_S, start_method=method)
+        assert (mark, Path(cwd), threads) == ("now", tmp_path, 1), method
+
+
+
+def _speak_and_leave_a_mark(rank, mark):
+    import atexit
+    import sys
+
+    print(f"rank {rank} to stdout", flush=True)
+    print(f"rank {rank} to stderr", file=sys.stderr, flush=True)
+    atexit.register(Path(f"{mark}-{rank}").touch)  # as the offload store removes its files at exit
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_write_where_the_caller_writes_and_run_their_exit_handlers(capfd, tmp_path, method):
+    saved = [os.dup(1), os.dup(2)]
+    with open(tmp_path / "elsewhere", "w") as elsewhere:  # a fork server (if none yet) started writing there
+        os.dup2(elsewhere.fileno(), 1)
+        os.dup2(elsewhere.fileno(), 2)
+        try:
+            run_world(_where_am_i, 1, timeout=WORLD_TIMEOUT_S, start_method=method)
+        finally:
+            for fd, old in zip((1, 2), saved):
+                os.dup2(old, fd)
+                os.close(old)
+    capfd.readouterr()
+    run_world(_speak_and_leave_a_mark, 2, str(tmp_path / "exited"), timeout=WORLD_TIMEOUT_S, start_method=method)
+    out, err = capfd.readouterr()
+    for rank in range(2):
+        assert f"rank {rank} to stdout" in out and f"rank {rank} to stderr" in err
+        assert (tmp_path / f"exited-{rank}").is_file()
+
+def test_an_unknown_start_method_is_refused():
+    with pytest.raises(ValueError, match="start_method must be one of \\('spawn', 'forkserver'\\), got 'fork'"):
+        run_world(_where_am_i, 1, start_method="fork")

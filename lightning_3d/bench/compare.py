@@ -134,7 +134,9 @@ def run_row(name: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
 
     row = ROWS[name]
     fn: Callable = fit_lightning if row.engine == "lightning" else fit_deepspeed
-    return run_world(fn, row.world, row_spec(name, cfg), timeout=float(cfg.get("timeout_s", 900)))
+    # Spawned, never forked from a warm server: the rows compare peak RSS, which a fork would inherit.
+    return run_world(fn, row.world, row_spec(name, cfg), timeout=float(cfg.get("timeout_s", 900)),
+                     start_method="spawn")
 
 
 def run_all(cfg: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from lightning_3d.testing.world import run_world
 def measure(data: int, stage: int, model: dict) -> dict:
     run = Run(strategy={"zero_stage": stage}, devices=data, steps=2, seed=1234, model=model,
               data={"block_size": model["block_size"]})
-    runs = run_world(fit_gpt, data, run)
+    runs = run_world(fit_gpt, data, run, start_method="spawn")  # peak RSS: nothing inherited from a fork server
     summary = runs[0]["summary"]
     return {"num_params": summary["num_params"], **summary["ranks"][0]}
 
