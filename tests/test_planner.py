@@ -80,6 +80,25 @@ def test_tensor_and_pipeline_split_the_model_state(facts):
     assert stages[0][0].params == facts.first.params + facts.blocks[0].params
 
 
+
+@pytest.mark.parametrize("rows, data", [(36, 5), (7, 5), (3, 8), (256, 8), (1, 2)])
+@pytest.mark.parametrize("dim", [-1, 0, 1])
+def test_zero3_shards_are_torch_chunks_of_dim_0(rows, data, dim):
+    """What each data rank holds of one (rows x 6) parameter under ZeRO-3 at tensor 2: its tensor
+    rank's part (dim 0 or 1 split, or whole), cut by ``torch.chunk`` on dim 0 as FSDP2 cuts it."""
+    from lightning_3d.planner.facts import Part
+
+    rows = rows * 2 if dim == 0 else rows  # a dim that tensor parallelism splits divides by 2
+    weight = torch.empty(rows, 6)
+    local = weight.chunk(2, dim=dim)[0] if dim >= 0 else weight
+    chunks = [c.numel() for c in local.chunk(data, dim=0)]
+    chunks += [0] * (data - len(chunks))  # torch.chunk returns fewer chunks when dim 0 is short
+    part = Part(weight.numel(), weight.numel() if dim >= 0 else 0, weight.numel(), (((rows, weight.numel(), dim), 1),))
+    assert [part.sharded(2, data, r) for r in range(data)] == chunks
+    three = part + part + part  # a model's blocks: shapes counted, not listed
+    assert three.tensors == (((rows, weight.numel(), dim), 3),) and three.sharded(2, data) == 3 * chunks[0]
+    assert (three - part - part - part).tensors == () and Part(6, 0, 6).sharded(2, 3) == 2  # counts alone: even
+
 def test_offload_moves_optimizer_state_to_the_host(facts):
     (part, _), = stage_parts(facts, 1)
     _, _, device_optim, host, disk = model_state(facts, Choice(2, 1, 1, 1, offload="cpu"), part)

@@ -70,8 +70,8 @@ def test_a_wrong_memory_model_is_caught(monkeypatch, capsys, tiny_facts):
 
     honest = calibration.model_state
 
-    def inflated(facts, choice, part):  # a memory model that forgets ZeRO's sharding of the optimizer state
-        params, grads, optimizer, host, disk = honest(facts, choice, part)
+    def inflated(facts, choice, part, *rank):  # a memory model that forgets ZeRO's sharding of the optimizer state
+        params, grads, optimizer, host, disk = honest(facts, choice, part, *rank)
         return params, grads, optimizer * choice.data, host, disk
 
     choice = Choice(data=4, tensor=2, pipeline=2, zero_stage=1, micro_batches=2, batch_per_rank=2)
@@ -107,6 +107,31 @@ def test_activations_measured_on_other_shapes_are_caught(monkeypatch, tiny_facts
     problems = validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
     assert problems and all("activation bytes were measured on" in p for p in problems), problems
 
+
+
+@pytest.mark.parametrize("tensor", [1, 2])
+def test_zero3_chunks_of_small_dims_are_predicted_on_every_rank(tensor):
+    """Width 36 on 5 data ranks: FSDP2 gives rank 0 ceil(36 / 5) = 8 rows of a norm's weight and
+    the last rank 4 (at tensor 2, of a column-split weight's 18 rows: 4 and 2), far from 36 / 5;
+    the memory model counts each parameter's chunk, so both corners match to the byte."""
+    from lightning_3d.models import LitGPT
+    from lightning_3d.planner.facts import model_facts
+
+    def narrow():
+        with torch.device("meta"):
+            return LitGPT(vocab_size=250, block_size=16, n_layer=2, n_head=4, n_embd=36)
+
+    facts = model_facts(narrow(), precision="bf16-mixed", tp_sizes=(tensor,), policies=("none",), name="narrow")
+    choice = Choice(data=5, tensor=tensor, pipeline=1, zero_stage=3)
+    v = validate_layout(narrow, facts, choice, "bf16-mixed")
+    assert not v.problems, v.problems
+    rows = {(r.kind.dp_rank, r.quantity): r for r in v.rows}
+    for dp_rank in (0, 4):
+        for quantity in ("param_bytes", "grad_bytes"):
+            assert rows[dp_rank, quantity].predicted == rows[dp_rank, quantity].built
+        optimizer = rows[dp_rank, "optimizer_state_bytes"]  # and Adam's fp32 step counter per parameter
+        assert optimizer.built - optimizer.predicted == 4 * len(list(narrow().parameters()))
+    assert rows[4, "param_bytes"].built < 0.9 * rows[0, "param_bytes"].built  # the chunks really differ
 
 def test_offload_is_refused_before_building(tiny_facts):
     with pytest.raises(ValueError, match=r"offload='cpu'.*planner.offloads=\[none\]"):

@@ -65,6 +65,28 @@ def layer_features(module: nn.Module) -> tuple[int, int]:
     return module.weight.shape[0], module.weight.shape[1]
 
 
+
+def split_dim(module: nn.Module, style: ParallelStyle, pname: str) -> int | None:
+    """The dim of ``module``'s parameter ``pname`` that ``style`` shards on the tensor axis, or
+    ``None`` where it stays whole (a row-parallel bias, a style that splits no parameters).
+
+    Column parallelism splits output features: dim 0 of a Linear's weight and bias, the last dim
+    of a ``Conv1D``'s (``(in, out)`` weight, ``(out,)`` bias) and dim 1 of an embedding; row
+    parallelism splits the input features of a weight: dim 1 of a Linear's, dim 0 of a
+    ``Conv1D``'s and the vocabulary (dim 0) of an embedding. What the styles below place, read
+    without placing anything (works on ``meta``)."""
+    if not isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        return None
+    kind = layer_kind(module)
+    param = getattr(module, pname, None)
+    if kind is None or not isinstance(param, torch.Tensor):
+        return None
+    if isinstance(style, ColwiseParallel):
+        return {"Linear": 0, "Embedding": 1, "Conv1D": param.dim() - 1}[kind]
+    if pname != "weight":
+        return None  # a row-parallel bias is added once, after the partial sums are combined
+    return {"Linear": 1, "Embedding": 0, "Conv1D": 0}[kind]
+
 # Torch's own ColwiseParallel / RowwiseParallel split these; the subclasses below declare theirs.
 TORCH_LAYER_KINDS = ("Linear", "Embedding")
 

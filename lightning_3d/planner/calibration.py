@@ -26,9 +26,9 @@ KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes_
 
 def predicted_rank(facts: ModelFacts, choice: Choice, rank: int) -> dict[str, float]:
     """What the planner predicts ``rank`` holds (mesh ``(pp, dp, tp)``, tensor innermost)."""
-    stage = rank // (choice.data * choice.tensor)
+    stage, dp_rank = rank // (choice.data * choice.tensor), rank // choice.tensor % choice.data
     part, _ = stage_parts(facts, choice.pipeline, choice.virtual_stages)[stage]
-    params, grads, optimizer, _, _ = model_state(facts, choice, part)
+    params, grads, optimizer, _, _ = model_state(facts, choice, part, dp_rank)
     # The run's meter adds up every micro-batch of the step: the whole per-rank batch.
     fit = facts.activation(choice.ac_policy, choice.tensor, choice.sequence_parallel)
     act = fit.bytes_per_sample(facts.seq_len) * choice.batch_per_rank

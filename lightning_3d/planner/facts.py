@@ -16,8 +16,9 @@ Example::
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from torch import nn
@@ -57,13 +58,54 @@ class Part:
     params: int = 0  # elements, each parameter once
     split: int = 0  # of which tensor parallelism splits across the tp ranks (full count)
     flop_params: int = 0  # elements of weights used in matmuls (embedding lookups are not)
+    # ((rows, elements, tensor-split dim or -1), how many such parameters), sorted: the shapes
+    # ZeRO-3's dim-0 chunks need, counted (a model's blocks repeat a dozen shapes). Empty for a
+    # part given by its counts alone: ZeRO-3 is then taken as an even split.
+    tensors: tuple[tuple[tuple[int, int, int], int], ...] = ()
 
     def local(self, tp: int) -> float:
         """Elements one tensor-parallel rank holds."""
         return self.params - self.split + self.split / tp
 
+    def sharded(self, tp: int, dp: int, dp_rank: int = 0) -> float:
+        """Elements data rank ``dp_rank`` holds under ZeRO-3: FSDP2 cuts dim 0 of each tensor
+        rank's parameter into ``dp`` chunks of ``ceil(rows / dp)`` rows with ``torch.chunk``, so
+        rank 0 holds the most (a full chunk of every parameter) and the last ranks a short or
+        empty one; on small dims this is far from ``local(tp) / dp``."""
+        if not self.tensors:
+            return self.local(tp) / dp
+        return float(sum(count * _held(shape, tp, dp, dp_rank) for shape, count in self.tensors))
+
     def __add__(self, other: Part) -> Part:
-        return Part(self.params + other.params, self.split + other.split, self.flop_params + other.flop_params)
+        return Part(self.params + other.params, self.split + other.split, self.flop_params + other.flop_params,
+                    _counted(self.tensors, other.tensors, 1))
+
+    def __sub__(self, other: Part) -> Part:
+        """This part without ``other``'s parameters (a tied weight counted once)."""
+        return Part(self.params - other.params, self.split - other.split, self.flop_params - other.flop_params,
+                    _counted(self.tensors, other.tensors, -1))
+
+
+def _counted(mine: Sequence[tuple[tuple[int, int, int], int]], theirs: Sequence[tuple[tuple[int, int, int], int]],
+             sign: int) -> tuple[tuple[tuple[int, int, int], int], ...]:
+    counts = Counter(dict(mine))
+    for shape, n in theirs:
+        counts[shape] += sign * n
+    if any(n < 0 for n in counts.values()):
+        raise ValueError("cannot take away parameters a part does not hold")
+    return tuple(sorted((shape, n) for shape, n in counts.items() if n))
+
+
+def _held(shape: tuple[int, int, int], tp: int, dp: int, dp_rank: int) -> int:
+    """Elements of one ``(rows, elements, split dim)`` parameter on data rank ``dp_rank`` under
+    ZeRO-3, on its tensor rank."""
+    rows, elements, dim = shape
+    if dim >= 0:
+        elements //= tp
+        rows = rows // tp if dim == 0 else rows
+    chunk = -(-rows // dp)
+    held = max(0, min(chunk, rows - dp_rank * chunk))
+    return held * (elements // rows) if rows else 0
 
 
 @dataclass(frozen=True)
@@ -130,38 +172,48 @@ def _sizes(module: nn.Module) -> dict[str, Optional[int]]:
     return found
 
 
-def _split_names(module: nn.Module) -> tuple[set[str], set[str]]:
-    """Full names of the parameters the architecture's tensor-parallel plan splits, and of its
-    column-parallel modules (none if the model has no plan: ``tensor > 1`` is then refused by the
-    strategy's own check)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+def _split_dims(module: nn.Module) -> tuple[dict[str, int], set[str]]:
+    """Full names of the parameters the architecture's tensor-parallel plan splits, each with the
+    dim it splits, and the names of its column-parallel modules (none if the model has no plan:
+    ``tensor > 1`` is then refused by the strategy's own check)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
 
-    from lightning_3d.parallel.tensor import resolve_plan
+    from lightning_3d.parallel.tensor import resolve_plan, split_dim
     from lightning_3d.plans import build_plan
 
     try:
         resolved = resolve_plan(module, build_plan(module, None, False), 1)
     except ValueError:
-        return set(), set()
-    names = set()
+        return {}, set()
+    dims = {}
     for name, style in resolved.items():
-        for pname, _ in module.get_submodule(name).named_parameters(recurse=False):
-            # Column-parallel splits weight and bias; row-parallel the weight (its bias is added once).
-            if isinstance(style, ColwiseParallel) or (isinstance(style, RowwiseParallel) and pname == "weight"):
-                names.add(f"{name}.{pname}")
-    return names, {name for name, style in resolved.items() if isinstance(style, ColwiseParallel)}
+        sub = module.get_submodule(name)
+        for pname, _ in sub.named_parameters(recurse=False):
+            dim = split_dim(sub, style, pname)
+            if dim is not None:
+                dims[f"{name}.{pname}"] = dim
+    return dims, {name for name, style in resolved.items() if isinstance(style, ColwiseParallel)}
 
 
-def _part(modules: Iterable[tuple[str, nn.Module]], split: set[str]) -> Part:
-    seen: dict[int, tuple[int, bool, bool]] = {}
+def _split_names(module: nn.Module) -> tuple[set[str], set[str]]:
+    """:func:`_split_dims` without the dims."""
+    dims, columns = _split_dims(module)
+    return set(dims), columns
+
+
+def _part(modules: Iterable[tuple[str, nn.Module]], split: Mapping[str, int]) -> Part:
+    seen: dict[int, tuple[int, int, bool]] = {}  # id -> (rows, split dim or -1, used in a matmul)
+    numel: dict[int, int] = {}
     for prefix, module in modules:
         for sub_name, sub in module.named_modules(prefix=prefix):
             for pname, p in sub.named_parameters(recurse=False):
                 full = f"{sub_name}.{pname}"
-                old = seen.get(id(p), (p.numel(), False, False))
-                seen[id(p)] = (p.numel(), old[1] or full in split, old[2] or not isinstance(sub, nn.Embedding))
-    return Part(sum(n for n, _, _ in seen.values()), sum(n for n, s, _ in seen.values() if s),
-                sum(n for n, _, f in seen.values() if f))
+                rows, dim, flop = seen.get(id(p), (p.shape[0] if p.dim() else 1, -1, False))
+                seen[id(p)] = (rows, split.get(full, dim), flop or not isinstance(sub, nn.Embedding))
+                numel[id(p)] = p.numel()
+    shapes = Counter((rows, numel[k], dim) for k, (rows, dim, _) in seen.items())
+    return Part(sum(numel.values()), sum(numel[k] for k, (_, d, _) in seen.items() if d >= 0),
+                sum(numel[k] for k, (_, _, f) in seen.items() if f), tuple(sorted(shapes.items())))
 
 
 def model_facts(module: nn.Module, *, seq_len: Optional[int] = None, precision: str = "bf16-mixed",
@@ -188,7 +240,7 @@ def model_facts(module: nn.Module, *, seq_len: Optional[int] = None, precision: 
         raise ValueError(f"seq_len={seq_len!r} must be a positive integer (the model gives no block_size)")
     if sizes["positions"] and seq_len > sizes["positions"]:
         raise ValueError(f"seq_len={seq_len} is above the model's maximum positions {sizes['positions']}")
-    split, columns = _split_names(module)
+    split, columns = _split_dims(module)
     block_names = {name for name, _ in blocks}
     if spec is not None:
         first_modules = [(n, module.get_submodule(n)) for n in spec.first]
@@ -198,14 +250,13 @@ def model_facts(module: nn.Module, *, seq_len: Optional[int] = None, precision: 
         last_modules = []
     first, last = _part(first_modules, split), _part(last_modules, split)
     both = _part(first_modules + last_modules, split)
-    tied = first + last
-    tied = Part(tied.params - both.params, tied.split - both.split, 0)
+    tied = replace(first + last - both, flop_params=0)
     block_parts = tuple(_part([(n, b)], split) for n, b in blocks)
     buffers = sum(b.numel() * b.element_size() for b in module.buffers())
     vocab = sizes["vocab_size"] or 0
     tps = sorted({t for t in tp_sizes if n_head % t == 0})
     forward = getattr(spec, "block_forward", None) if spec is not None else None
-    activations = measure_activations(blocks[0], forward=forward, split=split, columns=columns, d_model=d_model,
+    activations = measure_activations(blocks[0], forward=forward, split=set(split), columns=columns, d_model=d_model,
                                       n_head=n_head, seq_len=seq_len, act_bytes=PRECISIONS[precision][3],
                                       policies=policies, tp_sizes=tps)
     if sequence_parallel:

@@ -4,7 +4,10 @@ Model state follows the ZeRO paper on the data axis (stage 1 shards the optimize
 the gradients, 3 also the parameters), applied to what one rank holds before sharding: its
 pipeline stage's parameters (uniform split by block count, the embedding on the first stage,
 final norm and head on the last; a tied weight on both, as the pipeline keeps a copy per stage),
-with the parameters the tensor-parallel plan splits divided by ``tensor``. Bytes per element by
+with the parameters the tensor-parallel plan splits divided by ``tensor``. ZeRO 1-2 slice flat
+buckets evenly (``1 / data``); ZeRO-3 shards are counted as FSDP2 cuts them, parameter by
+parameter, ``ceil(rows / data)`` rows of dim 0 (so rank 0 holds the most, and a small dim on
+many ranks is far from ``1 / data``: :meth:`~lightning_3d.planner.facts.Part.sharded`). Bytes per element by
 precision: :data:`lightning_3d.planner.facts.PRECISIONS`. Offload moves Adam's state (fp32 moments,
 plus an fp32 master of non-fp32 weights) to host memory; ``cpu+params`` moves ZeRO-3's parameter
 and gradient shards there too.
@@ -90,23 +93,27 @@ def stage_parts(facts: ModelFacts, pipeline: int, virtual: int = 1) -> list[tupl
         for s in stage_ids(rank, pipeline, virtual):
             part, blocks = part + parts[s][0], blocks + parts[s][1]
         if pipeline == 1:  # one rank holds a tied weight once
-            part = Part(part.params - facts.tied.params, part.split - facts.tied.split, part.flop_params)
+            part = part - facts.tied
         out.append((part, blocks))
     return out
 
 
-def model_state(facts: ModelFacts, choice: Choice, part: Part) -> tuple[float, float, float, float, float]:
-    """(params, grads, optimizer, host, disk) bytes of one rank holding ``part`` of the model."""
+def model_state(facts: ModelFacts, choice: Choice, part: Part,
+                dp_rank: int = 0) -> tuple[float, float, float, float, float]:
+    """(params, grads, optimizer, host, disk) bytes of data rank ``dp_rank`` holding ``part`` of
+    the model. ZeRO 1-2 slice flat buckets evenly; ZeRO-3 chunks each parameter's dim 0
+    (:meth:`Part.sharded`: rank 0, the default, holds the most)."""
     p_b, g_b, o_b, _ = facts.bytes
     n = part.local(choice.tensor)
     dp, z = choice.data, choice.zero_stage
-    params = n * p_b / (dp if z == 3 else 1)
-    grads = n * g_b / (dp if z >= 2 else 1)
-    optimizer = n * o_b / (dp if z >= 1 else 1)
+    shard = part.sharded(choice.tensor, dp, dp_rank) if z == 3 else n / dp
+    params = shard * p_b if z == 3 else n * p_b
+    grads = shard * g_b if z >= 2 else n * g_b
+    optimizer = shard * o_b if z >= 1 else n * o_b
     host = disk = 0.0
     if choice.offload != "none":
         optimizer = 0.0
-        state = n / (dp if z >= 1 else 1) * offloaded_state_bytes(p_b)
+        state = (shard if z >= 1 else n) * offloaded_state_bytes(p_b)
         if choice.offload_device == "nvme":
             disk, host = state, float(NVME_RESIDENT_BYTES)
         else:
