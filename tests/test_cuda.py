@@ -286,42 +286,51 @@ def test_zero_engine_on_nccl_matches_a_plain_step(nccl_results, stage):
 
 
 def _offload_overlap(rank: int, device: str) -> dict:
-    """bf16 parameters on ``device`` stepped by ``OffloadedAdam`` with and without overlap (tiny
-    staging buffers, so the buffers turn many times), and fp32 ``torch.optim.AdamW(fused=True)``
-    on the CPU from the same start; after each step the compute stream sums the weights, as the
-    next forward would read them."""
+    """bf16 parameters and an fp32 one on ``device`` stepped by ``OffloadedAdam`` with and without
+    overlap (tiny staging buffers, so the buffers turn many times, one lane per dtype), and fp32
+    ``torch.optim.AdamW(fused=True)`` on the CPU from the same start; after each step the compute
+    stream sums the weights, as the next forward would read them. Each step's gradients are
+    written on the compute stream behind a long sleep kernel, as backward leaves them: a
+    prefetch that does not wait for the compute stream copies the previous gradients."""
     from lightning_3d.offload import OffloadedAdam
 
-    sizes, steps = (1000, 3000, 517), 3
-    start = [torch.randn(n, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16) for n in sizes]
-    grads = [[torch.randn(n, generator=torch.Generator().manual_seed(100 * s + n)).to(torch.bfloat16)
-              for n in sizes] for s in range(steps)]
+    sizes, steps = (1000, 3000, 517, 1500), 3
+    dtypes = (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32)
+    start = [torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dt) for n, dt in zip(sizes, dtypes)]
+    grads = [[torch.randn(n, generator=torch.Generator().manual_seed(100 * s + n)).to(dt)
+              for n, dt in zip(sizes, dtypes)] for s in range(steps)]
     out: dict = {}
     OffloadedAdam.stage_bytes = 1024  # this child process only
+    OffloadedAdam.prefetch_devices = ("cuda", "cpu")  # on a CPU: the same path, synchronous copies
+    cuda = device == "cuda"
     for overlap in (True, False):
         params = [torch.nn.Parameter(t.to(device, copy=True)) for t in start]
+        staged = [[g.to(device, copy=True) for g in step] for step in grads]  # on the device before the loop
         opt = OffloadedAdam(params, lr=1e-2, chunk_bytes=12 * 256, overlap=overlap)
         sums = []
         for s in range(steps):
-            for p, g in zip(params, grads[s]):
-                p.grad = g.to(device)
+            if cuda:
+                torch.cuda._sleep(200_000_000)  # ~0.1 s of device time ahead of the gradient writes
+            for p, g in zip(params, staged[s]):
+                p.grad = g.clone()  # a kernel on the compute stream, queued behind the sleep
             opt.step()
             sums.append(sum(p.float().sum() for p in params).item())  # compute stream, right after the step
             opt.zero_grad(set_to_none=True)
         out[overlap] = ([p.detach().cpu() for p in params], sums)
         opt.close()
-    masters = [torch.nn.Parameter(t.float()) for t in start]
+    masters = [torch.nn.Parameter(t.float().clone()) for t in start]
     reference = torch.optim.AdamW(masters, lr=1e-2, fused=True)
     for s in range(steps):
         for p, g in zip(masters, grads[s]):
-            p.grad = g.float()
+            p.grad = g.float().clone()
         reference.step()
-    out["reference"] = [p.detach().to(torch.bfloat16) for p in masters]
+    out["reference"] = [m.detach().to(t.dtype) for m, t in zip(masters, start)]
     return out
 
 
 def test_offload_overlap_check_runs_on_cpu():
-    """The check below on CPU parameters (no side streams there): both paths equal the reference."""
+    """The check below on CPU parameters (no side streams there, but the same prefetching path,
+    bf16 and fp32 lanes): both paths equal the reference."""
     out = run_world(_offload_overlap, 1, "cpu")[0]
     for overlap in (True, False):
         assert all(torch.equal(a, b) for a, b in zip(out[overlap][0], out["reference"]))

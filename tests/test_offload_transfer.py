@@ -25,7 +25,7 @@ def test_prefetched_gradients_are_the_gradients_in_every_turn_of_the_buffers():
     g = torch.Generator().manual_seed(0)
     slices = [torch.randn(n, generator=g).to(torch.bfloat16) for n in (5, 7, 3, 8, 2, 6, 4)]
     fetch = GradientPrefetcher(slices, stage_bytes=2 * 10)  # 10 bf16 elements a buffer: 5 groups
-    assert len(fetch.groups) >= 4  # so both buffers are reused
+    assert len(fetch.groups[0]) >= 4  # one lane (one dtype); both of its buffers are reused
     for i, s in enumerate(slices):
         host = fetch.get(i)
         assert host.dtype == torch.bfloat16 and torch.equal(host, s)
@@ -35,11 +35,34 @@ def test_prefetched_gradients_are_the_gradients_in_every_turn_of_the_buffers():
     fetch.close()
 
 
-def test_prefetcher_refuses_mixed_slices():
-    with pytest.raises(ValueError, match=r"one dtype and device"):
-        GradientPrefetcher([torch.zeros(2), torch.zeros(2, dtype=torch.bfloat16)])
+def test_mixed_slices_get_a_lane_each_and_come_back_whole():
+    """A bf16 model's fp32 norms next to its bf16 matrices: one lane per dtype, each read in order."""
+    g = torch.Generator().manual_seed(1)
+    slices = [torch.randn(n, generator=g).to(dtype) for n, dtype in
+              ((5, torch.bfloat16), (3, torch.float32), (7, torch.bfloat16), (4, torch.float32), (6, torch.bfloat16))]
+    fetch = GradientPrefetcher(slices, stage_bytes=16)
+    assert [len(groups) for groups in fetch.groups] == [3, 2]  # bf16: 8 a buffer; fp32: 4
+    for i, s in enumerate(slices):
+        host = fetch.get(i)
+        assert host.dtype == s.dtype and torch.equal(host, s)
+    fetch.close()
     with pytest.raises(ValueError, match=r"at least one"):
         GradientPrefetcher([])
+
+
+def test_a_buffer_is_refilled_only_after_the_reader_is_told():
+    """``before_reuse`` runs before a staging buffer that held an earlier group is overwritten,
+    never before the first two groups (both buffers still fresh)."""
+    slices = [torch.full((4,), float(i)) for i in range(5)]  # fp32, a group each (16-byte buffers)
+    calls = []
+    fetch = GradientPrefetcher(slices, stage_bytes=16, before_reuse=lambda: calls.append(len(calls)))
+    held = []
+    for i in range(5):
+        held.append(fetch.get(i))
+        # group i + 1 is issued now: it overwrites group i - 1's buffer, after the reader was told
+        assert len(calls) == max(0, min(i, 3)), (i, calls)
+    assert torch.equal(held[-1], slices[-1])
+    fetch.close()
 
 
 def test_uploader_on_a_cpu_copies_and_casts():
@@ -64,3 +87,30 @@ def test_overlap_is_checked_and_off_gives_the_same_step():
         results.append(p.detach().clone())
         opt.close()
     assert torch.equal(*results)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.float32,) * 3, (torch.bfloat16, torch.float32, torch.bfloat16)],
+                         ids=["fp32", "bf16+fp32"])
+def test_prefetched_steps_equal_fused_adamw(monkeypatch, dtypes):
+    """The prefetching path of ``OffloadedAdam`` driven on the CPU (its synchronous lane), with
+    staging buffers so small that they turn many times in one step: the weights equal
+    ``torch.optim.AdamW(fused=True)`` on fp32 masters cast to each dtype, bit for bit. fp32
+    gradients reach the batch as views of a staging buffer; stepped after the buffer was
+    refilled, they would be another group's."""
+    monkeypatch.setattr(OffloadedAdam, "prefetch_devices", ("cuda", "cpu"))
+    monkeypatch.setattr(OffloadedAdam, "stage_bytes", 256)
+    sizes = (700, 333, 1200)
+    start = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in sizes]
+    params = [torch.nn.Parameter(t.to(dtype, copy=True)) for t, dtype in zip(start, dtypes)]
+    opt = OffloadedAdam(params, lr=1e-2, chunk_bytes=12 * 64)
+    masters = [torch.nn.Parameter(t.to(dtype).float().clone()) for t, dtype in zip(start, dtypes)]  # no alias
+    reference = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    for step in range(3):
+        grads = [torch.randn(n, generator=torch.Generator().manual_seed(10 * step + n)) for n in sizes]
+        for p, m, g in zip(params, masters, grads):
+            p.grad, m.grad = g.to(p.dtype, copy=True), g.to(p.dtype).float().clone()
+        opt.step()
+        reference.step()
+    for p, m in zip(params, masters):
+        assert torch.equal(p.detach(), m.detach().to(p.dtype))
+    opt.close()

@@ -56,6 +56,9 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     state_dtype = torch.float32  # of the moments and masters, whatever the parameters' dtype
     stage_bytes = DEFAULT_STAGE_BYTES  # overlap: each pinned staging buffer (two per direction)
+    # overlap: where gradients are prefetched from. A CPU "lane" copies synchronously (no gain),
+    # which is how the tests drive the same path without a device.
+    prefetch_devices: tuple[str, ...] = ("cuda",)
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, decoupled_weight_decay: bool = True, *,
@@ -69,7 +72,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         the page cache (see :class:`FileChunkStore`; the numbers are the same either way);
         ``overlap`` (parameters on an accelerator): gradients come down and weights go up on side
         streams while the CPU steps (:mod:`lightning_3d.offload.transfer`); ``False`` copies in
-        turn with the step. The numbers are the same either way."""
+        turn with the step. The numbers are the same either way. With ``delay_update`` the
+        gradients are snapshot and the weights written back with plain copies (the update then
+        overlaps the next forward and backward instead)."""
         for name, value in (("delay_update", delay_update), ("overlap", overlap)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be True or False")
@@ -225,20 +230,22 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._batch.flush()
         finally:
             self._batch.discard()  # after an error: forget views into buffers the store reuses
-            if fetch is not None:
-                fetch.close()
-            if self._uploader is not None:
-                self._uploader.finish()
+            try:
+                if fetch is not None:
+                    fetch.close()
+            finally:
+                if self._uploader is not None:
+                    self._uploader.finish()
         for i in grads:
             self._slots[i].master_valid = True
 
     def _prefetcher(self, slices: list[Tensor]) -> Optional[GradientPrefetcher]:
-        """Gradients on an accelerator, in one dtype, with ``overlap``: brought down a group ahead."""
-        if not self.overlap or not slices:
+        """Gradients on an accelerator, with ``overlap``: brought down a group ahead, a lane per
+        device and dtype. The batch keeps views of fp32 gradients (it casts only the others), so
+        it steps what it holds before a staging buffer is refilled."""
+        if not self.overlap or not slices or any(s.device.type not in self.prefetch_devices for s in slices):
             return None
-        if any(s.device.type != "cuda" for s in slices) or len({s.dtype for s in slices}) != 1:
-            return None
-        return GradientPrefetcher(slices, self.stage_bytes)
+        return GradientPrefetcher(slices, self.stage_bytes, before_reuse=self._batch.flush)
 
     def _wait(self) -> None:
         """Delayed: let the update in flight finish (its error, if any, is raised here)."""

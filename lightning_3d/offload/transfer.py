@@ -7,7 +7,8 @@ Here both directions run on side streams of their own and only the CPU waits:
 - :class:`GradientPrefetcher` copies gradient slices (in their own dtype: bf16 where the
   parameters are bf16, half the bytes) into pinned host buffers, one *group* of slices (a
   staging buffer's worth) ahead of the one the CPU steps, on a "down" stream that first waits
-  for the compute stream (where backward wrote the gradients);
+  for the compute stream (where backward wrote the gradients), one such lane per device and
+  dtype; before a buffer is refilled, the reader's pending work on its views is stepped;
 - :class:`WeightUploader` casts each stepped fp32 master into a pinned staging buffer in the
   parameter's dtype and copies it into the parameter on an "up" stream; :meth:`WeightUploader.finish`
   makes the compute stream wait for it, so the next forward reads new weights without the CPU
@@ -24,8 +25,8 @@ On a CPU-only machine the same classes run with plain synchronous copies (``devi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -63,7 +64,7 @@ class _Lane:
 
     def record(self, slot: int) -> None:
         if self.cuda:
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(blocking=True)  # a waiting host thread sleeps: the CPU step needs the cores
             event.record(self.stream)
             self.events[slot] = event
 
@@ -79,26 +80,12 @@ class _nothing:
         return None
 
 
-class GradientPrefetcher:
-    """Host copies of device gradient ``slices`` (1-D, one dtype), a group ahead of the reader.
+class _OneLanePrefetcher:
+    """:class:`GradientPrefetcher` for slices of one dtype on one device (one lane)."""
 
-    Example::
-
-        fetch = GradientPrefetcher(slices)
-        for i in range(len(slices)):
-            host = fetch.get(i)  # pinned, the slice's dtype; valid until get(j) for j a group later
-    """
-
-    def __init__(self, slices: Sequence[Tensor], stage_bytes: int = DEFAULT_STAGE_BYTES) -> None:
-        if not slices:
-            raise ValueError("GradientPrefetcher needs at least one gradient slice")
-        dtypes = {s.dtype for s in slices}
-        devices = {s.device for s in slices}
-        if len(dtypes) != 1 or len(devices) != 1:
-            raise ValueError(f"gradient slices must share one dtype and device, got {sorted(map(str, dtypes))} "
-                             f"on {sorted(map(str, devices))}")
+    def __init__(self, slices: Sequence[Tensor], stage_bytes: int, before_reuse: Optional[Callable[[], None]]) -> None:
         self.slices = list(slices)
-        dtype = next(iter(dtypes))
+        device, dtype = self.slices[0].device, self.slices[0].dtype
         numels = [s.numel() for s in self.slices]
         capacity = max(max(numels), stage_bytes // dtype.itemsize)
         self.groups = _groups(numels, capacity)
@@ -108,7 +95,11 @@ class GradientPrefetcher:
             used = 0
             for i in run:
                 self._offset[i], used = used, used + numels[i]
-        self._lane = _Lane(next(iter(devices)), capacity, dtype)
+        self._lane = _Lane(device, capacity, dtype)
+        # Where backward wrote the gradients: read here, not inside the lane's stream context,
+        # where the current stream is the lane's own.
+        self._compute: Any = torch.cuda.current_stream(device) if self._lane.cuda else None
+        self._before_reuse = before_reuse
         self._issued = -1  # last group whose copies were started
         self._ready = -1  # last group the host waited for
         self._started = False
@@ -117,10 +108,12 @@ class GradientPrefetcher:
         if group >= len(self.groups):
             return
         slot = group % 2
+        if group >= 2 and self._before_reuse is not None:
+            self._before_reuse()  # the reader may still hold views of the group this buffer held
         self._lane.wait(slot)  # its previous group was read by the host long ago; be sure
         with self._lane.context():
             if self._lane.cuda and not self._started:
-                self._lane.stream.wait_stream(torch.cuda.current_stream(self.slices[0].device))
+                self._lane.stream.wait_stream(self._compute)
                 self._started = True
             for i in self.groups[group]:
                 n = self.slices[i].numel()
@@ -130,7 +123,6 @@ class GradientPrefetcher:
         self._issued = group
 
     def get(self, index: int) -> Tensor:
-        """The host copy of slice ``index`` (in order, or revisiting the current group)."""
         group = self._group_of[index]
         if group < self._ready:
             raise ValueError(f"slice {index} belongs to group {group}, already released (at group {self._ready})")
@@ -143,9 +135,54 @@ class GradientPrefetcher:
         return self._lane.buffers[group % 2][self._offset[index] : self._offset[index] + n]
 
     def close(self) -> None:
-        """Wait for every copy still in flight (their sources may be freed after this)."""
         for slot in range(2):
             self._lane.wait(slot)
+
+
+class GradientPrefetcher:
+    """Host copies of device gradient ``slices`` (1-D), a group ahead of the reader.
+
+    Slices of each (device, dtype) go through a lane of their own (a bf16 model's fp32 norms
+    next to its bf16 matrices, parameters on two devices), each read in the slices' order.
+    A returned view is valid until the reader is a group further on in that lane, when its buffer
+    is refilled: ``before_reuse`` (e.g. a batch's flush) runs first, for a reader that keeps views.
+
+    Example::
+
+        fetch = GradientPrefetcher(slices, before_reuse=batch.flush)
+        for i in range(len(slices)):
+            host = fetch.get(i)  # pinned, the slice's dtype
+        fetch.close()
+    """
+
+    def __init__(self, slices: Sequence[Tensor], stage_bytes: int = DEFAULT_STAGE_BYTES,
+                 before_reuse: Optional[Callable[[], None]] = None) -> None:
+        if not slices:
+            raise ValueError("GradientPrefetcher needs at least one gradient slice")
+        by_lane: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i, s in enumerate(slices):
+            by_lane.setdefault((s.device, s.dtype), []).append(i)
+        self._lanes = [_OneLanePrefetcher([slices[i] for i in members], stage_bytes, before_reuse)
+                       for members in by_lane.values()]
+        self._where = [(0, 0)] * len(slices)  # slice -> (lane, index in the lane)
+        for lane, members in enumerate(by_lane.values()):
+            for j, i in enumerate(members):
+                self._where[i] = (lane, j)
+
+    @property
+    def groups(self) -> list[list[range]]:
+        """Each lane's groups of slices (indices within the lane)."""
+        return [lane.groups for lane in self._lanes]
+
+    def get(self, index: int) -> Tensor:
+        """The host copy of slice ``index`` (in order, or revisiting the current group)."""
+        lane, j = self._where[index]
+        return self._lanes[lane].get(j)
+
+    def close(self) -> None:
+        """Wait for every copy still in flight (their sources may be freed after this)."""
+        for lane in self._lanes:
+            lane.close()
 
 
 class _UpLane:
