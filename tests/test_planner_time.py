@@ -216,3 +216,41 @@ def test_a_round_without_a_world_of_two_measures_no_link():
 def test_selective_checkpointing_costs_something_measurable():
     share = selective_share(64, 1, 16, threads=1, repeats=3)
     assert 0.0 <= share < 20  # the recompute is never free of cost nor a block's many times over
+
+
+def _bench_json(tmp_path, rows):
+    """A one-device benchmark's JSON (python -m lightning_3d.bench.one_device) with the given
+    ``(row, options, step_s)`` records, at a tiny model on the CPU."""
+    import json
+
+    config = {"model": {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 64, "dropout": 0.0},
+              "batch": 4, "precision": "32-true", "accelerator": "cpu", "peak_tflops": None}
+    records = [{"row": row, "engine": "torch" if row == "torch" else "3d", "options": options, "step_s": step}
+               for row, options, step in rows]
+    path = tmp_path / "one_device.json"
+    path.write_text(json.dumps({"config": config, "records": records, "misses": []}))
+    return path
+
+
+def test_the_device_check_ranks_the_benchmarks_rows(tmp_path, capsys):
+    """``python -m lightning_3d.planner.device_check``: the planner predicts full checkpointing
+    slowest and none fastest; a run where that held is 0 % off, one where full measured fastest is
+    as far off as none measured slower than full; unmodelled rows are left out; no modelled row is
+    one error line."""
+    from lightning_3d.planner.device_check import main
+
+    rows = [("torch", {}, 0.001), ("3d", {}, 0.010), ("3d_ac_selective", {"ac_policy": "selective"}, 0.011),
+            ("3d_ac_full", {"ac_policy": "full"}, 0.013), ("3d_compile", {"compile": True}, 0.005)]
+    text = main([str(_bench_json(tmp_path, rows)), "--out", str(tmp_path / "planner.md")])
+    table = [line for line in text.splitlines() if line.startswith("| 3d")]
+    assert [line.split("|")[1].strip() for line in table] == ["3d", "3d_ac_selective", "3d_ac_full"]
+    assert [line.split("|")[-2].strip() for line in table] == ["1", "2", "3"]  # predicted rank
+    assert "first choice 3d measured 0.0% slower than the fastest (3d): within 10%" in text
+    assert (tmp_path / "planner.md").read_text().strip() == text.strip()
+    swapped = [("3d", {}, 0.015), ("3d_ac_full", {"ac_policy": "full"}, 0.010)]
+    assert "first choice 3d measured 50.0% slower than the fastest (3d_ac_full): outside 10%" in main(
+        [str(_bench_json(tmp_path, swapped))])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main([str(_bench_json(tmp_path, [("torch", {}, 0.001)]))])
+    assert exit_.value.code == 2 and "has no 3d row the planner models" in capsys.readouterr().err
