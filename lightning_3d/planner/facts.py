@@ -272,7 +272,8 @@ def sequence_parallel_activations(module: nn.Module, block: tuple[str, nn.Module
                                   d_model: int, seq_len: int, act_bytes: int, policies: Sequence[str],
                                   tp_sizes: Sequence[int]) -> dict[tuple, ActivationFit]:
     """``(policy, tp, "sp")`` fits of the block under the architecture's sequence-parallel plan.
-    None where the model has no plan, the plan does not divide the model, or this process
+    None where the model has no plan, the plan does not divide the model, the block cannot run
+    alone (e.g. a rotary embedding whose buffers are still on meta), or this process
     already has a process group (``parallelism=auto`` inside a run: the fake world that measures
     it cannot coexist with one); the planner then rejects those layouts as not measured."""
     import torch.distributed as dist
@@ -291,7 +292,7 @@ def sequence_parallel_activations(module: nn.Module, block: tuple[str, nn.Module
                    if key == name or key.startswith(name + ".")}
             out.update(measure_sequence_parallel(block, own, forward=forward, d_model=d_model, seq_len=seq_len,
                                                  act_bytes=act_bytes, policies=policies, tp=tp))
-        except ValueError:
+        except Exception:  # noqa: BLE001 - a block that cannot run alone (e.g. meta buffers): not measured
             continue
     return out
 

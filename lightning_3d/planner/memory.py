@@ -148,7 +148,7 @@ def buffer_bytes(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> 
     total = float(facts.buffer_bytes)
     if choice.data > 1 and choice.zero_stage < 3:
         total += options.bucket_size_mb * 2**20
-    if choice.zero_stage == 3 and (choice.data > 1 or choice.offload == "cpu+params"):
+    if choice.zero_stage == 3 and (choice.data > 1 or choice.offload_params):
         largest = max(b.local(choice.tensor) for b in facts.blocks)
         compute = act if facts.precision.endswith("mixed") else p_b
         total += largest * (2 * compute + g_b)

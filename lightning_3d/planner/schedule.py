@@ -19,9 +19,11 @@ not yet run, at the peak, in chunks. GPipe: all ``m``; 1F1B: ``min(m, p − r)``
 (rank 0 holds the most); the interleaved schedules follow torch's warm-up count
 (``torch.distributed.pipelining.schedules._get_warmup_ops``): ``(v − 1)·k + f·(p − 1 − r)``
 chunk forwards before the first backward, ``k`` the micro-batches per round (``m`` split into
-``max(1, m // p)`` rounds) and ``f`` 2 for interleaved 1F1B, 1 for zero-bubble, plus the one
-in steady state, at most ``v·m``. Zero-bubble's delayed weight gradients also keep their
-inputs a while longer; that is not counted (within a chunk's weight-input bytes).
+``max(1, m // p)`` rounds) and ``f`` 2 for interleaved 1F1B, plus the one in steady state, at
+most ``v·m``. Zero-bubble keeps a chunk's whole graph until its weight gradients run (torch's
+input backward retains the graph for them), and rank ``r`` delays those by ``r`` micro-batches,
+so every rank holds what rank 0 does: ``(v − 1)·k + p``, at most ``v·m`` (counted from torch's
+own op order, forwards less weight backwards: ``tests/test_planner_search.py``).
 """
 
 from __future__ import annotations
@@ -55,5 +57,6 @@ def in_flight_chunks(schedule: str, pipeline: int, micro_batches: int, rank: int
     if schedule not in MULTI_STAGE:
         return min(m, p - rank)
     per_round = m // interleaved_rounds(m, p)
-    warmup = min((v - 1) * per_round + _WARMUP_FACTOR[schedule] * (p - 1 - rank), v * m)
+    behind = 0 if schedule == "zero_bubble" else rank  # zero-bubble: graphs alive until the weight pass
+    warmup = min((v - 1) * per_round + _WARMUP_FACTOR[schedule] * (p - 1 - behind), v * m)
     return min(warmup + 1, v * m)

@@ -143,8 +143,10 @@ def plan_layouts(facts: ModelFacts, cluster: Cluster, options: PlannerOptions = 
                                       reason=problem[1]))
             continue
         for choice in _choices(dp, tp, pp, batch // dp, facts.n_layer, options):
-            if pp > 1 and choice.schedule == "1f1b" and choice.micro_batches < pp:
-                continue  # torch's Schedule1F1B refuses fewer micro-batches than stages
+            if pp > 1 and choice.schedule != "gpipe" and choice.micro_batches < pp:
+                # torch's Schedule1F1B refuses fewer micro-batches than stages; the interleaved
+                # schedules run them, but their bubble is then far above (p - 1) / (v·m): not modelled
+                continue
             error = _plan_error(choice, world, check, checked)
             if error is not None:
                 rejected.append(Candidate(choice, kind="plan check", reason=error))
@@ -212,7 +214,8 @@ def _plan_error(choice: Choice, world: int, check: Optional[Check], cache: dict)
     if key not in cache:
         try:
             plan = Plan.from_options(**options)
-            shape_key = ("shape", choice.tensor, choice.pipeline, plan.pp.virtual_stages)
+            # What the model check depends on: sequence parallelism builds another tensor plan.
+            shape_key = ("shape", choice.tensor, choice.pipeline, plan.pp.virtual_stages, plan.tp.sequence_parallel)
             if check is not None and (choice.tensor > 1 or choice.pipeline > 1):
                 if shape_key not in cache:
                     try:
