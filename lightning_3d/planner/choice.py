@@ -18,7 +18,8 @@ from lightning_3d.planner.facts import PRECISIONS
 
 # Where Adam's state goes; "+params": ZeRO-3's parameter and gradient shards in host memory too.
 OFFLOADS = ("none", "cpu", "cpu+params", "nvme", "nvme+params")
-# The schedules, the simpler first (the planner's order among equally fast layouts).
+# The schedules, the simpler first: the default enumeration order, which breaks the last ties
+# among equally fast and equally simple layouts (the ranking sorts stably).
 SCHEDULE_ORDER = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
 
 
