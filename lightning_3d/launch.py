@@ -171,7 +171,7 @@ def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float) -
             if code not in (None, 0):
                 if code < 0:  # a signal: the rank could not say anything itself
                     print(f"lightning_3d: launcher: rank {rank} (pid {procs[rank].pid}) was killed by "
-                          f"{_signal_name(-code)}; stopping the other ranks", file=sys.stderr, flush=True)
+                          f"{signal_name(-code)}; stopping the other ranks", file=sys.stderr, flush=True)
                 # First a moment to fail by themselves (a lost peer fails their collective at once)
                 # and say why: a SIGTERM during their error handling would only interrupt it.
                 _end(procs, signal.SIGTERM, FAILURE_GRACE_S, received=received, patience_s=FAILURE_GRACE_S)
@@ -214,7 +214,8 @@ def _send(proc: subprocess.Popen, signum: int) -> None:
         pass
 
 
-def _signal_name(signum: int) -> str:
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9; ``signal N`` for a number Python does not name."""
     try:
         return signal.Signals(signum).name
     except ValueError:

@@ -92,7 +92,7 @@ def test_a_misread_tensor_plan_is_caught(monkeypatch, tiny_facts):
     import lightning_3d.planner.facts as facts_module
 
     choice = Choice(data=2, tensor=2, pipeline=1, zero_stage=3)
-    monkeypatch.setattr(facts_module, "_split_names", lambda module: (set(), set()))  # "TP splits nothing"
+    monkeypatch.setattr(facts_module, "split_dims", lambda module: ({}, set()))  # "TP splits nothing"
     problems = validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
     assert any("is not split by the plan but placed" in p and "attn.wq.weight" in p for p in problems), problems
 

@@ -151,6 +151,7 @@ def test_a_rank_that_dies_without_a_report_fails_the_world_at_once():
         run_world(_die_silently_while_a_peer_waits, 2, timeout=WORLD_TIMEOUT_S)
     assert time.monotonic() - start < WORLD_TIMEOUT_S / 2  # not the whole timeout
 
+
 def _where_am_i(rank):
     import torch
 
@@ -166,7 +167,6 @@ def test_forked_ranks_take_the_callers_environment_and_directory(monkeypatch, tm
     for method in ("forkserver", "spawn"):
         [(mark, cwd, threads)] = run_world(_where_am_i, 1, timeout=WORLD_TIMEOUT_S, start_method=method)
         assert (mark, Path(cwd), threads) == ("now", tmp_path, 1), method
-
 
 
 def _speak_and_leave_a_mark(rank, mark):
@@ -196,6 +196,7 @@ def test_ranks_write_where_the_caller_writes_and_run_their_exit_handlers(capfd, 
     for rank in range(2):
         assert f"rank {rank} to stdout" in out and f"rank {rank} to stderr" in err
         assert (tmp_path / f"exited-{rank}").is_file()
+
 
 def test_an_unknown_start_method_is_refused():
     with pytest.raises(ValueError, match="start_method must be one of \\('spawn', 'forkserver'\\), got 'fork'"):

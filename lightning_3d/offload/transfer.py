@@ -159,15 +159,13 @@ class GradientPrefetcher:
                  before_reuse: Optional[Callable[[], None]] = None) -> None:
         if not slices:
             raise ValueError("GradientPrefetcher needs at least one gradient slice")
-        by_lane: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        for i, s in enumerate(slices):
-            by_lane.setdefault((s.device, s.dtype), []).append(i)
-        self._lanes = [_OneLanePrefetcher([slices[i] for i in members], stage_bytes, before_reuse)
-                       for members in by_lane.values()]
-        self._where = [(0, 0)] * len(slices)  # slice -> (lane, index in the lane)
-        for lane, members in enumerate(by_lane.values()):
-            for j, i in enumerate(members):
-                self._where[i] = (lane, j)
+        lanes: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        self._where: list[tuple[int, int]] = []  # slice -> (lane, index in the lane)
+        for s in slices:
+            members = lanes.setdefault((s.device, s.dtype), [])
+            self._where.append((list(lanes).index((s.device, s.dtype)), len(members)))
+            members.append(s)
+        self._lanes = [_OneLanePrefetcher(members, stage_bytes, before_reuse) for members in lanes.values()]
 
     @property
     def groups(self) -> list[list[range]]:

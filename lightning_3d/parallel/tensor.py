@@ -65,7 +65,6 @@ def layer_features(module: nn.Module) -> tuple[int, int]:
     return module.weight.shape[0], module.weight.shape[1]
 
 
-
 def split_dim(module: nn.Module, style: ParallelStyle, pname: str) -> int | None:
     """The dim of ``module``'s parameter ``pname`` that ``style`` shards on the tensor axis, or
     ``None`` where it stays whole (a row-parallel bias, a style that splits no parameters).
@@ -86,6 +85,7 @@ def split_dim(module: nn.Module, style: ParallelStyle, pname: str) -> int | None
     if pname != "weight":
         return None  # a row-parallel bias is added once, after the partial sums are combined
     return {"Linear": 1, "Embedding": 0, "Conv1D": 0}[kind]
+
 
 # Torch's own ColwiseParallel / RowwiseParallel split these; the subclasses below declare theirs.
 TORCH_LAYER_KINDS = ("Linear", "Embedding")

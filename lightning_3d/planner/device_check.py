@@ -28,15 +28,10 @@ POLICIES = ("none", "selective", "full")
 
 
 def planned_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The benchmark's ``3d`` rows the planner models: no compile, a known checkpointing policy."""
-    rows = []
-    for record in records:
-        options = record.get("options") or {}
-        if record.get("engine") != "3d" or options.get("compile") or set(options) - {"ac_policy"}:
-            continue
-        if options.get("ac_policy", "none") in POLICIES:
-            rows.append(record)
-    return rows
+    """The benchmark's ``3d`` rows the planner models: no option but a known checkpointing policy
+    (so no compile)."""
+    return [r for r in records if r.get("engine") == "3d" and set(r.get("options") or {}) <= {"ac_policy"}
+            and (r.get("options") or {}).get("ac_policy", "none") in POLICIES]
 
 
 def compare(facts: ModelFacts, cluster: Cluster, options: PlannerOptions, records: list[dict[str, Any]],
@@ -52,27 +47,24 @@ def compare(facts: ModelFacts, cluster: Cluster, options: PlannerOptions, record
     return sorted(out, key=lambda r: r["measured_s"])
 
 
-def first_choice_gap(rows: list[dict[str, Any]]) -> float:
-    """How much slower the row predicted fastest measured than the fastest measured (0.1 = 10 %)."""
-    chosen = min(rows, key=lambda r: r["predicted_s"])
-    return chosen["measured_s"] / rows[0]["measured_s"] - 1
-
-
 def report(rows: list[dict[str, Any]], cluster: Cluster, device: str = "cuda") -> str:
-    by_prediction = sorted(rows, key=lambda r: r["predicted_s"])
+    """The table, with each row's measured and predicted rank, and the first choice's verdict
+    (:func:`lightning_3d.planner.time_calibration.verdict`, as the CPU calibration judges it)."""
+    from lightning_3d.planner.time_calibration import ranks, verdict
+
+    measured = {r["row"]: r["measured_s"] for r in rows}
+    predicted = {r["row"]: r["predicted_s"] for r in rows}
+    judged = verdict(measured, predicted)
     assumed = "the GPU defaults" if device == "cuda" else "parallelism=auto's CPU figures (planner/auto.py)"
     lines = [f"planner against the one-device benchmark on {device}: peak {cluster.peak_tflops:g} TFLOP/s, "
              f"efficiency, checkpointing and step costs from {assumed}",
              "| row | ac_policy | measured s | predicted s | predicted/measured | measured rank | predicted rank |",
              "|---|---|---|---|---|---|---|"]
-    for rank, r in enumerate(rows, 1):
+    for r, m_rank, p_rank in zip(rows, ranks(list(measured.values())), ranks(list(predicted.values()))):
         lines.append(f"| {r['row']} | {r['ac_policy']} | {r['measured_s']:.4f} | {r['predicted_s']:.4f} | "
-                     f"{r['ratio']:.2f} | {rank} | {by_prediction.index(r) + 1} |")
-    gap = first_choice_gap(rows)
-    chosen = by_prediction[0]["row"]
-    verdict = "within" if gap <= 0.10 else "outside"
-    lines.append(f"\nplanner's first choice {chosen} measured {100 * gap:.1f}% slower than the fastest "
-                 f"({rows[0]['row']}): {verdict} 10%")
+                     f"{r['ratio']:.2f} | {m_rank:g} | {p_rank:g} |")
+    lines.append(f"\nplanner's first choice {judged['first_choice']} measured {100 * judged['gap']:.1f}% slower than "
+                 f"the fastest ({judged['fastest']}): {'within' if judged['within'] else 'outside'} 10%")
     return "\n".join(lines)
 
 

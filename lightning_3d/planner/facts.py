@@ -172,7 +172,7 @@ def _sizes(module: nn.Module) -> dict[str, Optional[int]]:
     return found
 
 
-def _split_dims(module: nn.Module) -> tuple[dict[str, int], set[str]]:
+def split_dims(module: nn.Module) -> tuple[dict[str, int], set[str]]:
     """Full names of the parameters the architecture's tensor-parallel plan splits, each with the
     dim it splits, and the names of its column-parallel modules (none if the model has no plan:
     ``tensor > 1`` is then refused by the strategy's own check)."""
@@ -195,25 +195,19 @@ def _split_dims(module: nn.Module) -> tuple[dict[str, int], set[str]]:
     return dims, {name for name, style in resolved.items() if isinstance(style, ColwiseParallel)}
 
 
-def _split_names(module: nn.Module) -> tuple[set[str], set[str]]:
-    """:func:`_split_dims` without the dims."""
-    dims, columns = _split_dims(module)
-    return set(dims), columns
-
-
 def _part(modules: Iterable[tuple[str, nn.Module]], split: Mapping[str, int]) -> Part:
-    seen: dict[int, tuple[int, int, bool]] = {}  # id -> (rows, split dim or -1, used in a matmul)
-    numel: dict[int, int] = {}
+    # id -> (rows, elements, split dim or -1, used in a matmul): a parameter reached under two
+    # names (tied) counts once, split or in a matmul if it is under either name.
+    seen: dict[int, tuple[int, int, int, bool]] = {}
     for prefix, module in modules:
         for sub_name, sub in module.named_modules(prefix=prefix):
             for pname, p in sub.named_parameters(recurse=False):
-                full = f"{sub_name}.{pname}"
-                rows, dim, flop = seen.get(id(p), (p.shape[0] if p.dim() else 1, -1, False))
-                seen[id(p)] = (rows, split.get(full, dim), flop or not isinstance(sub, nn.Embedding))
-                numel[id(p)] = p.numel()
-    shapes = Counter((rows, numel[k], dim) for k, (rows, dim, _) in seen.items())
-    return Part(sum(numel.values()), sum(numel[k] for k, (_, d, _) in seen.items() if d >= 0),
-                sum(numel[k] for k, (_, _, f) in seen.items() if f), tuple(sorted(shapes.items())))
+                rows, n, dim, flop = seen.get(id(p), (p.shape[0] if p.dim() else 1, p.numel(), -1, False))
+                dim = split.get(f"{sub_name}.{pname}", dim)
+                seen[id(p)] = (rows, n, dim, flop or not isinstance(sub, nn.Embedding))
+    shapes = Counter((rows, n, dim) for rows, n, dim, _ in seen.values())
+    return Part(sum(n for _, n, _, _ in seen.values()), sum(n for _, n, d, _ in seen.values() if d >= 0),
+                sum(n for _, n, _, f in seen.values() if f), tuple(sorted(shapes.items())))
 
 
 def model_facts(module: nn.Module, *, seq_len: Optional[int] = None, precision: str = "bf16-mixed",
@@ -240,7 +234,7 @@ def model_facts(module: nn.Module, *, seq_len: Optional[int] = None, precision: 
         raise ValueError(f"seq_len={seq_len!r} must be a positive integer (the model gives no block_size)")
     if sizes["positions"] and seq_len > sizes["positions"]:
         raise ValueError(f"seq_len={seq_len} is above the model's maximum positions {sizes['positions']}")
-    split, columns = _split_dims(module)
+    split, columns = split_dims(module)
     block_names = {name for name, _ in blocks}
     if spec is not None:
         first_modules = [(n, module.get_submodule(n)) for n in spec.first]

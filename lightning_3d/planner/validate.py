@@ -124,10 +124,11 @@ def reference(module: nn.Module, choice: Choice) -> Reference:
     local shapes of the block the planner measured activation bytes on (``None``: estimated)."""
     from lightning_3d.parallel.activation_checkpoint import transformer_blocks
     from lightning_3d.planner.activations import _local_block
-    from lightning_3d.planner.facts import _split_names
+    from lightning_3d.planner.facts import split_dims
 
     pipeline = choice.pipeline
-    split, columns = _split_names(module)
+    dims, columns = split_dims(module)
+    split = set(dims)
     name, block = transformer_blocks(module)[0]
     local = _local_block(block, name, split, columns, choice.tensor)  # as lightning_3d.planner.facts measures it
     measured = {n: tuple(p.shape) for n, p in local.named_parameters()} if local is not None else None

@@ -35,7 +35,6 @@ import atexit
 import os
 import pickle
 import queue
-import signal
 import sys
 import time
 import traceback
@@ -46,7 +45,7 @@ from typing import Any, Optional
 
 import torch.multiprocessing as mp
 
-from lightning_3d.launch import hosted_store, local_rank_env
+from lightning_3d.launch import hosted_store, local_rank_env, signal_name
 
 
 START_METHOD_ENV = "LIGHTNING3D_WORLD_START"  # "spawn" (default) or "forkserver"
@@ -147,12 +146,7 @@ def _exit_note(process: Any) -> str:
     code = process.exitcode
     if code is None:
         return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+    return f"killed by {signal_name(-code)}" if code < 0 else f"exit code {code}"
 
 
 def _failure(errors: dict[int, str], procs: list[Any], outputs: dict[int, Any]) -> RuntimeError:
@@ -173,20 +167,25 @@ def _died_silently(procs: list[Any], errors: dict[int, str], outputs: dict[int, 
     return any(p.exitcode is not None and r not in errors and r not in outputs for r, p in enumerate(procs))
 
 
+def _record(report: tuple[int, str, Any], errors: dict[int, str], outputs: dict[int, Any]) -> bool:
+    """File one rank's report (a traceback, or its pickled result); whether it was an error."""
+    rank, status, value = report
+    if status == "error":
+        errors[rank] = value
+        return True
+    outputs[rank] = pickle.loads(value)
+    return False
+
+
 def _drain(results: Any, errors: dict[int, str], outputs: dict[int, Any], procs: list[Any]) -> None:
     """Collect what the other ranks still report within the grace period, after one failed."""
     deadline = time.monotonic() + _GRACE_SECONDS
     while len(errors) + len(outputs) < len(procs) and time.monotonic() < deadline:
         try:
-            rank, status, value = results.get(timeout=0.5)
+            _record(results.get(timeout=0.5), errors, outputs)
         except queue.Empty:
             if not any(p.is_alive() for p in procs):
                 return
-            continue
-        if status == "error":
-            errors[rank] = value
-        else:
-            outputs[rank] = pickle.loads(value)
 
 
 def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0,
@@ -218,7 +217,7 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0,
             deadline = time.monotonic() + timeout
             while len(outputs) < world_size:
                 try:
-                    rank, status, value = results.get(timeout=min(_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+                    report = results.get(timeout=min(_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
                     if _died_silently(procs, errors, outputs):  # its peers may wait on it for ever
                         _drain(results, errors, outputs, procs)  # (or its report is still in the pipe)
@@ -229,11 +228,9 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0,
                         raise TimeoutError(f"world of {world_size} did not finish within {timeout}s "
                                            f"(no result yet from ranks {waiting})") from None
                     continue
-                if status == "error":
-                    errors[rank] = value
+                if _record(report, errors, outputs):
                     _drain(results, errors, outputs, procs)
                     raise _failure(errors, procs, outputs)
-                outputs[rank] = pickle.loads(value)
             for p in procs:
                 p.join(timeout=60)
         finally:
