@@ -9,13 +9,14 @@ data-parallel replica of each stage is checked too. (The per-step loss is broadc
 stage, so it is the same on every rank by construction and is not compared rank by rank.)
 """
 
+import time
+
 import pytest
 import torch
 
 from lightning_3d.parallel.pipeline import stage_blocks, stage_ids
 from lightning_3d.testing.parity import assert_same_run, rank_state_mismatches
 from lightning_3d.testing.runs import Run, fit_gpt, fit_gpt_ranks
-from lightning_3d.testing.schedule_trace import simulate, trace_rank
 from lightning_3d.testing.world import run_world
 
 STEPS, SEED = 5, 1234
@@ -82,18 +83,25 @@ SLOW_CASES = {  # run with -m slow
 CASES.update(SLOW_CASES)
 
 
-VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
-# The schedule's ideal bubble assumes equal stages and backward = 2 x forward; measured stages
-# differ by the embedding and the head, and real costs by their ratio: allow 0.1 below it.
-BUBBLE_MARGIN = 0.1
+# Wall-clock shares on a shared 2-core machine (4 ranks oversubscribe it) move by +-0.2 around a
+# schedule's ideal bubble, so the parity runs only check that it is a fraction; the measurement
+# itself is checked against a wait that cannot be mistaken for work (a sleeping last stage).
+HEAD_DELAY_S = 0.1
 
 
-def _ideal_bubble(strategy) -> dict[int, float]:
-    """Per pipeline rank, the idle share of the schedule's own order (traced without processes)."""
-    schedule, pp = strategy.get("schedule", "1f1b"), strategy["pipeline"]
-    orders = {r: trace_rank(schedule, pp_size=pp, virtual=VIRTUAL[schedule], micro_batches=strategy["micro_batches"],
-                            rank=r) for r in range(pp)}
-    return simulate(orders)["bubble"]
+def _fit_with_a_slow_head(rank, run):
+    """``fit_gpt`` with the model's head sleeping ``HEAD_DELAY_S`` per call: only the last stage
+    runs it, so the first waits on every micro-batch while using no CPU."""
+    from lightning_3d.models.gpt import GPT
+
+    head = GPT.head
+
+    def slow_head(self, x):
+        time.sleep(HEAD_DELAY_S)
+        return head(self, x)
+
+    GPT.head = slow_head  # this rank's process only
+    return fit_gpt(rank, run)
 
 
 @pytest.mark.parametrize(
@@ -101,19 +109,25 @@ def _ideal_bubble(strategy) -> dict[int, float]:
 )
 def test_pipeline_matches_single_process(reference, case_runs, case):
     """Catches: a wrong micro-batch or accumulation factor (SGD: weights scale with it), a
-    data-parallel replica of a stage left stale (its own parameters are compared), a bubble
-    measurement that counts waiting as work (measured below the schedule's ideal idle share)."""
+    data-parallel replica of a stage left stale (its own parameters are compared)."""
     strategy, world = CASES[case]
     runs = case_runs(case)
     assert runs[0]["summary"]["layout"]["pipeline"] == strategy["pipeline"]
-    if "split" not in strategy:  # equal stages: the ideal applies
-        ideal = _ideal_bubble(strategy)
-        per_stage = world // strategy["pipeline"]  # the ("pp", "dp", "tp") mesh: pp outermost
-        for rank in runs[0]["summary"]["ranks"]:  # measured idle share of each schedule step
-            expected = ideal[rank["rank"] // per_stage]
-            measured = rank["bubble_fraction"]
-            assert expected - BUBBLE_MARGIN <= measured < 1.0, (rank["rank"], measured, expected)
+    assert all(0.0 <= rank["bubble_fraction"] < 1.0 for rank in runs[0]["summary"]["ranks"])
     _assert_every_rank(runs, reference(SGD, {}))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_bubble_counts_waiting_for_another_stage_as_idle(schedule):
+    """Catches a bubble measurement that counts waiting as work, or the other stage's work as
+    this one's. The last stage sleeps 0.1 s in each micro-batch's forward (m = 4): the first
+    stage, whose own chunks take milliseconds, waits for at least 0.4 s of a step and must read
+    mostly idle; the last stage, busy sleeping, must read less idle than the first."""
+    strategy = {"pipeline": 2, "schedule": schedule, "micro_batches": 4}
+    runs = run_world(_fit_with_a_slow_head, 2, Run(strategy=strategy, devices=2, steps=3, seed=SEED, model=SGD))
+    first, last = (rank["bubble_fraction"] for rank in runs[0]["summary"]["ranks"])
+    assert first > 0.5, (first, last)
+    assert last < first, (first, last)
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe(case_runs):
