@@ -103,7 +103,7 @@ def test_activations_measured_on_other_shapes_are_caught(monkeypatch, tiny_facts
     choice = Choice(data=2, tensor=2, pipeline=2, zero_stage=1, micro_batches=2, batch_per_rank=2, ac_policy="full")
     assert not validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
     # A planner that measured the block at full width, as if tensor parallelism split nothing in it.
-    monkeypatch.setattr(activations, "_local_block", lambda block, prefix, split, columns, tp: block)
+    monkeypatch.setattr(activations, "local_block", lambda block, prefix, split, columns, tp: block)
     problems = validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
     assert problems and all("activation bytes were measured on" in p for p in problems), problems
 

@@ -63,7 +63,7 @@ def fit_points(points: Sequence[tuple[int, int]], source: str = "measured") -> A
     return ActivationFit(max(0.0, b1 / t1 - sq * t1), sq, source, tuple(points))
 
 
-def _local_block(block: nn.Module, prefix: str, split: set[str], columns: set[str], tp: int) -> Optional[nn.Module]:
+def local_block(block: nn.Module, prefix: str, split: set[str], columns: set[str], tp: int) -> Optional[nn.Module]:
     """A meta copy of ``block`` with the local shapes of one of ``tp`` ranks (``split``: names of
     the parameters tensor parallelism splits; ``columns``: names of the column-parallel modules);
     ``None`` when a split parameter is not an ``nn.Linear`` weight (its local shape is unknown here)."""
@@ -134,7 +134,7 @@ def measure_activations(entry: tuple[str, nn.Module], *, forward: Optional[Calla
     lengths = sorted({t1, min(2 * t1, seq_len)})
     out: dict[tuple[str, int], ActivationFit] = {}
     for tp in sorted(tp_sizes):
-        local = _local_block(block, name, split, columns, tp)
+        local = local_block(block, name, split, columns, tp)
         real = _materialize(local, dtype) if local is not None else None  # once per tensor size
         for policy in policies:
             base = out.get((policy, 1))

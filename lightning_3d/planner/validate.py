@@ -123,14 +123,14 @@ def reference(module: nn.Module, choice: Choice) -> Reference:
     """What one process's whole model (built on ``meta``) says each stage should hold, and the
     local shapes of the block the planner measured activation bytes on (``None``: estimated)."""
     from lightning_3d.parallel.activation_checkpoint import transformer_blocks
-    from lightning_3d.planner.activations import _local_block
+    from lightning_3d.planner.activations import local_block
     from lightning_3d.planner.facts import split_dims
 
     pipeline = choice.pipeline
     dims, columns = split_dims(module)
     split = set(dims)
     name, block = transformer_blocks(module)[0]
-    local = _local_block(block, name, split, columns, choice.tensor)  # as lightning_3d.planner.facts measures it
+    local = local_block(block, name, split, columns, choice.tensor)  # as lightning_3d.planner.facts measures it
     measured = {n: tuple(p.shape) for n, p in local.named_parameters()} if local is not None else None
     shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
     if pipeline == 1:
