@@ -285,13 +285,16 @@ def test_zero_engine_on_nccl_matches_a_plain_step(nccl_results, stage):
     assert nccl_results[f"zero{stage}"] is None, nccl_results[f"zero{stage}"]
 
 
-def _offload_overlap(rank: int, device: str) -> dict:
+def _offload_overlap(rank: int, device: str, delay: bool = False) -> dict:
     """bf16 parameters and an fp32 one on ``device`` stepped by ``OffloadedAdam`` with and without
     overlap (tiny staging buffers, so the buffers turn many times, one lane per dtype), and fp32
     ``torch.optim.AdamW(fused=True)`` on the CPU from the same start; after each step the compute
     stream sums the weights, as the next forward would read them. Each step's gradients are
     written on the compute stream behind a long sleep kernel, as backward leaves them: a
-    prefetch that does not wait for the compute stream copies the previous gradients."""
+    prefetch (or, with ``delay``, a snapshot) that does not wait for the compute stream copies the
+    previous gradients. After the sum the gradients are overwritten in place, as a ZeRO engine
+    zeroes its buckets: a copy not ordered before that reads NaN. Each step's weights (``seen``)
+    are returned too; with ``delay`` the final ones after ``synchronize()``."""
     from lightning_3d.offload import OffloadedAdam
 
     sizes, steps = (1000, 3000, 517, 1500), 3
@@ -306,8 +309,8 @@ def _offload_overlap(rank: int, device: str) -> dict:
     for overlap in (True, False):
         params = [torch.nn.Parameter(t.to(device, copy=True)) for t in start]
         staged = [[g.to(device, copy=True) for g in step] for step in grads]  # on the device before the loop
-        opt = OffloadedAdam(params, lr=1e-2, chunk_bytes=12 * 256, overlap=overlap)
-        sums = []
+        opt = OffloadedAdam(params, lr=1e-2, chunk_bytes=12 * 256, overlap=overlap, delay_update=delay)
+        sums, seen = [], []
         for s in range(steps):
             if cuda:
                 torch.cuda._sleep(200_000_000)  # ~0.1 s of device time ahead of the gradient writes
@@ -315,34 +318,52 @@ def _offload_overlap(rank: int, device: str) -> dict:
                 p.grad = g.clone()  # a kernel on the compute stream, queued behind the sleep
             opt.step()
             sums.append(sum(p.float().sum() for p in params).item())  # compute stream, right after the step
+            seen.append([p.detach().to("cpu", copy=True) for p in params])
+            for p in params:
+                p.grad.fill_(float("nan"))  # in place, on the compute stream
             opt.zero_grad(set_to_none=True)
-        out[overlap] = ([p.detach().cpu() for p in params], sums)
+        opt.synchronize()
+        out[overlap] = ([p.detach().cpu() for p in params], sums, seen)
         opt.close()
     masters = [torch.nn.Parameter(t.float().clone()) for t in start]
     reference = torch.optim.AdamW(masters, lr=1e-2, fused=True)
+    out["history"] = [start]
     for s in range(steps):
         for p, g in zip(masters, grads[s]):
             p.grad = g.float().clone()
         reference.step()
-    out["reference"] = [m.detach().to(t.dtype) for m, t in zip(masters, start)]
+        out["history"].append([m.detach().to(t.dtype, copy=True) for m, t in zip(masters, start)])
+    out["reference"] = out["history"][-1]
     return out
 
 
-def test_offload_overlap_check_runs_on_cpu():
-    """The check below on CPU parameters (no side streams there, but the same prefetching path,
-    bf16 and fp32 lanes): both paths equal the reference."""
-    out = run_world(_offload_overlap, 1, "cpu")[0]
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["overlap", "delayed"])
+def test_offload_overlap_check_runs_on_cpu(delay):
+    """The check below on CPU parameters (no side streams there, but the same prefetching and
+    snapshot paths, bf16 and fp32 lanes): both paths equal the reference; delayed, every step's
+    weights are the update before last."""
+    out = run_world(_offload_overlap, 1, "cpu", delay)[0]
     for overlap in (True, False):
-        assert all(torch.equal(a, b) for a, b in zip(out[overlap][0], out["reference"]))
+        assert _same(out[overlap][0], out["reference"])
+        if delay:
+            assert all(_same(seen, out["history"][s]) for s, seen in enumerate(out[overlap][2]))
 
 
 @pytest.mark.cuda
 @needs_cuda
-def test_offload_overlap_matches_blocking_bit_for_bit():
-    """Gradients down and weights up on side streams: the same weights as the blocking path and as
-    fp32 AdamW on the CPU cast to bf16, and every forward after a step reads the new weights."""
-    out = run_world(_offload_overlap, 1, "cuda")[0]
-    (overlapped, sums_o), (blocking, sums_b) = out[True], out[False]
-    assert all(torch.equal(a, b) for a, b in zip(overlapped, blocking))
-    assert all(torch.equal(a, b) for a, b in zip(overlapped, out["reference"]))
+@pytest.mark.parametrize("delay", [False, True], ids=["overlap", "delayed"])
+def test_offload_overlap_matches_blocking_bit_for_bit(delay):
+    """Gradients down and weights up on side streams (delayed: the gradients snapshot into pinned
+    buffers without the host waiting): the same weights as the blocking path and as fp32 AdamW on
+    the CPU cast to bf16, and every forward after a step reads the weights it should."""
+    out = run_world(_offload_overlap, 1, "cuda", delay)[0]
+    (overlapped, sums_o, seen_o), (blocking, sums_b, seen_b) = out[True], out[False]
+    assert _same(overlapped, blocking) and _same(overlapped, out["reference"])
     assert sums_o == sums_b
+    assert all(_same(a, b) for a, b in zip(seen_o, seen_b))
+    if delay:
+        assert all(_same(seen, out["history"][s]) for s, seen in enumerate(seen_o))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_3d.offload import OffloadedAdam
-from lightning_3d.offload.transfer import GradientPrefetcher, WeightUploader, _groups
+from lightning_3d.offload.transfer import GradientPrefetcher, GradientSnapshot, WeightUploader, _groups
 
 
 def test_groups_are_consecutive_runs_that_fit():
@@ -63,6 +63,22 @@ def test_a_buffer_is_refilled_only_after_the_reader_is_told():
         assert len(calls) == max(0, min(i, 3)), (i, calls)
     assert torch.equal(held[-1], slices[-1])
     fetch.close()
+
+
+def test_a_snapshot_is_an_owned_copy_in_the_gradients_dtype_in_buffers_kept_between_steps():
+    snapshot = GradientSnapshot()
+    grads = {0: torch.randn(7, 3).to(torch.bfloat16), 2: torch.randn(5)}
+    first, ready = snapshot.take(grads)
+    ready()
+    assert {k: (v.dtype, v.shape) for k, v in first.items()} == {0: (torch.bfloat16, (21,)), 2: (torch.float32, (5,))}
+    assert all(torch.equal(first[k], g.reshape(-1)) for k, g in grads.items())
+    kept = {k: v.data_ptr() for k, v in first.items()}
+    for g in grads.values():
+        g.fill_(float("nan"))  # the caller reuses its gradients: the copy does not change
+    assert all(not v.isnan().any() for v in first.values())
+    second, _ = snapshot.take({0: torch.ones(21, dtype=torch.bfloat16), 2: torch.ones(6)})
+    assert second[0].data_ptr() == kept[0] and torch.equal(second[0], torch.ones(21, dtype=torch.bfloat16))
+    assert second[2].numel() == 6 and torch.equal(second[2], torch.ones(6))  # a new size: a new buffer
 
 
 def test_uploader_on_a_cpu_copies_and_casts():

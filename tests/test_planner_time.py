@@ -257,11 +257,16 @@ def test_the_device_check_ranks_the_benchmarks_rows(tmp_path, capsys):
     from lightning_3d.planner.device_check import main
 
     rows = [("torch", {}, 0.001), ("3d", {}, 0.010), ("3d_ac_selective", {"ac_policy": "selective"}, 0.011),
-            ("3d_ac_full", {"ac_policy": "full"}, 0.013), ("3d_compile", {"compile": True}, 0.005)]
+            ("3d_ac_full", {"ac_policy": "full"}, 0.013), ("3d_compile", {"compile": True}, 0.005),
+            ("3d_offload_cpu_delayed", {"offload": "cpu", "offload_delay_update": True}, 0.004)]
     text = main([str(_bench_json(tmp_path, rows)), "--out", str(tmp_path / "planner.md")])
     table = [line for line in text.splitlines() if line.startswith("| 3d")]
     assert [line.split("|")[1].strip() for line in table] == ["3d", "3d_ac_selective", "3d_ac_full"]
     assert [line.split("|")[-2].strip() for line in table] == ["1", "2", "3"]  # predicted rank
+    # CPU offload is modelled: the same step plus the host's Adam and the link, predicted slower
+    offloaded = main([str(_bench_json(tmp_path, rows[1:2] + [("3d_offload_cpu", {"offload": "cpu"}, 0.02)]))])
+    rows_of = {line.split("|")[1].strip(): line.split("|") for line in offloaded.splitlines() if line.startswith("| 3d")}
+    assert rows_of["3d_offload_cpu"][3].strip() == "cpu" and rows_of["3d_offload_cpu"][-2].strip() == "2"
     assert "first choice 3d measured 0.0% slower than the fastest (3d): within 10%" in text
     assert (tmp_path / "planner.md").read_text().strip() == text.strip()
     swapped = [("3d", {}, 0.015), ("3d_ac_full", {"ac_policy": "full"}, 0.010)]

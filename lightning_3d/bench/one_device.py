@@ -11,7 +11,10 @@ AdamW, ``gradient_clip_val=1.0``: issue 15's table) trains ``--steps`` steps in 
   schedule from ``LitGPT.configure_optimizers``), no Lightning;
 - ``auto``: ``Trainer(strategy="auto")``;
 - ``3d``: ``ThreeDStrategy()`` with nothing to shard; ``3d_ac_full`` / ``3d_ac_selective``: its
-  activation checkpointing; ``3d_compile``: ``compile=True`` (``torch.compile`` per block).
+  activation checkpointing; ``3d_compile``: ``compile=True`` (``torch.compile`` per block);
+  ``3d_offload_cpu``: ``offload="cpu"`` (issue 14's row: at least 0.6x of ``3d``), and
+  ``3d_offload_cpu_delayed`` with ``offload_delay_update=True`` as well (one step behind: its
+  losses differ, its speed is the point).
 
 Each row runs in a process of its own (a world of one), rows interleaved over ``--repeats``.
 Every step ends with ``torch.cuda.synchronize()`` in every row alike, so a step's time is its
@@ -49,6 +52,10 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {  # name: (engine, ThreeDStrategy
     "3d_ac_full": ("3d", {"ac_policy": "full"}),
     "3d_ac_selective": ("3d", {"ac_policy": "selective"}),
     "3d_compile": ("3d", {"compile": True}),
+    # issue 14's 86 M row: Adam's state and fp32 masters in CPU memory; delayed: ZeRO-Offload's
+    # one-step delayed update (the CPU step overlaps the next forward and backward; other numerics)
+    "3d_offload_cpu": ("3d", {"offload": "cpu"}),
+    "3d_offload_cpu_delayed": ("3d", {"offload": "cpu", "offload_delay_update": True}),
 }
 PRECISIONS = ("bf16-mixed", "bf16-true", "32-true")
 DEFAULT_OUT = Path("bench_out") / "one_device"
@@ -244,11 +251,11 @@ def summarize(cfg: dict[str, Any], raw: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def target_misses(records: list[dict[str, Any]]) -> list[str]:
-    """Issue 15's one-device targets that this run misses (or could not measure), one line each."""
+    """Issue 15's one-device targets (and issue 14's offload row) that this run misses (or could not measure), one line each."""
     by = {r["row"]: r for r in records if "note" not in r}
     misses = [f"{r['row']}: not measured ({r['note']})" for r in records if "note" in r]
     checks = [("3d", "vs_auto", 0.99), ("3d", "vs_torch", 0.97), ("3d_ac_full", "vs_3d", 0.72),
-              ("3d_ac_selective", "vs_3d", 0.85), ("3d_compile", "vs_3d", 1.15)]
+              ("3d_ac_selective", "vs_3d", 0.85), ("3d_compile", "vs_3d", 1.15), ("3d_offload_cpu", "vs_3d", 0.6)]
     for row, key, target in checks:
         value = by.get(row, {}).get(key)
         if value is not None and value < target:

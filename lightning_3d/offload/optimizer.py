@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from lightning_3d.offload.fused import DEFAULT_GRAD_BUFFER_BYTES, AdamHyper, FusedBatch
 from lightning_3d.offload.paths import PathLike
 from lightning_3d.offload.storage import Chunk, ChunkStore, CpuChunkStore, FileChunkStore, ParamSlot, plan_chunks
-from lightning_3d.offload.transfer import DEFAULT_STAGE_BYTES, GradientPrefetcher, WeightUploader
+from lightning_3d.offload.transfer import DEFAULT_STAGE_BYTES, GradientPrefetcher, GradientSnapshot, WeightUploader
 from lightning_3d.parallel.tensor import local_tensor as _local
 
 DEVICES = ("cpu", "nvme")
@@ -72,9 +72,10 @@ class OffloadedAdam(torch.optim.Optimizer):
         the page cache (see :class:`FileChunkStore`; the numbers are the same either way);
         ``overlap`` (parameters on an accelerator): gradients come down and weights go up on side
         streams while the CPU steps (:mod:`lightning_3d.offload.transfer`); ``False`` copies in
-        turn with the step. The numbers are the same either way. With ``delay_update`` the
-        gradients are snapshot and the weights written back with plain copies (the update then
-        overlaps the next forward and backward instead)."""
+        turn with the step. The numbers are the same either way. With ``delay_update`` and
+        ``overlap`` the gradients are snapshot into pinned buffers without the host waiting
+        (:class:`~lightning_3d.offload.transfer.GradientSnapshot`) and the weights go up as above;
+        the update itself overlaps the next forward and backward."""
         for name, value in (("delay_update", delay_update), ("overlap", overlap)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} must be True or False")
@@ -112,6 +113,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         self._in_flight: Optional[Future] = None  # delayed: the update started by the last step()
         self._unapplied: list[int] = []  # delayed: slots whose new masters the parameters lack
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step") if delay_update else None
+        self._snapshot = GradientSnapshot() if delay_update and overlap else None
         self.state = _StateView(self)  # type: ignore[assignment]
         self.closed = False
 
@@ -188,8 +190,12 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._update(grads, hyper, write_weights=True)
             return loss
         # Owned copies: the caller zeroes or overwrites .grad while the update runs.
-        grads = {i: g.to(device="cpu", dtype=torch.float32, copy=True) for i, g in grads.items()}
-        self._in_flight = self._worker.submit(self._update, grads, hyper, write_weights=False)
+        ready = None
+        if self._snapshot is not None and self._on_side_path(list(grads.values())):
+            grads, ready = self._snapshot.take(grads)  # the previous update, its reader, is over
+        else:
+            grads = {i: g.to(device="cpu", dtype=torch.float32, copy=True) for i, g in grads.items()}
+        self._in_flight = self._worker.submit(self._update, grads, hyper, write_weights=False, ready=ready)
         self._unapplied = list(grads)
         return loss
 
@@ -209,9 +215,13 @@ class OffloadedAdam(torch.optim.Optimizer):
         return grads
 
     @torch.no_grad()  # grad mode is per thread: the delayed update runs on another one
-    def _update(self, grads: dict[int, Tensor], hyper: list[AdamHyper], write_weights: bool) -> None:
+    def _update(self, grads: dict[int, Tensor], hyper: list[AdamHyper], write_weights: bool,
+                ready: Optional[Callable[[], None]] = None) -> None:
         """Step the chunks of ``grads``' slots through the store; ``write_weights``: copy the new
-        masters into separate-master parameters as each batch finishes."""
+        masters into separate-master parameters as each batch finishes; ``ready`` blocks until
+        ``grads`` are complete (a snapshot's copies)."""
+        if ready is not None:
+            ready()
         order = [c for i in grads for c in self._slots[i].chunks]
         # A store whose segments stay put (RAM) lets many chunks go to the kernel in one call; a
         # streaming store (NVMe) reuses its buffer once the caller moves on, so step each now.
@@ -243,9 +253,13 @@ class OffloadedAdam(torch.optim.Optimizer):
         """Gradients on an accelerator, with ``overlap``: brought down a group ahead, a lane per
         device and dtype. The batch keeps views of fp32 gradients (it casts only the others), so
         it steps what it holds before a staging buffer is refilled."""
-        if not self.overlap or not slices or any(s.device.type not in self.prefetch_devices for s in slices):
+        if not self._on_side_path(slices):
             return None
         return GradientPrefetcher(slices, self.stage_bytes, before_reuse=self._batch.flush)
+
+    def _on_side_path(self, tensors: list[Tensor]) -> bool:
+        """``overlap``, and every tensor on a device whose copies go through side streams."""
+        return self.overlap and bool(tensors) and all(t.device.type in self.prefetch_devices for t in tensors)
 
     def _wait(self) -> None:
         """Delayed: let the update in flight finish (its error, if any, is raised here)."""
@@ -265,8 +279,13 @@ class OffloadedAdam(torch.optim.Optimizer):
                 for index, segment in self._store.stream(order):
                     chunk = self._chunks[index]
                     n = chunk.numel
-                    _local(self._slots[chunk.slot].param).view(-1)[chunk.start : chunk.start + n].copy_(
-                        segment[2 * n : 3 * n])
+                    weights = _local(self._slots[chunk.slot].param).view(-1)[chunk.start : chunk.start + n]
+                    if self._uploader is not None:  # cast on the host, up on a side stream
+                        self._uploader.put(weights, segment[2 * n : 3 * n])
+                    else:
+                        weights.copy_(segment[2 * n : 3 * n])
+                if self._uploader is not None:
+                    self._uploader.finish()  # the next forward waits for the copies, the host does not
 
     def _add(self, slot: ParamSlot, chunk: Chunk, segment: Tensor, grad: Tensor, hyper: AdamHyper,
              write_weights: bool) -> None:

@@ -9,6 +9,8 @@ Here both directions run on side streams of their own and only the CPU waits:
   staging buffer's worth) ahead of the one the CPU steps, on a "down" stream that first waits
   for the compute stream (where backward wrote the gradients), one such lane per device and
   dtype; before a buffer is refilled, the reader's pending work on its views is stepped;
+- :class:`GradientSnapshot` (the delayed update) copies all gradients at once into pinned
+  buffers kept from step to step, without the host waiting: the update's thread waits instead;
 - :class:`WeightUploader` casts each stepped fp32 master into a pinned staging buffer in the
   parameter's dtype and copies it into the parameter on an "up" stream; :meth:`WeightUploader.finish`
   makes the compute stream wait for it, so the next forward reads new weights without the CPU
@@ -181,6 +183,46 @@ class GradientPrefetcher:
         """Wait for every copy still in flight (their sources may be freed after this)."""
         for lane in self._lanes:
             lane.close()
+
+
+class GradientSnapshot:
+    """The delayed update's own host copy of the gradients, in buffers kept from step to step.
+
+    :meth:`take` starts every copy on the stream that wrote the gradients (the compute stream:
+    non-blocking, into pinned memory, in the gradient's dtype) and returns the host tensors with a
+    ``ready`` function that blocks until they are complete; the update's thread calls it before
+    reading. On the compute stream, whatever writes the gradients' memory next (a ZeRO engine
+    zeroing its buckets, the next backward) is ordered after the copies, and the host does not
+    wait for them. The next :meth:`take` refills the same buffers: the update that read them must
+    be over by then. On a CPU the copies are plain ones and ``ready`` has nothing to wait for.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, Tensor] = {}
+
+    def take(self, grads: dict[int, Tensor]) -> tuple[dict[int, Tensor], Callable[[], None]]:
+        out: dict[int, Tensor] = {}
+        devices: set[torch.device] = set()
+        for key, grad in grads.items():
+            cuda = grad.device.type == "cuda"
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.numel() != grad.numel() or buffer.dtype != grad.dtype:
+                buffer = self._buffers[key] = torch.empty(grad.numel(), dtype=grad.dtype, pin_memory=cuda)
+            buffer.copy_(grad.reshape(-1), non_blocking=cuda)
+            out[key] = buffer
+            if cuda:
+                devices.add(grad.device)
+        events = []
+        for device in devices:
+            event = torch.cuda.Event(blocking=True)  # the waiting update thread sleeps
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+
+        def ready() -> None:
+            for event in events:
+                event.synchronize()
+
+        return out, ready
 
 
 class _UpLane:

@@ -3,12 +3,12 @@
     python -m lightning_3d.planner.device_check bench_out/gpu/bench/one_device.json
 
 The one-device benchmark times ``strategy="3d"`` with activation checkpointing none / selective /
-full on one device (``bash .ci/gpu`` runs it on a GPU). This predicts the same rows for the same
+full, and with ``offload="cpu"``, on one device (``bash .ci/gpu`` runs it on a GPU). This predicts the same rows for the same
 model, batch and precision on the device the benchmark found (:func:`lightning_3d.planner.auto.found_cluster`
 for its peak; run it on that machine) and prints measured against predicted, the rank of each,
 and how far the planner's first choice among them measured from the fastest: issue 17's
 "first choice within 10 % of the fastest measured layout", on a GPU. Rows the planner does not
-model (compile, the raw torch loop, Lightning ``auto``) are left out.
+model (compile, the delayed offload update, the raw torch loop, Lightning ``auto``) are left out.
 """
 
 from __future__ import annotations
@@ -25,24 +25,31 @@ from lightning_3d.planner.facts import ModelFacts
 from lightning_3d.planner.timing import step_time
 
 POLICIES = ("none", "selective", "full")
+OFFLOADS = ("none", "cpu")
 
 
 def planned_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The benchmark's ``3d`` rows the planner models: no option but a known checkpointing policy
-    (so no compile)."""
-    return [r for r in records if r.get("engine") == "3d" and set(r.get("options") or {}) <= {"ac_policy"}
-            and (r.get("options") or {}).get("ac_policy", "none") in POLICIES]
+    and CPU offload (so no compile, no delayed update)."""
+    def modelled(options: dict[str, Any]) -> bool:
+        return (set(options) <= {"ac_policy", "offload"} and options.get("ac_policy", "none") in POLICIES
+                and options.get("offload", "none") in OFFLOADS)
+
+    return [r for r in records if r.get("engine") == "3d" and modelled(r.get("options") or {})]
 
 
 def compare(facts: ModelFacts, cluster: Cluster, options: PlannerOptions, records: list[dict[str, Any]],
             batch: int) -> list[dict[str, Any]]:
-    """``{row, ac_policy, measured_s, predicted_s, ratio}`` per modelled row, fastest measured first."""
+    """``{row, ac_policy, offload, measured_s, predicted_s, ratio}`` per modelled row, fastest
+    measured first."""
     out = []
     for record in planned_rows(records):
         policy = (record.get("options") or {}).get("ac_policy", "none")
-        choice = Choice(data=1, tensor=1, pipeline=1, zero_stage=0, ac_policy=policy, batch_per_rank=batch)
+        offload = (record.get("options") or {}).get("offload", "none")
+        choice = Choice(data=1, tensor=1, pipeline=1, zero_stage=0, ac_policy=policy, offload=offload,
+                        batch_per_rank=batch)
         predicted = step_time(facts, choice, cluster, options).total
-        out.append({"row": record["row"], "ac_policy": policy, "measured_s": record["step_s"],
+        out.append({"row": record["row"], "ac_policy": policy, "offload": offload, "measured_s": record["step_s"],
                     "predicted_s": predicted, "ratio": predicted / record["step_s"]})
     return sorted(out, key=lambda r: r["measured_s"])
 
@@ -58,10 +65,10 @@ def report(rows: list[dict[str, Any]], cluster: Cluster, device: str = "cuda") -
     assumed = "the GPU defaults" if device == "cuda" else "parallelism=auto's CPU figures (planner/auto.py)"
     lines = [f"planner against the one-device benchmark on {device}: peak {cluster.peak_tflops:g} TFLOP/s, "
              f"efficiency, checkpointing and step costs from {assumed}",
-             "| row | ac_policy | measured s | predicted s | predicted/measured | measured rank | predicted rank |",
-             "|---|---|---|---|---|---|---|"]
+             "| row | ac_policy | offload | measured s | predicted s | predicted/measured | measured rank | predicted rank |",
+             "|---|---|---|---|---|---|---|---|"]
     for r, m_rank, p_rank in zip(rows, ranks(list(measured.values())), ranks(list(predicted.values()))):
-        lines.append(f"| {r['row']} | {r['ac_policy']} | {r['measured_s']:.4f} | {r['predicted_s']:.4f} | "
+        lines.append(f"| {r['row']} | {r['ac_policy']} | {r['offload']} | {r['measured_s']:.4f} | {r['predicted_s']:.4f} | "
                      f"{r['ratio']:.2f} | {m_rank:g} | {p_rank:g} |")
     lines.append(f"\nplanner's first choice {judged['first_choice']} measured {100 * judged['gap']:.1f}% slower than "
                  f"the fastest ({judged['fastest']}): {'within' if judged['within'] else 'outside'} 10%")
