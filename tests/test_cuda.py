@@ -292,9 +292,10 @@ def _offload_overlap(rank: int, device: str, delay: bool = False) -> dict:
     stream sums the weights, as the next forward would read them. Each step's gradients are
     written on the compute stream behind a long sleep kernel, as backward leaves them: a
     prefetch (or, with ``delay``, a snapshot) that does not wait for the compute stream copies the
-    previous gradients. After the sum the gradients are overwritten in place, as a ZeRO engine
-    zeroes its buckets: a copy not ordered before that reads NaN. Each step's weights (``seen``)
-    are returned too; with ``delay`` the final ones after ``synchronize()``."""
+    previous gradients. Right after ``step()`` the gradients are overwritten in place, as a ZeRO
+    engine zeroes its buckets, and once freed their memory is refilled: a copy not ordered before
+    those reads NaN. Each step's weights (``seen``) are returned too; with ``delay`` the final
+    ones after ``synchronize()``."""
     from lightning_3d.offload import OffloadedAdam
 
     sizes, steps = (1000, 3000, 517, 1500), 3
@@ -304,8 +305,9 @@ def _offload_overlap(rank: int, device: str, delay: bool = False) -> dict:
               for n, dt in zip(sizes, dtypes)] for s in range(steps)]
     out: dict = {}
     OffloadedAdam.stage_bytes = 1024  # this child process only
-    OffloadedAdam.prefetch_devices = ("cuda", "cpu")  # on a CPU: the same path, synchronous copies
     cuda = device == "cuda"
+    # On a CPU: the same path, with synchronous copies; on a GPU, as in production.
+    OffloadedAdam.prefetch_devices = ("cuda",) if cuda else ("cuda", "cpu")
     for overlap in (True, False):
         params = [torch.nn.Parameter(t.to(device, copy=True)) for t in start]
         staged = [[g.to(device, copy=True) for g in step] for step in grads]  # on the device before the loop
@@ -317,11 +319,13 @@ def _offload_overlap(rank: int, device: str, delay: bool = False) -> dict:
             for p, g in zip(params, staged[s]):
                 p.grad = g.clone()  # a kernel on the compute stream, queued behind the sleep
             opt.step()
+            for p in params:
+                p.grad.fill_(float("nan"))  # in place, on the compute stream, before the host waits for anything
+            opt.zero_grad(set_to_none=True)
+            refill = [torch.full_like(g, float("nan")) for g in staged[s]]  # the freed gradients' memory
             sums.append(sum(p.float().sum() for p in params).item())  # compute stream, right after the step
             seen.append([p.detach().to("cpu", copy=True) for p in params])
-            for p in params:
-                p.grad.fill_(float("nan"))  # in place, on the compute stream
-            opt.zero_grad(set_to_none=True)
+            del refill
         opt.synchronize()
         out[overlap] = ([p.detach().cpu() for p in params], sums, seen)
         opt.close()

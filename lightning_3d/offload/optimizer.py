@@ -112,7 +112,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.delay_update = delay_update
         self._in_flight: Optional[Future] = None  # delayed: the update started by the last step()
         self._unapplied: list[int] = []  # delayed: slots whose new masters the parameters lack
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step") if delay_update else None
+        self._worker: Optional[ThreadPoolExecutor] = None
+        if delay_update:  # the worker waits on CUDA events: on the parameters' device, not device 0
+            cuda = next((p.device for g in self.param_groups for p in g["params"] if p.device.type == "cuda"), None)
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step",
+                                              initializer=torch.cuda.set_device if cuda is not None else None,
+                                              initargs=(cuda,) if cuda is not None else ())
         self._snapshot = GradientSnapshot() if delay_update and overlap else None
         self.state = _StateView(self)  # type: ignore[assignment]
         self.closed = False
@@ -183,7 +188,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         hyper = [AdamHyper.of(g) for g in self.param_groups]  # read at every step: schedulers change "lr"
         grads = self._gradients()
         if self._worker is not None:
-            self.synchronize()
+            self._wait()
+            self._put_unapplied()  # overlap: going up on the side stream, beside the snapshot's way down
         for i in grads:  # counted here, before any update runs, so ``state`` never sees half a step
             self._slots[i].step += 1
         if self._worker is None:
@@ -195,6 +201,8 @@ class OffloadedAdam(torch.optim.Optimizer):
             grads, ready = self._snapshot.take(grads)  # the previous update, its reader, is over
         else:
             grads = {i: g.to(device="cpu", dtype=torch.float32, copy=True) for i, g in grads.items()}
+        if self._uploader is not None:
+            self._uploader.finish()  # the next forward waits for the new weights, the host does not
         self._in_flight = self._worker.submit(self._update, grads, hyper, write_weights=False, ready=ready)
         self._unapplied = list(grads)
         return loss
@@ -244,7 +252,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                 if fetch is not None:
                     fetch.close()
             finally:
-                if self._uploader is not None:
+                if self._uploader is not None and write_weights:  # delayed: synchronize() sends them
                     self._uploader.finish()
         for i in grads:
             self._slots[i].master_valid = True
@@ -271,21 +279,27 @@ class OffloadedAdam(torch.optim.Optimizer):
         """Finish the delayed update in flight and copy its new weights into the parameters (a
         no-op without ``delay_update``). Call it before saving the model's weights."""
         self._wait()
+        self._put_unapplied()
+        if self._uploader is not None:
+            self._uploader.finish()  # the next forward waits for the copies, the host does not
+
+    def _put_unapplied(self) -> None:
+        """Delayed: the last update's new weights into the parameters (with ``overlap`` the
+        copies are only started: :meth:`WeightUploader.finish` orders the compute stream after them)."""
         unapplied = [i for i in self._unapplied if self._slots[i].master_valid]
         self._unapplied = []
-        if unapplied and not self.closed:
-            order = [c for i in unapplied for c in self._slots[i].chunks]
-            with torch.no_grad():
-                for index, segment in self._store.stream(order):
-                    chunk = self._chunks[index]
-                    n = chunk.numel
-                    weights = _local(self._slots[chunk.slot].param).view(-1)[chunk.start : chunk.start + n]
-                    if self._uploader is not None:  # cast on the host, up on a side stream
-                        self._uploader.put(weights, segment[2 * n : 3 * n])
-                    else:
-                        weights.copy_(segment[2 * n : 3 * n])
-                if self._uploader is not None:
-                    self._uploader.finish()  # the next forward waits for the copies, the host does not
+        if not unapplied or self.closed:
+            return
+        order = [c for i in unapplied for c in self._slots[i].chunks]
+        with torch.no_grad():
+            for index, segment in self._store.stream(order):
+                chunk = self._chunks[index]
+                n = chunk.numel
+                weights = _local(self._slots[chunk.slot].param).view(-1)[chunk.start : chunk.start + n]
+                if self._uploader is not None:  # cast on the host, up on a side stream
+                    self._uploader.put(weights, segment[2 * n : 3 * n])
+                else:
+                    weights.copy_(segment[2 * n : 3 * n])
 
     def _add(self, slot: ParamSlot, chunk: Chunk, segment: Tensor, grad: Tensor, hyper: AdamHyper,
              write_weights: bool) -> None:
