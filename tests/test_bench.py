@@ -247,6 +247,11 @@ def test_offload_ladder_sizes_and_bad_input(tmp_path, capsys):
         ladder.check(_ladder_args(tmp_path, modes=["cpu", "gpu"]))
     args = _ladder_args(tmp_path, sizes=["6.7B", "0.35B", "2x64"], modes=None)
     assert [s[0] for s in ladder.check(args)] == ["2x64", "0.35B", "6.7B"] and args.modes == ["none", "cpu", "params"]
+    rows = {mode: ladder.row_of(mode, args) for mode in ladder.MODES}  # each mode: the strategy options it runs
+    assert {m: (r.offload, r.params, r.overlap, r.delay) for m, r in rows.items()} == {
+        "none": ("none", False, True, False), "cpu": ("cpu", False, True, False), "nvme": ("nvme", False, True, False),
+        "params": ("cpu", True, True, False), "cpu-blocking": ("cpu", False, False, False),
+        "cpu-delayed": ("cpu", False, True, True)}
     with pytest.raises(SystemExit):  # a device cap means nothing on a CPU
         offload_memory.main(["--sizes", "1x64", "--device-memory-gb", "24"])
     assert "--device-memory-gb needs --accelerator gpu" in capsys.readouterr().err

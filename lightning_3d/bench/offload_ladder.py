@@ -10,7 +10,9 @@ bf16-true with full activation checkpointing on ``--batch-size`` x ``--seq-len``
 ``none`` (no offload), ``cpu`` / ``nvme`` (Adam state and fp32 masters off the device) and
 ``params`` (ZeRO-3 with ``offload_params=True``: the parameters in CPU memory too) and
 ``cpu-blocking`` (``cpu`` with ``offload_overlap=False``: transfers in turn with the CPU step, so
-``cpu`` against it is what the side streams save).
+``cpu`` against it is what the side streams save) and ``cpu-delayed`` (``cpu`` with
+``offload_delay_update=True``: the CPU step beside the next forward and backward, one update
+behind; other numerics).
 
 Every (size, mode) is a row, whatever happens to it: its figures; "does not fit" when the
 device (under ``--device-memory-gb``) runs out of memory; "did not finish within N s" when it
@@ -43,7 +45,7 @@ from lightning_3d.flops import transformer_flops_per_token
 
 # name: (n_layer, n_embd); GPT-3's shapes at these sizes (Brown et al. 2020, table 2.1).
 SIZES = {"0.35B": (24, 1024), "1.3B": (24, 2048), "2.7B": (32, 2560), "6.7B": (32, 4096)}
-MODES = ("none", "cpu", "nvme", "params", "cpu-blocking")  # cpu-blocking: offload_overlap=False
+MODES = ("none", "cpu", "nvme", "params", "cpu-blocking", "cpu-delayed")  # see the module docstring
 DEFAULT_MODES = ("none", "cpu", "params")
 
 
@@ -78,9 +80,9 @@ def check(args: argparse.Namespace) -> list[tuple[str, int, int]]:
 
 def row_of(mode: str, args: argparse.Namespace) -> om.Row:
     precision = "bf16-true" if args.accelerator == "gpu" else "32-true"  # CPUs without AMX crawl in bf16
-    offload = "cpu" if mode in ("params", "cpu-blocking") else mode
+    offload = "cpu" if mode in ("params", "cpu-blocking", "cpu-delayed") else mode
     return om.Row(precision, args.batch_size, args.seq_len, offload=offload, checkpointing="full",
-                  params=mode == "params", overlap=mode != "cpu-blocking")
+                  params=mode == "params", overlap=mode != "cpu-blocking", delay=mode == "cpu-delayed")
 
 
 def run_one(row: om.Row, n_layer: int, n_embd: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", nargs="+", help="a size ladder instead of the default rows: names "
                         "(0.35B 1.3B 2.7B 6.7B) or LAYERSxWIDTH (e.g. 24x2048); see offload_ladder")
     parser.add_argument("--modes", nargs="+", help="--sizes: offload modes per size (default: none cpu params; "
-                        "also nvme, cpu-blocking)")
+                        "also nvme, cpu-blocking, cpu-delayed)")
     parser.add_argument("--batch-size", type=int, default=8, help="--sizes: sequences per step (default 8)")
     parser.add_argument("--seq-len", type=int, default=1024, help="--sizes: sequence length (default 1024)")
     parser.add_argument("--row-timeout-s", type=float, default=150.0, help="--sizes: seconds per row")
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpointing", choices=["none", "full"], help=argparse.SUPPRESS)
     parser.add_argument("--params", type=lambda v: v == "True", default=False, help=argparse.SUPPRESS)
     parser.add_argument("--overlap", type=lambda v: v == "True", default=True, help=argparse.SUPPRESS)
+    parser.add_argument("--delay", type=lambda v: v == "True", default=False, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.n_layer < 1 or args.n_embd < 64 or args.n_embd % 64:
         parser.error(f"need --n-layer >= 1 and --n-embd a multiple of 64, got {args.n_layer} and {args.n_embd}")

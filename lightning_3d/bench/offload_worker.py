@@ -37,6 +37,7 @@ class Row:
     checkpointing: str = "none"  # activation checkpointing: none | full
     params: bool = False  # ZeRO-3 with the parameters offloaded too (offload_params=True)
     overlap: bool = True  # offload: transfers on side streams beside the CPU step (offload_overlap)
+    delay: bool = False  # offload: the update one step behind, beside the next forward (offload_delay_update)
 
 
 def _say(record: dict[str, Any]) -> None:
@@ -100,7 +101,8 @@ def _worker(args: argparse.Namespace) -> None:
                     deferred_init=not getattr(args, "eager_init", False))
     strategy = ThreeDStrategy(offload=args.offload, offload_path=args.path if args.offload == "nvme" else None,
                               ac_policy=args.checkpointing, zero_stage=3 if args.params else 0,
-                              offload_params=args.params, offload_overlap=args.overlap)
+                              offload_params=args.params, offload_overlap=args.overlap,
+                              offload_delay_update=args.delay)
     with tempfile.TemporaryDirectory(prefix="offload-memory-") as out:  # summary.json goes there
         summary = RunSummary(out_dir=out, warmup_steps=0)
         trainer = L.Trainer(accelerator=args.accelerator, devices=1, strategy=strategy, precision=args.precision,
