@@ -268,14 +268,16 @@ def test_offload_ladder_table_counts_rows_that_do_not_fit():
     fit = dict(step_s=2.0, build_s=10.0, fwd_bwd_s=0.5, optimizer_s=1.5, device_peak_mb=6 * 1024.0, peak_rss_mb=20480.0)
     records = [rec("0.35B", "none", "fits", 350_000_000, **fit),
                rec("1.3B", "none", "does not fit", 0, phase="step 1 of 3"),
-               rec("0.35B", "cpu", "fits", 350_000_000, **fit), rec("1.3B", "cpu", "fits", 1_300_000_000, **fit),
+               rec("0.35B", "cpu", "fits", 350_000_000, **fit),
+               rec("1.3B", "cpu", "fits", 1_300_000_000, **fit, cpu_step_s=1.0),
                rec("2.7B", "params", "did not finish within 90 s", 0, phase="building")]
     assert records[0]["tflops"] == pytest.approx(8 * 1024 * (6 * 350e6 + 12 * 24 * 1024 * 1024) / 2.0 / 1e12)
     assert records[1]["num_params"] == 12 * 24 * 2048**2 + (32_000 + 1024) * 2048  # from the shape
     assert ladder.largest_fitting(records) == {"none": "0.35B", "cpu": "1.3B", "params": None}
     text = ladder.table(records)
     assert "| 1.3B | 1.28 B | none | does not fit (step 1 of 3) | - | - |" in text
-    assert "| 1.3B | 1.30 B | cpu | fits | 10.0 | 2.00 | 0.50 | 1.50 |" in text and "| 6.0 | 20.0 |" in text
+    assert "| 1.3B | 1.30 B | cpu | fits | 10.0 | 2.00 | 0.50 | 1.50 | 1.00 | 1.33 |" in text and "| 6.0 | 20.0 |" in text
+    assert "| 0.35B | 0.35 B | cpu | fits | 10.0 | 2.00 | 0.50 | 1.50 | - | - |" in text  # no CPU step measured
 
 
 def test_offload_ladder_runs_a_row_and_reports_one_that_does_not_finish(tmp_path):
@@ -291,6 +293,7 @@ def test_offload_ladder_runs_a_row_and_reports_one_that_does_not_finish(tmp_path
     # sequences of 160 tokens: the positional table grew past the default 128
     assert row["num_params"] == full_param_count(model_config(1, 64, 256, 160)) > full_param_count(model_config(1, 64))
     assert 0 < row["build_s"] and 0 < row["fwd_bwd_s"] < row["step_s"] and row["optimizer_s"] > 0
+    assert 0 < row["cpu_step_s"] <= row["optimizer_s"]  # the fused CPU Adam alone, inside the optimizer's part
     assert row["peak_rss_mb"] >= row["base_rss_mb"] > 0 and row["tflops"] > 0
     late = ladder.run_ladder(_ladder_args(tmp_path, sizes=["1x64", "2x64"], row_timeout_s=0.5), log=lambda line: None)
     assert [r["outcome"] for r in late] == ["did not finish within 0.5 s", "not run: 1x64 did not finish within 0.5 s"]

@@ -41,8 +41,10 @@ def test_off_is_exact(device, tmp_path):
     for step in range(4):
         for p, r, g in zip(params, ref_params, _grads(step)):
             p.grad, r.grad = g.clone(), g.clone()
+        assert opt.last_update_cpu_s is None or step > 0
         opt.step(), ref.step()
         assert all(torch.equal(p, r) for p, r in zip(params, ref_params))  # at every step, no lag
+        assert opt.last_update_cpu_s > 0  # the fused CPU step's own time in this step
     opt.close()
 
 
@@ -66,6 +68,7 @@ def test_on_lags_one_update_and_synchronize_catches_up(device, dtype, tmp_path):
         assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[r]["exp_avg_sq"])
     opt.synchronize()
     assert all(torch.equal(p, r.detach().to(dtype)) for p, r in zip(params, ref_params))
+    assert opt.last_update_cpu_s > 0  # the CPU step alone of the update that ran in the background
     opt.close()
 
 

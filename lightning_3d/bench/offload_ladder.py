@@ -126,7 +126,7 @@ def run_one(row: om.Row, n_layer: int, n_embd: int, args: argparse.Namespace) ->
             worker.kill()
         worker.wait()
         worker.log.close()
-    split = {k: statistics.median(s[k] for s in steps) for k in ("fwd_bwd_s", "optimizer_s")
+    split = {k: statistics.median(s[k] for s in steps) for k in ("fwd_bwd_s", "optimizer_s", "cpu_step_s")
              if all(k in s for s in steps)}
     return {"outcome": "fits", **ready, **final, "step_s": statistics.median(s["step_s"] for s in steps),
             "cpu_s": statistics.median(s["cpu_s"] for s in steps), **split}
@@ -200,14 +200,20 @@ def _f(value: Any, spec: str) -> str:
 
 
 def table(records: list[dict[str, Any]]) -> str:
-    lines = ["| size | params | mode | outcome | build s | step s | fwd+bwd s | optimizer s | TFLOP/s | "
-             "device peak GB | host peak GB |", "|---" * 11 + "|"]
+    """One line per row. ``CPU step s``: the fused CPU Adam alone (offloaded rows; delayed: the
+    update that ran beside the step); ``step / (fwd+bwd + CPU step)``: issue 14's ratio (target
+    at most 1.3 at 1.3 B), what transfers, clipping and waits add to the two parts that must run."""
+    lines = ["| size | params | mode | outcome | build s | step s | fwd+bwd s | optimizer s | CPU step s | "
+             "step / (fwd+bwd + CPU step) | TFLOP/s | device peak GB | host peak GB |", "|---" * 13 + "|"]
     for r in records:
         outcome = r["outcome"] + (f" ({r['phase']})" if r["outcome"] != "fits" and "phase" in r else "")
         peak = r.get("device_peak_mb")
+        cpu_step, fwd_bwd = r.get("cpu_step_s"), r.get("fwd_bwd_s")
+        ratio = r["step_s"] / (fwd_bwd + cpu_step) if cpu_step is not None and fwd_bwd is not None else None
         lines.append(
             f"| {r['size']} | {_count(r['num_params'])} | {r['mode']} | {outcome} | {_f(r.get('build_s'), '.1f')} | "
-            f"{_f(r.get('step_s'), '.2f')} | {_f(r.get('fwd_bwd_s'), '.2f')} | {_f(r.get('optimizer_s'), '.2f')} | "
+            f"{_f(r.get('step_s'), '.2f')} | {_f(fwd_bwd, '.2f')} | {_f(r.get('optimizer_s'), '.2f')} | "
+            f"{_f(cpu_step, '.2f')} | {_f(ratio, '.2f')} | "
             f"{_f(r.get('tflops'), '.3g')} | {_f(peak / 1024 if peak else None, '.1f')} | "
             f"{_f(r['peak_rss_mb'] / 1024 if 'peak_rss_mb' in r else None, '.1f')} |")
     return "\n".join(lines)

@@ -55,6 +55,7 @@ def _worker(args: argparse.Namespace) -> None:
     from lightning_3d.data import TextDataModule
     from lightning_3d.memory import peak_rss_mb
     from lightning_3d.models import LitGPT
+    from lightning_3d.offload import OffloadedAdam
 
     def sync() -> None:  # a step's time is its kernels' time, not the launch queue's
         if args.accelerator == "gpu":
@@ -62,8 +63,9 @@ def _worker(args: argparse.Namespace) -> None:
 
     class Lockstep(Callback):
         """Wait for the parent before each step; report the step's wall and CPU seconds, and the
-        wall seconds of forward + backward (up to ``on_before_optimizer_step``) and of the rest
-        (clipping, the optimizer step and its transfers)."""
+        wall seconds of forward + backward (up to ``on_before_optimizer_step``), of the rest
+        (clipping, the optimizer step and its transfers) and, offloaded, of the CPU step alone
+        (``OffloadedAdam.last_update_cpu_s``)."""
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if batch_idx == 0:
@@ -84,6 +86,9 @@ def _worker(args: argparse.Namespace) -> None:
             end = time.perf_counter()
             split = {} if self.backward_done is None else {  # None: the hook did not run (a skipped step)
                 "fwd_bwd_s": self.backward_done - self.start[0], "optimizer_s": end - self.backward_done}
+            updates = [o.last_update_cpu_s for o in trainer.optimizers if isinstance(o, OffloadedAdam)]
+            if updates and None not in updates:  # delayed: the update that ran beside this step
+                split["cpu_step_s"] = sum(updates)
             _say({"step_s": end - self.start[0], "cpu_s": time.process_time() - self.start[1], **split})
 
     torch.set_num_threads(args.threads)

@@ -17,6 +17,7 @@ into one reusable fp32 buffer, so a bf16 model costs no allocation per step.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -76,6 +77,7 @@ class FusedBatch:
         self._pending: dict[tuple[AdamHyper, int], tuple[list[Tensor], ...]] = {}
         self._copy_back: list[tuple[Tensor, Tensor]] = []
         self.numel = 0  # elements pending
+        self.seconds = 0.0  # wall time in flush() (the fused step and its copy-back) since set to 0
         # (weights, new master) -> None; default ``weights.copy_(master)`` (an accelerator's
         # WeightUploader starts the copy on a side stream instead).
         self.copy_back = copy_back or (lambda weights, master: weights.copy_(master))
@@ -106,11 +108,13 @@ class FusedBatch:
 
     def flush(self) -> None:
         """Step every pending chunk, copy new masters into separate weights, start empty."""
+        start = time.perf_counter()
         for (hyper, step), (masters, grads, exp_avgs, exp_avg_sqs) in self._pending.items():
             fused_adam_(masters, grads, exp_avgs, exp_avg_sqs, step, hyper)
         for weights, master in self._copy_back:
             self.copy_back(weights, master)
         self.discard()
+        self.seconds += time.perf_counter() - start
 
     def discard(self) -> None:
         """Forget the pending chunks without stepping them (the buffer is kept for reuse)."""
