@@ -130,7 +130,9 @@ def test_a_world_past_its_timeout_leaves_no_process(tmp_path):
     group: every rank must still be gone after a timeout, not only the launchers."""
     long_run = Run(strategy={"data": 2, "tensor": 2}, devices=2, steps=10_000, seed=SEED)
     with pytest.raises(RuntimeError, match="timed out"):
-        torchrun_nodes(long_run, nodes=2, procs_per_node=2, work=tmp_path, timeout=20)
+        # long enough for all four ranks to start (two launchers, then four ranks importing torch
+        # and Lightning on 2 cores: over 20 s here, 2026-12-02), far too short for 10,000 steps
+        torchrun_nodes(long_run, nodes=2, procs_per_node=2, work=tmp_path, timeout=60)
     pids = [int(p.name.split(".")[1]) for p in tmp_path.glob("pid.*")]
     assert len(pids) == 4  # the ranks had started: the check below is not vacuous
     deadline = time.monotonic() + 10

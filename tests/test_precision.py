@@ -31,6 +31,12 @@ BF16_STEPS = 6
 # each slice with one rank's half-batch gradient: tens of percent.
 BF16_UNIT = 2.0**-8
 BF16_UPDATE_RTOL = 2 * BF16_STEPS * BF16_UNIT
+# ZeRO-3 adds a rounding the one-process run does not have: FSDP2 gathers the parameters in bf16,
+# norm weights included (autocast keeps those in fp32), so each forward also sees every weight
+# rounded. Worst tensor measured (the final norm's weight; 2026-12-02): 1.43% at ZeRO-1 and 4.70%
+# at ZeRO-3; medians 0.33% and 0.85%. Twice the bound still fails a missing reduction (tens of
+# percent) or a skipped 1/N average (100%).
+BF16_GATHERED_UPDATE_RTOL = 2 * BF16_UPDATE_RTOL
 BF16_LOSS_VS_FP32 = 0.02  # relative, per step's loss: bf16 autocast still trains the fp32 model
 
 
@@ -57,14 +63,16 @@ def _bf16(rank, strategy, devices):
 def test_bf16_mixed_matches_one_process_and_keeps_fp32_masters(fp32_sgd, bf16_sgd, strategy, world):
     """Catches: a ZeRO-1 engine that never reduces gradients (each rank steps its slice with its
     own gradient), and one that skips the 1/N average (SGD's update doubles: 100% error); both
-    fail the update tolerance of 2 k u = 4.7%, which bf16 rounding stays well inside (1.3%)."""
+    fail the update tolerance of 2 k u = 4.7% (ZeRO-3: twice that, see above), which bf16 rounding
+    stays inside (1.4%; ZeRO-3: 4.7%)."""
     runs = run_world(_bf16, world, strategy, world)
     initial = bf16_sgd["initial_state"]
+    rtol = BF16_GATHERED_UPDATE_RTOL if strategy.get("zero_stage") == 3 else BF16_UPDATE_RTOL
     for rank, run in enumerate(runs):  # each rank's own weights, not only rank 0's gathered ones
         assert run["rank_state"], rank
         assert all(t.dtype == torch.float32 for t in run["rank_state"].values())  # master weights
-        assert update_mismatches(run["rank_state"], bf16_sgd["state"], initial, BF16_UPDATE_RTOL) == [], rank
-    assert update_mismatches(runs[0]["state"], bf16_sgd["state"], initial, BF16_UPDATE_RTOL) == []
+        assert update_mismatches(run["rank_state"], bf16_sgd["state"], initial, rtol) == [], rank
+    assert update_mismatches(runs[0]["state"], bf16_sgd["state"], initial, rtol) == []
     assert len(runs[0]["losses"]) == BF16_STEPS
     for step, (got, want) in enumerate(zip(runs[0]["losses"], fp32_sgd["losses"])):
         assert abs(got - want) / want < BF16_LOSS_VS_FP32, (step, got, want)

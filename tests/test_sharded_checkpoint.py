@@ -132,7 +132,10 @@ def reference_resume(saved):
 def test_resume_in_another_layout_matches_a_single_process_resume(saved, reference_resume, source, target):
     resumed = _run(target, resume_from=str(saved(source)))
     assert len(resumed["losses"]) == 2
-    assert_same_run(resumed, reference_resume)
+    # atol as for the checkpoints above: Adam divides by sqrt(v), so where a gradient is tiny a
+    # rounding-level difference (another summation order, NVMe offload's fused CPU step against
+    # torch's default one) moves a weight by up to ~1e-5 (nvme_zero1_dp2: 1.15e-5, 2026-12-02)
+    assert_same_run(resumed, reference_resume, atol=3e-5)
 
 
 def test_export_of_a_sharded_checkpoint(saved, tmp_path):
