@@ -77,7 +77,7 @@ class FusedBatch:
         self._pending: dict[tuple[AdamHyper, int], tuple[list[Tensor], ...]] = {}
         self._copy_back: list[tuple[Tensor, Tensor]] = []
         self.numel = 0  # elements pending
-        self.seconds = 0.0  # wall time in flush() (the fused step and its copy-back) since set to 0
+        self.kernel_seconds = 0.0  # wall time in the fused Adam calls since set to 0 (not the copy-back)
         # (weights, new master) -> None; default ``weights.copy_(master)`` (an accelerator's
         # WeightUploader starts the copy on a side stream instead).
         self.copy_back = copy_back or (lambda weights, master: weights.copy_(master))
@@ -111,10 +111,11 @@ class FusedBatch:
         start = time.perf_counter()
         for (hyper, step), (masters, grads, exp_avgs, exp_avg_sqs) in self._pending.items():
             fused_adam_(masters, grads, exp_avgs, exp_avg_sqs, step, hyper)
+        # Not the copy-back: an accelerator's uploader may wait there for a staging buffer's copy.
+        self.kernel_seconds += time.perf_counter() - start
         for weights, master in self._copy_back:
             self.copy_back(weights, master)
         self.discard()
-        self.seconds += time.perf_counter() - start
 
     def discard(self) -> None:
         """Forget the pending chunks without stepping them (the buffer is kept for reuse)."""

@@ -112,8 +112,8 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.delay_update = delay_update
         self._in_flight: Optional[Future] = None  # delayed: the update started by the last step()
         self._unapplied: list[int] = []  # delayed: slots whose new masters the parameters lack
-        # Seconds the last finished update spent in the fused CPU step and the casts of its new
-        # weights (not waiting for transfers or the store): the "CPU step alone" of a step's time.
+        # Seconds the last finished update spent in the fused CPU Adam kernel (not in transfers,
+        # waits for them or the store): the "CPU step alone" of a step's time.
         self.last_update_cpu_s: Optional[float] = None
         self._worker: Optional[ThreadPoolExecutor] = None
         if delay_update:  # the worker waits on CUDA events: on the parameters' device, not device 0
@@ -233,7 +233,7 @@ class OffloadedAdam(torch.optim.Optimizer):
         ``grads`` are complete (a snapshot's copies)."""
         if ready is not None:
             ready()
-        self._batch.seconds = 0.0
+        self._batch.kernel_seconds = 0.0
         order = [c for i in grads for c in self._slots[i].chunks]
         # A store whose segments stay put (RAM) lets many chunks go to the kernel in one call; a
         # streaming store (NVMe) reuses its buffer once the caller moves on, so step each now.
@@ -260,7 +260,7 @@ class OffloadedAdam(torch.optim.Optimizer):
                     self._uploader.finish()
         for i in grads:
             self._slots[i].master_valid = True
-        self.last_update_cpu_s = self._batch.seconds
+        self.last_update_cpu_s = self._batch.kernel_seconds
 
     def _prefetcher(self, slices: list[Tensor]) -> Optional[GradientPrefetcher]:
         """Gradients on an accelerator, with ``overlap``: brought down a group ahead, a lane per

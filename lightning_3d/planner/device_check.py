@@ -25,7 +25,7 @@ from lightning_3d.planner.facts import ModelFacts
 from lightning_3d.planner.timing import step_time
 
 POLICIES = ("none", "selective", "full")
-OFFLOADS = ("none", "cpu")
+MODELLED_OFFLOADS = ("none", "cpu")  # of planner.choice.OFFLOADS: what the one-device bench runs
 
 
 def planned_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -33,7 +33,7 @@ def planned_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     and CPU offload (so no compile, no delayed update)."""
     def modelled(options: dict[str, Any]) -> bool:
         return (set(options) <= {"ac_policy", "offload"} and options.get("ac_policy", "none") in POLICIES
-                and options.get("offload", "none") in OFFLOADS)
+                and options.get("offload", "none") in MODELLED_OFFLOADS)
 
     return [r for r in records if r.get("engine") == "3d" and modelled(r.get("options") or {})]
 
@@ -44,8 +44,8 @@ def compare(facts: ModelFacts, cluster: Cluster, options: PlannerOptions, record
     measured first."""
     out = []
     for record in planned_rows(records):
-        policy = (record.get("options") or {}).get("ac_policy", "none")
-        offload = (record.get("options") or {}).get("offload", "none")
+        given = record.get("options") or {}
+        policy, offload = given.get("ac_policy", "none"), given.get("offload", "none")
         choice = Choice(data=1, tensor=1, pipeline=1, zero_stage=0, ac_policy=policy, offload=offload,
                         batch_per_rank=batch)
         predicted = step_time(facts, choice, cluster, options).total
