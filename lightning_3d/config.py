@@ -183,15 +183,19 @@ def hf_model_limits(path: Optional[str], config: Any) -> ModelLimits:
 
 
 def without_weights(node: Any) -> Any:
-    """``node`` with a Hugging Face directory's weights left out: ``model.path`` replaced by its
-    ``config.json`` as ``model.config``, so the model builds on the ``meta`` device (where
-    ``from_pretrained`` refuses to run) with the same shapes. Other nodes are returned as they are."""
+    """``node`` with a Hugging Face directory's weights left out, for a model that would load
+    them whole (``deferred_init=false``): ``model.path`` replaced by its ``config.json`` as
+    ``model.config``, so the model builds on the ``meta`` device (where ``from_pretrained``
+    refuses to run) with the same shapes. Other nodes (a deferred directory model reads only
+    the files' headers) are returned as they are."""
     from omegaconf import OmegaConf
 
     from lightning_3d.models.hf import HFCausalLM
 
     target = target_of(node, "model")
     if not (isinstance(target, type) and issubclass(target, HFCausalLM)) or node.get("path") is None:
+        return node
+    if node.get("deferred_init", True):  # built on meta from the files' headers: their checks run too
         return node
     config = _hf_config_from_dir(node.path).to_dict()
     return OmegaConf.merge(OmegaConf.to_container(node, resolve=True), {"path": None, "config": config})

@@ -92,6 +92,9 @@ class GlobalNormClipping(_Adapted):
 
     _prefix = "Distributed"
     _norm_scope: NormScope = staticmethod(_no_scope)  # an instance's own scope replaces this
+    # Called with the optimizer once its gradients are final (clipped, checked for non-finite
+    # values) and before it steps: the strategy's replica check.
+    _before_step: Callable[[Any], None] = staticmethod(lambda optimizer: None)
 
     @property
     def nonfinite(self) -> NonFiniteGuard:
@@ -130,6 +133,7 @@ class GlobalNormClipping(_Adapted):
         # noted on the way are read here together, in one host sync.
         super()._after_closure(model, optimizer)  # type: ignore[misc]
         self.nonfinite.resolve()
+        self._before_step(optimizer)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         sum_over, skip = self._norm_scope()
@@ -210,11 +214,13 @@ def shared_overflow_scaler(scaler: torch.amp.GradScaler) -> torch.amp.GradScaler
 
 
 def distributed_precision(plugin: Precision, norm_scope: NormScope = _no_scope,
-                          nonfinite: NonFiniteOptions = NonFiniteOptions()) -> Precision:
+                          nonfinite: NonFiniteOptions = NonFiniteOptions(),
+                          before_step: Callable[[Any], None] = lambda optimizer: None) -> Precision:
     """``plugin`` as an instance of a subclass of its type, with the same state, whose
     ``clip_grad_by_norm`` clips by the global norm (``norm_scope()`` is called at every clip for
     ``(sum_over, skip_in_norm)``), whose ``optimizer_step`` stops or skips a step with a
-    non-finite loss or gradient norm as ``nonfinite`` says, and whose ``scaler``, if it has a
+    non-finite loss or gradient norm as ``nonfinite`` says and then calls ``before_step(optimizer)``,
+    and whose ``scaler``, if it has a
     ``torch.amp.GradScaler``, is :func:`shared_overflow_scaler`'s.
 
     A plugin so adapted already is returned unchanged (with the scope it was adapted with). The
@@ -226,5 +232,6 @@ def distributed_precision(plugin: Precision, norm_scope: NormScope = _no_scope,
     if isinstance(state.get("scaler"), torch.amp.GradScaler):
         state["scaler"] = shared_overflow_scaler(state["scaler"])
     state["_norm_scope"] = norm_scope
+    state["_before_step"] = before_step
     state["_nonfinite"] = NonFiniteGuard(nonfinite)
     return _restore(GlobalNormClipping, type(plugin), state)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_3d.layout import MeshAxis
 from lightning_3d.offload import OffloadedAdam
@@ -39,9 +39,10 @@ from lightning_3d.parallel.compile import compile_blocks
 from lightning_3d.parallel.fsdp import apply_zero3, fsdp_policies
 from lightning_3d.parallel.materialize import has_meta, materialize
 from lightning_3d.parallel.pipeline_runtime import PipelineRuntime
+from lightning_3d.parallel.replicas import tensor_replicas
 from lightning_3d.parallel.stages import plan_stages, split_stages, tied_holders
 from lightning_3d.parallel.tensor import resolve_plan
-from lightning_3d.parallel.tied import TiedGroups, check_tied_styles, find_tied, record_aliases, retie
+from lightning_3d.parallel.tied import TiedGroups, check_tied_styles, find_tied, param_names, record_aliases, retie
 from lightning_3d.parallel.zero import ZeroDataParallel
 from lightning_3d.plan import Plan
 from lightning_3d.plans import build_plan
@@ -65,6 +66,7 @@ class Parallelized:
     runtime: Optional[PipelineRuntime] = None  # the pipeline schedule runner
     tied: Optional[TiedGroups] = None  # tied weights with a copy on several pipeline ranks
     engines: list[ZeroDataParallel] = field(default_factory=list)  # ZeRO 0-2, one per optimizer
+    tp_plan: dict = field(default_factory=dict)  # module name -> the style tensor parallelism gave it
     _bound: dict[int, ZeroDataParallel] = field(default_factory=dict)  # id(optimizer) -> its engine
 
     @property
@@ -103,6 +105,35 @@ class Parallelized:
                 engine = next((e for e in self.engines if e.slice_of(p) is not None), None)
                 out.add(id(engine.slice_of(p) if engine is not None else p))
         return out
+
+    def replica_gradients(self, params: list[Tensor]) -> list[tuple[str, Any, list]]:
+        """For :class:`~lightning_3d.parallel.replicas.ReplicaCheck`: the gradients of the
+        optimizer's ``params`` (a ZeRO slice is named by its first and last parameter) that
+        tensor ranks replicate, and of tied copies FSDP2 holds (whole gradients on each stage)."""
+        names = param_names(self.module)
+        for engine in self.engines:
+            for owned in engine.owned_slices():
+                members = [names.get(id(p), "?") for p in owned.params]
+                names[id(owned.param)] = f"ZeRO slice of {members[0]} ... {members[-1]}"
+        groups = []
+        if self.mesh.get_group(MeshAxis.TENSOR.value).size() > 1:
+            named = [(names.get(id(p), f"<parameter {i}>"), p, p.grad) for i, p in enumerate(params)]
+            groups += tensor_replicas(named, self.mesh.get_group(MeshAxis.TENSOR.value))
+        if not self.engines:  # ZeRO 0-2 engines hold a tie's gradient in their buckets: values tell
+            groups += [("pipeline stages holding the tie", group, [(names[id(p)], p.grad)])
+                       for p, group, _ in self.tied_copies()]
+        return groups
+
+    def replica_values(self) -> list[tuple[str, Any, list]]:
+        """For :class:`~lightning_3d.parallel.replicas.ReplicaCheck`: every parameter tensor
+        ranks replicate, and every tied copy over the pipeline stages holding it."""
+        names = param_names(self.module)
+        groups = []
+        if self.mesh.get_group(MeshAxis.TENSOR.value).size() > 1:
+            named = [(names[id(p)], p, p) for p in self.module.parameters()]
+            groups += tensor_replicas(named, self.mesh.get_group(MeshAxis.TENSOR.value))
+        groups += [("pipeline stages holding the tie", group, [(names[id(p)], p)]) for p, group, _ in self.tied_copies()]
+        return groups
 
     def count_parameters(self) -> int:
         """Parameters of the whole model (a DTensor counts its global size; pipeline stages add
@@ -159,7 +190,8 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torc
         spec, pp_mesh = pipeline_spec(module), mesh[MeshAxis.PIPELINE.value]
         virtual, split = plan.pp.virtual_stages, plan.pp.split
         made.tied = TiedGroups(mesh, tied_holders(module, spec, pp_mesh.size(), virtual, split))
-        made.stages = split_stages(module, spec, pp_mesh.get_local_rank(), pp_mesh.size(), virtual, split)
+        shards = layout.tensor if plan.tp.sequence_parallel else 1  # a stage's input: this share of the sequence
+        made.stages = split_stages(module, spec, pp_mesh.get_local_rank(), pp_mesh.size(), virtual, split, shards)
     step("tensor parallelism")
     if layout.tensor > 1:
         # Under a pipeline, patterns for other stages' modules (the head, say) match nothing here.
@@ -167,6 +199,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torc
         resolved = resolve_plan(module, styles, tp_mesh.size(), spec is None)
         check_tied_styles(module, resolved, ties)
         parallelize_module(module, tp_mesh, resolved)
+        made.tp_plan = resolved
         retie(module, ties)  # each module got its own sharded copy: make them one again
         if telemetry is not None:
             _publish_logits_sizes(module, resolved, telemetry)

@@ -34,6 +34,7 @@ from lightning_3d.layout import Layout, MeshAxis, build_mesh
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.parallel.loss import plain_loss, vocab_parallel_loss
 from lightning_3d.parallel.materialize import to_device_keeping_meta
+from lightning_3d.parallel.replicas import ReplicaCheck, plan_hint
 from lightning_3d.plan import Plan
 from lightning_3d.planner.auto import resolve_for_strategy
 from lightning_3d.precision import distributed_precision, scale_loss
@@ -89,6 +90,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         self._setting_up: Optional[str] = None  # the setup step under way (for error reports)
         self.watchdog: Optional[Watchdog] = None  # heartbeats: names a stalled or dead peer (setup_environment)
         self.planned: Optional[dict[str, Any]] = None  # auto=True: the planner's predictions (RunSummary writes them)
+        self._replica_steps = 0  # optimizer steps of this run so far (the replica check's clock)
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
@@ -201,7 +203,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         self.setup_precision_plugin()
         # Clipping by the global norm over shards and stages, and a loss-scale overflow on any
         # rank skipping the step on every rank: a subclass of the plugin Lightning chose.
-        self.precision_plugin = distributed_precision(self.precision_plugin, self._norm_scope, self.plan.nonfinite)
+        self.precision_plugin = distributed_precision(self.precision_plugin, self._norm_scope, self.plan.nonfinite,
+                                                      before_step=self._check_replica_gradients)
         self._setting_up = None
         self.barrier()
 
@@ -293,7 +296,34 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         engine = self.parallelized.engine_for(optimizer)
         if engine is not None:
             engine.after_step()
+        if self._replicas_due:
+            self.check_replicas(values_only=True)
+        self._replica_steps += 1
         return output
+
+    @property
+    def _replicas_due(self) -> bool:
+        return self.plan.replicas.due(self._replica_steps)
+
+    def _check_replica_gradients(self, optimizer: Optimizer) -> None:
+        # Before the step: replicas' gradients (what the optimizer is about to apply) agree.
+        if self._replicas_due:
+            self._compare_gradients(optimizer)
+
+    def _compare_gradients(self, optimizer: Optimizer) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        ReplicaCheck(plan_hint(self.parallelized.tp_plan)).compare("gradient", self.parallelized.replica_gradients(params))
+
+    def check_replicas(self, values_only: bool = False) -> None:
+        """Check that every parameter several ranks replicate (tensor ranks; a tied weight's
+        copies on pipeline stages) holds the same value on each, and (``values_only=False``)
+        the same gradient, where gradients are held per parameter; ``ReplicaMismatch`` on every
+        rank naming the parameters otherwise. A collective: call it on every rank. Runs by
+        itself at the run's first optimizer step (``replica_check``)."""
+        if not values_only:
+            for optimizer in self.optimizers:
+                self._compare_gradients(optimizer)
+        ReplicaCheck(plan_hint(self.parallelized.tp_plan)).compare("value", self.parallelized.replica_values())
 
     @override
     def on_exception(self, exception: BaseException) -> None:

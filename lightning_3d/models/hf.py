@@ -13,9 +13,11 @@ and optionally ``attention_mask`` and ``labels`` (Hugging Face's convention: uns
 ``-100`` or a zero attention mask for padding). The loss is the token mean over positions that
 have a target.
 
-It supplies its own :meth:`pipeline_spec` for the decoder families in
-:mod:`lightning_3d.models.hf_pipeline`, and the strategy's built-in tensor-parallel plans
-recognise their module names, so ``ThreeDStrategy(tensor=2, pipeline=2)`` needs no user code.
+``ThreeDStrategy(tensor=2, pipeline=2)`` needs no user code: the tensor plan is the one the
+model ships (``config.base_model_tp_plan``, translated by :mod:`lightning_3d.plans.hf`), and
+:meth:`pipeline_spec` splits along its ``base_model_pp_plan`` with stages that run the model's
+own forward (:mod:`lightning_3d.models.hf_pipeline`). A directory's weights are read where they
+end up, each rank its own slices (:mod:`lightning_3d.models.hf_load`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torchmetrics
 from torch import nn
 
 from lightning_3d.models.lit_gpt import warmup_cosine_factor
+from lightning_3d.parallel.materialize import has_meta, materialize
 
 IGNORE_INDEX = -100  # Hugging Face's (and F.cross_entropy's) "no target here"
 HF_CONFIG_KEY = "hf_config"  # checkpoint entry: the model's transformers config as a dict
@@ -46,28 +49,90 @@ def _require_transformers() -> Any:
 
 
 def build_hf_model(path: Optional[str], config: Optional[Mapping[str, Any]],
-                   attn_implementation: str = "sdpa") -> nn.Module:
+                   attn_implementation: Optional[str] = None, deferred_init: bool = True) -> nn.Module:
     """The ``transformers`` causal LM from a local directory (pretrained weights) or a config dict
-    (random init, deterministic under ``torch.manual_seed``). Raises ``ValueError`` for a
-    directory without ``config.json``."""
+    (random init, deterministic under ``torch.manual_seed``).
+
+    A directory's model is built on ``meta`` with a :class:`~lightning_3d.models.hf_load.PretrainedWeights`
+    record (``deferred_init=True``, the default): its weights are read where the model ends up,
+    each rank its own slices (``ThreeDStrategy``), or on CPU at the first forward otherwise.
+    ``attn_implementation=None`` takes the model's own default (``sdpa`` where ``transformers``
+    has it for the family, ``eager`` otherwise). ``ValueError`` naming the directory or the class
+    for what cannot be trained as a causal LM: no ``config.json``, unreadable or mis-shaped
+    weights, an encoder (bidirectional attention), an attention implementation the family lacks."""
     transformers = _require_transformers()
     if (path is None) == (config is None):
         raise ValueError(f"give exactly one of path= or config= (got path={path!r}, config={config!r})")
     if path is not None:
         from pathlib import Path
 
-        directory = Path(path)
+        directory = Path(path).expanduser()
         if not (directory / "config.json").is_file():
             raise ValueError(f"model path {str(path)!r} is not a model directory: it has no config.json")
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            str(directory), attn_implementation=attn_implementation, dtype=torch.float32
-        )
+        hf_config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+        _refuse_encoders(hf_config, f"model directory {str(path)!r}")
+        if deferred_init:
+            model = _deferred(transformers, directory, hf_config, attn_implementation)
+            if model is not None:
+                return model
+        kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+        model = _attention_checked(attn_implementation, lambda: transformers.AutoModelForCausalLM.from_pretrained(
+            str(directory), dtype=torch.float32, local_files_only=True, **kwargs))
+        return _causal_checked(model)
     config = dict(config)
     model_type = config.pop("model_type", None)
     if model_type is None:
         raise ValueError(f"config= needs a 'model_type' (e.g. 'llama', 'qwen2', 'gpt2'), got keys {sorted(config)}")
     hf_config = transformers.AutoConfig.for_model(model_type, **config)
-    return transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn_implementation)
+    _refuse_encoders(hf_config, f"config= (model_type={model_type!r})")
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    return _causal_checked(_attention_checked(
+        attn_implementation, lambda: transformers.AutoModelForCausalLM.from_config(hf_config, **kwargs)))
+
+
+def _deferred(transformers: Any, directory: Any, hf_config: Any, attn_implementation: Optional[str]) -> Optional[nn.Module]:
+    """The directory's model on ``meta`` with its weights' record, or ``None`` where its files
+    do not name the model's tensors (``transformers`` converts them on load: load it eagerly)."""
+    from lightning_3d.models.hf_load import PretrainedWeights, build_on_meta, names_match, read_headers
+
+    headers = read_headers(directory)
+    model = _causal_checked(_attention_checked(attn_implementation,
+                                               lambda: build_on_meta(transformers, hf_config, attn_implementation)))
+    if not names_match(model, headers):
+        return None
+    model.deferred_init = PretrainedWeights(directory, model, headers)
+    return model
+
+
+def _refuse_encoders(hf_config: Any, where: str) -> None:
+    if getattr(hf_config, "is_encoder_decoder", False):
+        raise ValueError(f"{where}: {type(hf_config).__name__} is an encoder-decoder model; HFCausalLM trains "
+                         "decoder-only causal language models")
+
+
+def _causal_checked(model: nn.Module) -> nn.Module:
+    """``model``, or ``ValueError`` when its self-attention sees later tokens (an encoder such as
+    BERT loaded as a causal LM without ``is_decoder``): trained so, it would learn to copy."""
+    bidirectional = sorted({type(m).__name__ for m in model.modules()
+                            if getattr(m, "is_causal", None) is False and "Cross" not in type(m).__name__})
+    if bidirectional:
+        raise ValueError(f"{type(model).__name__} is an encoder: its attention ({', '.join(bidirectional)}) is not "
+                         "causal, so each position would see the tokens it must predict; train a decoder-only "
+                         "model (or one whose config.json sets is_decoder: true)")
+    return model
+
+
+def _attention_checked(attn_implementation: Optional[str], build: Any) -> nn.Module:
+    """``build()``, with transformers' refusal of an attention implementation as one line that
+    names the option."""
+    try:
+        return build()
+    except ValueError as err:
+        text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        if attn_implementation is None or "attention implementation" not in text:
+            raise
+        raise ValueError(f"attn_implementation={attn_implementation!r} (model.attn_implementation in the app): "
+                         f"{text} Leave it unset (null) for the model's default.") from None
 
 
 class HFCausalLM(pl.LightningModule):
@@ -79,7 +144,11 @@ class HFCausalLM(pl.LightningModule):
         model: a ``transformers`` model instance (not saved in the hyper-parameters).
         lr, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio, optimizer: the recipe of
             :class:`lightning_3d.models.LitGPT` (AdamW or momentum SGD, warmup + cosine).
-        attn_implementation: ``"sdpa"`` (default) or ``"eager"``.
+        attn_implementation: ``None`` (default: the model's own, ``sdpa`` where the family has
+            it), ``"sdpa"`` or ``"eager"``.
+        deferred_init: with ``path=``, build on ``meta`` and read the weights where the model
+            ends up (each rank its own slices under ``ThreeDStrategy``); ``False`` loads the
+            whole model on construction.
     """
 
     def __init__(
@@ -94,7 +163,8 @@ class HFCausalLM(pl.LightningModule):
         max_steps: Optional[int] = None,
         min_lr_ratio: float = 0.1,
         optimizer: str = "adamw",
-        attn_implementation: str = "sdpa",
+        attn_implementation: Optional[str] = None,
+        deferred_init: bool = True,
     ) -> None:
         super().__init__()
         if optimizer not in ("adamw", "sgd"):
@@ -104,8 +174,9 @@ class HFCausalLM(pl.LightningModule):
                 raise ValueError("give one of path=, config= or model=, not several")
             self.model = model
         else:
-            self.model = build_hf_model(path, config, attn_implementation)
+            self.model = build_hf_model(path, config, attn_implementation, deferred_init)
         self.model.config.use_cache = False  # training: no key/value cache
+        self.model.train()  # from_pretrained returns it in eval mode: dropout would be off
         self.save_hyperparameters(ignore=["model"])
         self.val_loss = torchmetrics.MeanMetric()
         self.test_loss = torchmetrics.MeanMetric()
@@ -114,8 +185,25 @@ class HFCausalLM(pl.LightningModule):
         # The full config travels with every checkpoint: export-hf rebuilds the model from it.
         checkpoint[HF_CONFIG_KEY] = self.model.config.to_dict()
 
+    def configure_model(self) -> None:
+        # Weights still on meta under a strategy that does not place them itself (ThreeDStrategy
+        # reads each rank's slices after sharding): here, where an eager load would have put them.
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        if not getattr(strategy, "materializes_meta_modules", False):
+            self.load_weights()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.load_weights()  # HFCausalLM.load_from_checkpoint: the tensors need storage first
+
+    def load_weights(self, device: Optional[torch.device] = None) -> None:
+        """Read the directory's weights into a model still on ``meta`` (a no-op otherwise)."""
+        if has_meta(self.model):
+            materialize(self.model, torch.device("cpu") if device is None else device)
+
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` (vocab-sharded under tensor parallelism)."""
+        if getattr(self.model, "deferred_init", None) is not None and self._trainer is None:
+            self.load_weights()  # used outside a Trainer: read the weights on the first call
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
     @staticmethod

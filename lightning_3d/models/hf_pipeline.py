@@ -1,21 +1,36 @@
-"""Pipeline specs for Hugging Face decoder families, so ``pipeline=N`` needs no user code.
+"""Pipeline stages of a ``transformers`` decoder that run the model's own code.
 
-Two layouts are known:
+The split follows the model's ``pp_plan`` (``config.base_model_pp_plan`` and the class's own
+entries: ``embed_tokens`` → ``layers`` → ``norm`` → ``lm_head``, in the order the model runs them)
+or, for a family that ships none (GPT-2, StableLM), the base model's children: parameter-holding
+modules before its block list go to the first stage, those after it (and the LM head) to the last.
 
-* ``model.layers`` decoders with rotary position embeddings (Llama, Qwen2, Mistral, Gemma-like):
-  the first stage embeds (Gemma scales by sqrt(hidden)), every stage computes the rotary
-  ``position_embeddings`` for its own layers from the model's ``rotary_emb`` (buffers only, kept
-  on every rank), the last stage applies the final norm and the head.
-* GPT-2 (``transformer.h``): token + position embeddings and dropout on the first stage, the final
-  ``ln_f`` and the head on the last.
+No family's forward is written a second time. Each stage calls the model's own ``forward``, so
+the model computes what its layers need exactly as in one process: its causal mask for the
+attention implementation and each layer type (full, sliding window), its rotary embeddings, its
+embedding scaling, final norm, head and logit soft-capping. What makes that a stage:
 
-Attention masks do not cross stages: each layer runs causal attention with no mask, so right
-padding must be marked in the targets (``-100``), which the loss skips.
+* modules another stage holds are parameter-free stand-ins (:func:`placeholder`): a block or a
+  norm passes its input through, an embedding returns zeros of its output's shape;
+* a stage after the first calls the model with ``inputs_embeds`` of the input's shape (only its
+  shape, dtype and device are used), and a forward pre-hook on the stage's first block hands that
+  block the received hidden states instead of what the stand-ins before it produced;
+* a stage before the last stops at the stand-in after its last block, which raises the hidden
+  states it was handed (:class:`_StageOutput`): nothing after the stage's blocks runs;
+* the last stage calls the causal LM itself, whose forward applies the norm, the head and any
+  logit soft-capping; its output is the logits.
+
+Under the interleaved schedules a rank holds several stages of one model: during one stage's
+forward the other stages' blocks are swapped for stand-ins. Attention masks do not cross stages:
+every layer sees the model's causal mask, so right padding must be marked in the targets
+(``-100``), which the loss skips.
 """
 
 from __future__ import annotations
 
-import math
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,81 +39,262 @@ from torch import nn
 from lightning_3d.parallel.pipeline import PipelineSpec
 
 
-def _positions(x: torch.Tensor) -> torch.Tensor:
-    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)  # (1, T)
+class _StageOutput(Exception):
+    """Raised by the stand-in after a stage's last block: the stage's output."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__("pipeline stage output")
+        self.hidden = hidden
 
 
-def _hidden(out: Any) -> torch.Tensor:
-    """A decoder layer's residual stream (some return it first in a tuple)."""
-    return out[0] if isinstance(out, tuple) else out
+def _first_input(args: tuple, kwargs: dict) -> Any:
+    if args:
+        return args[0]
+    return kwargs.get("hidden_states", next(iter(kwargs.values()), None))
 
 
-def _spec(lit: Any, **parts: Any) -> PipelineSpec:
-    """``parts`` (blocks, first, last, embed, head, block_forward) plus what every family shares:
-    the module's loss, and batches as (input_ids, targets) — masks do not cross stages."""
+class PassThrough(nn.Module):
+    """A parameter-free stand-in for a block or norm another stage holds: returns its first input.
+    Keeps the plain attributes the model's forward reads off its layers (``attention_type``)."""
+
+    def __init__(self, like: nn.Module) -> None:
+        super().__init__()
+        for key, value in vars(like).items():
+            if not key.startswith("_") and isinstance(value, (str, int, float, bool)):
+                setattr(self, key, value)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return _first_input(args, kwargs)
+
+
+class ZeroLookup(nn.Module):
+    """A parameter-free stand-in for an embedding another stage holds (GPT-2's position
+    embedding, called on every stage): zeros of the lookup's shape, which the next block's
+    received input replaces."""
+
+    def __init__(self, like: nn.Embedding) -> None:
+        super().__init__()
+        self.embedding_dim = like.embedding_dim
+        self.dtype = like.weight.dtype
+
+    def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros((*ids.shape, self.embedding_dim), dtype=self.dtype, device=ids.device)
+
+
+class _StopAfter(PassThrough):
+    """The stand-in after a stage's last block: raises what it is handed as the stage's output."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise _StageOutput(_first_input(args, kwargs))
+
+
+def placeholder(module: nn.Module) -> nn.Module:
+    """The stand-in for ``module`` on a stage that does not hold it."""
+    return ZeroLookup(module) if isinstance(module, nn.Embedding) else PassThrough(module)
+
+
+# ---------------------------------------------------------------------------------- layout
+def _base_model(outer: nn.Module) -> nn.Module:
+    """The decoder inside the causal LM ``outer`` (``get_decoder()``, or its base model)."""
+    get = getattr(outer, "get_decoder", None)
+    base = get() if callable(get) else getattr(outer, getattr(outer, "base_model_prefix", ""), None)
+    if not isinstance(base, nn.Module) or base is outer:
+        raise ValueError(f"no pipeline split for {type(outer).__name__}: it holds no separate decoder model")
+    return base
+
+
+def stage_layout(outer: nn.Module) -> tuple[list[str], str, list[str]]:
+    """``(first, blocks, last)``: module names relative to the causal LM ``outer``, from its
+    ``pp_plan`` in the order the model runs them, or from its base model's children."""
+    base = _base_model(outer)
+    names = dict(outer.named_modules())
+    prefix = next(n for n, m in names.items() if m is base)
+    head = next((n for n, m in names.items() if m is outer.get_output_embeddings()), None)
+    plan = [k for k in (getattr(outer, "pp_plan", None) or {}) if k in names]
+    if any(isinstance(names[k], nn.ModuleList) for k in plan):  # the class's own entries alone name no blocks
+        inner = [k for k in plan if k.startswith(prefix + ".")]  # the base model's, in its forward's order
+        order = inner + [k for k in plan if k not in inner]
+    else:
+        with_params = [f"{prefix}.{n}" for n, m in base.named_children()
+                       if isinstance(m, nn.ModuleList) or any(True for _ in m.parameters())]
+        order = with_params + ([head] if head is not None and head not in with_params else [])
+    lists = [k for k in order if isinstance(names[k], nn.ModuleList)]
+    if len(lists) != 1:
+        raise ValueError(f"no pipeline split for {type(outer).__name__}: expected one block list among "
+                         f"{order}, found {lists}; override pipeline_spec() to return a lightning_3d.PipelineSpec")
+    at = order.index(lists[0])
+    return order[:at], lists[0], order[at + 1:]
+
+
+# ---------------------------------------------------------------------------------- running
+@contextmanager
+def _only(layers: nn.ModuleList, keep: range, stop: int) -> Iterator[None]:
+    """Every layer outside ``keep`` a stand-in for the duration (the one at ``stop`` ends the
+    stage); the rank's own blocks of other (virtual) stages come back afterwards."""
+    saved = dict(layers._modules)
+    try:
+        for key, layer in saved.items():
+            index = int(key)
+            if index == stop:
+                layers._modules[key] = _StopAfter(layer)
+            elif index not in keep and not isinstance(layer, PassThrough):
+                layers._modules[key] = PassThrough(layer)
+        yield
+    finally:
+        layers._modules.update(saved)
+
+
+def _hand_input(holder: Any, first_block: nn.Module) -> Any:
+    """A pre-hook on a stage's first block that swaps the hidden states the model hands it for
+    the stage's received input (``holder._l3d_received``, taken once per forward). Returns the
+    hook's handle."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        received = holder.__dict__.pop("_l3d_received", None)
+        if received is None:
+            return None
+        if args:
+            return (received, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": received}
+
+    return first_block.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+
+
+def _stand_in_input(stage: Any, x: torch.Tensor) -> torch.Tensor:
+    """What a later stage hands the model as ``inputs_embeds``: zeros of the full sequence's
+    shape (under sequence parallelism ``x`` holds a shard of it). Only their shape, dtype and
+    device matter; a fresh tensor, so nothing the model does to it can touch ``x``."""
+    batch, seq, width = x.shape
+    return x.new_zeros(batch, seq * stage.sequence_shards, width)
+
+
+def _hidden(value: Any) -> Any:
+    return value[0] if isinstance(value, (tuple, list)) and value else value
+
+
+@contextmanager
+def _checked(outer: nn.Module, layers: nn.ModuleList, stage: Any) -> Iterator[None]:
+    """On a stage's first forward: check that the model runs its layers as a pipeline split
+    assumes (each once, in order, each handed what the one before returned, the stage's first
+    block handed the received input), or ``ValueError`` naming the class. A model that loops
+    over its layers (a recurrent depth) or adds something between them computes a different
+    model when split there; it needs a pipeline_spec() of its own."""
+    received = stage.__dict__.get("_l3d_received")
+    if stage.__dict__.get("_l3d_checked") or (isinstance(received, torch.Tensor) and received.is_meta):
+        yield  # checked already, or a shape-inference forward on meta tensors: nothing to compare
+        return
+    calls: list[tuple[str, int, Any]] = []
+    handles = []
+    for key, layer in layers._modules.items():
+        index = int(key)
+        handles.append(layer.register_forward_pre_hook(
+            lambda m, a, k, i=index: calls.append(("in", i, _first_input(a, k))), with_kwargs=True))
+        handles.append(layer.register_forward_hook(lambda m, a, o, i=index: calls.append(("out", i, _hidden(o)))))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    stand_ins = {int(k) for k, m in layers._modules.items() if isinstance(m, PassThrough)}
+    problem = _sequence_problem(calls, stage.block_ids[0], received, stand_ins)
+    if problem:
+        raise ValueError(f"{type(outer).__name__} cannot be split into pipeline stages at its layers: {problem}; "
+                         "override pipeline_spec() to return a lightning_3d.PipelineSpec, or use pipeline=1")
+    stage._l3d_checked = True
+
+
+def _sequence_problem(calls: list[tuple[str, int, Any]], first: int, received: Any, stand_ins: set[int]) -> str:
+    """What breaks the contract :func:`_checked` states (``""``: nothing). A stand-in's output
+    is not compared: it returns a tensor where the family's layers may return a tuple."""
+    inputs = [(i, t) for kind, i, t in calls if kind == "in"]
+    outputs = {i: t for kind, i, t in calls if kind == "out"}
+    order = [i for i, _ in inputs]
+    if order != sorted(set(order)) or order != list(range(order[0] if order else 0, (order[-1] + 1) if order else 0)):
+        return f"its forward calls its layers in the order {order}, not each once in turn"
+    for i, tensor in inputs:
+        if i == first and received is not None:
+            expected = received
+        elif i - 1 in stand_ins:
+            continue
+        else:
+            expected = outputs.get(i - 1)
+        if i > order[0] and expected is not None and not _same(tensor, expected):
+            return f"layer {i} is not handed what layer {i - 1} returned"
+    return ""
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a`` is ``b``, or ``b`` cast for the block's compute dtype (FSDP2's mixed precision)."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+        return False
+    # equal_nan: the schedule's shape inference runs a forward on uninitialised memory
+    return torch.allclose(a.detach().float(), b.detach().float(), rtol=1e-2, atol=1e-3, equal_nan=True)
+
+
+def run_stage(outer: nn.Module, layers_name: str, stage: Any, x: Any) -> Any:
+    """One stage's forward through the model's own code (see the module docstring)."""
+    layers = outer.get_submodule(layers_name)
+    keep = range(stage.block_ids[0], stage.block_ids[-1] + 1)
+    kwargs: dict[str, Any] = {"use_cache": False}
+    if stage.is_first:
+        kwargs["input_ids"] = x
+    else:
+        if "_l3d_hook" not in stage.__dict__:  # once per stage: its first block is its own
+            stage._l3d_hook = _hand_input(stage, layers[keep.start])
+        stage._l3d_received = x
+        kwargs["inputs_embeds"] = _stand_in_input(stage, x)
+    stop = -1 if stage.is_last else keep.stop
+    try:
+        with _only(layers, keep, stop), _checked(outer, layers, stage):
+            if stage.is_last:
+                return outer(**kwargs).logits
+            _base_model(outer)(**kwargs)
+    except _StageOutput as done:
+        return done.hidden
+    finally:
+        stage.__dict__.pop("_l3d_received", None)
+    raise RuntimeError(f"pipeline stage with blocks {list(keep)} of {type(outer).__name__} returned without "
+                       "reaching the stand-in after its last block")
+
+
+def run_one_block(outer: nn.Module, layers_name: str, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``block`` on ``x`` with the inputs the model gives its layers (for the planner, which
+    measures one block's activations): a one-block stage at ``block``'s index."""
+    layers = outer.get_submodule(layers_name)
+    index = next(int(k) for k, m in layers._modules.items() if m is block)
+    probe = types.SimpleNamespace(_l3d_received=x)
+    handle = _hand_input(probe, block)
+    try:
+        with _only(layers, range(index, index + 1), index + 1 if index + 1 < len(layers) else -1):
+            out = _base_model(outer)(inputs_embeds=torch.zeros_like(x), use_cache=False)
+    except _StageOutput as done:
+        return done.hidden
+    finally:
+        handle.remove()
+    return out.last_hidden_state  # the model's last block: its final norm ran too
+
+
+def hf_pipeline_spec(lit: Any, prefix: str = "model") -> PipelineSpec:
+    """The :class:`PipelineSpec` of ``lit.model`` (a ``transformers`` causal LM held at ``prefix``
+    of the LightningModule ``lit``, whose ``split_batch`` and ``loss_fn`` it uses); ``ValueError``
+    naming the class where the model has no single block list to split."""
+    outer = lit.model
+    first, blocks, last = stage_layout(outer)
 
     def split(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         ids, _, targets = lit.split_batch(batch)
         return ids, targets
 
-    return PipelineSpec(loss=lit.loss_fn, split_batch=split, inputs=lambda batch: split(batch)[0], **parts)
-
-
-def _rotary_spec(lit: Any, prefix: str) -> PipelineSpec:
-    outer = lit.model
-    inner = outer.model
-    scale = math.sqrt(outer.config.hidden_size) if outer.config.model_type.startswith("gemma") else None
-
-    def embed(ids: torch.Tensor) -> torch.Tensor:
-        x = inner.embed_tokens(ids)  # (B, T, C)
-        return x * torch.tensor(scale, dtype=x.dtype) if scale is not None else x
-
-    def block_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        positions = _positions(x)
-        rotary = inner.rotary_emb(x, position_ids=positions)  # (cos, sin), each (1, T, head_dim)
-        return _hidden(layer(x, attention_mask=None, position_ids=positions, position_embeddings=rotary))
-
-    return _spec(
-        lit,
-        blocks=f"{prefix}.model.layers",
-        first=(f"{prefix}.model.embed_tokens",),
-        last=(f"{prefix}.model.norm", f"{prefix}.lm_head"),
-        embed=embed,
-        head=lambda x: outer.lm_head(inner.norm(x)),
-        block_forward=block_forward,
-    )
-
-
-def _gpt2_spec(lit: Any, prefix: str) -> PipelineSpec:
-    outer = lit.model
-    inner = outer.transformer
-
-    def embed(ids: torch.Tensor) -> torch.Tensor:
-        return inner.drop(inner.wte(ids) + inner.wpe(_positions(ids)))  # (B, T, C)
-
-    return _spec(
-        lit,
-        blocks=f"{prefix}.transformer.h",
-        first=(f"{prefix}.transformer.wte", f"{prefix}.transformer.wpe", f"{prefix}.transformer.drop"),
-        last=(f"{prefix}.transformer.ln_f", f"{prefix}.lm_head"),
-        embed=embed,
-        head=lambda x: outer.lm_head(inner.ln_f(x)),
-        block_forward=lambda block, x: _hidden(block(x, attention_mask=None)),
-    )
-
-
-def hf_pipeline_spec(lit: Any, prefix: str = "model") -> PipelineSpec:
-    """The :class:`PipelineSpec` of ``lit.model`` (a ``transformers`` causal LM held at ``prefix``);
-    ``ValueError`` naming the class for a layout not listed in the module docstring."""
-    outer = lit.model
-    inner = getattr(outer, "model", None)
-    if inner is not None and all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
-        return _rotary_spec(lit, prefix)
-    transformer = getattr(outer, "transformer", None)
-    if transformer is not None and all(hasattr(transformer, a) for a in ("wte", "wpe", "h", "ln_f")):
-        return _gpt2_spec(lit, prefix)
-    raise ValueError(
-        f"no pipeline spec for {type(outer).__name__}: known layouts are model.layers with rotary embeddings "
-        "(Llama, Qwen2, Mistral, Gemma) and GPT-2's transformer.h; override pipeline_spec() to return a "
-        "lightning_3d.PipelineSpec"
+    return PipelineSpec(
+        blocks=f"{prefix}.{blocks}",
+        first=tuple(f"{prefix}.{n}" for n in first),
+        last=tuple(f"{prefix}.{n}" for n in last),
+        loss=lit.loss_fn,
+        split_batch=split,
+        inputs=lambda batch: split(batch)[0],
+        block_forward=lambda block, x: run_one_block(outer, blocks, block, x),
+        stage_forward=lambda stage, x: run_stage(outer, blocks, stage, x),
+        placeholder=placeholder,
     )

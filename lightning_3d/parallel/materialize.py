@@ -65,6 +65,23 @@ class DeferredInit:
         """The plan, with the default CPU generator's state now (where the eager init would start)."""
         return cls(torch.random.get_rng_state(), tuple(inits))
 
+    # The record protocol materialize() drives (also followed by pretrained-weight sources):
+    def planned(self) -> list[str]:
+        """Names (relative to the module holding the record) of the tensors this record fills."""
+        return [init.name for init in self.inits]
+
+    def check(self, owner: nn.Module) -> None:
+        """``ValueError`` if the module no longer has the shapes recorded (before any storage)."""
+        params = dict(owner.named_parameters(remove_duplicate=False))  # a tied weight under each name
+        for init in self.inits:
+            param = params.get(init.name)
+            if param is not None and tuple(param.shape) != init.shape:
+                raise ValueError(f"{init.name}: recorded shape {init.shape}, the model now has {tuple(param.shape)}")
+
+    def fill(self, owner: nn.Module) -> int:
+        """Fill ``owner``'s parameters (their storage exists, on meta no more); the count filled."""
+        return _replay(owner, self)
+
 
 def has_meta(module: nn.Module) -> bool:
     """Whether any parameter or buffer of ``module`` is still on ``meta``."""
@@ -84,34 +101,48 @@ def to_device_keeping_meta(module: nn.Module, device: torch.device) -> None:
 
 def materialize(module: nn.Module, device: torch.device) -> int:
     """Give every ``meta`` parameter and buffer of ``module`` storage on ``device`` (keeping its
-    dtype and sharding), and fill the parameters of each submodule that recorded a
-    :class:`DeferredInit` (its ``deferred_init`` attribute, cleared afterwards). Returns the
-    number of parameters filled. ``ValueError`` naming them if any ``meta`` tensor has no fill
+    dtype and sharding), and fill them from the record each submodule holds as its
+    ``deferred_init`` attribute (cleared afterwards): a :class:`DeferredInit` (random init
+    replayed), or any object with the same ``planned`` / ``check`` / ``fill`` methods (weights
+    read from files: :class:`lightning_3d.checkpoint.pretrained.PretrainedWeights`). Returns
+    the number of tensors filled. ``ValueError`` naming them if any ``meta`` tensor has no fill
     (raised before any storage is allocated)."""
     records = [(f"{prefix}." if prefix else "", m) for prefix, m in module.named_modules()
                if getattr(m, "deferred_init", None) is not None]
-    planned = {prefix + init.name for prefix, m in records for init in m.deferred_init.inits}
+    planned = {prefix + name for prefix, m in records for name in m.deferred_init.planned()}
     unfilled = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta and n not in planned]
     if unfilled:
         raise ValueError(f"cannot materialise {unfilled[:8]}{' ...' if len(unfilled) > 8 else ''}: they are on "
                          "meta but no deferred init of the model covers them (build the model eagerly instead)")
     for _, owner in records:
-        params = dict(owner.named_parameters(remove_duplicate=False))  # a tied weight under each name
-        for init in owner.deferred_init.inits:
-            param = params.get(init.name)
-            if param is not None and tuple(param.shape) != init.shape:
-                raise ValueError(f"{init.name}: recorded shape {init.shape}, the model now has {tuple(param.shape)}")
+        owner.deferred_init.check(owner)
     if not has_meta(module):
         return 0
     device = torch.device(device)
+    ties = _ties(module)
     # Storage in the final dtype, device and shard; FSDP2 units re-point their shards (their _apply).
+    # A meta parameter cannot take real storage in place, so each module gets a new one: ties
+    # (embedding = head) are made one parameter again.
     module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    for first, *aliases in ties:
+        keep = module.get_parameter(first)
+        for alias in aliases:
+            owner, _, leaf = alias.rpartition(".")
+            module.get_submodule(owner).register_parameter(leaf, keep)
     filled = 0
     with torch.no_grad():
         for _, owner in records:
-            filled += _replay(owner, owner.deferred_init)
+            filled += owner.deferred_init.fill(owner)
             owner.deferred_init = None
     return filled
+
+
+def _ties(module: nn.Module) -> list[list[str]]:
+    """Names of each parameter reachable under several names, the first as named_parameters() has it."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def _replay(owner: nn.Module, record: DeferredInit) -> int:
@@ -150,7 +181,7 @@ def _replay(owner: nn.Module, record: DeferredInit) -> int:
                 continue
             local = local_tensor(param)
             rows = regroup_fused_rows(full, *fused[id(param)]) if id(param) in fused else full
-            part = _local_part(rows, param)
+            part = local_part(rows, param)
             if local.device.type != "cpu" and part.dtype != local.dtype:
                 part = part.to(local.dtype)  # cast on the host: half the bytes cross to the device
             local.copy_(part)  # casts as module.to(dtype) does (round to nearest even)
@@ -165,20 +196,30 @@ def _generate(init: ParamInit, generator: torch.Generator, buffer: Tensor) -> Te
     return full
 
 
-def _local_part(full: Tensor, param: Tensor) -> Tensor:
-    """This rank's part of ``full`` for a parameter laid out like ``param`` (a view, on CPU)."""
+def local_region(param: Tensor) -> Optional[tuple[slice, ...]]:
+    """The slices of the full tensor that hold this rank's part of ``param`` (the whole for a
+    plain tensor), or ``None`` where the part is not one box of it (strided shards: tensor
+    parallelism inside FSDP2). Shapes only: works on ``meta``."""
     if not isinstance(param, DTensor):
-        return full
-    placements = param.placements
-    if all(type(p) in (Shard, Replicate) for p in placements):  # plain dim-splits: a slice, computed here
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+        return tuple(slice(0, n) for n in param.shape)
+    if not all(type(p) in (Shard, Replicate) for p in param.placements):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, placements)
-        return full[tuple(slice(o, o + s) for o, s in zip(offset, shape))]
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + s) for o, s in zip(offset, shape))
+
+
+def local_part(full: Tensor, param: Tensor) -> Tensor:
+    """This rank's part of ``full`` for a parameter laid out like ``param`` (a view, on CPU)."""
+    region = local_region(param)
+    if region is not None:  # plain dim-splits: a slice, computed here
+        return full[region]
     # Strided shards (tensor parallelism inside FSDP2) and the rest: DTensor's own split, locally.
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(full, param.device_mesh, placements, src_data_rank=None).to_local()
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
 
 
-__all__ = ["DeferredInit", "ParamInit", "has_meta", "materialize", "to_device_keeping_meta"]
+__all__ = ["DeferredInit", "ParamInit", "has_meta", "local_part", "local_region", "materialize",
+           "to_device_keeping_meta"]

@@ -65,14 +65,28 @@ class PipelineSpec:
     blocks: str  # the nn.ModuleList split across stages
     first: Sequence[str]  # modules only the first stage keeps
     last: Sequence[str]  # modules only the last stage keeps
-    embed: Callable[[Any], torch.Tensor]  # first stage: inputs -> residual stream
-    head: Callable[[torch.Tensor], Any]  # last stage: residual stream -> outputs
-    loss: Callable[[Any, Any], torch.Tensor]  # outputs, targets -> scalar mean loss
+    embed: Optional[Callable[[Any], torch.Tensor]] = None  # first stage: inputs -> residual stream
+    head: Optional[Callable[[torch.Tensor], Any]] = None  # last stage: residual stream -> outputs
+    loss: Optional[Callable[[Any, Any], torch.Tensor]] = None  # outputs, targets -> scalar mean loss
     split_batch: Callable[[Any], tuple[Any, Any]] = field(default=_split_batch)  # batch -> (inputs, targets)
     inputs: Callable[[Any], Any] = field(default=_inputs)  # batch (also a predict batch) -> inputs
     # How a stage runs one block on the residual stream (default ``block(x)``): blocks that need
     # more than the stream (rotary position embeddings, say) compute it here, on their own stage.
+    # The planner also measures one block's activations through it.
     block_forward: Optional[Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]] = None
+    # A stage's whole forward, in place of embed -> blocks -> head: ``stage_forward(stage, x)``
+    # with the ``StageModule`` (its ``block_ids``, ``is_first``, ``is_last``) and its input. For
+    # models whose own forward computes what the blocks need (``models/hf_pipeline.py``).
+    stage_forward: Optional[Callable[[Any, Any], Any]] = None
+    # The parameter-free stand-in for a module another stage holds (``placeholder(module)``), for
+    # models whose own forward still calls it; default: ``nn.Identity`` for a block, nothing else.
+    placeholder: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None
+
+    def __post_init__(self) -> None:
+        if self.loss is None:
+            raise ValueError("PipelineSpec needs loss= (outputs, targets -> scalar mean loss)")
+        if self.stage_forward is None and (self.embed is None or self.head is None):
+            raise ValueError("PipelineSpec needs embed= and head=, or a stage_forward= that runs a whole stage")
 
 
 def build_schedule(stages: list[StageModule], stage_indices: list[int], num_stages: int, schedule: str,

@@ -179,20 +179,31 @@ def stage_ids(pp_rank: int, pp_size: int, virtual: int) -> list[int]:
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: (embed) -> its blocks -> (head). Registers every module it runs, so
-    FSDP2 and ``parameters()`` see exactly this stage's parameters."""
+    """One pipeline stage: (embed) -> its blocks -> (head), or the spec's ``stage_forward``.
+    Registers every module it runs, so FSDP2 and ``parameters()`` see exactly this stage's
+    parameters. ``block_ids`` are its blocks' indices in the model's block list; under sequence
+    parallelism ``sequence_shards`` is the tensor size (its input holds that share of the sequence)."""
 
     def __init__(self, blocks: list[nn.Module], first: list[nn.Module], last: list[nn.Module],
                  embed: Optional[Callable], head: Optional[Callable],
-                 block_forward: Optional[Callable[[nn.Module, Any], Any]] = None) -> None:
+                 block_forward: Optional[Callable[[nn.Module, Any], Any]] = None, *,
+                 block_ids: Sequence[int] = (), is_first: bool = False, is_last: bool = False,
+                 stage_forward: Optional[Callable[["StageModule", Any], Any]] = None,
+                 sequence_shards: int = 1) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
         self.first = nn.ModuleList(first)
         self.last = nn.ModuleList(last)
         self._embed, self._head = embed, head
         self._block_forward = block_forward
+        self._stage_forward = stage_forward
+        self.block_ids = tuple(block_ids)
+        self.is_first, self.is_last = is_first, is_last
+        self.sequence_shards = sequence_shards
 
     def forward(self, x: Any) -> Any:
+        if self._stage_forward is not None:
+            return self._stage_forward(self, x)
         if self._embed is not None:
             x = self._embed(x)
         for block in self.blocks:
@@ -208,7 +219,7 @@ def _set_submodule(root: nn.Module, name: str, value: Optional[nn.Module]) -> No
 
 
 def split_stages(root: nn.Module, spec: Any, pp_rank: int, pp_size: int, virtual: int,
-                 split: Split = "uniform") -> list[StageModule]:
+                 split: Split = "uniform", sequence_shards: int = 1) -> list[StageModule]:
     """Keep this rank's stages of ``root`` in place; return their stage modules (in order)."""
     num_stages = pp_size * virtual
     runs = plan_stages(root, spec, num_stages, split, virtual)
@@ -224,18 +235,18 @@ def split_stages(root: nn.Module, spec: Any, pp_rank: int, pp_size: int, virtual
             spec.embed if s == 0 else None,
             spec.head if s == num_stages - 1 else None,
             getattr(spec, "block_forward", None),
+            block_ids=runs[s], is_first=s == 0, is_last=s == num_stages - 1,
+            stage_forward=getattr(spec, "stage_forward", None), sequence_shards=sequence_shards,
         )
         for s in mine
     ]
     # Drop what other ranks own. Placeholders keep block indices, so names stay as in one process.
+    placeholder = getattr(spec, "placeholder", None)
     owned = {i for s in mine for i in runs[s]}
     for i in range(len(blocks)):
         if i not in owned:
-            blocks[i] = nn.Identity()
-    if 0 not in mine:
-        for name in spec.first:
-            _set_submodule(root, name, None)
-    if num_stages - 1 not in mine:
-        for name in spec.last:
-            _set_submodule(root, name, None)
+            blocks[i] = placeholder(blocks[i]) if placeholder is not None else nn.Identity()
+    dropped = ([] if 0 in mine else list(spec.first)) + ([] if num_stages - 1 in mine else list(spec.last))
+    for name in dropped:
+        _set_submodule(root, name, placeholder(root.get_submodule(name)) if placeholder is not None else None)
     return stages

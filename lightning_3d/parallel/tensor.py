@@ -198,6 +198,44 @@ class LocalSizes(ParallelStyle):
         return f"{type(self).__name__}({self.attrs})"
 
 
+class ReplicatedGradSum(ParallelStyle):
+    """Replicated parameters of a module that sees only this rank's share of an activation: a
+    per-head norm after a column-parallel projection (Qwen3's ``q_norm`` on its local heads).
+    Its output needs no collective, but each rank's weight gradient covers its own heads only,
+    so the gradients must be summed over ``tp`` (``transformers``' ``replicated_with_grad_allreduce``).
+
+    The parameters become ``Replicate`` DTensors and the input a DTensor sharded on ``dim`` (the
+    heads of a ``(B, T, H, D)`` tensor by default), so the weight gradients come out as partial
+    sums that the ZeRO engines and FSDP2 reduce, as for sequence parallelism's norms; the output
+    is local again.
+
+    Example: ``{"*.self_attn.q_norm": ReplicatedGradSum()}``.
+    """
+
+    def __init__(self, dim: int = -2) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            # Rank 0's values on every rank, as torch's own styles distribute them.
+            _shard_params(mod, mesh, {n: Replicate() for n, _ in mod.named_parameters(recurse=False)}, 0)
+
+        def shard_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            x, *rest = inputs
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, [Shard(self.dim % x.dim())], run_check=False)
+            return (x, *rest)
+
+        def local_output(mod: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+            return output.to_local() if isinstance(output, DTensor) else output
+
+        return distribute_module(module, device_mesh, replicate, shard_input, local_output)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(dim={self.dim})"
+
+
 class PrepareHiddenStates(PrepareModuleInput):
     """``PrepareModuleInput`` for the residual stream alone: the first positional input, or the
     keyword ``hidden_states``. Whatever else the caller passes (a cache, masks, position

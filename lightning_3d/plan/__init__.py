@@ -104,6 +104,24 @@ class DistOptions:
 
 
 @dataclass(frozen=True)
+class ReplicaOptions:
+    # When replicas of a parameter (tensor ranks, tied copies on pipeline stages) are checked to
+    # agree (parallel/replicas.py): "first" optimizer step of the run, "off", or every n steps.
+    check: Union[str, int] = "first"
+
+    def problems(self) -> list[str]:
+        ok = self.check in ("first", "off") or (isinstance(self.check, int) and not isinstance(self.check, bool)
+                                                 and self.check >= 1)
+        return [] if ok else [f"replica_check={self.check!r} must be 'first', 'off' or a positive number of steps"]
+
+    def due(self, steps_done: int) -> bool:
+        """Whether the check runs at this run's optimizer step ``steps_done`` (0: its first)."""
+        if self.check == "off":
+            return False
+        return steps_done == 0 or (isinstance(self.check, int) and steps_done % self.check == 0)
+
+
+@dataclass(frozen=True)
 class AutoOptions:
     enabled: bool = False  # the layout planner chooses the layout when the world is known (planner/auto.py)
 
@@ -136,7 +154,7 @@ _GROUP_DEFAULTS = {
         ("layout", Layout), ("tp", TensorParallelOptions), ("pp", PipelineOptions), ("zero", ZeroOptions),
         ("ac", ActivationCheckpointOptions), ("offload", OffloadOptions), ("checkpoint", CheckpointOptions),
         ("compile", CompileOptions), ("dist", DistOptions),
-        ("nonfinite", NonFiniteOptions), ("auto", AutoOptions),
+        ("nonfinite", NonFiniteOptions), ("replicas", ReplicaOptions), ("auto", AutoOptions),
     )
 }
 
@@ -192,6 +210,9 @@ OPTIONS: tuple[Option, ...] = (
            "the step applies it, or `skip` the step (gradients dropped on every rank)"),
     Option("max_nonfinite_skips", "nonfinite", "max_skips",
            "with `nonfinite=skip`: the run stops once more steps than this were skipped"),
+    Option("replica_check", "replicas", "check", "when every replica of a parameter (tensor ranks, a tied weight's "
+           "copies on pipeline stages) must have the same gradient and update: `first` step, `off`, or every n "
+           "steps; a mismatch stops the run naming the parameter", hydra_type=Any),
     Option("auto", "auto", "enabled", "the layout planner's first choice for the world found at start (sizes, "
            "ZeRO stage, micro-batches, AC, offload); options set away from their defaults constrain it"),
 )
@@ -214,6 +235,7 @@ class Plan:
     compile: CompileOptions = field(default_factory=CompileOptions)
     dist: DistOptions = field(default_factory=DistOptions)
     nonfinite: NonFiniteOptions = field(default_factory=NonFiniteOptions)
+    replicas: ReplicaOptions = field(default_factory=ReplicaOptions)
     auto: AutoOptions = field(default_factory=AutoOptions)
     # The flat options this plan was built from (defaults such as micro_batches=None still
     # unresolved), so that updated(pipeline=4) re-derives them.
@@ -306,6 +328,7 @@ def _checked(plan: Plan) -> Plan:
     if not _positive(plan.dist.timeout_s):
         problems.append(f"timeout_s must be a positive number of seconds, got {plan.dist.timeout_s!r}")
     problems += plan.nonfinite.problems()
+    problems += plan.replicas.problems()
     if problems:
         raise ValueError("; ".join(problems))
     tp = replace(plan.tp, plan=dict(plan.tp.plan)) if plan.tp.plan else replace(plan.tp, plan=None)

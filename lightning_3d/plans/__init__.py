@@ -1,8 +1,11 @@
-"""Tensor-parallel plans: per-architecture mappings from module-name patterns to DTensor styles.
+"""Tensor-parallel plans: mappings from module-name patterns to DTensor styles.
 
-Built-in plans are recognised from module names (:func:`detect_plan`); any other model passes
-its own mapping (``ThreeDStrategy(tensor=2, tp_plan={...})`` or ``parallelism.tp_plan`` in
-Hydra, with style names as strings: see :func:`plan_from_names`).
+Where a plan comes from, first match wins (:func:`build_plan`): the user's explicit mapping
+(``ThreeDStrategy(tensor=2, tp_plan={...})`` or ``parallelism.tp_plan`` in Hydra, style names as
+strings: see :func:`plan_from_names`); the plan a ``transformers`` model ships with it,
+translated (:mod:`lightning_3d.plans.hf`); a built-in plan recognised from module names
+(:func:`detect_plan`: the reference GPT, Llama-style and GPT-2-style naming, for models that ship
+none, such as GPT-2 and StableLM).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from lightning_3d.parallel.tensor import name_matches
 from lightning_3d.plans.common import TransformerNames, plan_from_names, transformer_plan
 from lightning_3d.plans.gpt import GPT_NAMES
 from lightning_3d.plans.gpt2 import GPT2_NAMES
+from lightning_3d.plans.hf import hf_tensor_plan
 from lightning_3d.plans.llama import LLAMA_NAMES
 
 BUILTIN: dict[str, TransformerNames] = {"gpt": GPT_NAMES, "llama": LLAMA_NAMES, "gpt2": GPT2_NAMES}
@@ -35,10 +39,15 @@ def detect_plan(module: nn.Module, sequence_parallel: bool = False) -> tuple[str
 
 
 def build_plan(module: nn.Module, plan: Mapping | None, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """The plan to apply: ``plan`` if given (styles or style names), else the detected built-in."""
+    """The plan to apply: ``plan`` if given (styles or style names), else the one the module's
+    ``transformers`` model ships (translated), else the built-in recognised by module names."""
     if plan:
         return plan_from_names(plan, sequence_parallel)
+    shipped = hf_tensor_plan(module, sequence_parallel)
+    if shipped is not None:
+        return shipped
     return detect_plan(module, sequence_parallel)[1]
 
 
-__all__ = ["BUILTIN", "TransformerNames", "build_plan", "detect_plan", "plan_from_names", "transformer_plan"]
+__all__ = ["BUILTIN", "TransformerNames", "build_plan", "detect_plan", "hf_tensor_plan", "plan_from_names",
+           "transformer_plan"]

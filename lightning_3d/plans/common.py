@@ -27,6 +27,7 @@ from lightning_3d.parallel.tensor import (
     FusedColwiseParallel,
     LocalSizes,
     PrepareHiddenStates,
+    ReplicatedGradSum,
     RowwiseConv1DParallel,
 )
 
@@ -84,11 +85,18 @@ def transformer_plan(names: TransformerNames, sequence_parallel: bool) -> dict[s
 
 
 _STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "sequence": SequenceParallel}
+# transformers' names for what explicit plans may also need (its full set: plans/hf.py)
+_HF_STYLES = {
+    "replicated_with_grad_allreduce": ReplicatedGradSum,
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
 
 
 def plan_from_names(plan: Mapping, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     """Accept styles or their names (``"colwise"``, ``"rowwise"``, ``"sequence"``, ``"vocab"``,
-    ``"head"`` for the loss-parallel LM head) so a plan can be written in YAML. Names describe
+    ``"head"`` for the loss-parallel LM head, and transformers' ``"replicated_with_grad_allreduce"``,
+    ``"colwise_gather_output"``, ``"rowwise_split_input"``) so a plan can be written in YAML. Names describe
     the layout without sequence parallelism."""
     named = sorted(p for p, style in plan.items() if not isinstance(style, ParallelStyle))
     if sequence_parallel and named:
@@ -109,7 +117,9 @@ def plan_from_names(plan: Mapping, sequence_parallel: bool = False) -> dict[str,
             out[pattern] = ColwiseParallel(input_layouts=col_in, output_layouts=Shard(-1), use_local_output=False)
         elif style in _STYLES:
             out[pattern] = _STYLES[style]()
+        elif style in _HF_STYLES:
+            out[pattern] = _HF_STYLES[style]()
         else:
-            known = sorted([*_STYLES, "vocab", "head"])
+            known = sorted([*_STYLES, *_HF_STYLES, "vocab", "head"])
             raise ValueError(f"unknown parallel style {style!r} for pattern {pattern!r}; known: {known}")
     return out

@@ -11,4 +11,6 @@ LLAMA_NAMES = TransformerNames(
     rowwise=("*.self_attn.o_proj", "*.mlp.down_proj"),
     norms=("*.input_layernorm", "*.post_attention_layernorm", "*.norm"),
     head="*lm_head",
+    # transformers' StableLM (which ships no plan) views its heads by these global sizes.
+    local_sizes={"*.self_attn": ("num_heads", "num_key_value_heads", "hidden_size")},
 )

@@ -82,7 +82,8 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
         # model={"hf": {...}} overrides keys of the tiny transformers config
         module = HFCausalLM(config=tiny_hf_config(run.arch[3:], **kwargs.get("hf", {})), lr=kwargs.get("lr", 3e-3),
                             warmup_steps=kwargs["warmup_steps"], max_steps=kwargs["max_steps"],
-                            optimizer=kwargs.get("optimizer", "adamw"))
+                            optimizer=kwargs.get("optimizer", "adamw"),
+                            attn_implementation=kwargs.get("attn_implementation"))
     else:
         module = LitTinyLM(arch=run.arch, n_kv_head=kwargs.pop("n_kv_head", 2), **kwargs)
     initial_state = {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -1,0 +1,128 @@
+"""A guard against silent divergence: every replica of a parameter must take the same step.
+
+Under tensor parallelism every parameter the plan does not split is replicated on each tensor
+rank, and a tied weight split over pipeline stages has one copy per stage. Their replicas must
+end every step equal. A plan mistake breaks that silently: a per-head norm whose gradient is not
+summed over ``tp`` (each rank sees its own heads only), a replicated module handed a shard of the
+sequence, tied copies whose gradients are not added up. The losses barely move; the weights part
+ways.
+
+:class:`ReplicaCheck` compares, over each group of replicas, a fingerprint of every replicated
+tensor (sum, sum of squares and a position-weighted sum, in float64): the gradients of what the
+optimizer steps before the step, and the parameters themselves after it. One all-gather per
+group and one all-reduce of the verdict over the world, at the first optimizer step (and every
+``every`` steps, or on demand); a mismatch raises :class:`ReplicaMismatch` on every rank,
+naming the parameters, the ranks, and the plan entry to change.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
+
+from lightning_3d.parallel.tensor import local_tensor
+
+RTOL = 1e-5  # replicas computed alike are equal bit for bit; a plan mistake moves them by O(1)
+WEIGHTS = 17  # the weighted sum's period: positions i and i + 17 weigh alike
+
+
+class ReplicaMismatch(RuntimeError):
+    """Replicas of a parameter disagree (see the module docstring)."""
+
+
+def fingerprint(t: Tensor) -> Tensor:
+    """``(sum, sum of squares, position-weighted sum)`` of ``t`` in float64: equal tensors give
+    equal fingerprints; a tensor whose values moved, or moved around, almost surely not."""
+    flat = t.detach().reshape(-1).double()
+    pad = (-flat.numel()) % WEIGHTS
+    rows = torch.cat([flat, flat.new_zeros(pad)]).view(-1, WEIGHTS)
+    weights = torch.arange(1, WEIGHTS + 1, dtype=torch.float64, device=flat.device)
+    return torch.stack([flat.sum(), (flat * flat).sum(), (rows @ weights).sum()])
+
+
+def replicated_over(t: Tensor, axis: str) -> bool:
+    """Whether ``t`` is whole (not split) on the mesh axis ``axis``: a plain tensor, a DTensor on
+    a mesh without that axis, or one placed ``Replicate`` (or partial) on it."""
+    if not isinstance(t, DTensor):
+        return True
+    names = t.device_mesh.mesh_dim_names or ()
+    return axis not in names or not t.placements[names.index(axis)].is_shard()
+
+
+def _whole_local(t: Tensor) -> Tensor:
+    """This rank's part of ``t``, with partial sums (a gradient not yet reduced) reduced first."""
+    if isinstance(t, DTensor) and any(pl.is_partial() for pl in t.placements):
+        t = t.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in t.placements])
+    return local_tensor(t)
+
+
+class ReplicaCheck:
+    """Compares replicas over groups: ``[(what, process group, [(name, tensor), ...])]`` (each
+    rank of a group lists the same names in the same order; ``what`` says which replicas they
+    are: ``"tensor ranks"``, ``"pipeline stages holding the tie"``). ``advice(names)`` is the
+    sentence that tells the user what to change for the parameters ``names``."""
+
+    def __init__(self, advice: Callable[[list[str]], str] = lambda names: "") -> None:
+        self.advice = advice
+
+    def compare(self, kind: str, groups: Iterable[tuple[str, Any, list[tuple[str, Tensor]]]]) -> None:
+        """Raise :class:`ReplicaMismatch` on every rank if any replicas' ``kind`` (``"gradient"``,
+        ``"value"``) differ. A collective over the world: every rank calls it."""
+        apart: dict[tuple[str, tuple[int, ...]], list[str]] = {}  # (what, ranks) -> parameter names
+        for what, group, named in groups:
+            if not named or group is None or dist.get_world_size(group) < 2:
+                continue
+            mine = torch.stack([fingerprint(_whole_local(t)) if t is not None else torch.zeros(3, dtype=torch.float64)
+                                for _, t in named])
+            device = mine.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
+            parts = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, mine.to(device), group=group)
+            ranks = tuple(dist.get_process_group_ranks(group))
+            for index, (name, _) in enumerate(named):
+                rows = [p[index] for p in parts]
+                scale = max(float(r.abs().max()) for r in rows) + 1e-30
+                if any(float((r - rows[0]).abs().max()) > RTOL * scale for r in rows[1:]):
+                    apart.setdefault((what, ranks), []).append(name)
+        flag = torch.tensor([float(bool(apart))])
+        dist.all_reduce(flag)  # every rank stops, not only the groups that saw it
+        if apart:
+            raise ReplicaMismatch(" ".join(self._sentence(kind, what, ranks, names)
+                                           for (what, ranks), names in apart.items()))
+        if flag.item():
+            raise ReplicaMismatch("replicas disagree on another rank (its error names them); stopping with it")
+
+    def _sentence(self, kind: str, what: str, ranks: tuple[int, ...], names: list[str]) -> str:
+        listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        return (f"replicas disagree, so the run stops before they part ways: the {kind} of {listed} differs "
+                f"across the {what} (global ranks {list(ranks)}).{self.advice(names) if 'tensor' in what else ''}")
+
+
+def tensor_replicas(named: Iterable[tuple[str, Tensor, Tensor]], tp_group: Any) -> list[tuple[str, Any, list]]:
+    """The groups for :meth:`ReplicaCheck.compare`: of ``(name, parameter, tensor)``, the
+    tensors (a gradient, or the parameter itself; ``None``: no gradient) of the parameters that
+    are whole on the tensor axis (one group: this rank's tensor group). Which parameters those
+    are follows from their layout alone, so every tensor rank lists the same ones."""
+    return [("tensor ranks", tp_group, [(n, t) for n, p, t in named if replicated_over(p, "tp")])]
+
+
+def plan_hint(plan: Mapping[str, Any]) -> Callable[[list[str]], str]:
+    """The advice for tensor-rank replicas that disagree: the style the plan gave their modules
+    (or that it gave none) and the plan entries that would sum their gradients over ``tp``."""
+
+    def advice(names: list[str]) -> str:
+        modules = list(dict.fromkeys(n.rpartition(".")[0] for n in names))
+        styles = sorted({type(plan[m]).__name__ for m in modules if m in plan})
+        said = f"the plan gives them {', '.join(styles)}" if styles else "no tensor-parallel plan entry splits them"
+        patterns = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", m) for m in modules))
+        entries = ", ".join(f"'{p}': 'replicated_with_grad_allreduce'" for p in patterns[:3])
+        return (f" {said.capitalize()}, so every tensor rank keeps all of each; a module that sees only its rank's "
+                f"share of an activation (heads, a sequence shard) needs the style that sums its gradient over tp: "
+                f"tp_plan={{{entries}, ...}} (or split it with the layers around it).")
+
+    return advice

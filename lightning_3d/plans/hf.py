@@ -1,0 +1,237 @@
+"""The tensor plan a ``transformers`` model ships, as this project's DTensor styles.
+
+Every decoder family of ``transformers`` declares how its modules split over a tensor axis:
+``config.base_model_tp_plan``, merged with the model class's own entries into ``model.tp_plan``
+(``{"model.layers.*.self_attn.q_proj": "colwise", ...}``). :func:`hf_tensor_plan` finds the
+``transformers`` model inside a ``LightningModule`` and translates that plan, so the family's own
+knowledge (Qwen3's per-head norms, Phi-3's fused projections, OLMo2's full-width q/k norms, a
+mixture of experts) decides the split instead of module names recognised here.
+
+Translation (``transformers`` style → what runs here):
+
+* ``colwise`` / ``rowwise`` → column / row parallel (``Linear`` and ``Conv1D``), local outputs;
+* ``colwise_gather_output`` / ``colwise_rep`` → column parallel whose output is gathered, and
+  ``rowwise_split_input`` / ``rowwise_rep`` → row parallel that slices a replicated input: the
+  module reads global sizes after the projection (OLMo2's full-width q/k norms, Phi-3's q/k/v
+  slicing by ``config.num_attention_heads``). A fused ``gate_up_proj`` whose MLP only chunks it
+  in two (Phi-3, GLM) is the exception: its rows are regrouped so each rank holds its own halves
+  of gate and up (``FusedColwiseParallel``), no gather, and its ``down_proj`` is plain row parallel;
+* ``packed_colwise`` on a 2-D weight → the same regrouping into two chunks;
+* ``embedding_rowwise`` / ``embedding_colwise`` → vocab- / feature-parallel embedding; the input
+  embedding is vocab-parallel even where the plan does not name it, and the LM head is always the
+  loss-parallel head (vocab-sharded logits, never gathered), so a tied pair splits alike;
+* ``replicated_with_grad_allreduce`` → :class:`~lightning_3d.parallel.tensor.ReplicatedGradSum`
+  (per-head norms: replicated weights whose gradients are summed over ``tp``);
+* mixture-of-experts styles (``moe_tp_experts``, ``packed_colwise`` on 3-D expert weights,
+  ``grouped_gemm``, ...) → the experts and the router are **replicated**: every tensor rank
+  computes every expert on the full (replicated) input, so nothing about routing changes, and
+  the attention is still split;
+* ``replicate`` → nothing.
+
+Any other style (``mla_kv_a_proj``, ``local_params``, ``all_reduce``, ...) is refused with a
+``ValueError`` naming the ``transformers`` class, the module and the style, and what to pass
+instead. With ``sequence_parallel`` the decoder layers' own norms and the final norm hold a
+sequence shard (found from the pipeline plan's layers and norm); a layer with any other module
+that holds parameters outside the plan is refused, since it would see only part of the sequence.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Optional
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+
+from lightning_3d.parallel.tensor import (
+    ColwiseConv1DParallel,
+    FusedColwiseParallel,
+    PrepareHiddenStates,
+    ReplicatedGradSum,
+    RowwiseConv1DParallel,
+    name_matches,
+)
+
+COLUMN = ("colwise",)
+GATHERED_COLUMN = ("colwise_gather_output", "colwise_rep")
+SPLIT_INPUT_ROW = ("rowwise_split_input", "rowwise_rep")
+EXPERT_STYLES = ("moe_tp_experts", "grouped_gemm", "ep_dispatch_experts", "moe_identity_expert", "packed_rowwise")
+TRANSLATED = (*COLUMN, *GATHERED_COLUMN, "rowwise", *SPLIT_INPUT_ROW, "packed_colwise", "embedding_rowwise",
+              "embedding_colwise", "replicated_with_grad_allreduce", "replicate", *EXPERT_STYLES)
+
+
+def outermost_hf_model(root: nn.Module) -> Optional[tuple[str, nn.Module]]:
+    """``(name, model)`` of the outermost ``transformers`` model inside ``root`` (``""`` for
+    ``root`` itself), without importing ``transformers``; ``None`` if there is none."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:
+        return None
+    for name, module in root.named_modules():  # pre-order: the outermost comes first
+        if isinstance(module, modeling.PreTrainedModel):
+            return name, module
+    return None
+
+
+def hf_tensor_plan(root: nn.Module, sequence_parallel: bool) -> Optional[dict[str, ParallelStyle]]:
+    """The translated plan of the ``transformers`` model in ``root`` (see the module docstring);
+    ``None`` when ``root`` holds none, or one whose plan names nothing but its LM head."""
+    found = outermost_hf_model(root)
+    if found is None:
+        return None
+    prefix, model = found
+    head = model.get_output_embeddings()
+    head_names = {n for n, m in model.named_modules() if m is head}
+    entries = {k: v for k, v in (getattr(model, "tp_plan", None) or {}).items() if k not in head_names}
+    if not entries:
+        return None
+    return _Translation(root, prefix, model, entries, sequence_parallel).plan()
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
+
+
+class _Translation:
+    """One model's plan, translated entry by entry (``plan()``)."""
+
+    def __init__(self, root: nn.Module, prefix: str, model: nn.Module, entries: Mapping[str, str], sp: bool) -> None:
+        self.root, self.prefix, self.model, self.sp = root, prefix, model, sp
+        self.entries = {_join(prefix, k): v for k, v in entries.items()}
+        self.modules = dict(root.named_modules())
+        self.params = dict(root.named_parameters(remove_duplicate=False))
+        self.col_in = Shard(1) if sp else Replicate()  # activations (B, T, C): dim 1 is the sequence
+        self.row_out = Shard(1) if sp else Replicate()
+
+    def plan(self) -> dict[str, ParallelStyle]:
+        plan: dict[str, ParallelStyle] = {}
+        experts = self._expert_patterns()
+        regrouped = self._regrouped_gate_up()
+        for pattern, style in self.entries.items():
+            if any(pattern == e or pattern.startswith(e + ".") for e in experts):
+                continue  # experts (and anything inside them) stay whole: see the module docstring
+            translated = self._translate(pattern, style, regrouped)
+            if translated is not None:
+                plan[pattern] = translated
+        plan.update(self._ends())
+        if self.sp:
+            plan.update(self._sequence_parallel(plan))
+        return plan
+
+    # ---------------------------------------------------------------- one entry
+    def _translate(self, pattern: str, style: str, regrouped: set[str]) -> Optional[ParallelStyle]:
+        if style not in TRANSLATED:
+            self._refuse(pattern, style, "has no translation here")
+        if style == "replicate":
+            return None
+        if style in COLUMN:
+            return ColwiseConv1DParallel(input_layouts=self.col_in)
+        if style == "packed_colwise" or pattern in regrouped:
+            return FusedColwiseParallel(2, input_layouts=self.col_in)
+        if style in GATHERED_COLUMN:
+            return ColwiseConv1DParallel(input_layouts=self.col_in, output_layouts=Replicate())
+        beside_regrouped = pattern.rpartition(".")[0] in {r.rpartition(".")[0] for r in regrouped}
+        if style == "rowwise" or (style in SPLIT_INPUT_ROW and beside_regrouped):
+            return RowwiseConv1DParallel(output_layouts=self.row_out)  # its input is already this rank's
+        if style in SPLIT_INPUT_ROW:
+            return RowwiseConv1DParallel(input_layouts=Replicate(), output_layouts=self.row_out)
+        if style == "embedding_rowwise":
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if style == "embedding_colwise":
+            return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if style == "replicated_with_grad_allreduce":
+            return ReplicatedGradSum()
+        self._refuse(pattern, style, "is an expert style outside a mixture-of-experts block")
+
+    def _refuse(self, pattern: str, style: str, why: str) -> None:
+        cls = type(self.model)
+        raise ValueError(
+            f"{cls.__module__}.{cls.__qualname__}: transformers' tensor plan gives {pattern} the style {style!r}, "
+            f"which {why}; pass an explicit plan for this model (tp_plan={{pattern: style}}, e.g. its "
+            "attention projections only: parallelism.tp_plan in the app) or tensor=1"
+        )
+
+    # ---------------------------------------------------------------- experts and fused pairs
+    def _expert_patterns(self) -> list[str]:
+        """Patterns of the expert modules: named by an expert style, or owning a weight a style
+        is given to directly (transformers' packed 3-D expert weights are parameters)."""
+        out = []
+        for pattern, style in self.entries.items():
+            if style in EXPERT_STYLES:
+                out.append(pattern)
+            elif not any(name_matches(n, pattern) for n in self.modules) and any(
+                name_matches(n, pattern) for n in self.params
+            ):
+                out.append(pattern.rpartition(".")[0])  # the parameter's owner
+        return out
+
+    def _regrouped_gate_up(self) -> set[str]:
+        """Gathered ``gate_up_proj`` entries whose sibling ``down_proj`` slices a replicated
+        input: the MLP only chunks the pair, so each rank can keep its own halves instead."""
+        out = set()
+        for pattern, style in self.entries.items():
+            parent, _, leaf = pattern.rpartition(".")
+            if style in GATHERED_COLUMN and leaf == "gate_up_proj" and \
+                    self.entries.get(f"{parent}.down_proj") in SPLIT_INPUT_ROW:
+                out.add(pattern)
+        return out
+
+    # ---------------------------------------------------------------- embedding, head, SP
+    def _name_of(self, module: Optional[nn.Module]) -> Optional[str]:
+        return next((n for n, m in self.modules.items() if m is module), None)
+
+    def _ends(self) -> dict[str, ParallelStyle]:
+        """The input embedding vocab-parallel (unless the plan splits it otherwise) and the LM
+        head loss-parallel: vocabulary rows split alike, so a tied pair stays one parameter."""
+        out: dict[str, ParallelStyle] = {}
+        embed = self._name_of(self.model.get_input_embeddings())
+        if embed is not None and not any(name_matches(embed, p) for p in self.entries):
+            out[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        head = self._name_of(self.model.get_output_embeddings())
+        if head is not None:
+            out[head] = ColwiseParallel(input_layouts=self.col_in, output_layouts=Shard(-1), use_local_output=False)
+        return out
+
+    def _sequence_parallel(self, plan: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+        """The norms between the blocks' split projections, and where the residual stream turns
+        sequence-sharded; refused for a layer whose other modules would see a sequence shard."""
+        layers_name, final_norm = self._layers_and_final_norm()
+        layers = self.modules[layers_name]
+        out: dict[str, ParallelStyle] = {f"{layers_name}.0": PrepareHiddenStates(input_layout=Replicate(),
+                                                                               desired_layout=Shard(1))}
+        for index, layer in enumerate(layers):
+            for child, module in layer.named_children():
+                name = f"{layers_name}.{index}.{child}"
+                if "norm" in type(module).__name__.lower():
+                    out[name] = SequenceParallel()
+                elif list(module.parameters()) and not _covered(module, name, plan):
+                    cls = type(self.model)
+                    raise ValueError(
+                        f"{cls.__module__}.{cls.__qualname__}: sequence_parallel=True would hand {name} "
+                        f"({type(module).__name__}) a shard of the sequence, and its parameters are not split "
+                        "by the tensor plan; use sequence_parallel=False for this model"
+                    )
+        if final_norm is not None:
+            out[final_norm] = SequenceParallel()
+        return out
+
+    def _layers_and_final_norm(self) -> tuple[str, Optional[str]]:
+        """The decoder's block list and its final norm, from the pipeline plan (transformers
+        names both there) or else from the base model's children."""
+        keys = [_join(self.prefix, k) for k in (getattr(self.model, "pp_plan", None) or {})]
+        lists = [k for k in keys if isinstance(self.modules.get(k), nn.ModuleList)]
+        if lists:
+            after = keys[keys.index(lists[0]) + 1:]
+            norms = [k for k in after if "norm" in type(self.modules.get(k)).__name__.lower()]
+            return lists[0], norms[0] if norms else None
+        lists = [n for n, m in self.modules.items() if isinstance(m, nn.ModuleList) and n.startswith(self.prefix)]
+        if not lists:
+            self._refuse("(no block list)", "sequence_parallel", "needs the model's decoder layers")
+        return lists[0], None
+
+
+def _covered(module: nn.Module, name: str, plan: Mapping[str, ParallelStyle]) -> bool:
+    """Whether every parameter of ``module`` belongs to a module the plan gives a style."""
+    owners = [f"{name}.{n}" if n else name for n, m in module.named_modules() if list(m.parameters(recurse=False))]
+    return all(any(name_matches(owner, p) for p in plan) for owner in owners)
