@@ -168,7 +168,10 @@ def check(module: nn.Module, plan: Plan, world_size: int) -> None:
         check_tied_styles(module, resolve_plan(module, styles, layout.tensor), find_tied(module))
     if layout.pipeline > 1:
         virtual = plan.pp.virtual_stages
-        plan_stages(module, pipeline_spec(module), layout.pipeline * virtual, plan.pp.split, virtual)
+        spec = pipeline_spec(module)
+        plan_stages(module, spec, layout.pipeline * virtual, plan.pp.split, virtual)
+        if spec.check is not None:
+            spec.check()
 
 
 def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torch.device, precision: str = "32-true",

@@ -84,7 +84,7 @@ def test_pipeline_stages_in_turn_equal_the_whole_model_and_stay_causal(family, a
     the last token moves no earlier position. Catches what hand-written stage forwards got wrong:
     Gemma's embedding scaled twice, no soft-capping, no sliding window, and with eager attention
     no causal mask at all (every stage attending to future tokens)."""
-    from lightning_3d.testing.hf_stages import run_in_turn, stages_in_one_process
+    from lightning_3d.models.hf_pipeline import run_in_turn, stages_in_one_process
 
     if family == "gemma2" and attn == "sdpa":
         pytest.skip("transformers refuses sdpa for Gemma2 (its default is eager)")
@@ -104,15 +104,24 @@ def test_pipeline_stages_in_turn_equal_the_whole_model_and_stay_causal(family, a
 
 def test_models_a_pipeline_split_would_change_are_refused():
     """A model whose forward loops over its layers (Dory's recurrent depth) is not a chain of
-    stages: the first forward of a stage says so instead of computing another model."""
-    from lightning_3d.testing.hf_stages import run_in_turn, stages_in_one_process
+    stages: refused before launch (a tiny copy of the family split in one process) and at a
+    stage's first forward, instead of computing another model."""
+    from lightning_3d.models.hf_pipeline import run_in_turn, stages_in_one_process
 
     if "dory" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no Dory")
+    from lightning_3d.plan import Plan
+    from lightning_3d.recipe import check
+
     module = HFCausalLM(config=tiny_config("dory"))
     with pytest.raises(ValueError, match=r"DoryForCausalLM cannot be split into pipeline stages at its layers: "
-                                         r"its forward calls its layers in the order \[0, 1, 2, 3, 0"):
-        run_in_turn(stages_in_one_process(module, 2), torch.randint(3, 256, (2, 16)))
+                                         r"its forward calls its layers in the order \[0, 1, (2, 3, )?0"):
+        run_in_turn(stages_in_one_process(module, 2), torch.randint(3, 256, (2, 16)))  # at a stage's first forward
+    with torch.device("meta"):  # and before launch, on a tiny copy of the family, as the app checks
+        on_meta = HFCausalLM(config=tiny_config("dory"))
+    with pytest.raises(ValueError, match=r"DoryForCausalLM cannot be split into pipeline stages"):
+        check(on_meta, Plan.from_options(pipeline=2), 2)
+    check(on_meta, Plan.from_options(tensor=2), 2)  # its tensor plan is fine
 
 
 def test_encoders_are_refused_and_a_bert_decoder_has_no_block_list():

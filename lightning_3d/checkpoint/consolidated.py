@@ -98,7 +98,11 @@ def full_optimizer_state(
     if pp_group is not None:
         parts: list[Any] = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(parts, state, group=pp_group)
-        state = dict(sorted((k, v) for part in parts for k, v in part.items()))
+        merged: dict[int, Any] = {}
+        for part in parts:  # a tied weight's state comes from each stage holding a copy: equal, kept once
+            for index, entry in part.items():
+                merged.setdefault(index, entry)
+        state = dict(sorted(merged.items()))
     starts = [sum(sizes[:g]) for g in range(len(sizes))]
     param_groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + size))}

@@ -28,6 +28,7 @@ every layer sees the model's causal mask, so right padding must be marked in the
 
 from __future__ import annotations
 
+import copy
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_3d.parallel.pipeline import PipelineSpec
 
@@ -251,8 +253,8 @@ def run_stage(outer: nn.Module, layers_name: str, stage: Any, x: Any) -> Any:
             if stage.is_last:
                 return outer(**kwargs).logits
             _base_model(outer)(**kwargs)
-    except _StageOutput as done:
-        return done.hidden
+    except _StageOutput as done:  # under sequence parallelism a DTensor: stages pass their local shard
+        return done.hidden.to_local() if isinstance(done.hidden, DTensor) else done.hidden
     finally:
         stage.__dict__.pop("_l3d_received", None)
     raise RuntimeError(f"pipeline stage with blocks {list(keep)} of {type(outer).__name__} returned without "
@@ -276,6 +278,54 @@ def run_one_block(outer: nn.Module, layers_name: str, block: nn.Module, x: torch
     return out.last_hidden_state  # the model's last block: its final norm ran too
 
 
+def stages_in_one_process(module: Any, pipeline: int, virtual: int = 1) -> list[Any]:
+    """Every stage of ``module`` (a ``LightningModule`` with ``pipeline_spec()``) split for
+    ``pipeline`` ranks of ``virtual`` stages each, each rank's from its own copy of the module,
+    in stage order: the split run in one process, with no process group."""
+    from lightning_3d.parallel.stages import split_stages
+
+    stages = []
+    for rank in range(pipeline):
+        copied = copy.deepcopy(module)
+        stages += split_stages(copied, copied.pipeline_spec(), rank, pipeline, virtual)
+    return sorted(stages, key=lambda stage: stage.block_ids[0])
+
+
+def run_in_turn(stages: list[Any], ids: torch.Tensor) -> torch.Tensor:
+    """``ids`` through ``stages`` one after the other: what a pipeline's last stage outputs."""
+    x = ids
+    for stage in stages:
+        x = stage(x)
+    return x
+
+
+def check_split(lit: Any) -> None:
+    """Before launch: split a tiny random copy of the model's family (``hf_twin``: its code, its
+    layer types, small sizes) into 2 stages in one process; ``ValueError`` naming the class if
+    the stages in turn do not compute the copy's logits (a forward that loops over its layers or
+    passes them more than the hidden states). A family that does not build small is checked at
+    its first forward instead (:func:`_checked`)."""
+    from lightning_3d.models.hf import HFCausalLM
+    from lightning_3d.models.hf_twin import tiny_twin
+
+    with torch.device("cpu"), torch.no_grad():  # the launcher's model may be on meta: the twin is not
+        twin_model = tiny_twin(lit.model)
+        if twin_model is None:
+            return
+        twin = HFCausalLM(model=twin_model)
+        if len(twin.get_submodule(twin.pipeline_spec().blocks)) < 2:
+            return
+        ids = torch.randint(3, twin_model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        whole = twin(ids)
+        split = run_in_turn(stages_in_one_process(twin, 2), ids)
+    if not torch.allclose(split, whole, rtol=1e-4, atol=1e-5):
+        worst = (split - whole).abs().max().item()
+        raise ValueError(f"{type(lit.model).__name__} cannot be split into pipeline stages at its layers: on a tiny "
+                         f"copy of its family the stages in turn give other logits than the whole model (max "
+                         f"difference {worst:.2e}); override pipeline_spec() to return a lightning_3d.PipelineSpec, "
+                         "or use pipeline=1")
+
+
 def hf_pipeline_spec(lit: Any, prefix: str = "model") -> PipelineSpec:
     """The :class:`PipelineSpec` of ``lit.model`` (a ``transformers`` causal LM held at ``prefix``
     of the LightningModule ``lit``, whose ``split_batch`` and ``loss_fn`` it uses); ``ValueError``
@@ -297,4 +347,5 @@ def hf_pipeline_spec(lit: Any, prefix: str = "model") -> PipelineSpec:
         block_forward=lambda block, x: run_one_block(outer, blocks, block, x),
         stage_forward=lambda stage, x: run_stage(outer, blocks, stage, x),
         placeholder=placeholder,
+        check=lambda: check_split(lit),
     )

@@ -81,6 +81,9 @@ class PipelineSpec:
     # The parameter-free stand-in for a module another stage holds (``placeholder(module)``), for
     # models whose own forward still calls it; default: ``nn.Identity`` for a block, nothing else.
     placeholder: Optional[Callable[[torch.nn.Module], torch.nn.Module]] = None
+    # Run before launch (in the launching process, on a model that may be on meta): raises
+    # ValueError if this split would compute another model than one process.
+    check: Optional[Callable[[], None]] = None
 
     def __post_init__(self) -> None:
         if self.loss is None:

@@ -132,10 +132,11 @@ class _Translation:
         if style in GATHERED_COLUMN:
             return ColwiseConv1DParallel(input_layouts=self.col_in, output_layouts=Replicate())
         beside_regrouped = pattern.rpartition(".")[0] in {r.rpartition(".")[0] for r in regrouped}
-        if style == "rowwise" or (style in SPLIT_INPUT_ROW and beside_regrouped):
-            return RowwiseConv1DParallel(output_layouts=self.row_out)  # its input is already this rank's
+        local = not self.sp  # under sequence parallelism the residual stream stays a DTensor
+        if style == "rowwise" or (style in SPLIT_INPUT_ROW and beside_regrouped):  # its input is this rank's
+            return RowwiseConv1DParallel(output_layouts=self.row_out, use_local_output=local)
         if style in SPLIT_INPUT_ROW:
-            return RowwiseConv1DParallel(input_layouts=Replicate(), output_layouts=self.row_out)
+            return RowwiseConv1DParallel(input_layouts=Replicate(), output_layouts=self.row_out, use_local_output=local)
         if style == "embedding_rowwise":
             return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         if style == "embedding_colwise":
@@ -198,9 +199,14 @@ class _Translation:
         sequence-sharded; refused for a layer whose other modules would see a sequence shard."""
         layers_name, final_norm = self._layers_and_final_norm()
         layers = self.modules[layers_name]
-        out: dict[str, ParallelStyle] = {f"{layers_name}.0": PrepareHiddenStates(input_layout=Replicate(),
-                                                                               desired_layout=Shard(1))}
+        out: dict[str, ParallelStyle] = {}
         for index, layer in enumerate(layers):
+            # The residual stream is a DTensor sharded on the sequence inside and between the
+            # layers, so a norm's output (a DTensor) and the residual it is added to (Gemma's
+            # post-norms) are alike; it enters as the full embedding at layer 0, as a stage's
+            # local shard elsewhere.
+            out[f"{layers_name}.{index}"] = PrepareHiddenStates(
+                input_layout=Replicate() if index == 0 else Shard(1), desired_layout=Shard(1), use_local_output=False)
             for child, module in layer.named_children():
                 name = f"{layers_name}.{index}.{child}"
                 if "norm" in type(module).__name__.lower():

@@ -5,24 +5,13 @@ with one process number by number.
 Two sources: :data:`TINY_HF`, hand-picked families that together cover what the parallel code
 must handle (the CI set), and :func:`registry_families` / :func:`tiny_config`, every decoder
 family of the installed ``transformers`` whose config ships a tensor or pipeline plan, shrunk
-by the same size keys (the whole matrix, ``python -m lightning_3d.testing.hf_matrix``).
+by the sizes a pipeline check's twin gets (:mod:`lightning_3d.models.hf_twin`; the whole matrix:
+``python -m lightning_3d.testing.hf_matrix``).
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-# Sizes every family is shrunk to (keys a config lacks are skipped): 4 heads over 2 k/v heads
-# (tensor=2 splits both), 4 layers (pipeline=2 gets 2 each, and both layer types of a family
-# that alternates them), a sliding window shorter than the tests' 32-token blocks, 4 experts.
-SIZES: dict[str, Any] = dict(
-    vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    sliding_window=8, num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2,
-    moe_intermediate_size=32, shared_expert_intermediate_size=32, tie_word_embeddings=False,
-)
-# Float config keys that make a training forward random: set to 0 in the matrix's configs.
-RANDOM_KEY_WORDS = ("dropout", "pdrop", "jitter")
 
 _ROTARY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                num_attention_heads=4, max_position_embeddings=64, attention_dropout=0.0)
@@ -87,15 +76,20 @@ def registry_families() -> list[str]:
 
 
 def tiny_config(model_type: str, **overrides: Any) -> dict[str, Any]:
-    """``model_type``'s config shrunk by :data:`SIZES` (only the keys its config has) with every
-    dropout at 0, then ``overrides``: a dict for :class:`~lightning_3d.models.HFCausalLM`'s
+    """``model_type``'s default config shrunk as a pipeline check's twin is
+    (:func:`lightning_3d.models.hf_twin.shrunk`: its sizes where the config has them, every
+    dropout at 0), then ``overrides``: a dict for :class:`~lightning_3d.models.HFCausalLM`'s
     ``config=``. A family in :data:`TINY_HF` gets its hand-picked config instead."""
     if model_type in TINY_HF:
         return tiny_hf_config(model_type, **overrides)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    defaults = CONFIG_MAPPING[model_type]()
-    sizes = {k: v for k, v in SIZES.items() if hasattr(defaults, k)}
-    dropout = {k: 0.0 for k, v in defaults.to_dict().items()
-               if isinstance(v, float) and any(word in k for word in RANDOM_KEY_WORDS)}
-    return {"model_type": model_type, **sizes, **dropout, **overrides}
+    from lightning_3d.models.hf_twin import SIZES, shrunk
+
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls().to_dict()
+    aliases = getattr(cls, "attribute_map", {})
+    sized = {aliases.get(k, k) for k in SIZES}
+    options = {k: v for k, v in shrunk(defaults, aliases).items() if k in sized or k == "layer_types"
+               or v != defaults.get(k)}
+    return {"model_type": model_type, **options, "tie_word_embeddings": False, **overrides}

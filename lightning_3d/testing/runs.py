@@ -75,12 +75,20 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
     kwargs = {**TINY_MODEL, **(run.model or {})}
     if run.arch == "gpt":
         module = LitGPT(**kwargs)
-    elif run.arch.startswith("hf_"):  # a tiny transformers model: hf_llama, hf_qwen2, hf_gpt2
+    elif run.arch == "hf" or run.arch.startswith("hf_"):  # a tiny transformers model: hf_llama, hf_qwen2, ...
         from lightning_3d.models.hf import HFCausalLM
         from lightning_3d.testing.hf_configs import tiny_hf_config
 
-        # model={"hf": {...}} overrides keys of the tiny transformers config
-        module = HFCausalLM(config=tiny_hf_config(run.arch[3:], **kwargs.get("hf", {})), lr=kwargs.get("lr", 3e-3),
+        # model={"hf": {...}} overrides keys of the tiny transformers config (arch="hf": it is the
+        # whole config); model={"path": DIR} loads a saved directory instead (deferred: each rank
+        # reads its slices, unless "deferred_init": False)
+        if "path" in kwargs:
+            source = {"path": kwargs["path"], "deferred_init": kwargs.get("deferred_init", True)}
+        elif run.arch == "hf":
+            source = {"config": kwargs["hf"]}
+        else:
+            source = {"config": tiny_hf_config(run.arch[3:], **kwargs.get("hf", {}))}
+        module = HFCausalLM(**source, lr=kwargs.get("lr", 3e-3),
                             warmup_steps=kwargs["warmup_steps"], max_steps=kwargs["max_steps"],
                             optimizer=kwargs.get("optimizer", "adamw"),
                             attn_implementation=kwargs.get("attn_implementation"))

@@ -1,0 +1,68 @@
+"""A tiny random copy of a ``transformers`` model: the same family's code, with small sizes.
+
+A pipeline split is checked on such a twin before any process starts (``hf_pipeline``), and
+the tests and the family matrix build their models the same way (``testing.hf_configs``). The
+sizes (:data:`SIZES`) fit every family that derives nothing else from them: 4 heads over 2 k/v
+heads (tensor=2 splits both), 4 layers (pipeline=2 gets 2 each; a family that alternates layer
+types gets each type twice), a sliding window shorter than a test's 32-token blocks, 4 experts,
+a byte vocabulary. Everything that makes a training forward random is off.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+SIZES: dict[str, Any] = dict(
+    vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    sliding_window=8, num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, shared_expert_intermediate_size=32,
+)
+RANDOM_KEY_WORDS = ("dropout", "pdrop", "jitter")  # float config keys that make a forward random
+MAX_PARAMS = 5_000_000  # above this the family derived sizes of its own: not a twin
+
+
+def shrunk(options: dict[str, Any], aliases: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """``options`` (a config's keys) with :data:`SIZES` where it has them (under its own names:
+    ``aliases`` is the config class's ``attribute_map``, GPT-2's ``hidden_size`` -> ``n_embd``),
+    randomness off, and a per-layer ``layer_types`` list cycled over the new layer count in its
+    own order of types."""
+    aliases = aliases or {}
+    out = dict(options)
+    for key, value in SIZES.items():
+        name = aliases.get(key, key)
+        if name in options:
+            out[name] = value
+    layers = aliases.get("num_hidden_layers", "num_hidden_layers")
+    out.update({k: 0.0 for k, v in options.items() if isinstance(v, float) and any(w in k for w in RANDOM_KEY_WORDS)})
+    types = options.get("layer_types")
+    if isinstance(types, list) and types and layers in out:
+        order = list(dict.fromkeys(types))
+        out["layer_types"] = [order[i % len(order)] for i in range(out[layers])]
+    return out
+
+
+def tiny_twin(model: nn.Module) -> Optional[nn.Module]:
+    """A randomly initialised copy of the causal LM ``model``'s family at :data:`SIZES` (its
+    attention implementation too), or ``None`` where the family does not build so."""
+    import transformers
+
+    config = model.config
+    options = shrunk(config.to_dict(), getattr(type(config), "attribute_map", {}))
+    for key in ("architectures", "_name_or_path", "transformers_version", "dtype", "torch_dtype"):
+        options.pop(key, None)
+    implementation = getattr(config, "_attn_implementation", None)
+    try:
+        small = type(config)(**options)
+        with torch.device("meta"):
+            count = sum(p.numel() for p in type(model)(small).parameters())
+        if count > MAX_PARAMS:
+            return None
+        with torch.device("cpu"):
+            twin = type(model)._from_config(small, attn_implementation=implementation)
+    except Exception:  # noqa: BLE001 - a family whose own constructor rejects the small sizes
+        return None
+    return twin.train()

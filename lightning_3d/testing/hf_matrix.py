@@ -1,0 +1,196 @@
+"""Every decoder family of the installed ``transformers`` under every layout, against one process.
+
+    python -m lightning_3d.testing.hf_matrix [--families qwen3 gemma2 ...] [--layouts tp2 pp2_eager ...]
+                                             [--out docs/hf-families.md]
+
+For each family whose config ships a tensor or pipeline plan (``registry_families``), plus GPT-2
+and StableLM (no plan): a tiny random config (``tiny_config``: 4 layers, 4 heads over 2 k/v heads,
+vocabulary 256, no dropout), 3 fp32 steps on the byte corpus, each layout compared with one
+process on the losses (1e-5) and on every tensor's update (1e-3 relative). A cell reads:
+
+* ``ok`` — the layout reproduces one process;
+* ``refused`` — refused before launch (the launcher's check on a ``meta`` model) or at the first
+  forward (a pipeline split the model's forward does not allow), with the reason;
+* ``DIFFERS`` / ``CRASH`` — a bug: a silently different model, or a failure that is not a refusal;
+* a family whose tiny config cannot be built (sizes it derives that the generic ones do not fit)
+  is listed with the reason instead of a row of cells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+LAYOUTS: dict[str, tuple[int, dict, Optional[str]]] = {
+    "tp2": (2, {"tensor": 2}, None),
+    "tp2_sp": (2, {"tensor": 2, "sequence_parallel": True}, None),
+    "pp2_sdpa": (2, {"pipeline": 2}, "sdpa"),
+    "pp2_eager": (2, {"pipeline": 2}, "eager"),
+    "dp2_zero3": (2, {"data": 2, "zero_stage": 3}, None),
+    "dp2_tp2": (4, {"data": 2, "tensor": 2, "zero_stage": 1}, None),
+}
+EXTRA_FAMILIES = ("gpt2", "stablelm")  # ship no plan: recognised by their module names
+MAX_PARAMS = 5_000_000  # a "tiny" config that the generic sizes leave larger is not built
+STEPS, SEED = 3, 1234
+
+
+@dataclass
+class Cell:
+    state: str  # ok, refused, DIFFERS, CRASH, skipped
+    detail: str = ""
+
+    def markdown(self) -> str:
+        return self.state if not self.detail else f"{self.state}: {self.detail}"
+
+
+def _first_line(text: str, limit: int = 160) -> str:
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    for marks in (("ValueError:", "ReplicaMismatch:"), ("Error:",)):  # a refusal's own words first
+        wanted = [line for line in lines if any(m in line for m in marks) and "Connection closed" not in line]
+        if wanted:
+            return wanted[-1][:limit]
+    return (lines or [""])[-1][:limit]
+
+
+def _config(family: str, attn: Optional[str]) -> dict:
+    from lightning_3d.testing.hf_configs import tiny_config
+
+    return {"hf": tiny_config(family), "attn_implementation": attn}
+
+
+def _run(family: str, attn: Optional[str], strategy: Optional[dict] = None, world: int = 1) -> dict:
+    from lightning_3d.testing.runs import Run, fit_gpt
+    from lightning_3d.testing.world import run_world
+
+    run = Run(strategy=strategy, devices=world, steps=STEPS, seed=SEED, arch="hf", model=_config(family, attn))
+    return fit_gpt(0, run) if strategy is None else run_world(fit_gpt, world, run)[0]
+
+
+def buildable(family: str) -> Optional[str]:
+    """``None``, or why the family's tiny config cannot be built here."""
+    import torch
+    import transformers
+
+    from lightning_3d.testing.hf_configs import tiny_config
+
+    try:
+        options = dict(tiny_config(family))
+        config = transformers.AutoConfig.for_model(options.pop("model_type"), **options)
+        with torch.device("meta"):
+            count = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    except Exception as err:  # noqa: BLE001 - any failure of a family's own constructor
+        return f"tiny config not buildable ({type(err).__name__}: {_first_line(str(err), 100)})"
+    if count > MAX_PARAMS:
+        return f"tiny config not buildable ({count / 1e6:.0f} M parameters: the family derives sizes of its own)"
+    return None
+
+
+def refused_before_launch(family: str, layout: str) -> Optional[str]:
+    """The launcher's check on a ``meta`` model: ``None``, or its ``ValueError``."""
+    import torch
+
+    from lightning_3d.models.hf import HFCausalLM
+    from lightning_3d.plan import Plan
+    from lightning_3d.recipe import check
+
+    world, strategy, attn = LAYOUTS[layout]
+    config = _config(family, attn)
+    try:
+        with torch.device("meta"):
+            module = HFCausalLM(config=config["hf"], attn_implementation=attn)
+        check(module, Plan.from_options(**strategy), world)
+    except ValueError as err:
+        return _first_line(str(err))
+    return None
+
+
+def cell(family: str, layout: str, reference: dict) -> Cell:
+    from lightning_3d.testing.parity import loss_mismatches, update_mismatches
+
+    reason = refused_before_launch(family, layout)
+    if reason is not None:
+        return Cell("refused", reason)
+    world, strategy, attn = LAYOUTS[layout]
+    try:
+        run = _run(family, attn, strategy, world)
+    except Exception as err:  # noqa: BLE001 - a rank's failure, reported in the table
+        text = str(err)
+        if "cannot be split into pipeline stages" in text or "ReplicaMismatch" in text:
+            return Cell("refused", _first_line(text))
+        return Cell("CRASH", _first_line(text))
+    problems = loss_mismatches(run["losses"], reference["losses"], rtol=1e-5)
+    problems += update_mismatches(run["state"], reference["state"], reference["initial_state"], rtol=1e-3)
+    return Cell("DIFFERS", "; ".join(problems[:2])) if problems else Cell("ok")
+
+
+def family_row(family: str, layouts: list[str]) -> tuple[Optional[str], dict[str, Cell]]:
+    """(why the family was not run, or ``None``; its cells)."""
+    reason = buildable(family)
+    if reason is not None:
+        return reason, {}
+    references: dict[Optional[str], Any] = {}
+    cells = {}
+    for layout in layouts:
+        attn = LAYOUTS[layout][2]
+        try:
+            if attn not in references:
+                references[attn] = _run(family, attn)
+        except Exception as err:  # noqa: BLE001 - one process fails: nothing to compare with
+            cells[layout] = Cell("skipped", f"one process fails ({_first_line(str(err), 100)})")
+            continue
+        cells[layout] = cell(family, layout, references[attn])
+    return None, cells
+
+
+def table(rows: dict[str, tuple[Optional[str], dict[str, Cell]]], layouts: list[str]) -> str:
+    lines = ["| family | " + " | ".join(layouts) + " |", "|---|" + "---|" * len(layouts)]
+    skipped = []
+    for family, (reason, cells) in rows.items():
+        if reason is not None:
+            skipped.append(f"- `{family}`: {reason}")
+            continue
+        lines.append(f"| `{family}` | " + " | ".join(cells[layout].state for layout in layouts) + " |")
+    notes = sorted({f"- `{family}` {layout}: {c.markdown()}" for family, (_, cells) in rows.items()
+                    for layout, c in cells.items() if c.state != "ok"})
+    out = "\n".join(lines)
+    if notes:
+        out += "\n\nWhy each cell that is not `ok`:\n\n" + "\n".join(notes)
+    if skipped:
+        out += "\n\nNot run:\n\n" + "\n".join(skipped)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    import os
+
+    from lightning_3d.testing.hf_configs import registry_families
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+")
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--out", help="also write the table to this file")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("LIGHTNING3D_WORLD_START", "forkserver")
+    families = args.families or [*registry_families(), *EXTRA_FAMILIES]
+    rows = {}
+    start = time.monotonic()
+    for index, family in enumerate(families, 1):
+        rows[family] = family_row(family, args.layouts)
+        states = " ".join(f"{k}={c.state}" for k, c in rows[family][1].items()) or rows[family][0]
+        print(f"[{index}/{len(families)} {time.monotonic() - start:.0f}s] {family}: {states}", file=sys.stderr,
+              flush=True)
+    text = table(rows, args.layouts)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    bad = [f for f, (_, cells) in rows.items() for c in cells.values() if c.state in ("DIFFERS", "CRASH")]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
