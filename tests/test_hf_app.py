@@ -58,11 +58,21 @@ def _save_model(directory: Path) -> None:
     model.save_pretrained(directory)
 
 
+def _save_encoder(directory: Path) -> None:
+    """A BERT directory: transformers loads it as BertLMHeadModel, whose attention sees later tokens."""
+    import transformers
+
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, max_position_embeddings=MAX_POSITIONS)
+    transformers.BertForMaskedLM(config).save_pretrained(directory)
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """The model directory, broken copies of it, and text files."""
     root = tmp_path_factory.mktemp("hf")
-    paths = {name: root / name for name in ("model", "no_config", "no_tokenizer", "corpus", "blank", "runs")}
+    paths = {name: root / name for name in ("model", "no_config", "no_tokenizer", "corpus", "blank", "runs",
+                                            "truncated", "reshaped", "encoder")}
     for path in paths.values():
         path.mkdir()
     _save_model(paths["model"])
@@ -73,6 +83,15 @@ def files(tmp_path_factory):
     (paths["no_config"] / "model.safetensors").write_bytes(weights)
     (paths["no_tokenizer"] / "model.safetensors").write_bytes(weights)  # weights and config.json only
     (paths["no_tokenizer"] / "config.json").write_text((paths["model"] / "config.json").read_text())
+    for name in ("truncated", "reshaped"):  # the model's files, then one of them broken
+        tokenizer.save_pretrained(paths[name])
+        (paths[name] / "config.json").write_text((paths["model"] / "config.json").read_text())
+    (paths["truncated"] / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    (paths["reshaped"] / "model.safetensors").write_bytes(weights)
+    config = json.loads((paths["model"] / "config.json").read_text())
+    (paths["reshaped"] / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    _save_encoder(paths["encoder"])
+    tokenizer.save_pretrained(paths["encoder"])
     lines = [json.dumps({"text": _sentence(i)}) for i in range(300)]
     (paths["corpus"] / "a.jsonl").write_text("\n".join(lines) + "\n")
     (paths["corpus"] / "b.txt").write_text("\n".join(_sentence(i, 20) for i in range(60)))
@@ -104,6 +123,19 @@ def _bad_cases(p):
         "neither_path_nor_config": (["model=hf", "data=text", text, block], ["model.path", "model.config"]),
         "key_of_another_model": (["model=hf", model, "+model.n_layer=2", "data=text", text, block],
                                  ["model.n_layer", "HFCausalLM"]),
+        "truncated_weights": (["model=hf", f"model.path={p['truncated']}", "data=text", text, block],
+                              [str(p["truncated"] / "model.safetensors"), "truncated"]),
+        "weights_unlike_config": (["model=hf", f"model.path={p['reshaped']}", "data=text", text, block],
+                                  [str(p["reshaped"]), "differ in shape from its config.json", "[64, 32]",
+                                   "config.json gives [48, 32]"]),
+        "encoder_model": (["model=hf", f"model.path={p['encoder']}", "data=text", text, block],
+                          ["BertLMHeadModel is an encoder", "not causal"]),
+        "attention_the_family_lacks": (["model=hf", "model.config={model_type: gemma2, vocab_size: 256, "
+                                        "hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+                                        "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 8, "
+                                        "pad_token_id: 0}", "model.attn_implementation=sdpa", block],
+                                       ["attn_implementation='sdpa' (model.attn_implementation in the app)",
+                                        "Gemma2ForCausalLM"]),
     }
 
 
@@ -165,7 +197,8 @@ def test_finetune_app_offloads_from_model_directory(runs, files):
 
 @pytest.mark.parametrize("case", ["no_config_json", "no_tokenizer", "empty_data_path", "glob_matches_nothing",
                                   "no_text", "block_size_above_positions", "neither_path_nor_config",
-                                  "key_of_another_model"])
+                                  "key_of_another_model", "truncated_weights", "weights_unlike_config",
+                                  "encoder_model", "attention_the_family_lacks"])
 def test_bad_input_is_one_error_line(runs, files, case):
     proc = runs[case]
     _, named = _bad_cases(files)[case]
