@@ -99,3 +99,28 @@ def test_saved_and_resumed_family_continues_the_single_process_run(tmp_path, ref
     resumed = run_world(fit_gpt, 2, Run(steps=STEPS, resume_from=str(tmp_path / "run-step=3.ckpt"), **common))[0]
     straight = reference(family, attn)
     assert_matches(resumed, {**straight, "losses": straight["losses"][3:]})
+
+
+@pytest.mark.parametrize("family, dropout, strategy", [
+    # Dropout on the replicated residual stream draws, on every tensor rank, the mask one
+    # process draws (same seed, same shapes, same order); attention dropout (local heads) is off.
+    ("gpt2", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, {"tensor": 2}),
+    ("phi", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, {"tensor": 2}),
+    # A pipeline's stages draw from their own streams, so masks cannot match one process's;
+    # p=1 on the first stage's embedding dropout is deterministic and still must be applied.
+    ("gpt2", {"embd_pdrop": 1.0}, {"pipeline": 2}),
+])
+def test_dropout_on_matches_single_process(family, dropout, strategy):
+    """Dropout on, ranks seeded alike (as every Lightning run seeds them). Catches: a model
+    trained in eval mode (transformers' from_pretrained default; here the reference trains with
+    dropout and the layout without, or the other way), a stage that skips the model's dropout."""
+    model = {"hf": dropout}
+    # One process under the strategy too: like every multi-process strategy it re-seeds each rank
+    # when the processes start, after the model's init drew from the stream (Lightning's own
+    # single-device run does not), so the masks start from the same state.
+    one = dict(strategy={}, devices=1, steps=STEPS, seed=SEED, trainer=TRAINER, arch=f"hf_{family}")
+    ref = fit_gpt(0, Run(**one, model=model))
+    plain = fit_gpt(0, Run(**one))
+    assert ref["losses"] != plain["losses"]  # the dropout is on in the reference
+    run = Run(strategy=strategy, devices=2, steps=STEPS, seed=SEED, trainer=TRAINER, arch=f"hf_{family}", model=model)
+    assert_matches(run_world(fit_gpt, 2, run)[0], ref)

@@ -80,3 +80,30 @@ def test_a_tied_weight_stepped_apart_on_two_stages_stops_the_run(zero_stage):
 
 def test_replicated_over_reads_the_layout():
     assert replicated_over(torch.zeros(2), "tp")  # a plain tensor: every rank holds all of it
+
+
+@pytest.mark.parametrize("value", ["sometimes", 0, -3, 2.5, True])
+def test_replica_check_values_are_checked_before_any_process(value):
+    from lightning_3d.plan import Plan
+
+    with pytest.raises(ValueError, match=r"replica_check=.* must be 'first', 'off' or a positive number of steps"):
+        Plan.from_options(replica_check=value)
+    assert Plan.from_options(replica_check=50).replicas.due(100) and not Plan.from_options().replicas.due(1)
+
+
+def _checked_on_demand(rank: int) -> dict:
+    from lightning_3d.models.hf import HFCausalLM
+
+    calls = []
+
+    def on_train_batch_end(self, *args):  # the public call, as a user's hook would make it
+        self.trainer.strategy.check_replicas()
+        calls.append(1)
+
+    HFCausalLM.on_train_batch_end = on_train_batch_end  # this rank's process only
+    out = fit_gpt(rank, Run(strategy={"tensor": 2}, devices=2, steps=2, seed=1234, arch="hf_qwen3"))
+    return {**out, "calls": len(calls)}
+
+
+def test_replicas_checked_on_demand_agree_for_the_shipped_plan():
+    assert [rank["calls"] for rank in run_world(_checked_on_demand, 2)] == [2, 2]

@@ -35,12 +35,14 @@ LAYOUTS: dict[str, tuple[int, dict, Optional[str]]] = {
 EXTRA_FAMILIES = ("gpt2", "stablelm")  # ship no plan: recognised by their module names
 MAX_PARAMS = 5_000_000  # a "tiny" config that the generic sizes leave larger is not built
 STEPS, SEED = 3, 1234
+TIMEOUT_S = 240  # per world: a family whose tiny forward is slow (reference kernels in Python) is cut off
 
 
 @dataclass
 class Cell:
     state: str  # ok, refused, DIFFERS, CRASH, skipped
     detail: str = ""
+    figures: Optional[tuple[float, float]] = None  # ok: the worst relative loss difference and update error
 
     def markdown(self) -> str:
         return self.state if not self.detail else f"{self.state}: {self.detail}"
@@ -62,11 +64,13 @@ def _config(family: str, attn: Optional[str]) -> dict:
 
 
 def _run(family: str, attn: Optional[str], strategy: Optional[dict] = None, world: int = 1) -> dict:
+    """The run in processes of its own (one process too: a family's memory or time stays there),
+    given at most :data:`TIMEOUT_S`."""
     from lightning_3d.testing.runs import Run, fit_gpt
     from lightning_3d.testing.world import run_world
 
     run = Run(strategy=strategy, devices=world, steps=STEPS, seed=SEED, arch="hf", model=_config(family, attn))
-    return fit_gpt(0, run) if strategy is None else run_world(fit_gpt, world, run)[0]
+    return run_world(fit_gpt, world, run, timeout=TIMEOUT_S)[0]
 
 
 def buildable(family: str) -> Optional[str]:
@@ -116,6 +120,8 @@ def cell(family: str, layout: str, reference: dict) -> Cell:
     world, strategy, attn = LAYOUTS[layout]
     try:
         run = _run(family, attn, strategy, world)
+    except TimeoutError:
+        return Cell("skipped", f"over {TIMEOUT_S} s on this machine")
     except Exception as err:  # noqa: BLE001 - a rank's failure, reported in the table
         text = str(err)
         if "cannot be split into pipeline stages" in text or "ReplicaMismatch" in text:
@@ -123,7 +129,26 @@ def cell(family: str, layout: str, reference: dict) -> Cell:
         return Cell("CRASH", _first_line(text))
     problems = loss_mismatches(run["losses"], reference["losses"], rtol=1e-5)
     problems += update_mismatches(run["state"], reference["state"], reference["initial_state"], rtol=1e-3)
-    return Cell("DIFFERS", "; ".join(problems[:2])) if problems else Cell("ok")
+    if problems:
+        return Cell("DIFFERS", "; ".join(problems[:2]))
+    return Cell("ok", figures=(worst_loss_difference(run, reference), worst_update_error(run, reference)))
+
+
+def worst_loss_difference(run: dict, reference: dict) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference["losses"]))
+
+
+def worst_update_error(run: dict, reference: dict) -> float:
+    """The largest relative error of a tensor's update (``parity.update_mismatches``' measure)."""
+    worst = 0.0
+    for name, got in run["state"].items():
+        start = reference["initial_state"].get(name)
+        if start is None:
+            continue
+        want = reference["state"][name].float() - start.float()
+        err = ((got.float() - start.float() - want).norm() / want.norm().clamp_min(1e-12)).item()
+        worst = max(worst, err)
+    return worst
 
 
 def family_row(family: str, layouts: list[str]) -> tuple[Optional[str], dict[str, Cell]]:
@@ -138,6 +163,9 @@ def family_row(family: str, layouts: list[str]) -> tuple[Optional[str], dict[str
         try:
             if attn not in references:
                 references[attn] = _run(family, attn)
+        except TimeoutError:
+            cells[layout] = Cell("skipped", f"one process takes over {TIMEOUT_S} s on this machine")
+            continue
         except Exception as err:  # noqa: BLE001 - one process fails: nothing to compare with
             cells[layout] = Cell("skipped", f"one process fails ({_first_line(str(err), 100)})")
             continue
@@ -155,6 +183,11 @@ def table(rows: dict[str, tuple[Optional[str], dict[str, Cell]]], layouts: list[
         lines.append(f"| `{family}` | " + " | ".join(cells[layout].state for layout in layouts) + " |")
     notes = sorted({f"- `{family}` {layout}: {c.markdown()}" for family, (_, cells) in rows.items()
                     for layout, c in cells.items() if c.state != "ok"})
+    figures = {layout: [c.figures for _, cells in rows.values() for lay, c in cells.items()
+                        if lay == layout and c.figures] for layout in layouts}
+    worst = [f"{max(f[0] for f in figures[lay]):.1e} / {max(f[1] for f in figures[lay]):.1e}" if figures[lay]
+             else "—" for lay in layouts]
+    lines.append("| largest loss / update difference of the `ok` cells | " + " | ".join(worst) + " |")
     out = "\n".join(lines)
     if notes:
         out += "\n\nWhy each cell that is not `ok`:\n\n" + "\n".join(notes)
