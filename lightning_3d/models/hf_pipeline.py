@@ -192,8 +192,11 @@ def _checked(outer: nn.Module, layers: nn.ModuleList, stage: Any) -> Iterator[No
         handles.append(layer.register_forward_pre_hook(
             lambda m, a, k, i=index: calls.append(("in", i, _first_input(a, k))), with_kwargs=True))
         handles.append(layer.register_forward_hook(lambda m, a, o, i=index: calls.append(("out", i, _hidden(o)))))
+    stopped = None
     try:
         yield
+    except _StageOutput as done:  # a stage before the last ends here: check it all the same
+        stopped = done
     finally:
         for handle in handles:
             handle.remove()
@@ -203,6 +206,8 @@ def _checked(outer: nn.Module, layers: nn.ModuleList, stage: Any) -> Iterator[No
         raise ValueError(f"{type(outer).__name__} cannot be split into pipeline stages at its layers: {problem}; "
                          "override pipeline_spec() to return a lightning_3d.PipelineSpec, or use pipeline=1")
     stage._l3d_checked = True
+    if stopped is not None:
+        raise stopped
 
 
 def _sequence_problem(calls: list[tuple[str, int, Any]], first: int, received: Any, stand_ins: set[int]) -> str:

@@ -20,6 +20,10 @@ SIZES: dict[str, Any] = dict(
     num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     sliding_window=8, num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    rotary_dim=4,  # GPT-J, CodeGen: rotary on part of a head
+    # multi-head latent attention (DeepSeek-V2/V3 and kin): low-rank q / kv, a rotary part per head
+    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1,
+    n_group=1, topk_group=1,
 )
 RANDOM_KEY_WORDS = ("dropout", "pdrop", "jitter")  # float config keys that make a forward random
 MAX_PARAMS = 5_000_000  # above this the family derived sizes of its own: not a twin
