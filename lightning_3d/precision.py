@@ -51,6 +51,10 @@ def _no_scope() -> tuple[None, frozenset]:
     return None, frozenset()
 
 
+def _nothing_before_step(optimizer: Any) -> None:
+    """The default ``before_step``: the optimizer steps unchecked."""
+
+
 class _Adapted:
     """Base of the mixins: pickling goes through :func:`_restore`, which re-derives the class."""
 
@@ -94,7 +98,7 @@ class GlobalNormClipping(_Adapted):
     _norm_scope: NormScope = staticmethod(_no_scope)  # an instance's own scope replaces this
     # Called with the optimizer once its gradients are final (clipped, checked for non-finite
     # values) and before it steps: the strategy's replica check.
-    _before_step: Callable[[Any], None] = staticmethod(lambda optimizer: None)
+    _before_step: Callable[[Any], None] = staticmethod(_nothing_before_step)
 
     @property
     def nonfinite(self) -> NonFiniteGuard:
@@ -215,7 +219,7 @@ def shared_overflow_scaler(scaler: torch.amp.GradScaler) -> torch.amp.GradScaler
 
 def distributed_precision(plugin: Precision, norm_scope: NormScope = _no_scope,
                           nonfinite: NonFiniteOptions = NonFiniteOptions(),
-                          before_step: Callable[[Any], None] = lambda optimizer: None) -> Precision:
+                          before_step: Callable[[Any], None] = _nothing_before_step) -> Precision:
     """``plugin`` as an instance of a subclass of its type, with the same state, whose
     ``clip_grad_by_norm`` clips by the global norm (``norm_scope()`` is called at every clip for
     ``(sum_over, skip_in_norm)``), whose ``optimizer_step`` stops or skips a step with a

@@ -119,8 +119,9 @@ def test_dropout_on_matches_single_process(family, dropout, strategy):
     # when the processes start, after the model's init drew from the stream (Lightning's own
     # single-device run does not), so the masks start from the same state.
     one = dict(strategy={}, devices=1, steps=STEPS, seed=SEED, trainer=TRAINER, arch=f"hf_{family}")
-    ref = fit_gpt(0, Run(**one, model=model))
-    plain = fit_gpt(0, Run(**one))
+    # In a child process each: the strategy's process group of one must not outlive the run here.
+    ref = run_world(fit_gpt, 1, Run(**one, model=model))[0]
+    plain = run_world(fit_gpt, 1, Run(**one))[0]
     assert ref["losses"] != plain["losses"]  # the dropout is on in the reference
     run = Run(strategy=strategy, devices=2, steps=STEPS, seed=SEED, trainer=TRAINER, arch=f"hf_{family}", model=model)
     assert_matches(run_world(fit_gpt, 2, run)[0], ref)

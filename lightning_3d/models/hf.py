@@ -256,7 +256,7 @@ class HFCausalLM(pl.LightningModule):
         """How ``ThreeDStrategy(pipeline=...)`` splits this model (see ``hf_pipeline``)."""
         from lightning_3d.models.hf_pipeline import hf_pipeline_spec
 
-        return hf_pipeline_spec(self)
+        return hf_pipeline_spec(self, lambda model: HFCausalLM(model=model))
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

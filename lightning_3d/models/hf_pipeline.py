@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -304,20 +304,20 @@ def run_in_turn(stages: list[Any], ids: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def check_split(lit: Any) -> None:
+def check_split(lit: Any, wrap: Callable[[nn.Module], Any]) -> None:
     """Before launch: split a tiny random copy of the model's family (``hf_twin``: its code, its
     layer types, small sizes) into 2 stages in one process; ``ValueError`` naming the class if
     the stages in turn do not compute the copy's logits (a forward that loops over its layers or
     passes them more than the hidden states). A family that does not build small is checked at
-    its first forward instead (:func:`_checked`)."""
-    from lightning_3d.models.hf import HFCausalLM
+    its first forward instead (:func:`_checked`). ``wrap`` makes the LightningModule that holds
+    the copy."""
     from lightning_3d.models.hf_twin import tiny_twin
 
     with torch.device("cpu"), torch.no_grad():  # the launcher's model may be on meta: the twin is not
         twin_model = tiny_twin(lit.model)
         if twin_model is None:
             return
-        twin = HFCausalLM(model=twin_model)
+        twin = wrap(twin_model)
         if len(twin.get_submodule(twin.pipeline_spec().blocks)) < 2:
             return
         ids = torch.randint(3, twin_model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -331,9 +331,10 @@ def check_split(lit: Any) -> None:
                          "or use pipeline=1")
 
 
-def hf_pipeline_spec(lit: Any, prefix: str = "model") -> PipelineSpec:
+def hf_pipeline_spec(lit: Any, wrap: Callable[[nn.Module], Any], prefix: str = "model") -> PipelineSpec:
     """The :class:`PipelineSpec` of ``lit.model`` (a ``transformers`` causal LM held at ``prefix``
-    of the LightningModule ``lit``, whose ``split_batch`` and ``loss_fn`` it uses); ``ValueError``
+    of the LightningModule ``lit``, whose ``split_batch`` and ``loss_fn`` it uses; ``wrap`` holds a
+    model in a LightningModule like ``lit``, for :func:`check_split`); ``ValueError``
     naming the class where the model has no single block list to split."""
     outer = lit.model
     first, blocks, last = stage_layout(outer)
@@ -352,5 +353,5 @@ def hf_pipeline_spec(lit: Any, prefix: str = "model") -> PipelineSpec:
         block_forward=lambda block, x: run_one_block(outer, blocks, block, x),
         stage_forward=lambda stage, x: run_stage(outer, blocks, stage, x),
         placeholder=placeholder,
-        check=lambda: check_split(lit),
+        check=lambda: check_split(lit, wrap),
     )
