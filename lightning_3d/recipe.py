@@ -39,7 +39,7 @@ from lightning_3d.parallel.compile import compile_blocks
 from lightning_3d.parallel.fsdp import apply_zero3, fsdp_policies
 from lightning_3d.parallel.materialize import has_meta, materialize
 from lightning_3d.parallel.pipeline_runtime import PipelineRuntime
-from lightning_3d.parallel.replicas import tensor_replicas
+from lightning_3d.parallel.replicas import broadcast_start, tensor_replicas
 from lightning_3d.parallel.stages import plan_stages, split_stages, tied_holders
 from lightning_3d.parallel.tensor import resolve_plan
 from lightning_3d.parallel.tied import TiedGroups, check_tied_styles, find_tied, param_names, record_aliases, retie
@@ -195,6 +195,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torc
         made.tied = TiedGroups(mesh, tied_holders(module, spec, pp_mesh.size(), virtual, split))
         shards = layout.tensor if plan.tp.sequence_parallel else 1  # a stage's input: this share of the sequence
         made.stages = split_stages(module, spec, pp_mesh.get_local_rank(), pp_mesh.size(), virtual, split, shards)
+    if not has_meta(module) and (layout.tensor > 1 or layout.zero_stage == 3):  # ZeRO 0-2: the engine's buckets
+        step("the first rank's initial weights")
+        broadcast_start(module, [mesh[axis.value].get_group() for axis in (MeshAxis.TENSOR, MeshAxis.DATA)])
     step("tensor parallelism")
     if layout.tensor > 1:
         # Under a pipeline, patterns for other stages' modules (the head, say) match nothing here.

@@ -1,11 +1,15 @@
 """``resume=last|PATH`` through the Hydra app, as a user runs it: a run cut after K steps and
 resumed to N equals the run that went through N steps in one go (per-step losses, final weights),
-in one process and (``-m slow``) resumed on two ranks; ``resume=last`` with nothing to resume is
-one ``error:`` line, exit code 2 and no run directory.
+in one process and (``-m slow``) resumed on two ranks; a resumed run resumed again (M) equals it
+too; ``resume=last`` with nothing to resume is one ``error:`` line, exit code 2 and no run
+directory.
 
 The uninterrupted run ``A`` saves no checkpoint; ``B1`` stops at K (its ``trainer.max_steps``)
 and leaves ``last.ckpt`` at step K (a periodic save, every K steps); ``B2`` is started in the
-same working directory with ``resume=last``. ``model.max_steps`` pins the LR schedule's horizon
+same working directory with ``resume=last`` and stops at M; ``B3`` resumes B2's ``last.ckpt``
+(its last-step save) to N. A saved data position that forgets the offset its run resumed from
+(``data/resumable.py`` counting from the resumed batch, not from the epoch's start) is caught
+here: B3 would see B2's batches again. ``model.max_steps`` pins the LR schedule's horizon
 to N in every part, as one run's schedule would be. Each part runs in its own working directory
 so that ``resume=last`` (the newest checkpoint under ``./outputs``) sees only its own history.
 """
@@ -24,7 +28,7 @@ from lightning_3d.testing.apps import compose_config, start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"
-N, K = 6, 3
+N, M, K = 6, 4, 2
 TINY = ["model=gpt_tiny", "data.batch_size=4", "data.max_bytes=100000", "trainer.limit_val_batches=0",
         f"model.max_steps={N}"]
 TIMEOUT = 400
@@ -54,7 +58,7 @@ def _step(path: Path) -> int:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A (N steps in one go), B1 (K steps) and resume=last with no earlier run at once; then B2
-    (resume=last to N) in B1's working directory. Returns the working directories and the
+    (resume=last to M) and B3 (resume=last to N) in B1's working directory. Returns the working directories and the
     finished processes."""
     cwd = {name: tmp_path_factory.mktemp(name) for name in ("a", "b", "no_run")}
     first = {
@@ -66,31 +70,32 @@ def runs(tmp_path_factory):
     }
     done = wait_all(first, timeout=TIMEOUT)
     assert done["b1"].returncode == 0, _describe(done["b1"])
-    done.update(wait_all({"b2": start_app(SCRIPT, [*TINY, "trainer.devices=1", f"trainer.max_steps={N}", "resume=last"],
-                                          cwd["b"])}, timeout=TIMEOUT))
+    for name, steps in (("b2", M), ("b3", N)):
+        done.update(wait_all({name: start_app(SCRIPT, [*TINY, "trainer.devices=1", f"trainer.max_steps={steps}",
+                                                       "resume=last"], cwd["b"])}, timeout=TIMEOUT))
+        assert done[name].returncode == 0, _describe(done[name])
     return cwd, done
 
 
 def test_resume_last_continues_exactly_as_the_uninterrupted_run(runs):
     cwd, done = runs
-    for name in ("a", "b2"):
-        assert done[name].returncode == 0, _describe(done[name])
+    assert done["a"].returncode == 0, _describe(done["a"])
     (a_dir,) = _run_dirs(cwd["a"])
-    b1_dir, b2_dir = _run_dirs(cwd["b"])
+    b1_dir, b2_dir, b3_dir = _run_dirs(cwd["b"])
     assert not (a_dir / "last.ckpt").exists()  # checkpoint.every_n_steps=null: none
-    assert _step(b1_dir / "last.ckpt") == K
-    output = done["b2"].stdout + done["b2"].stderr
-    assert f"Restoring states from the checkpoint path at {b1_dir / 'last.ckpt'}" in output  # resume=last found it
-    full, first, resumed = _summary(a_dir), _summary(b1_dir), _summary(b2_dir)
-    assert len(full["losses"]) == N and len(resumed["losses"]) == N - K  # only the remaining steps
-    assert first["losses"] == pytest.approx(full["losses"][:K], rel=1e-6, abs=0)
-    assert resumed["losses"] == pytest.approx(full["losses"][K:], rel=1e-6, abs=0)
-    a, b = _weights(a_dir / "final.ckpt"), _weights(b2_dir / "final.ckpt")
+    for name, previous in (("b2", b1_dir), ("b3", b2_dir)):  # resume=last found the newest
+        output = done[name].stdout + done[name].stderr
+        assert f"Restoring states from the checkpoint path at {previous / 'last.ckpt'}" in output
+    full = _summary(a_dir)["losses"]
+    parts = [_summary(d)["losses"] for d in (b1_dir, b2_dir, b3_dir)]
+    assert [len(p) for p in parts] == [K, M - K, N - M]  # each part trained only its remaining steps
+    assert parts[0] + parts[1] + parts[2] == pytest.approx(full, rel=1e-6, abs=0)
+    a, b = _weights(a_dir / "final.ckpt"), _weights(b3_dir / "final.ckpt")
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7, msg=name)
-    # the resumed run checkpoints into its own directory (at its last step), B1's file untouched
-    assert _step(b2_dir / "last.ckpt") == N and _step(b1_dir / "last.ckpt") == K
+    # each resumed run checkpoints into its own directory (at its last step), the earlier files untouched
+    assert [_step(d / "last.ckpt") for d in (b1_dir, b2_dir, b3_dir)] == [K, M, N]
 
 
 @pytest.mark.slow

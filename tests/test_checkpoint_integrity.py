@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
+import re
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,7 @@ from lightning_3d.checkpoint.checks import inspect_checkpoint, load_lightning_ch
 from lightning_3d.checkpoint.io import AtomicCheckpointIO
 from lightning_3d.checkpoint.pretrained import load_pretrained
 from lightning_3d.models import LitGPT
+from lightning_3d.testing.damage import bump_pickled_int, copy_checkpoint, flip_byte, flip_in_tensor
 from lightning_3d.testing.runs import TINY_MODEL, Run, fit_layout
 
 SEED = 1234
@@ -51,34 +52,14 @@ def saved(tmp_path_factory):
     return paths
 
 
-def _copy(source: Path, target: Path) -> Path:
-    (shutil.copytree if source.is_dir() else shutil.copyfile)(source, target)
-    return target
-
-
-def _flip(path: Path, tensor: torch.Tensor) -> Path:
-    """Invert 4 bytes in the middle of ``tensor``'s data inside ``path`` (a file, or the data
-    files of a sharded directory); returns the file changed."""
-    needle = tensor.contiguous().view(torch.uint8).numpy().tobytes()
-    for file in sorted(path.glob("*.distcp")) if path.is_dir() else [path]:
-        data = bytearray(file.read_bytes())
-        at = data.find(needle)
-        if at >= 0:
-            middle = at + len(needle) // 2
-            data[middle : middle + 4] = bytes(b ^ 0xFF for b in data[middle : middle + 4])
-            file.write_bytes(bytes(data))
-            return file
-    raise AssertionError(f"the bytes of the tensor were not found in {path}")
-
-
 @pytest.fixture(scope="module")
 def flipped(saved, tmp_path_factory):
     """Format → (damaged copy, the file whose bytes were flipped)."""
     out = {}
     for name in LAYOUTS:
         weight = load_lightning_checkpoint(saved[name])["state_dict"][WEIGHT]
-        copy = _copy(saved[name], tmp_path_factory.mktemp(f"flipped_{name}") / "epoch0.ckpt")
-        out[name] = copy, _flip(copy, weight)
+        copy = copy_checkpoint(saved[name], tmp_path_factory.mktemp(f"flipped_{name}") / "epoch0.ckpt")
+        out[name] = copy, flip_in_tensor(copy, weight)
     return out
 
 
@@ -144,9 +125,101 @@ def test_resume_from_flipped_bytes_is_refused(flipped, name):
     assert str(file) in str(error.value)
 
 
+def _refused_everywhere(copy: Path, match: str, tmp_path: Path, capsys) -> None:
+    """Every one-process reader refuses ``copy`` with ``match``: load, inspect, load_pretrained,
+    and the CLI's consolidate / export (one error line, nothing written); export-hf, for
+    Hugging Face checkpoints: tests/test_export_hf.py."""
+    for read in (load_lightning_checkpoint, inspect_checkpoint, lambda p: load_pretrained(LitGPT(**TINY_MODEL), p)):
+        with pytest.raises(ValueError, match=match):
+            read(copy)
+    for command, out in (("consolidate", tmp_path / "a.safetensors"), ("export", tmp_path / "b.safetensors")):
+        assert re.search(match, _cli_error(capsys, command, copy, out)), command
+        assert not out.exists(), command
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_one_flipped_mantissa_bit_is_refused_by_every_reader(saved, name, tmp_path, capsys):
+    """The smallest damage: one unit in the last place of one float. Broken variant caught (seen
+    failing): ``integrity.tensor_crc`` over the values cast to bytes (``.to(torch.uint8)``)
+    instead of their bytes (``.view``): the cast drops the low bits, the damage loads."""
+    weight = load_lightning_checkpoint(saved[name])["state_dict"][WEIGHT]
+    copy = copy_checkpoint(saved[name], tmp_path / "bit.ckpt")
+    file = flip_in_tensor(copy, weight, one_bit=True)
+    damaged = load_lightning_checkpoint(copy, verify=None)["state_dict"][WEIGHT]
+    assert (damaged != weight).sum() == 1 and torch.allclose(damaged, weight, rtol=1e-6, atol=0)
+    _refused_everywhere(copy, f"{re.escape(str(file))}: checksum mismatch in tensor (state_dict.)?{WEIGHT}",
+                        tmp_path, capsys)
+
+
+def _optimizer_tensor(path: Path) -> torch.Tensor:
+    state = load_lightning_checkpoint(path)["optimizer_states"][0]["state"]
+    return max((v["exp_avg"] for v in state.values()), key=lambda t: t.numel())
+
+
+def _damage_optimizer_state(path: Path) -> str:
+    flip_in_tensor(path, _optimizer_tensor(path))
+    return "checksum mismatch in tensor"
+
+
+def _damage_pickle(path: Path) -> str:
+    """``global_step`` 2 -> 3 in the pickle of the ``.ckpt`` (of ``meta.pt`` when sharded): it
+    still unpickles, so only the zip record's CRC tells."""
+    assert bump_pickled_int(path / sharded.META_FILE if path.is_dir() else path, "global_step") == 3
+    return "corrupted or truncated checkpoint file .*Bad CRC-32"
+
+
+def _damage_index(path: Path) -> str:
+    """A byte of DCP's ``.metadata`` (the index of where each tensor's bytes are)."""
+    flip_byte(path / ".metadata", -40)
+    return r"\.metadata"
+
+
+def _drop_a_record(path: Path) -> str:
+    """One tensor's checksum record deleted (the rest of the checkpoint intact)."""
+    file = path / sharded.META_FILE if path.is_dir() else path
+    checkpoint = torch.load(file, map_location="cpu", weights_only=True)
+    record = checkpoint[integrity.KEY]
+    if path.is_dir():
+        record["items"] = [item for item in record["items"] if item[0] != f"state_dict.{WEIGHT}"]
+    else:
+        del record["tensors"][f"state_dict.{WEIGHT}"]
+    torch.save(checkpoint, file)
+    return rf"tensors without a checksum: \['(state_dict.)?{re.escape(WEIGHT)}'"
+
+
+DAMAGE = {  # what is damaged -> (formats it applies to, how)
+    "optimizer_state": (("consolidated", "sharded"), _damage_optimizer_state),
+    "pickled_metadata": (("consolidated", "sharded"), _damage_pickle),
+    "tensor_index": (("sharded",), _damage_index),
+    "missing_record": (("consolidated", "sharded"), _drop_a_record),
+}
+CASES = [(kind, name) for kind, (names, _) in DAMAGE.items() for name in names]
+
+
+@pytest.mark.parametrize("kind, name", CASES, ids=[f"{k}-{n}" for k, n in CASES])
+def test_damage_to_each_kind_of_file_is_refused(saved, kind, name, tmp_path):
+    """Each file a checkpoint holds (tensor data with weights and optimizer state, the pickled
+    metadata, DCP's index) and a deleted checksum record: the full read refuses, naming what.
+    Broken variants caught (seen failing): ``files.check_records`` not called (global_step 3
+    loads), ``check_tensors`` / ``verify_items`` not reporting unrecorded tensors."""
+    copy = copy_checkpoint(saved[name], tmp_path / "damaged.ckpt")
+    match = DAMAGE[kind][1](copy)
+    with pytest.raises(ValueError, match=match):
+        load_lightning_checkpoint(copy)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_resume_from_damaged_optimizer_state_is_refused(saved, name, tmp_path):
+    """The optimizer state is read by a resume only: it must be verified there too."""
+    copy = copy_checkpoint(saved[name], tmp_path / "damaged.ckpt")
+    _damage_optimizer_state(copy)
+    with pytest.raises(RuntimeError, match="checksum mismatch in tensor optimizer_states"):
+        _run(LAYOUTS[name], resume_from=str(copy))
+
+
 # ------------------------------------------------------------------------------ old files
 def _without_checksums(source: Path, target: Path) -> Path:
-    copy = _copy(source, target)
+    copy = copy_checkpoint(source, target)
     file = copy / sharded.META_FILE if copy.is_dir() else copy
     checkpoint = torch.load(file, map_location="cpu", weights_only=True)
     del checkpoint[integrity.KEY]

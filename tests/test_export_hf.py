@@ -232,6 +232,25 @@ def test_more_bad_input(qwen2_ckpt, tmp_path, capsys, case):
 
 
 
+@pytest.mark.parametrize("fixture", ["qwen2_ckpt", "llama_sharded"], ids=["consolidated", "sharded"])
+def test_a_damaged_checkpoint_is_refused_naming_file_and_tensor(fixture, request, tmp_path, capsys):
+    """One flipped mantissa bit in a layer's weight: one error line naming the file and the
+    tensor, no output directory, nothing said before it. Broken variant caught (seen failing):
+    ``hf_export._entries`` reading the weights unverified (``verify=None``, no ``verify_shards``)."""
+    from lightning_3d.testing.damage import copy_checkpoint, flip_in_tensor
+
+    source = request.getfixturevalue(fixture)
+    name = "model.model.layers.0.mlp.down_proj.weight"
+    weight = load_lightning_checkpoint(source)["state_dict"][name]
+    copy = copy_checkpoint(source, tmp_path / "damaged.ckpt")
+    stored = weight if fixture == "qwen2_ckpt" else weight.chunk(2)[0]  # ZeRO-3: each rank wrote half the rows
+    file = flip_in_tensor(copy, stored, one_bit=True)
+    assert _exit_code(["export-hf", str(copy), str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {file}: checksum mismatch in tensor "), lines
+    assert name in lines[0] and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("arch, strategy", [
     # Conv1D projections, fused q/k/v regrouped per tensor rank, tied embedding and head
     ("hf_gpt2", {"checkpoint_format": "sharded", "tensor": 2}),

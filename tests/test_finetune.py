@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_3d.checkpoint.__main__ import main as checkpoint_cli
 from lightning_3d.finetune import resolve_pretrained
@@ -126,9 +127,13 @@ def test_preset_and_offload_overrides(offload):
     assert strategy.plan.offload.device == offload and strategy.plan.ac.policy == "full"
 
 
-@pytest.mark.parametrize("case", ["not_a_checkpoint", "other_model"])
-def test_bad_pretrained_refused_before_work(runs, case):
+@pytest.mark.parametrize("case", ["not_a_checkpoint", "other_model", "damaged"])
+def test_bad_pretrained_refused_before_work(runs, case, tmp_path):
+    """``damaged``: one flipped mantissa bit in a weight of the pretraining run's final.ckpt is
+    refused by the launcher's check (``inspect_checkpoint`` verifies the checksums); safetensors
+    files carry no checksums of their own, so only their header is checked."""
     from lightning_3d.finetune import prepare
+    from lightning_3d.testing.damage import copy_checkpoint, flip_in_tensor
 
     _, paths = runs
     text = paths["root"] / "not_a_checkpoint.txt"
@@ -138,6 +143,12 @@ def test_bad_pretrained_refused_before_work(runs, case):
     else:  # the tiny model's checkpoint against a wider model, built on meta
         cfg = _compose(["model=gpt_tiny", "model.n_embd=64", f"finetune.pretrained={paths['pretrain']}/final.ckpt"])
         match = "does not match the model.*shape mismatch"
+    if case == "damaged":
+        final = paths["pretrain"] / "final.ckpt"
+        copy = copy_checkpoint(final, tmp_path / "final.ckpt")
+        weight = torch.load(final, map_location="cpu", weights_only=True)["state_dict"]["model.blocks.0.mlp.fc1.weight"]
+        flip_in_tensor(copy, weight, one_bit=True)
+        cfg, match = _compose(["model=gpt_tiny", f"finetune.pretrained={copy}"]), "checksum mismatch in tensor"
     with pytest.raises(ValueError, match=match):
         prepare(cfg, paths["root"])
 

@@ -25,10 +25,24 @@ TIMEOUT = 300.0
 LAUNCHER_KEYS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_PROCID", "HYDRA_FULL_ERROR")
 
 
-def _fit_with_inf(rank, strategy, bad, steps, model=None):
-    """Train the tiny GPT on dp2 with an infinite loss on the ranks ``bad[step]`` at each global
-    step in ``bad``. Returns the error (or None), the weights after each completed step, the
-    final weights, the optimizer's step counts and the steps the plugin skipped."""
+class _NanBackward(torch.autograd.Function):
+    """The identity forward; NaN gradients backward: a finite loss with NaN gradients."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.full_like(grad, float("nan"))
+
+
+def _fit_with_inf(rank, strategy, bad, steps, model=None, nan_grad=False):
+    """Train the tiny GPT on 2 ranks with an infinite loss on the ranks ``bad[step]`` at each
+    global step in ``bad`` (``nan_grad``: a finite loss, and NaN gradients from the first block
+    down on those ranks; under a pipeline only the stage holding that block has it). Returns the
+    error (or None), the weights after each completed step, the final weights, the optimizer's
+    step counts and the steps the plugin skipped."""
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
@@ -39,7 +53,15 @@ def _fit_with_inf(rank, strategy, bad, steps, model=None):
     class InfAt(LitGPT):
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
-            return loss * float("inf") if rank in bad.get(self.trainer.global_step, ()) else loss
+            return loss * float("inf") if self._bad() and not nan_grad else loss
+
+        def _bad(self):
+            return rank in bad.get(self.trainer.global_step, ())
+
+        def on_train_start(self):
+            first = dict(self.named_modules()).get("model.blocks.0")
+            if nan_grad and first is not None:
+                first.register_forward_hook(lambda mod, args, out: _NanBackward.apply(out) if self._bad() else out)
 
     class Snapshots(Callback):
         def __init__(self):
@@ -67,7 +89,10 @@ def _fit_with_inf(rank, strategy, bad, steps, model=None):
 
 
 def _weights(module):
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    """This rank's values (its shards under ZeRO-3): compared across steps of one rank."""
+    from lightning_3d.parallel.tensor import local_tensor
+
+    return {k: local_tensor(v).detach().clone() for k, v in module.state_dict().items()}
 
 
 def _same(a, b):
@@ -96,6 +121,25 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_before_the_step():
         assert sorted(run["after"]) == [0, 1, 2], rank  # no step completed after the bad one
         assert _same(run["final"], run["after"][2]), rank
         assert not _same(run["after"][2], run["after"][1]), rank  # the good steps did train
+        assert all(torch.isfinite(v).all() for v in run["final"].values()), rank
+
+
+@pytest.mark.parametrize("strategy", [
+    {"zero_stage": 0}, {"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3}, {"pipeline": 2, "micro_batches": 2},
+], ids=["zero0", "zero1", "zero2", "zero3", "pp2"])
+def test_nan_gradients_under_a_finite_loss_stop_every_rank_before_the_step(strategy):
+    """One rank's gradients turn NaN at global step 2 while every loss stays finite (rank 1; under
+    pp2 rank 0, the stage holding the first block, while the loss lives on rank 1). Both ranks
+    stop at step 2 with step 2's starting weights. Broken variant caught (seen failing):
+    ``NonFiniteGuard.resolve`` reading the loss flags only: the NaN update is applied."""
+    bad_rank = 0 if "pipeline" in strategy else 1
+    runs = run_world(_fit_with_inf, 2, strategy, {2: (bad_rank,)}, 4, None, True, timeout=TIMEOUT)
+    for rank, run in enumerate(runs):
+        assert run["error"] is not None, rank
+        message, step = run["error"]
+        assert step == 2 and "non-finite gradient" in message, (rank, message)
+        assert sorted(run["after"]) == [0, 1, 2], rank
+        assert _same(run["final"], run["after"][2]), rank
         assert all(torch.isfinite(v).all() for v in run["final"].values()), rank
 
 

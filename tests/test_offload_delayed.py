@@ -115,3 +115,37 @@ def test_offload_options_check_delay_update():
         offload_options("cpu", None, 16, delay_update=1)
     with pytest.raises(ValueError, match="needs offload='cpu' or 'nvme', got offload='none'"):
         offload_options("none", None, 16, delay_update=True)
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["immediate", "delayed"])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_a_state_without_masters_starts_them_from_the_bf16_weights(delay, device, tmp_path):
+    """A plain torch AdamW checkpoint (or a run without offload) has moments but no fp32 masters:
+    loaded into offload over bf16 parameters, each master starts from its parameter's weights, and
+    the next steps follow AdamW on those weights in fp32. Broken variant caught (seen failing):
+    ``optimizer._add`` copying the weights into the master only at a parameter's first step (the
+    loaded state's step is 3): the master starts from zeros (masters off by up to 4.1)."""
+    plain, plain_params = _reference(torch.bfloat16)
+    for step in range(3):
+        for r, g in zip(plain_params, _grads(step)):
+            r.grad = g.clone()
+        plain.step()
+    saved = plain.state_dict()
+    assert all("master" not in state for state in saved["state"].values())
+    opt, params = _offloaded(delay, device, tmp_path, torch.bfloat16)
+    with torch.no_grad():
+        for p, r in zip(params, plain_params):
+            p.copy_(r)  # the checkpoint's weights, rounded to the parameters' bf16
+    ref_params = [nn.Parameter(p.detach().float()) for p in params]
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
+    ref.load_state_dict(saved)
+    opt.load_state_dict(saved)
+    for step in range(3, 5):
+        for p, r, g in zip(params, ref_params, _grads(step)):
+            p.grad, r.grad = g.bfloat16(), g.bfloat16().float()
+        opt.step(), ref.step()
+    opt.synchronize()
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(opt.state[p]["master"], r.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(p, r.detach().bfloat16())
+    opt.close()

@@ -19,6 +19,7 @@ from lightning_3d.memory import zero_formula_bytes
 from lightning_3d.plan import Plan
 from lightning_3d.planner import Choice, Cluster, PlannerOptions, model_facts, plan_layouts
 from lightning_3d.planner.calibration import compare, run_layout, tiny_facts
+from lightning_3d.testing.world import run_world
 from lightning_3d.planner.layouts import LAYOUTS, choice_of
 from lightning_3d.planner.memory import model_state, stage_parts
 from lightning_3d.testing.runs import TINY_DATA
@@ -100,11 +101,40 @@ def test_zero3_shards_are_torch_chunks_of_dim_0(rows, data, dim):
     assert (three - part - part - part).tensors == () and Part(6, 0, 6).sharded(2, 3) == 2  # counts alone: even
 
 def test_offload_moves_optimizer_state_to_the_host(facts):
+    """fp32 parameters on the device: moments and a separate master (12 B); ZeRO-3's shards in
+    host memory (``+params``) are their own master: 8 B of state, 4 + 4 of shard and gradient."""
     (part, _), = stage_parts(facts, 1)
     _, _, device_optim, host, disk = model_state(facts, Choice(2, 1, 1, 1, offload="cpu"), part)
-    assert device_optim == 0 and host == 8 * facts.num_params / 2 and disk == 0
+    assert device_optim == 0 and host == 12 * facts.num_params / 2 and disk == 0
     params, grads, _, host3, _ = model_state(facts, Choice(2, 1, 1, 3, offload="cpu+params"), part)
     assert params == grads == 0 and host3 == 16 * facts.num_params / 2
+
+
+@pytest.mark.parametrize("dtype, device, on_host", [
+    (torch.float32, "cpu", True), (torch.bfloat16, "cpu", True), (torch.float32, "meta", False),
+    (torch.bfloat16, "meta", False),
+], ids=["fp32_host", "bf16_host", "fp32_device", "bf16_device"])
+def test_the_offloaded_state_term_is_what_the_store_keeps(dtype, device, on_host):
+    """The planner's bytes per parameter against the store's own layout (``plan_chunks``, what
+    ``OffloadedAdam`` allocates): 8 B for an fp32 host parameter, 12 B with a separate master
+    (bf16, or any parameter off the host: ``meta`` stands in for an accelerator). Broken variant
+    caught (seen failing): the old term, a master only for non-fp32 parameters (8 B for fp32 ones
+    on the device, a third under the store)."""
+    from lightning_3d.offload.storage import ELEMENT_BYTES, plan_chunks
+    from lightning_3d.planner.facts import offloaded_state_bytes
+
+    param = torch.nn.Parameter(torch.zeros(1000, dtype=dtype, device=device))
+    slots, chunks = plan_chunks([{"params": [param]}], chunk_bytes=1 << 16)
+    stored = sum(c.numel for c in chunks) * ELEMENT_BYTES * slots[0].fields
+    assert offloaded_state_bytes(param.element_size(), params_on_host=on_host) * param.numel() == stored
+
+
+def test_the_store_of_a_delayed_update_keeps_a_master_for_every_parameter():
+    """Not modelled by the planner (see ``offloaded_state_bytes``): 12 B even for fp32 host parameters."""
+    from lightning_3d.offload.storage import ELEMENT_BYTES, plan_chunks
+
+    slots, chunks = plan_chunks([{"params": [torch.nn.Parameter(torch.zeros(1000))]}], 1 << 16, always_separate=True)
+    assert sum(c.numel for c in chunks) * ELEMENT_BYTES * slots[0].fields == 12 * 1000
 
 
 def test_calibration_single_process(facts):
@@ -229,3 +259,54 @@ def test_step_time_terms(facts):
     inside, across = (step_time(facts, Choice(16, 1, 1, batch_per_rank=1), cluster, options)
                       for cluster in (node, two_nodes))
     assert across.comm > inside.comm > 0
+
+
+def _gathered_blocks_at_once(rank: int) -> int:
+    """The most blocks FSDP2 holds gathered at once (all-gather issued, not yet resharded) in
+    two steps of the tiny GPT at dp2 ZeRO-3, counted by wrapping its ``unshard`` / ``reshard``."""
+    import lightning as L
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as fsdp_group
+
+    from lightning_3d import ThreeDStrategy
+    from lightning_3d.data import TextDataModule
+    from lightning_3d.models import LitGPT
+    from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL
+
+    alive, most = set(), [0]
+    unshard, reshard = fsdp_group.FSDPParamGroup.unshard, fsdp_group.FSDPParamGroup.reshard
+
+    def counted_unshard(group, *args, **kwargs):
+        out = unshard(group, *args, **kwargs)
+        if (group._all_gather_result is not None or group.is_unsharded) and ".blocks." in f".{group._module_fqn}":
+            alive.add(group._module_fqn)
+            most[0] = max(most[0], len(alive))
+        return out
+
+    def counted_reshard(group, *args, **kwargs):
+        out = reshard(group, *args, **kwargs)
+        if not group.is_unsharded:
+            alive.discard(group._module_fqn)
+        return out
+
+    fsdp_group.FSDPParamGroup.unshard, fsdp_group.FSDPParamGroup.reshard = counted_unshard, counted_reshard
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ThreeDStrategy(zero_stage=3), max_steps=2,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(LitGPT(**{**TINY_MODEL, "n_layer": 4}), TextDataModule(seed=0, **TINY_DATA))
+    return most[0]
+
+
+def test_zero3s_gathered_block_buffer_counts_the_blocks_fsdp2_holds_at_once(facts):
+    """Measured: FSDP2 holds 2 blocks gathered at once (in backward, the block under way and the
+    one prefetched), and the planner's ZeRO-3 buffer counts 2 gathered blocks (in the compute
+    dtype) plus one block's unsharded gradients. Broken variant caught (seen failing):
+    ``memory.buffer_bytes`` counting one gathered block."""
+    from lightning_3d.planner.memory import buffer_bytes
+
+    measured = max(run_world(_gathered_blocks_at_once, 2))
+    p_b, g_b, _, _ = facts.bytes
+    largest = max(b.local(1) for b in facts.blocks)
+    term = buffer_bytes(facts, Choice(2, 1, 1, 3), PlannerOptions()) - facts.buffer_bytes
+    assert facts.precision == "32-true" and measured == 2
+    assert (term - largest * g_b) / (largest * p_b) == measured

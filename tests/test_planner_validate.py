@@ -88,6 +88,25 @@ def test_a_wrong_memory_model_is_caught(monkeypatch, capsys, tiny_facts):
     assert code == 2 and len(err) == 1 and err[0].startswith("error: validation failed:"), err
 
 
+def test_a_memory_model_that_under_predicts_is_caught(monkeypatch, tiny_facts):
+    """The dangerous direction: a model that predicts too little plans layouts that do not fit.
+    Broken variant caught (seen failing): ``Row.off`` flagging only ``ratio > 1 + TOLERANCE``."""
+    import lightning_3d.planner.calibration as calibration
+
+    honest = calibration.model_state
+
+    def deflated(facts, choice, part, *rank):  # a ZeRO-3 model that shards the gradients twice over
+        params, grads, optimizer, host, disk = honest(facts, choice, part, *rank)
+        return params, grads / choice.data, optimizer, host, disk
+
+    choice = Choice(data=4, tensor=2, pipeline=1, zero_stage=3)
+    monkeypatch.setattr(calibration, "model_state", deflated)
+    problems = validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
+    assert problems and all("grad_bytes" in p for p in problems)
+    ratio = float(problems[0].split("ratio ")[1].split(",")[0])
+    assert ratio == pytest.approx(0.25, abs=0.02)
+
+
 def test_a_misread_tensor_plan_is_caught(monkeypatch, tiny_facts):
     import lightning_3d.planner.facts as facts_module
 

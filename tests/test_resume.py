@@ -66,6 +66,32 @@ def test_loader_resumes_where_it_stopped(consumed):
     assert taken + rest == full
 
 
+@pytest.mark.parametrize("cuts", [(3, 2), (1, 1, 1), (4, 3)], ids=["3+2", "1+1+1", "4+3_into_epoch_1"])
+def test_a_resumed_loader_saves_its_position_from_the_epochs_start(cuts):
+    """Resumed, then saved and resumed again: each part's position counts from the epoch's start,
+    not from where that part began. Broken variant caught: ``ResumableDataLoader`` counting
+    ``(i + 1) * batch_size`` without the sampler's ``start`` (3 batches, resume, 2 batches saved 16
+    samples instead of 40, so the next part repeated 3 batches)."""
+    dataset = list(range(50))  # 6 batches of 8 per epoch
+    full = _epochs(_loader(dataset, batch_size=8), [0, 1])
+    state, taken = None, []
+    for count in cuts:
+        part = _loader(dataset, batch_size=8)
+        if state is not None:
+            part.load_state_dict(state)  # also sets the sampler's epoch
+        it = iter(part)
+        for _ in range(count):
+            batch = next(it, None)
+            if batch is None:  # the epoch ended inside this part: Lightning starts the next
+                part.sampler.set_epoch(part.sampler.epoch + 1)
+                it = iter(part)
+                batch = next(it)
+            taken.append(batch.tolist())
+        state = part.state_dict()
+    assert state["samples"] == 8 * (sum(cuts) % 6)
+    assert taken == full[: sum(cuts)]
+
+
 def test_loader_state_is_global_and_moves_between_dp_sizes():
     dataset = list(range(64))
     ranks = [_loader(dataset, dp_size=2, dp_rank=r) for r in range(2)]  # global batch 8

@@ -23,6 +23,7 @@ import os
 import pickle
 import re
 import shutil
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -193,12 +194,32 @@ def corrupted(path: Path, error: BaseException) -> ValueError:
     return ValueError(f"{path}: corrupted or truncated checkpoint file ({type(error).__name__}: {error})")
 
 
+def check_records(path: Path) -> None:
+    """Verify the zip CRC-32 of every record of a ``torch.save`` file except the tensors' data
+    (``<archive>/data/<key>``, which the checkpoint's own per-tensor checksums cover): the pickle
+    with the loop counters, hyperparameters and checksum records. ``torch.load`` does not check
+    these CRCs, and a flipped bit there may still unpickle, into other values."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for info in archive.infolist():
+                if "/data/" in info.filename:
+                    continue
+                with archive.open(info) as record:
+                    while record.read(1 << 20):
+                        pass
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError) as error:
+        raise corrupted(path, error) from error
+
+
 def load_weights_only(path: Path, mmap: bool, map_location: Any = "cpu") -> Any:
     """``torch.load(weights_only=True)`` with errors that name the file and what was refused.
+    The zip records that are not tensor data are verified first (:func:`check_records`).
 
     ``mmap``: tensors are read from the file on first use (zip format only)."""
     with open(path, "rb") as f:
         zipped = f.read(4) == ZIP_MAGIC
+    if zipped:
+        check_records(path)
     try:
         # mmap: inspecting or exporting a large file does not read every tensor up front.
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and zipped)

@@ -156,12 +156,15 @@ def _check_paths(checkpoint: Path, out_dir: Path, force: bool) -> None:
 
 def _entries(checkpoint: Path) -> tuple[Mapping[str, Any], Callable[[], Mapping[str, Tensor]]]:
     """(the checkpoint's entries, a function reading its model state), its ``hf_config`` checked
-    first: a sharded checkpoint's ``meta.pt`` before any tensor is read, and then only model
-    tensors (not the optimizer's); a ``.ckpt`` memory-mapped, its tensors read on first use."""
+    first: a sharded checkpoint's ``meta.pt`` before any tensor is read, then the checksums of
+    its model tensors (not the optimizer's); a ``.ckpt`` memory-mapped, its tensors read on first
+    use."""
     if detect_format(checkpoint) == SHARDED:
         meta = sharded_files.read_meta(checkpoint)
         _check_hf_config(meta, checkpoint)
-        return meta, lambda: sharded_files.read_tensors(checkpoint)
+        # The model's checksums before anything is said or read: damage is the one error line.
+        sharded_files.verify_shards(checkpoint, sharded_files.read_metadata(checkpoint), meta, sharded_files.MODEL)
+        return meta, lambda: sharded_files.read_tensors(checkpoint, verify=False)
     whole = load_lightning_checkpoint(checkpoint, mmap=True, verify=WEIGHTS)
     _check_hf_config(whole, checkpoint)
     return whole, lambda: whole["state_dict"]

@@ -12,7 +12,11 @@ a damaged weight would load silently, and training would go on from it.
   one chunk of it, as a byte range of a ``.distcp`` file) after the files were written: each
   rank checksums the files it wrote, rank 0 stores them all. Per item rather than per file, so
   a mismatch names the tensor and a reader checks only the items it reads (an export reads the
-  model's, not the optimizer's). ``meta.pt``'s own tensors get the consolidated kind.
+  model's, not the optimizer's). ``meta.pt``'s own tensors get the consolidated kind, and it
+  records the CRC-32 of DCP's ``.metadata`` (the index of the items) too.
+- The records of a ``torch.save`` file that are not tensor data (the pickle: loop counters,
+  hyperparameters, these records) are verified through the zip's own CRC-32 on every read
+  (``files.check_records``): ``torch.load`` ignores those CRCs.
 
 A checkpoint without checksums (written before them, or by plain Lightning) is read with one
 warning. CRC-32 (``zlib``, ~2 GB/s) detects accidental damage, not deliberate tampering.
@@ -89,17 +93,20 @@ def verify_tensors(checkpoint: dict[str, Any], path: Any, prefix: str = "") -> i
 def check_tensors(tree: Any, record: Any, path: Any, prefix: str = "") -> int:
     """Check the tensors of ``tree`` under ``prefix`` against ``record`` (a ``"checksums"``
     entry); returns how many were checked. ``ValueError`` naming ``path`` and the tensor at the
-    first mismatch. Tensors without a checksum (added) or gone (removed) are not errors: bytes
-    flipped on disk change a tensor's values, not which tensors the dict holds."""
+    first mismatch, or naming the tensors that have no checksum (a damaged name, or one added in
+    Python). Tensors gone are not errors: a checkpoint slimmed of its optimizer state has nothing
+    to misread."""
     if not isinstance(record, Mapping) or record.get("algorithm") != ALGORITHM:
         raise ValueError(f"{path}: unknown checksum record {str(record)[:100]!r} (expected {ALGORITHM})")
     found = dict(tensors_in(tree))
+    unrecorded = sorted(name for name in found if name.startswith(prefix) and name not in record["tensors"])
+    if unrecorded:
+        raise ValueError(f"{path}: tensors without a checksum: {unrecorded[:10]}: the checkpoint is corrupted; "
+                         f"refusing to load it{EDITED}")
     checked = 0
     for name, crc in record["tensors"].items():
-        if not name.startswith(prefix):
+        if not name.startswith(prefix) or name not in found:
             continue
-        if name not in found:
-            continue  # removed on purpose (a checkpoint slimmed of its optimizer state): nothing to misread
         actual = tensor_crc(found[name])
         if actual != crc:
             raise mismatch(path, name, crc, actual, edited=EDITED)
@@ -114,6 +121,11 @@ def storage_items(metadata: Any) -> dict[tuple[str, tuple[int, ...]], tuple[str,
         (index.fqn, tuple(index.offset or ())): (info.relative_path, info.offset, info.length)
         for index, info in (metadata.storage_data or {}).items()
     }
+
+
+def file_crc(file: Path) -> int:
+    """CRC-32 of a whole (small) file: a sharded checkpoint's DCP ``.metadata``."""
+    return zlib.crc32(file.read_bytes())
 
 
 def _crc_range(file: Path, offset: int, length: int) -> int:

@@ -43,6 +43,7 @@ from lightning_3d.checkpoint.files import (
 from lightning_3d.checkpoint.integrity import (
     KEY,
     check_tensors,
+    file_crc,
     item_checksums,
     verify_items,
     warn_unchecked,
@@ -103,6 +104,7 @@ def save(tensors: Mapping[str, Any], meta: Mapping[str, Any], path: Any) -> None
         if rank0:
             record = with_checksums(meta)
             record[KEY]["items"] = sorted(item for part in parts for item in part)
+            record[KEY]["metadata"] = file_crc(temp / ".metadata")
             with open(temp / META_FILE, "wb") as f:
                 torch.save(record, f)
                 f.flush()
@@ -124,7 +126,8 @@ def read_metadata(path: Any) -> Metadata:
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as error:
-        raise ValueError(f"{path}: corrupted sharded checkpoint metadata ({type(error).__name__}: {error})") from error
+        raise ValueError(f"{path / '.metadata'}: corrupted sharded checkpoint metadata "
+                         f"({type(error).__name__}: {error})") from error
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -162,6 +165,10 @@ def verify_shards(path: Any, metadata: Metadata, meta: Mapping[str, Any], prefix
     if not isinstance(record, Mapping) or "items" not in record:
         warn_unchecked(path)
         return -1
+    if "metadata" in record and file_crc(Path(str(path)) / ".metadata") != record["metadata"]:
+        raise ValueError(f"{Path(str(path)) / '.metadata'}: checksum mismatch (crc32 recorded "
+                         f"0x{record['metadata']:08x}): the checkpoint's index of its tensors is corrupted; "
+                         "refusing to load it")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     problems = verify_items(Path(str(path)), metadata, record["items"], prefix, rank, world)
     if distributed:

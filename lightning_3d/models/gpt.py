@@ -32,6 +32,7 @@ class GPTConfig:
         n_embd: Width of the residual stream.
         mlp_ratio: MLP hidden width as a multiple of ``n_embd``.
         dropout: Dropout probability for embeddings, attention and residuals.
+        attn_dropout: Dropout probability of the attention weights alone; ``None``: ``dropout``.
         bias: Whether Linear and LayerNorm layers carry a bias.
     """
 
@@ -43,6 +44,7 @@ class GPTConfig:
     mlp_ratio: int = 4
     dropout: float = 0.0
     bias: bool = False
+    attn_dropout: Optional[float] = None
 
     def __post_init__(self) -> None:
         sizes = {
@@ -62,6 +64,8 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.attn_dropout is not None and not 0.0 <= self.attn_dropout < 1.0:
+            raise ValueError(f"attn_dropout must be in [0, 1) or None, got {self.attn_dropout}")
 
 
 # The fills of GPT's parameters (module-level, so a recorded plan pickles and deep-copies).
@@ -89,7 +93,7 @@ class CausalSelfAttention(nn.Module):
         # Only head_dim is fixed; the number of heads is read off the
         # projection output so a column-sharded wq/wk/wv (local heads) works.
         self.head_dim = d // config.n_head
-        self.dropout = config.dropout
+        self.dropout = config.dropout if config.attn_dropout is None else config.attn_dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (B, T, nh * hs) each

@@ -66,6 +66,7 @@ class LitGPT(pl.LightningModule):
         min_lr_ratio: float = 0.1,
         optimizer: str = "adamw",
         deferred_init: bool = False,
+        attn_dropout: float | None = None,
     ) -> None:
         if not isinstance(deferred_init, bool):
             raise ValueError(f"deferred_init={deferred_init!r} must be True or False")
@@ -80,6 +81,7 @@ class LitGPT(pl.LightningModule):
             mlp_ratio=mlp_ratio,
             dropout=dropout,
             bias=bias,
+            attn_dropout=attn_dropout,
         )
         self.model = self.build_model()
         # A metric object (not a plain tensor) so that torchmetrics does the

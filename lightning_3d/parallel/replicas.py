@@ -13,6 +13,9 @@ optimizer steps before the step, and the parameters themselves after it. One all
 group and one all-reduce of the verdict over the world, at the first optimizer step (and every
 ``every`` steps, or on demand); a mismatch raises :class:`ReplicaMismatch` on every rank,
 naming the parameters, the ranks, and the plan entry to change.
+
+Replicas must also *start* equal: :func:`broadcast_start` hands every rank of a stage the first
+rank's initial weights, whatever each process was seeded with.
 """
 
 from __future__ import annotations
@@ -30,6 +33,23 @@ from lightning_3d.parallel.tensor import local_tensor
 
 RTOL = 1e-5  # replicas computed alike are equal bit for bit; a plan mistake moves them by O(1)
 WEIGHTS = 17  # the weighted sum's period: positions i and i + 17 weigh alike
+
+
+@torch.no_grad()
+def broadcast_start(module: torch.nn.Module, groups: Iterable[Any]) -> None:
+    """Make the first rank's parameters and buffers everyone's, over each group of ``groups`` in
+    turn (the tensor group, then the data group: afterwards the (dp, tp) slab of a pipeline stage
+    holds its first rank's). A script that seeds by rank, or not at all, builds other weights on
+    every rank; tensor parallelism scatters only the tensors its plan splits, FSDP2 shards each
+    rank's own values, so without this each rank would train a part of another model. Call it
+    on materialised tensors (a module on ``meta`` is filled alike later), before sharding."""
+    tensors = [t for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta"]
+    for group in groups:
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        src = dist.get_global_rank(group, 0)
+        for t in tensors:
+            dist.broadcast(t.data, src=src, group=group)
 
 
 class ReplicaMismatch(RuntimeError):

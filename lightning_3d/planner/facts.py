@@ -30,8 +30,8 @@ from lightning_3d.planner.activations import ActivationFit, measure_activations,
 # (Adam(W): two moments), and of one activation element, by Lightning precision. Mixed
 # precision keeps fp32 parameters (they are the master weights) and computes in 16 bits;
 # "bf16-true" keeps bf16 parameters, and torch's Adam keeps its moments in the parameters'
-# dtype. An offloaded optimizer (lightning_3d.offload) keeps fp32 moments, plus an fp32 master
-# copy of non-fp32 parameters, in host memory: OFFLOADED_STATE_BYTES.
+# dtype. An offloaded optimizer (lightning_3d.offload) keeps fp32 moments in host memory, plus an
+# fp32 master of every parameter that is not itself an fp32 host tensor: offloaded_state_bytes.
 PRECISIONS: Mapping[str, tuple[int, int, int, int]] = {
     "32-true": (4, 4, 8, 4),
     "bf16-mixed": (4, 4, 8, 2),
@@ -40,9 +40,14 @@ PRECISIONS: Mapping[str, tuple[int, int, int, int]] = {
 }
 
 
-def offloaded_state_bytes(param_bytes: int) -> int:
-    """Host bytes per parameter of an offloaded Adam: fp32 moments, and an fp32 master for non-fp32 weights."""
-    return 8 + (4 if param_bytes != 4 else 0)
+def offloaded_state_bytes(param_bytes: int, params_on_host: bool = False) -> int:
+    """Host bytes per parameter of an offloaded Adam (``lightning_3d.offload``): fp32 moments (8),
+    and an fp32 master (4) unless the parameter is its own: an fp32 tensor in host memory
+    (``params_on_host``: ZeRO-3's shards offloaded with ``+params``). Parameters on an accelerator
+    always get a separate master, fp32 ones too. Not modelled: the delayed update keeps a master
+    for every parameter (12 B where this says 8), and on a CPU-only cluster fp32 parameters are
+    their own master (8 B where this says 12: the safe side)."""
+    return 8 + (0 if param_bytes == 4 and params_on_host else 4)
 
 
 def check_precision(precision: str) -> tuple[int, int, int, int]:

@@ -9,8 +9,9 @@ buckets evenly (``1 / data``); ZeRO-3 shards are counted as FSDP2 cuts them, par
 parameter, ``ceil(rows / data)`` rows of dim 0 (so rank 0 holds the most, and a small dim on
 many ranks is far from ``1 / data``: :meth:`~lightning_3d.planner.facts.Part.sharded`). Bytes per element by
 precision: :data:`lightning_3d.planner.facts.PRECISIONS`. Offload moves Adam's state (fp32 moments,
-plus an fp32 master of non-fp32 weights) to host memory; ``cpu+params`` moves ZeRO-3's parameter
-and gradient shards there too.
+plus an fp32 master of every parameter held on the device, fp32 ones too:
+:func:`~lightning_3d.planner.facts.offloaded_state_bytes`) to host memory; ``cpu+params`` moves
+ZeRO-3's parameter and gradient shards there too (fp32 shards in host memory are their own master).
 
 Under an interleaved schedule a rank holds ``virtual_stages`` stages (``r``, ``r + p``, ...), the
 first on rank 0 and the last on rank ``p − 1``. Offload to ``nvme`` keeps Adam's state on the
@@ -113,7 +114,7 @@ def model_state(facts: ModelFacts, choice: Choice, part: Part,
     host = disk = 0.0
     if choice.offload != "none":
         optimizer = 0.0
-        state = (shard if z >= 1 else n) * offloaded_state_bytes(p_b)
+        state = (shard if z >= 1 else n) * offloaded_state_bytes(p_b, choice.offload_params)
         if choice.offload_device == "nvme":
             disk, host = state, float(NVME_RESIDENT_BYTES)
         else:

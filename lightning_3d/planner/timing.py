@@ -175,7 +175,8 @@ def step_time(facts: ModelFacts, choice: Choice, cluster: Cluster, options: Plan
         shard = elements / (dp if choice.zero_stage >= 1 else 1)
         adam = shard / (options.cpu_adam_params_per_s / cluster.devices_per_node)
         if choice.offload_device == "nvme":  # the store reads ahead and writes back while Adam steps
-            adam = max(adam, shard * offloaded_state_bytes(p_b) / (cluster.nvme_gbps * 1e9 / cluster.devices_per_node))
+            state = shard * offloaded_state_bytes(p_b, choice.offload_params)
+            adam = max(adam, state / (cluster.nvme_gbps * 1e9 / cluster.devices_per_node))
         offload = adam + shard * (g_b + p_b) / (cluster.host_link_gbps * 1e9)
         if choice.offload_params:  # per micro-batch: shards up for forward and backward, gradients down
             offload += m * shard * (2 * p_b + g_b) / (cluster.host_link_gbps * 1e9)

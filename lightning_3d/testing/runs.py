@@ -33,6 +33,9 @@ class Run:
     step as ``<stem>-step=<global step>.ckpt``. ``rank_state=True``: every rank also returns the
     parameters it holds (see :func:`fit_gpt`). ``accelerator`` is the Trainer's (``"gpu"`` for the
     CUDA tests, ``tests/test_cuda.py``); returned weights are on the CPU either way.
+    ``rank_seeds=True``: each rank builds its model under its own seed (``seed + rank``), as a
+    script that seeds by rank would, then every rank goes on from ``seed``: an engine that says
+    replicas start alike must make rank 0's initial weights everyone's.
     """
 
     strategy: Optional[dict[str, Any]] = None
@@ -49,6 +52,7 @@ class Run:
     save_every_n_steps: Optional[int] = None
     rank_state: bool = False
     accelerator: str = "cpu"
+    rank_seeds: bool = False
 
 
 def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
@@ -71,7 +75,7 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
     from lightning_3d.state import full_state_dict
     from lightning_3d.testing.tiny_models import LitTinyLM
 
-    L.seed_everything(run.seed, verbose=False)
+    L.seed_everything(run.seed + (rank if run.rank_seeds else 0), verbose=False)
     kwargs = {**TINY_MODEL, **(run.model or {})}
     if run.arch == "gpt":
         module = LitGPT(**kwargs)
@@ -95,6 +99,8 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
     else:
         module = LitTinyLM(arch=run.arch, n_kv_head=kwargs.pop("n_kv_head", 2), **kwargs)
     initial_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    if run.rank_seeds:
+        L.seed_everything(run.seed, verbose=False)
     datamodule = TextDataModule(seed=run.seed, **{**TINY_DATA, **(run.data or {})})
     summary = RunSummary()
     callbacks: list = [summary, RNGStateCheckpoint()]
