@@ -15,6 +15,8 @@ What makes masks comparable differs by layout:
   What is checked instead: every stage's dropout modules drop in training (and nothing is
   dropped in validation), so a stage that skips its dropout or trains in eval mode fails.
 
+A Hugging Face model (GPT-2, every dropout at 0.1) is held to Lightning's DDP the same way.
+
 Broken variants caught (seen failing): the model trained in eval mode (``LitGPT`` calling
 ``self.eval()`` at ``on_train_start``): every case; dropout skipped on pipeline stages
 (``Dropout`` replaced by ``Identity`` on stage 1): the pipeline case.
@@ -47,6 +49,19 @@ def ddp_reference():
 def test_data_parallel_with_dropout_matches_lightnings_ddp(ddp_reference, zero):
     run = run_world(fit_gpt, 2, Run(strategy={"zero_stage": zero}, devices=2, steps=STEPS, seed=SEED, model=DROPOUT))
     assert_same_run(run[0], ddp_reference, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_a_hugging_face_model_with_dropout_under_data_parallelism_matches_lightnings_ddp(zero):
+    """GPT-2 from transformers, every dropout it has at 0.1 (tensor and pipeline cases with
+    dropout: tests/test_hf_families.py)."""
+    common = dict(devices=2, steps=STEPS, seed=SEED, arch="hf_gpt2",
+                  model={"hf": {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}})
+    ddp = run_world(fit_gpt, 2, Run(**common))[0]
+    if zero == 1:  # the dropout is on (once is enough)
+        assert ddp["losses"] != run_world(fit_gpt, 2, Run(**{**common, "model": None}))[0]["losses"]
+    run = run_world(fit_gpt, 2, Run(strategy={"zero_stage": zero}, **common))[0]
+    assert_same_run(run, ddp, rtol=2e-5, atol=2e-5)
 
 
 def test_tensor_parallel_with_residual_dropout_matches_one_process():
