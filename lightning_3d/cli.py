@@ -90,6 +90,9 @@ def hydra_app(task: Callable[[DictConfig], int], config_path: str, config_name: 
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from lightning_3d.streams import guard_streams
+
+    guard_streams()  # a reader closing stdout (| head) never stops the run
     sweep = _Sweep()
     stderr = _HeldStream(sys.stderr)
 
