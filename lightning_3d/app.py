@@ -58,6 +58,8 @@ def validate(cfg: DictConfig) -> None:
     (the model built on ``meta``, the data module built), the plan against the model's shapes,
     and the Trainer's arguments."""
     check_app_keys(cfg)
+    check_seed(cfg.get("seed"))
+    check_trainer_counts(cfg.trainer)
     resume = resolve_resume(cfg.get("resume"), project_dir(), finetune="finetune" in cfg)
     world = world_size_of(cfg.trainer)
     max_steps = cfg.trainer.get("max_steps", -1)
@@ -114,6 +116,23 @@ def check_app_keys(cfg: DictConfig) -> None:
     if "enable_checkpointing" in cfg.trainer:
         raise ValueError("trainer.enable_checkpointing: set checkpoint.every_n_steps instead (a number of steps, or "
                          "null for no periodic checkpoints)")
+
+
+def check_trainer_counts(trainer: DictConfig) -> None:
+    """The Trainer's counts are whole numbers (Lightning takes ``max_steps=2.5`` and trains 3)."""
+    for key, least in (("log_every_n_steps", 0), ("num_sanity_val_steps", -1), ("max_steps", -1),
+                       ("min_steps", 0), ("max_epochs", -1), ("min_epochs", 0)):
+        value = trainer.get(key, 0)
+        if value is None and key != "log_every_n_steps":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"trainer.{key}={value!r} must be an integer >= {least}")
+
+
+def check_seed(seed: Any) -> None:
+    """``seed``: a whole number in [0, 2**32 - 1], what ``seed_everything`` and numpy take."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed={seed!r} must be a whole number in [0, {2**32 - 1}]")
 
 
 def project_dir() -> str:
@@ -213,10 +232,7 @@ def check_trainer(trainer: DictConfig, parallelism: Any, offload: Any = None) ->
     clip = kwargs.get("gradient_clip_val")
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
         raise ValueError(f"trainer.gradient_clip_val={clip!r} must be a number >= 0 (or null: no clipping)")
-    for key, least in (("log_every_n_steps", 0), ("num_sanity_val_steps", -1)):
-        value = kwargs.get(key, 0)
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"trainer.{key}={value!r} must be an integer >= {least}")
+    check_trainer_counts(trainer)
     quiet = logging.getLogger("lightning.pytorch")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # "GPU available: ..." belongs to the ranks' output

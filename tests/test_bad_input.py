@@ -146,6 +146,7 @@ def test_validate_accepts_default_config(compose):
 
     validate(compose())  # no exception
     validate(compose("trainer.devices=4", "parallelism.tensor=2", "data.batch_size=30"))  # 30 % dp(2) == 0
+    validate(compose("trainer.max_steps=-1", "+trainer.max_epochs=1"))  # the epochs decide; the schedule too
 
 
 @pytest.mark.parametrize(
@@ -173,6 +174,16 @@ def test_validate_accepts_default_config(compose):
         (["parallelism=pp2", "parallelism.split=[model.blocks.9]"], ["'model.blocks.9' names no module"]),
         (["parallelism=pp2", "parallelism.split=zigzag"], ["unknown pipeline split 'zigzag'"]),
         (["parallelism=pp2", "parallelism.schedule=interleaved_1f1b", "model.n_layer=6"], ["do not divide 6 blocks"]),
+        # values the ranks used to meet first (a traceback each), or took silently
+        (["seed=abc"], ["seed='abc'", "whole number"]),
+        (["seed=1.5"], ["seed=1.5"]),
+        (["seed=-1"], ["seed=-1"]),
+        (["model.lr=-0.1"], ["lr=-0.1 must be a number > 0"]),
+        (["+model.betas=[0.9,1.5]"], ["betas=[0.9, 1.5]"]),
+        (["data.batch_size=2.5"], ["batch_size must be a whole number >= 1, got 2.5"]),
+        (["trainer.max_steps=2.5"], ["trainer.max_steps=2.5 must be an integer"]),
+        (["+trainer.max_epochs=1.5"], ["trainer.max_epochs=1.5 must be an integer"]),
+        (["model=hf", "model.path=null", "+model.config={model_type:llama}", "model.lr=0"], ["lr=0 must be a number > 0"]),
     ],
 )
 def test_validate_rejects(compose, overrides, named):

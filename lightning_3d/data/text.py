@@ -170,8 +170,8 @@ class TextDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a whole number >= 1, got {batch_size!r}")
         self.corpus = corpus
         self.block_size = block_size
         self.batch_size = batch_size

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import torchmetrics
 from torch import nn
 
-from lightning_3d.models.lit_gpt import warmup_cosine_factor
+from lightning_3d.models.lit_gpt import check_training_options, warmup_cosine_factor
 from lightning_3d.parallel.materialize import has_meta, materialize
 
 IGNORE_INDEX = -100  # Hugging Face's (and F.cross_entropy's) "no target here"
@@ -167,8 +167,7 @@ class HFCausalLM(pl.LightningModule):
         deferred_init: bool = True,
     ) -> None:
         super().__init__()
-        if optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+        check_training_options(lr, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio, optimizer)
         if model is not None:
             if path is not None or config is not None:
                 raise ValueError("give one of path=, config= or model=, not several")
@@ -269,7 +268,9 @@ class HFCausalLM(pl.LightningModule):
             opt = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
         else:
             opt = torch.optim.SGD(groups, lr=hp.lr, momentum=0.9)
-        max_steps = hp.max_steps if hp.max_steps is not None else self.trainer.estimated_stepping_batches
+        max_steps = hp.max_steps
+        if max_steps is None or max_steps == -1:  # -1: trainer.max_steps=-1, the epochs decide
+            max_steps = self.trainer.estimated_stepping_batches
         warmup, min_ratio = hp.warmup_steps, hp.min_lr_ratio
         sched = torch.optim.lr_scheduler.LambdaLR(
             opt, lambda step: warmup_cosine_factor(step, warmup, max_steps, min_ratio)

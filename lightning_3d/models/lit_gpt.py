@@ -34,6 +34,38 @@ def warmup_cosine_factor(
     return min_lr_ratio + (1.0 - min_lr_ratio) * cosine
 
 
+def _number(value: Any, whole: bool = False) -> bool:
+    kinds = (int,) if whole else (int, float)
+    return isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_training_options(lr: Any, weight_decay: Any, betas: Any, warmup_steps: Any, max_steps: Any,
+                           min_lr_ratio: Any, optimizer: Any) -> None:
+    """``ValueError`` naming every optimizer and schedule argument a run could not use (both
+    model classes call it in their constructors, so the launcher's build on ``meta`` refuses
+    them before any rank starts): a positive learning rate, a weight decay >= 0, two betas in
+    [0, 1), whole step counts (``max_steps`` >= 1, or -1 / ``None``: the Trainer's estimate, as
+    ``trainer.max_steps=-1`` means), a ratio in [0, 1]."""
+    problems = []
+    if not (_number(lr) and lr > 0):
+        problems.append(f"lr={lr!r} must be a number > 0")
+    if not (_number(weight_decay) and weight_decay >= 0):
+        problems.append(f"weight_decay={weight_decay!r} must be a number >= 0")
+    if not (isinstance(betas, Sequence) and not isinstance(betas, str) and len(betas) == 2
+            and all(_number(b) and 0 <= b < 1 for b in betas)):
+        problems.append(f"betas={betas!r} must be two numbers in [0, 1)")
+    if not (_number(warmup_steps, whole=True) and warmup_steps >= 0):
+        problems.append(f"warmup_steps={warmup_steps!r} must be a whole number >= 0")
+    if max_steps is not None and not (_number(max_steps, whole=True) and (max_steps >= 1 or max_steps == -1)):
+        problems.append(f"max_steps={max_steps!r} must be a whole number >= 1, or -1 / null (the Trainer's)")
+    if not (_number(min_lr_ratio) and 0 <= min_lr_ratio <= 1):
+        problems.append(f"min_lr_ratio={min_lr_ratio!r} must be a number in [0, 1]")
+    if optimizer not in ("adamw", "sgd"):
+        problems.append(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 class LitGPT(pl.LightningModule):
     """GPT language model trained with token-mean cross-entropy.
 
@@ -70,6 +102,7 @@ class LitGPT(pl.LightningModule):
     ) -> None:
         if not isinstance(deferred_init, bool):
             raise ValueError(f"deferred_init={deferred_init!r} must be True or False")
+        check_training_options(lr, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio, optimizer)
         super().__init__()
         self.save_hyperparameters()
         self.config = GPTConfig(
@@ -181,7 +214,7 @@ class LitGPT(pl.LightningModule):
             raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {hp.optimizer!r}")
 
         max_steps = hp.max_steps
-        if max_steps is None:
+        if max_steps is None or max_steps == -1:  # -1: trainer.max_steps=-1, the epochs decide
             max_steps = self.trainer.estimated_stepping_batches
         warmup, min_ratio = hp.warmup_steps, hp.min_lr_ratio
         sched = torch.optim.lr_scheduler.LambdaLR(
