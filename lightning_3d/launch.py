@@ -164,7 +164,9 @@ def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float) -
             print(f"lightning_3d: launcher: {signal.Signals(signum).name} received; forwarded to every rank, "
                   f"which stop at the end of their step with a checkpoint (killed after {grace_s:g} s)",
                   file=sys.stderr, flush=True)
-            _end(procs, forwarded, grace_s, received=received)
+            # Only the first signal is acted on here: a second one already received (a double
+            # Ctrl-C faster than this loop polls) ends the grace at once.
+            _end(procs, forwarded, grace_s, received=received, handled=1)
             return 128 + signum
         codes = [p.poll() for p in procs]
         for rank, code in enumerate(codes):
@@ -182,11 +184,11 @@ def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float) -
 
 
 def _end(procs: list[subprocess.Popen], signum: int, grace_s: float, received: Optional[list[int]] = None,
-         patience_s: float = 0.0) -> None:
+         patience_s: float = 0.0, handled: Optional[int] = None) -> None:
     """After up to ``patience_s`` for the ranks to exit by themselves, send ``signum`` to those
     still running, wait up to ``grace_s``, then SIGKILL and reap every one; the waits end early
-    if ``received`` grows (a second signal)."""
-    count = len(received) if received is not None else 0
+    once ``received`` holds more than ``handled`` signals (default: as many as it holds now)."""
+    count = handled if handled is not None else len(received) if received is not None else 0
     _wait(procs, patience_s, lambda: received is not None and len(received) > count)
     for proc in procs:
         if proc.poll() is None:

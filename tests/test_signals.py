@@ -222,3 +222,33 @@ def test_the_launcher_removes_only_its_ranks_offload_directories(tmp_path):
     assert sorted(remove_owned(tmp_path, [101, 102])) == sorted(str(p) for p in ours)
     assert [p.exists() for p in ours + others] == [False, False, True, True, True]
     assert remove_owned(tmp_path, []) == []
+
+
+def _slow_ranks(count: int) -> list[subprocess.Popen]:
+    """Processes that, like ranks finishing their step before they save, ignore SIGINT."""
+    code = "import signal, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for _ in range(count)]
+    for proc in procs:
+        proc.stdout.readline()  # the handler is set
+    return procs
+
+
+@pytest.mark.parametrize("signals, at_once", [(1, False), (2, True)], ids=["one_ctrl_c", "double_ctrl_c"])
+def test_a_second_sigint_received_before_the_launcher_acted_stops_at_once(signals, at_once):
+    """Two SIGINTs closer together than the launcher's poll (a quick double Ctrl-C) are two: the
+    ranks are killed at once, not after the grace. One SIGINT keeps the grace. Broken variant
+    caught (seen failing): ``_end`` counting the signals received when it starts as handled (the
+    second one was then never seen: the ranks ran their whole grace)."""
+    from lightning_3d.launch import _watch
+
+    procs = _slow_ranks(2)
+    try:
+        start = time.monotonic()
+        code = _watch(procs, [signal.SIGINT] * signals, grace_s=8.0)
+        took = time.monotonic() - start
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert code == 128 + signal.SIGINT
+    assert (took < 3.0) if at_once else (took >= 8.0), took
