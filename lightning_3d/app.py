@@ -37,17 +37,19 @@ from lightning_3d.resume import (
     PeriodicCheckpoint,
     check_every_n_steps,
     check_fits,
+    check_steps_left,
     resolve_resume,
     resume_hint,
     resume_override,
     written_checkpoint,
 )
+from lightning_3d.run_dir import RunDirInUse, hold
 
 
 # The apps' top-level keys (conf/train.yaml, conf/finetune.yaml): any other (``+ckpt_path=...``)
 # would be read by nothing, so it is refused instead of being silently ignored.
 APP_KEYS = frozenset({"model", "data", "parallelism", "offload", "trainer", "seed", "checkpoint", "resume",
-                      "finetune"})
+                      "finetune", "overwrite"})
 CHECKPOINT_KEYS = frozenset({"every_n_steps"})
 
 
@@ -90,6 +92,8 @@ def validate(cfg: DictConfig) -> None:
             _check_offload_room(model, plan)
         if model is not None and resume is not None:
             check_fits(resume, model)
+    if resume is not None:
+        check_steps_left(resume, max_steps)
     if "model" in cfg and "data" in cfg:
         check_model_and_data(cfg.model, cfg.data)
     check_trainer(cfg.trainer, cfg.parallelism, cfg.get("offload"))
@@ -305,6 +309,25 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
         print(f"error: {err}", file=sys.stderr)
         _discard_run_dir(Path(output_dir), hydra_cfg.job.name)
         return 2
+    if already_launched():  # a rank: its launcher holds the run directory
+        return _launch_or_train(cfg, script, body, output_dir, resume, chosen, planned)
+    overwrite = cfg.get("overwrite", False)
+    try:
+        if not isinstance(overwrite, bool):
+            raise RunDirInUse(f"overwrite={overwrite!r} must be true or false")
+        with hold(Path(output_dir), resuming=resume is not None, overwrite=overwrite):
+            return _launch_or_train(cfg, script, body, output_dir, resume, chosen, planned)
+    except RunDirInUse as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _launch_or_train(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str, Any]] | None,
+                     output_dir: str, resume: Path | None, chosen: list[str], planned: dict[str, Any] | None) -> int:
+    """Start the ranks of a world of more than one process, or train in this one."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
     world = world_size_of(cfg.trainer)
     if world > 1 and not already_launched():
         if cfg.trainer.get("num_nodes", 1) > 1:

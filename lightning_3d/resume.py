@@ -158,6 +158,24 @@ def check_fits(path: Path, module: Any) -> None:
         raise ValueError(f"resume={path}: {err}") from None
 
 
+def check_steps_left(path: Path, max_steps: Any) -> None:
+    """``ValueError`` if the checkpoint at ``path`` is already at ``max_steps`` (a finished run:
+    the resumed one would train nothing and exit 0). Reads its loop counters only (``meta.pt``
+    of a sharded checkpoint; a ``.ckpt`` memory-mapped)."""
+    from lightning_3d.checkpoint import sharded_files
+    from lightning_3d.checkpoint.checks import load_lightning_checkpoint
+
+    if not isinstance(max_steps, int) or max_steps < 1:
+        return  # -1: the epochs decide; Lightning says when there is nothing left
+    if sharded_files.is_sharded_checkpoint(path):
+        step = sharded_files.read_meta(path).get("global_step")
+    else:
+        step = load_lightning_checkpoint(path, mmap=True, verify=None).get("global_step")
+    if isinstance(step, int) and step >= max_steps:
+        raise ValueError(f"resume={path}: that run is finished (global step {step}, trainer.max_steps={max_steps}): "
+                         f"nothing to train; raise trainer.max_steps above {step} to go on")
+
+
 def resume_hint(checkpoint: Optional[Path]) -> str:
     """How to continue the run this process belongs to from ``checkpoint``, as one phrase: inside
     one of the Hydra apps its own command line (its overrides, ``resume=`` replaced); elsewhere
