@@ -176,6 +176,7 @@ def test_validate_accepts_default_config(compose):
         (["parallelism=pp2", "parallelism.schedule=interleaved_1f1b", "model.n_layer=6"], ["do not divide 6 blocks"]),
         # values the ranks used to meet first (a traceback each), or took silently
         (["seed=abc"], ["seed='abc'", "whole number"]),
+        (["offload=nvme", "offload.path="], ["offload path '' is empty"]),  # was: the working directory
         (["seed=1.5"], ["seed=1.5"]),
         (["seed=-1"], ["seed=-1"]),
         (["model.lr=-0.1"], ["lr=-0.1 must be a number > 0"]),
