@@ -224,6 +224,32 @@ def test_files_found_in_order(files, tmp_path):
         list(read_documents([tmp_path / "bad.jsonl"]))
 
 
+def test_text_that_is_not_text_is_refused_naming_file_and_offset(tmp_path):
+    """A binary file named .txt and invalid UTF-8 used to be decoded with U+FFFD and trained on."""
+    (tmp_path / "binary.txt").write_bytes(b"GIF89a\x01\x00\x00\x00")
+    with pytest.raises(ValueError, match=r"binary.txt: not a text file \(a NUL byte at offset 7\)"):
+        list(read_documents([tmp_path / "binary.txt"]))
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.txt: not UTF-8 text: byte 0xe9 at offset 3 .*invalid_utf8=replace"):
+        list(read_documents([tmp_path / "latin1.txt"]))
+    assert list(read_documents([tmp_path / "latin1.txt"], invalid_utf8="replace")) == ["caf\ufffd au lait"]
+    with pytest.raises(ValueError, match="invalid_utf8='ignore' must be one of"):
+        list(read_documents([tmp_path / "latin1.txt"], invalid_utf8="ignore"))
+
+
+def test_the_launchers_check_reads_every_line_not_one_batchs_worth(files, tmp_path):
+    """Line 301 of a .jsonl lacks its text: named by the check in the launching process, although
+    the first lines already hold enough tokens for a batch. (Before, only a batch's worth was read:
+    every rank failed with a traceback.) A JSON string holding U+2028 is one line, not two."""
+    from lightning_3d.data import TokenizedTextDataModule
+
+    lines = [json.dumps({"text": " ".join(WORDS * 3) + "\u2028"}) for _ in range(300)] + ['{"body": "x"}']
+    (tmp_path / "big.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"big.jsonl:301 has no string field 'text'"):
+        TokenizedTextDataModule.check(path=str(tmp_path / "big.jsonl"), tokenizer=str(files["model"]), block_size=8,
+                                      batch_size=2)
+
+
 def test_documents_joined_with_eos_and_packed(files, tmp_path):
     (tmp_path / "a.txt").write_text("the quick fox\n")
     (tmp_path / "b.jsonl").write_text('{"text": "a lazy dog"}\n\n{"text": "   "}\n{"text": "seven cats"}\n')

@@ -57,21 +57,42 @@ def find_text_files(path: Optional[str]) -> list[Path]:
     return files
 
 
-def read_documents(files: Iterable[Path], text_field: str = "text") -> Iterator[str]:
-    """Every non-blank document of ``files``, in order. ``ValueError`` names the file and line of a
-    ``.jsonl`` line that is not a JSON object with a string ``text_field``."""
+INVALID_UTF8 = ("error", "replace")  # data.invalid_utf8: refuse such bytes, or read them as U+FFFD
+
+
+def _text_of(file: Path, invalid_utf8: str) -> str:
+    """``file`` decoded as UTF-8; ``ValueError`` naming the file and the byte offset of a NUL
+    byte (binary content) or, unless ``invalid_utf8="replace"``, of bytes that are not UTF-8."""
+    data = file.read_bytes()
+    nul = data.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{file}: not a text file (a NUL byte at offset {nul}): data.path takes .txt / .jsonl text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if invalid_utf8 == "replace":
+            return data.decode("utf-8", errors="replace")
+        raise ValueError(f"{file}: not UTF-8 text: byte 0x{data[err.start]:02x} at offset {err.start} ({err.reason}); "
+                         "fix the file, or read such bytes as U+FFFD with data.invalid_utf8=replace") from None
+
+
+def read_documents(files: Iterable[Path], text_field: str = "text", invalid_utf8: str = "error") -> Iterator[str]:
+    """Every non-blank document of ``files``, in order. ``ValueError`` names the file (and line)
+    of a ``.jsonl`` line that is not a JSON object with a string ``text_field``, and of content
+    that is not text (see :func:`_text_of`)."""
+    if invalid_utf8 not in INVALID_UTF8:
+        raise ValueError(f"data.invalid_utf8={invalid_utf8!r} must be one of {INVALID_UTF8}")
     for file in files:
+        text = _text_of(file, invalid_utf8)
         if file.suffix == ".txt":
-            text = file.read_text(encoding="utf-8", errors="replace")
             if text.strip():
                 yield text
             continue
-        with open(file, encoding="utf-8", errors="replace") as lines:
-            for number, line in enumerate(lines, 1):
-                if line.strip():
-                    text = _jsonl_text(line, text_field, f"{file}:{number}")
-                    if text.strip():
-                        yield text
+        for number, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
+            if line.strip():
+                document = _jsonl_text(line, text_field, f"{file}:{number}")
+                if document.strip():
+                    yield document
 
 
 def _jsonl_text(line: str, field: str, where: str) -> str:
@@ -168,6 +189,8 @@ class TokenizedTextDataModule(TextDataModule):
         tokenizer: a directory ``AutoTokenizer.from_pretrained`` reads (a model directory).
         max_tokens: cut the stream after this many ids (``None``: all of it).
         text_field: the field of each ``.jsonl`` record that holds the text.
+        invalid_utf8: ``"error"`` (default) refuses bytes that are not UTF-8, naming the file and
+            offset; ``"replace"`` reads them as U+FFFD.
     """
 
     unit = "tokens"
@@ -184,6 +207,7 @@ class TokenizedTextDataModule(TextDataModule):
         text_field: str = "text",
         seed: int = 1234,
         num_workers: int = 0,
+        invalid_utf8: str = "error",
     ) -> None:
         super().__init__(corpus="files", block_size=block_size, batch_size=batch_size, val_fraction=val_fraction,
                          max_bytes=None, seed=seed, num_workers=num_workers)
@@ -192,11 +216,11 @@ class TokenizedTextDataModule(TextDataModule):
         self.save_hyperparameters(ignore=["path", "corpus", "max_bytes"])
         self.hparams["data_path"] = path
         self.path, self.tokenizer_dir = path, tokenizer
-        self.max_tokens, self.text_field = max_tokens, text_field
+        self.max_tokens, self.text_field, self.invalid_utf8 = max_tokens, text_field, invalid_utf8
 
     def load_data(self) -> torch.Tensor:
         tokenizer = load_tokenizer(self.tokenizer_dir)
-        documents = read_documents(find_text_files(self.path), self.text_field)
+        documents = read_documents(find_text_files(self.path), self.text_field, self.invalid_utf8)
         tokens = tokenize_documents(documents, tokenizer, self.max_tokens)
         if len(tokens) == 0:
             raise ValueError(f"data.path={self.path!r}: the files hold no text")
@@ -205,20 +229,24 @@ class TokenizedTextDataModule(TextDataModule):
     @classmethod
     def check(cls, path: Optional[str] = None, tokenizer: Optional[str] = None, block_size: int = 128,
               batch_size: int = 8, val_fraction: float = 0.05, max_tokens: Optional[int] = None,
-              text_field: str = "text", **_: Any) -> int:
-        """Check the files and the tokenizer in the launching process, tokenizing only as much text
-        as one global batch of each split needs; return the vocabulary size the ids need
-        (``len(tokenizer)``). ``ValueError`` names the bad value."""
+              text_field: str = "text", invalid_utf8: str = "error", **_: Any) -> int:
+        """Check the files and the tokenizer in the launching process: every file read and every
+        ``.jsonl`` line parsed (a bad line 301 is named here, not on every rank), tokenizing only
+        as much text as one global batch of each split needs; return the vocabulary size the ids
+        need (``len(tokenizer)``). ``ValueError`` names the bad value."""
         for name, value in (("block_size", block_size), ("batch_size", batch_size), ("max_tokens", max_tokens)):
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"data.{name}={value!r} must be a positive integer")
         files = find_text_files(path)
         loaded = load_tokenizer(tokenizer)
         total = count = 0
-        for piece in token_pieces(read_documents(files, text_field), loaded):
+        documents = read_documents(files, text_field, invalid_utf8)
+        for piece in token_pieces(documents, loaded):
             total += len(piece)
             count = total if max_tokens is None else min(total, max_tokens)
             if enough_tokens(count, block_size, batch_size, val_fraction):
+                for _ in documents:  # the rest read and parsed, not tokenized
+                    pass
                 return len(loaded)
             if count == max_tokens:
                 break
