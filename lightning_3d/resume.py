@@ -160,17 +160,21 @@ def check_fits(path: Path, module: Any) -> None:
 
 def check_steps_left(path: Path, max_steps: Any) -> None:
     """``ValueError`` if the checkpoint at ``path`` is already at ``max_steps`` (a finished run:
-    the resumed one would train nothing and exit 0). Reads its loop counters only (``meta.pt``
-    of a sharded checkpoint; a ``.ckpt`` memory-mapped)."""
+    the resumed one would train nothing and exit 0), or its loop counters cannot be read (a
+    sharded checkpoint's ``meta.pt`` missing, truncated or damaged). Reads those counters only
+    (``meta.pt``; a ``.ckpt`` memory-mapped)."""
     from lightning_3d.checkpoint import sharded_files
     from lightning_3d.checkpoint.checks import load_lightning_checkpoint
 
+    try:  # read whatever max_steps is: a sharded checkpoint's missing or damaged meta.pt is named here
+        if sharded_files.is_sharded_checkpoint(path):
+            step = sharded_files.read_meta(path).get("global_step")
+        else:
+            step = load_lightning_checkpoint(path, mmap=True, verify=None).get("global_step")
+    except ValueError as err:
+        raise ValueError(f"resume={path}: {err}") from None
     if not isinstance(max_steps, int) or max_steps < 1:
         return  # -1: the epochs decide; Lightning says when there is nothing left
-    if sharded_files.is_sharded_checkpoint(path):
-        step = sharded_files.read_meta(path).get("global_step")
-    else:
-        step = load_lightning_checkpoint(path, mmap=True, verify=None).get("global_step")
     if isinstance(step, int) and step >= max_steps:
         raise ValueError(f"resume={path}: that run is finished (global step {step}, trainer.max_steps={max_steps}): "
                          f"nothing to train; raise trainer.max_steps above {step} to go on")
