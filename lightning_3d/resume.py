@@ -168,11 +168,16 @@ def check_steps_left(path: Path, max_steps: Any) -> None:
 
     try:  # read whatever max_steps is: a sharded checkpoint's missing or damaged meta.pt is named here
         if sharded_files.is_sharded_checkpoint(path):
-            step = sharded_files.read_meta(path).get("global_step")
+            entries = sharded_files.read_meta(path)
         else:
-            step = load_lightning_checkpoint(path, mmap=True, verify=None).get("global_step")
+            entries = load_lightning_checkpoint(path, mmap=True, verify=None)
     except ValueError as err:
         raise ValueError(f"resume={path}: {err}") from None
+    if "loops" not in entries or "optimizer_states" not in entries:
+        raise ValueError(f"resume={path}: it holds weights only (no optimizer state or loop counters: saved with "
+                         "weights_only=True), not a training state to resume; start from its weights with "
+                         "examples/finetune.py finetune.pretrained=PATH")
+    step = entries.get("global_step")
     if not isinstance(max_steps, int) or max_steps < 1:
         return  # -1: the epochs decide; Lightning says when there is nothing left
     if isinstance(step, int) and step >= max_steps:

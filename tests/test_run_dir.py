@@ -89,6 +89,9 @@ def test_a_live_holder_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, caps
 def test_resuming_a_finished_run_is_refused_unless_max_steps_was_raised(tmp_path):
     path = tmp_path / "last.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(2)}, "global_step": 3}, path)
+    with pytest.raises(ValueError, match=r"holds weights only .*finetune.pretrained=PATH"):
+        check_steps_left(path, 4)  # a weights-only checkpoint: nothing to resume
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "global_step": 3, "loops": {}, "optimizer_states": []}, path)
     with pytest.raises(ValueError, match=r"that run is finished \(global step 3, trainer.max_steps=3\)"):
         check_steps_left(path, 3)
     check_steps_left(path, 4)
@@ -103,7 +106,8 @@ def test_the_app_refuses_to_resume_a_finished_run_before_launch(tmp_path):
 
     cfg = compose_config("train", "model=gpt_tiny", "trainer.max_steps=3")
     path = tmp_path / "last.ckpt"
-    torch.save({"state_dict": instantiate(cfg.model).state_dict(), "global_step": 3}, path)
+    torch.save({"state_dict": instantiate(cfg.model).state_dict(), "global_step": 3, "loops": {},
+                "optimizer_states": []}, path)
     with pytest.raises(ValueError, match="that run is finished"):
         validate(compose_config("train", "model=gpt_tiny", "trainer.max_steps=3", f"resume={path}"))
     validate(compose_config("train", "model=gpt_tiny", "trainer.max_steps=4", f"resume={path}"))
@@ -118,7 +122,7 @@ def test_a_sharded_checkpoint_without_a_whole_meta_file_is_refused_before_launch
     directory.mkdir()
     (directory / ".metadata").write_bytes(b"")  # enough to be taken for a sharded checkpoint
     if damage == "truncated":
-        torch.save({"format": "lightning_3d.sharded/1", "global_step": 3}, directory / sharded.META_FILE)
+        torch.save({"format": "lightning_3d.sharded/1", "global_step": 3, "loops": {}}, directory / sharded.META_FILE)
         data = (directory / sharded.META_FILE).read_bytes()
         (directory / sharded.META_FILE).write_bytes(data[: len(data) // 2])
     match = "no meta.pt" if damage == "missing" else "meta.pt: corrupted or truncated checkpoint file"
