@@ -61,13 +61,13 @@ def validate(cfg: DictConfig) -> None:
     and the Trainer's arguments."""
     check_app_keys(cfg)
     check_seed(cfg.get("seed"))
-    check_trainer_counts(cfg.trainer)
     resume = resolve_resume(cfg.get("resume"), project_dir(), finetune="finetune" in cfg)
     world = world_size_of(cfg.trainer)
     max_steps = cfg.trainer.get("max_steps", -1)
     if max_steps == 0 or (isinstance(max_steps, int) and max_steps < -1):
         raise ValueError(f"trainer.max_steps={max_steps} trains no step (the run would save untrained weights as "
                          "final.ckpt); give a positive number of steps, or -1 to let trainer.max_epochs decide")
+    check_trainer_counts(cfg.trainer)  # max_steps=2.5 (Lightning would train 3)
     plan = plan_of(cfg.parallelism, cfg.get("offload")).resolved(world)
     layout = plan.layout
     batch_size = cfg.data.get("batch_size") if "data" in cfg else None

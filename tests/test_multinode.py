@@ -150,6 +150,8 @@ def test_slurm_variables_make_a_launched_rank(monkeypatch):
 
     for key in [k for k in os.environ if k.startswith("SLURM_") or k in ("LOCAL_RANK", "MASTER_ADDR")]:
         monkeypatch.delenv(key)
+    monkeypatch.setenv("MASTER_ADDR", "")  # Lightning's SLURMEnvironment sets it: undone after the test
+    monkeypatch.delenv("MASTER_ADDR")
     for key, value in slurm_env(rank=5, nodes=2, procs_per_node=4, port=29511, job_id="77").items():
         monkeypatch.setenv(key, value)
     env = SLURMEnvironment()
@@ -216,6 +218,8 @@ def test_sbatch_example_is_valid_bash_and_its_overrides_a_valid_run(tmp_path, mo
     assert cfg.parallelism.tensor == per_node  # tensor parallel inside a node
     for key in [k for k in os.environ if k.startswith("SLURM_") or k in ("LOCAL_RANK", "MASTER_ADDR")]:
         monkeypatch.delenv(key)
+    monkeypatch.setenv("MASTER_ADDR", "")  # Lightning's SLURMEnvironment sets it: undone after the test
+    monkeypatch.delenv("MASTER_ADDR")
     for key, value in slurm_env(rank=0, nodes=nodes, procs_per_node=per_node, port=29500, job_id="4242").items():
         monkeypatch.setenv(key, value)
     with open_dict(cfg):
