@@ -1,5 +1,5 @@
 """``strategy="3d"`` on one device adds nothing over Lightning's ``auto`` when there is nothing
-to shard (issue 15): the same numbers, no collectives and no more host reads per step.
+to shard: the same numbers, no collectives and no more host reads per step.
 
 On a GPU every read of a device value (``.item()``, ``float(t)``, ``bool(t)``, ``.tolist()``) or
 copy of a host number to the device waits for the device to finish its queue, so the count of

@@ -6,7 +6,7 @@
 Per size (ascending) and offload mode, one worker process of
 :mod:`lightning_3d.bench.offload_memory` trains ``LitGPT`` (vocab 32 000, 64-wide heads) in
 bf16-true with full activation checkpointing on ``--batch-size`` x ``--seq-len`` tokens per step
-(default 8 x 1024, issue 14's setting): one untimed step, then ``--rounds`` timed steps. Modes:
+(default 8 x 1024, the offload ladder's setting): one untimed step, then ``--rounds`` timed steps. Modes:
 ``none`` (no offload), ``cpu`` / ``nvme`` (Adam state and fp32 masters off the device) and
 ``params`` (ZeRO-3 with ``offload_params=True``: the parameters in CPU memory too) and
 ``cpu-blocking`` (``cpu`` with ``offload_overlap=False``: transfers in turn with the CPU step, so
@@ -201,7 +201,7 @@ def _f(value: Any, spec: str) -> str:
 
 def table(records: list[dict[str, Any]]) -> str:
     """One line per row. ``CPU step s``: the fused CPU Adam alone (offloaded rows; delayed: the
-    update that ran beside the step); ``step / (fwd+bwd + CPU step)``: issue 14's ratio (target
+    update that ran beside the step); ``step / (fwd+bwd + CPU step)``: the offload ratio (target
     at most 1.3 at 1.3 B), what transfers, clipping and waits add to the two parts that must run."""
     lines = ["| size | params | mode | outcome | build s | step s | fwd+bwd s | optimizer s | CPU step s | "
              "step / (fwd+bwd + CPU step) | TFLOP/s | device peak GB | host peak GB |", "|---" * 13 + "|"]

@@ -5,14 +5,14 @@
     python -m lightning_3d.bench.one_device --accelerator cpu --quick   # a smoke run on CPU
 
 The same ``LitGPT`` (defaults: 12 x 768, 12 heads, T = 1024, vocab 256, batch 16, bf16-mixed,
-AdamW, ``gradient_clip_val=1.0``: issue 15's table) trains ``--steps`` steps in each row:
+AdamW, ``gradient_clip_val=1.0``: the one-device table) trains ``--steps`` steps in each row:
 
 - ``torch``: a plain loop a user would write (autocast, ``clip_grad_norm_``, AdamW and the LR
   schedule from ``LitGPT.configure_optimizers``), no Lightning;
 - ``auto``: ``Trainer(strategy="auto")``;
 - ``3d``: ``ThreeDStrategy()`` with nothing to shard; ``3d_ac_full`` / ``3d_ac_selective``: its
   activation checkpointing; ``3d_compile``: ``compile=True`` (``torch.compile`` per block);
-  ``3d_offload_cpu``: ``offload="cpu"`` (issue 14's row: at least 0.6x of ``3d``), and
+  ``3d_offload_cpu``: ``offload="cpu"`` (the offload row: at least 0.6x of ``3d``), and
   ``3d_offload_cpu_delayed`` with ``offload_delay_update=True`` as well (one step behind: its
   losses differ, its speed is the point).
 
@@ -52,7 +52,7 @@ ROWS: dict[str, tuple[str, dict[str, Any]]] = {  # name: (engine, ThreeDStrategy
     "3d_ac_full": ("3d", {"ac_policy": "full"}),
     "3d_ac_selective": ("3d", {"ac_policy": "selective"}),
     "3d_compile": ("3d", {"compile": True}),
-    # issue 14's 86 M row: Adam's state and fp32 masters in CPU memory; delayed: ZeRO-Offload's
+    # the 86 M offload row: Adam's state and fp32 masters in CPU memory; delayed: ZeRO-Offload's
     # one-step delayed update (the CPU step overlaps the next forward and backward; other numerics)
     "3d_offload_cpu": ("3d", {"offload": "cpu"}),
     "3d_offload_cpu_delayed": ("3d", {"offload": "cpu", "offload_delay_update": True}),
@@ -219,7 +219,7 @@ def measure(cfg: dict[str, Any], log: Any = print, after_row: Any = None) -> dic
 
 
 def summarize(cfg: dict[str, Any], raw: dict[str, Any]) -> list[dict[str, Any]]:
-    """One record per row: tokens/s, TFLOP/s, MFU, device peak and the ratios of issue 15."""
+    """One record per row: tokens/s, TFLOP/s, MFU, device peak and the one-device ratios."""
     tokens = cfg["batch"] * cfg["model"]["block_size"]
     records = []
     for name in cfg["rows"]:
@@ -251,7 +251,7 @@ def summarize(cfg: dict[str, Any], raw: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def target_misses(records: list[dict[str, Any]]) -> list[str]:
-    """Issue 15's one-device targets (and issue 14's offload row) that this run misses (or could not measure), one line each."""
+    """The one-device targets (and the offload row) that this run misses (or could not measure), one line each."""
     by = {r["row"]: r for r in records if "note" not in r}
     misses = [f"{r['row']}: not measured ({r['note']})" for r in records if "note" in r]
     checks = [("3d", "vs_auto", 0.99), ("3d", "vs_torch", 0.97), ("3d_ac_full", "vs_3d", 0.72),

@@ -6,7 +6,7 @@ The one-device benchmark times ``strategy="3d"`` with activation checkpointing n
 full, and with ``offload="cpu"``, on one device (``bash .ci/gpu`` runs it on a GPU). This predicts the same rows for the same
 model, batch and precision on the device the benchmark found (:func:`lightning_3d.planner.auto.found_cluster`
 for its peak; run it on that machine) and prints measured against predicted, the rank of each,
-and how far the planner's first choice among them measured from the fastest: issue 17's
+and how far the planner's first choice among them measured from the fastest: the planner's
 "first choice within 10 % of the fastest measured layout", on a GPU. Rows the planner does not
 model (compile, the delayed offload update, the raw torch loop, Lightning ``auto``) are left out.
 """
