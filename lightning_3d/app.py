@@ -310,24 +310,22 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
         _discard_run_dir(Path(output_dir), hydra_cfg.job.name)
         return 2
     if already_launched():  # a rank: its launcher holds the run directory
-        return _launch_or_train(cfg, script, body, output_dir, resume, chosen, planned)
+        return _launch_or_train(cfg, script, body, hydra_cfg, resume, chosen, planned)
     overwrite = cfg.get("overwrite", False)
     try:
         if not isinstance(overwrite, bool):
             raise RunDirInUse(f"overwrite={overwrite!r} must be true or false")
         with hold(Path(output_dir), resuming=resume is not None, overwrite=overwrite):
-            return _launch_or_train(cfg, script, body, output_dir, resume, chosen, planned)
+            return _launch_or_train(cfg, script, body, hydra_cfg, resume, chosen, planned)
     except RunDirInUse as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
 
 def _launch_or_train(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str, Any]] | None,
-                     output_dir: str, resume: Path | None, chosen: list[str], planned: dict[str, Any] | None) -> int:
+                     hydra_cfg: Any, resume: Path | None, chosen: list[str], planned: dict[str, Any] | None) -> int:
     """Start the ranks of a world of more than one process, or train in this one."""
-    from hydra.core.hydra_config import HydraConfig
-
-    hydra_cfg = HydraConfig.get()
+    output_dir = hydra_cfg.runtime.output_dir
     world = world_size_of(cfg.trainer)
     if world > 1 and not already_launched():
         if cfg.trainer.get("num_nodes", 1) > 1:

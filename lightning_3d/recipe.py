@@ -197,7 +197,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torc
         made.stages = split_stages(module, spec, pp_mesh.get_local_rank(), pp_mesh.size(), virtual, split, shards)
     if not has_meta(module) and (layout.tensor > 1 or layout.zero_stage == 3):  # ZeRO 0-2: the engine's buckets
         step("the first rank's initial weights")
-        broadcast_start(module, [mesh[axis.value].get_group() for axis in (MeshAxis.TENSOR, MeshAxis.DATA)])
+        # ZeRO 0-2's buckets broadcast over dp themselves: here only what they do not cover.
+        axes = (MeshAxis.TENSOR, MeshAxis.DATA) if layout.zero_stage == 3 else (MeshAxis.TENSOR,)
+        broadcast_start(module, [mesh[axis.value].get_group() for axis in axes])
     step("tensor parallelism")
     if layout.tensor > 1:
         # Under a pipeline, patterns for other stages' modules (the head, say) match nothing here.
