@@ -19,12 +19,15 @@ peers that stopped beating, for the strategy's failure line.
 
 In a rank started by :func:`lightning_3d.launch.launch_job` (:data:`LAUNCHER_PID_ENV` names its
 parent), the thread also notices when the launcher has gone (killed outright, so it could not
-stop its ranks) and sends this process SIGTERM: :class:`~lightning_3d.preemption.StopOnSignal`
-then stops every orphaned rank together with a checkpoint instead of letting them train on.
+stop its ranks) or has been stopped (SIGSTOP, a suspended job: ``T`` in ``/proc``) for
+``timeout_s``, and sends this process SIGTERM: :class:`~lightning_3d.preemption.StopOnSignal`
+then stops every unsupervised rank together with a checkpoint instead of letting them train on.
 Ranks started otherwise (a shell that may exit under ``nohup``, torchrun) are left alone.
 
 The watchdog uses its own connection to the store (a clone), so its short timeouts never touch
-the process group's. :func:`record_offload_path` / :func:`recorded_offload_paths` tell the
+the process group's. Its store calls run in a thread of their own that it waits on for at most
+:data:`STORE_TIMEOUT` (a store whose host is stopped does not answer, and a client's ``set``
+waits on it past any timeout): a store that does not answer counts as silence, never blocks it. :func:`record_offload_path` / :func:`recorded_offload_paths` tell the
 launcher, which hosts the store, where the ranks keep NVMe offload files.
 """
 
@@ -129,7 +132,8 @@ class Watchdog:
 
     def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
                  progress: Callable[[], int] = lambda: 0, grace_s: Optional[float] = None,
-                 exit: Callable[[int], None] = os._exit) -> None:
+                 exit: Callable[[int], None] = os._exit, launcher: Optional[int] = None,
+                 stop_rank: Optional[Callable[[], None]] = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of size {world_size}")
         if not timeout_s > 0:
@@ -143,10 +147,15 @@ class Watchdog:
         self._peers = [(rank + i) % world_size for i in range(1, min(world_size, WATCHED_PEERS + 1))]
         self._seen: dict[int, tuple[bytes, float]] = {}  # peer -> (heartbeat, when it last changed)
         self._beats = 0
-        launcher = os.environ.get(LAUNCHER_PID_ENV, "")
-        self._launcher = int(launcher) if launcher.isdigit() and int(launcher) == os.getppid() else None
+        if launcher is None:  # the launcher is this rank's parent: launch_job's rank
+            named = os.environ.get(LAUNCHER_PID_ENV, "")
+            launcher = int(named) if named.isdigit() and int(named) == os.getppid() else None
+        self._launcher, self._parent = launcher, os.getppid()
+        self._launcher_stopped_since: Optional[float] = None
+        self._stop_rank = stop_rank or (lambda: os.kill(os.getpid(), signal.SIGTERM))
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._call: Optional[threading.Thread] = None  # the store call under way, should one hang
 
     def start(self) -> Watchdog:
         """Write the first heartbeat and start the thread (once)."""
@@ -167,21 +176,23 @@ class Watchdog:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=STORE_TIMEOUT.total_seconds() + self.interval_s)
         atexit.unregister(self.stop)
-        try:
-            self._beat(state)
-        except Exception:  # noqa: BLE001 -- the store's host is gone: nobody is left to read it
-            pass
+        self._bounded(lambda: self._beat(state))  # the store's host may be gone: nobody left to read it
 
     def silent_peers(self, wait_s: Optional[float] = None) -> list[Silence]:
         """The watched peers that have not beaten for ``wait_s`` (default: one and a half
         intervals) and have not stopped on purpose; waits at most ``wait_s``. Called after a
         collective failed."""
         deadline = time.monotonic() + (1.5 * self.interval_s + 0.2 if wait_s is None else wait_s)
-        before = {peer: self._read(peer) for peer in self._peers}
+        before = self._bounded(lambda: {peer: self._read(peer) for peer in self._peers})
+        if before is None:  # the store does not answer: nothing can be said about the peers
+            return []
         silent = set(before)
         while silent and time.monotonic() < deadline:
             time.sleep(min(0.2, self.interval_s))
-            silent = {p for p in silent if self._read(p) == before[p] and not _finished(before[p])}
+            now = self._bounded(lambda: {p: self._read(p) for p in silent})
+            if now is None:
+                return []
+            silent = {p for p in silent if now[p] == before[p] and not _finished(before[p])}
         now = time.monotonic()
         return [Silence(p, now - self._seen.get(p, (b"", now))[1], *_state_and_step(before[p])) for p in sorted(silent)]
 
@@ -202,15 +213,15 @@ class Watchdog:
     def _run(self) -> None:
         answered = time.monotonic()  # the last time the store answered
         while not self._stopped.wait(self.interval_s):
-            try:
-                self._beat("running")
-                stalled = [s for s in self._look() if s.seconds > self.timeout_s and s.state not in FINISHED]
+            looked = self._bounded(lambda: (self._beat("running"), self._look())[1])
+            if looked is not None:
+                stalled = [s for s in looked if s.seconds > self.timeout_s and s.state not in FINISHED]
                 answered = time.monotonic()
-            except Exception:  # noqa: BLE001 -- the store's host (the launcher, or rank 0) is gone or stopped
+            else:  # the store's host (the launcher, or rank 0) is gone or stopped
                 silent_for = time.monotonic() - answered
                 stalled = [Silence(-1, silent_for, "store", self._progress())] if silent_for > self.timeout_s else []
-            if self._launcher is not None and os.getppid() != self._launcher:
-                self._orphaned()
+            if self._launcher is not None:
+                self._watch_launcher()
             if stalled:
                 self._give_up(stalled)
                 return
@@ -239,24 +250,63 @@ class Watchdog:
             self._read(peer)
         return [Silence(p, now - since, *_state_and_step(value)) for p, (value, since) in list(self._seen.items())]
 
-    def _orphaned(self) -> None:
-        print(f"lightning_3d: rank {self.rank}: the launcher (pid {self._launcher}) is gone; "
-              "stopping this rank (SIGTERM)", file=sys.stderr, flush=True)
+    def _bounded(self, call: Callable[[], Any]) -> Optional[Any]:
+        """``call()``'s result, run in a thread of its own and waited on for at most
+        :data:`STORE_TIMEOUT`; ``None`` if it failed, has not returned by then, or an earlier
+        call still hangs (a store whose host is stopped answers nothing)."""
+        if self._call is not None and self._call.is_alive():
+            return None
+        result: list[Any] = []
+
+        def work() -> None:
+            try:
+                result.append(call())
+            except Exception:  # noqa: BLE001 -- the store's host is gone or stopped
+                pass
+
+        self._call = threading.Thread(target=work, name=f"lightning3d-watchdog-store-rank{self.rank}", daemon=True)
+        self._call.start()
+        self._call.join(STORE_TIMEOUT.total_seconds())
+        return result[0] if result else None
+
+    def _watch_launcher(self) -> None:
+        """SIGTERM to this rank once the launcher is gone (this rank's parent changed) or has
+        been stopped for ``timeout_s``."""
+        if os.getppid() != self._parent:
+            why = "is gone"
+        elif process_state(self._launcher) in ("T", "t"):
+            now = time.monotonic()
+            self._launcher_stopped_since = self._launcher_stopped_since or now
+            if now - self._launcher_stopped_since <= self.timeout_s:
+                return
+            why = f"has been stopped for {now - self._launcher_stopped_since:.0f} s (SIGSTOP or a suspended job)"
+        else:
+            self._launcher_stopped_since = None
+            return
+        print(f"lightning_3d: rank {self.rank}: the launcher (pid {self._launcher}) {why}, so nothing supervises "
+              "this rank; stopping it with a checkpoint (SIGTERM)", file=sys.stderr, flush=True)
         self._launcher = None  # once
-        os.kill(os.getpid(), signal.SIGTERM)
+        self._stop_rank()
 
     def _give_up(self, stalled: list[Silence]) -> None:
         self.verdict = (f"lightning_3d: rank {self.rank}: " + "; ".join(s.describe() for s in stalled)
                         + f" (parallelism.timeout_s={self.timeout_s:g}); stopping this rank")
         print(self.verdict, file=sys.stderr, flush=True)
-        try:
-            self._beat("failed")
-        except Exception:  # noqa: BLE001
-            pass
+        self._bounded(lambda: self._beat("failed"))
         # The training thread is most likely blocked in a collective with the silent peer; if it
         # does not get out (and stop this watchdog) by itself, nothing in this process will.
         if not self._stopped.wait(self.grace_s):
             self._exit(1)
+
+
+def process_state(pid: int) -> Optional[str]:
+    """The state letter of process ``pid`` in ``/proc`` (``R``, ``S``, ``T`` for stopped, ...);
+    ``None`` where there is no ``/proc`` or no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
 
 
 def _finished(heartbeat: bytes) -> bool:

@@ -220,3 +220,41 @@ def test_hf_gpt2_tensor_parallel_matches_single_process(reference, sequence_para
     for rank in world[0]["summary"]["ranks"]:  # every split layer (Conv1D ones too) holds half
         assert rank["tp_split_param_bytes"] * 2 == rank["tp_split_dense_bytes"] > 0
     assert_same_run(world[0], reference)
+
+
+def _meta_model(family: str):
+    import transformers
+
+    from lightning_3d.testing.hf_configs import tiny_config
+
+    options = dict(tiny_config(family))
+    config = transformers.AutoConfig.for_model(options.pop("model_type"), **options)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def test_sequence_parallel_finds_the_final_norm_without_a_pipeline_plan():
+    """Nemotron ships no pipeline plan: its final norm must still hold the sequence shard (a
+    plain norm handed a sequence-sharded DTensor crashed with 'mixed torch.Tensor and DTensor')."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from lightning_3d.plans.hf import hf_tensor_plan
+
+    model = _meta_model("nemotron")
+    assert getattr(model.config, "base_model_pp_plan", None) is None
+    plan = hf_tensor_plan(model, sequence_parallel=True)
+    assert isinstance(plan.get("model.norm"), SequenceParallel)
+    assert all(isinstance(plan.get(f"model.layers.{i}.input_layernorm"), SequenceParallel)
+               for i in range(model.config.num_hidden_layers))
+
+
+def test_sequence_parallel_refuses_a_base_model_that_runs_blocks_in_cycles():
+    """HRM-Text runs two block lists in cycles and adds their states between them: a sequence
+    shard would meet a whole tensor (a crash at the first step); refused on the meta model."""
+    from lightning_3d.plans.hf import hf_tensor_plan
+
+    model = _meta_model("hrm_text")
+    with pytest.raises(ValueError, match=r"HrmTextForCausalLM: sequence_parallel=True .* not one list of blocks "
+                                         r"run in order .*use sequence_parallel=False"):
+        hf_tensor_plan(model, sequence_parallel=True)
+    assert hf_tensor_plan(model, sequence_parallel=False)  # plain tensor parallelism stays possible

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from torch.distributed import HashStore
 
 from lightning_3d.offload.paths import DIR_PREFIX
 from lightning_3d.testing.apps import app_env
-from lightning_3d.watchdog import Watchdog
+from lightning_3d.watchdog import STORE_TIMEOUT, Watchdog
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ["model=gpt_tiny", "parallelism.data=2", "offload=nvme", "trainer.max_steps=100000", "data.max_bytes=300000",
@@ -252,3 +253,56 @@ def test_a_second_sigint_received_before_the_launcher_acted_stops_at_once(signal
             proc.wait()
     assert code == 128 + signal.SIGINT
     assert (took < 3.0) if at_once else (took >= 8.0), took
+
+
+class _HangingStore:
+    """A store whose host is stopped: every call waits (a client's ``set`` past any timeout)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def set(self, key, value):
+        self.release.wait()
+
+    get = check = set
+
+
+def test_a_store_that_never_answers_is_silence_not_a_blocked_watchdog():
+    """The launcher (the store's host) stopped: the watchdog's store calls hang; it must still
+    give up on the store within its timeout (it used to block inside ``set`` for minutes)."""
+    exits: list[int] = []
+    store = _HangingStore()
+    watchdog = Watchdog(store, 0, 2, timeout_s=1.0, grace_s=0.2, exit=exits.append, launcher=None)
+    watchdog._thread = threading.Thread(target=watchdog._run, daemon=True)  # start() beats first, which hangs
+    started = time.monotonic()
+    watchdog._thread.start()
+    watchdog._thread.join(timeout=20)
+    seconds = time.monotonic() - started
+    store.release.set()
+    assert exits == [1], exits
+    assert seconds < 1.0 + STORE_TIMEOUT.total_seconds() * 2 + 2, seconds
+    assert "store" in watchdog.verdict, watchdog.verdict
+
+
+def test_ranks_of_a_stopped_launcher_are_stopped_within_the_timeout():
+    """A launcher stopped by SIGSTOP supervises nothing: its rank stops itself (SIGTERM, hence a
+    checkpoint) once the launcher has been stopped for ``timeout_s``, not before."""
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stops: list[float] = []
+    try:
+        watchdog = Watchdog(HashStore(), 0, 1, timeout_s=1.0, grace_s=0.2, launcher=launcher.pid,
+                            stop_rank=lambda: stops.append(time.monotonic()))
+        watchdog.start()
+        time.sleep(1.5)
+        assert stops == [], "stopped the rank while the launcher ran"
+        os.kill(launcher.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        deadline = stopped_at + 10
+        while not stops and time.monotonic() < deadline:
+            time.sleep(0.1)
+        watchdog.stop()
+        assert len(stops) == 1, stops
+        assert 1.0 <= stops[0] - stopped_at < 4.0, stops[0] - stopped_at
+    finally:
+        launcher.kill()
+        launcher.wait()

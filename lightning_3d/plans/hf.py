@@ -31,8 +31,10 @@ Translation (``transformers`` style → what runs here):
 Any other style (``mla_kv_a_proj``, ``local_params``, ``all_reduce``, ...) is refused with a
 ``ValueError`` naming the ``transformers`` class, the module and the style, and what to pass
 instead. With ``sequence_parallel`` the decoder layers' own norms and the final norm hold a
-sequence shard (found from the pipeline plan's layers and norm); a layer with any other module
-that holds parameters outside the plan is refused, since it would see only part of the sequence.
+sequence shard (the base model's one list of blocks, and the norms after it); a layer with any
+other module that holds parameters outside the plan is refused, since it would see only part of
+the sequence, and so is a base model that does more than run its blocks in order (two block
+lists run in cycles, parameters of its own, a module with parameters after the blocks).
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ class _Translation:
     def _sequence_parallel(self, plan: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
         """The norms between the blocks' split projections, and where the residual stream turns
         sequence-sharded; refused for a layer whose other modules would see a sequence shard."""
-        layers_name, final_norm = self._layers_and_final_norm()
+        layers_name, final_norms = self._layers_and_final_norms()
         layers = self.modules[layers_name]
         out: dict[str, ParallelStyle] = {}
         for index, layer in enumerate(layers):
@@ -212,29 +214,41 @@ class _Translation:
                 if "norm" in type(module).__name__.lower():
                     out[name] = SequenceParallel()
                 elif list(module.parameters()) and not _covered(module, name, plan):
-                    cls = type(self.model)
-                    raise ValueError(
-                        f"{cls.__module__}.{cls.__qualname__}: sequence_parallel=True would hand {name} "
-                        f"({type(module).__name__}) a shard of the sequence, and its parameters are not split "
-                        "by the tensor plan; use sequence_parallel=False for this model"
-                    )
-        if final_norm is not None:
-            out[final_norm] = SequenceParallel()
+                    self._refuse_sp(f"{name} ({type(module).__name__}) would see a shard of the sequence, "
+                                    "its parameters not split by the tensor plan")
+        for name in final_norms:
+            out[name] = SequenceParallel()
         return out
 
-    def _layers_and_final_norm(self) -> tuple[str, Optional[str]]:
-        """The decoder's block list and its final norm, from the pipeline plan (transformers
-        names both there) or else from the base model's children."""
-        keys = [_join(self.prefix, k) for k in (getattr(self.model, "pp_plan", None) or {})]
-        lists = [k for k in keys if isinstance(self.modules.get(k), nn.ModuleList)]
-        if lists:
-            after = keys[keys.index(lists[0]) + 1:]
-            norms = [k for k in after if "norm" in type(self.modules.get(k)).__name__.lower()]
-            return lists[0], norms[0] if norms else None
-        lists = [n for n, m in self.modules.items() if isinstance(m, nn.ModuleList) and n.startswith(self.prefix)]
-        if not lists:
-            self._refuse("(no block list)", "sequence_parallel", "needs the model's decoder layers")
-        return lists[0], None
+    def _layers_and_final_norms(self) -> tuple[str, list[str]]:
+        """The decoder's block list and its final norm: the base model's one ``ModuleList`` child
+        and the last norm registered after it. Refused where the base model's forward does more
+        than run the blocks one after another between its embedding and that norm (two block
+        lists run in cycles, parameters of its own): that work would see a sequence shard."""
+        base = self.model.base_model
+        base_name = _join(self.prefix, next(n for n, m in self.model.named_modules() if m is base))
+        children = list(base.named_children())
+        lists = [i for i, (_, m) in enumerate(children) if isinstance(m, nn.ModuleList)]
+        nested = [n for n, m in base.named_modules() if isinstance(m, nn.ModuleList) and "." in n
+                  and not any(n.startswith(children[i][0] + ".") for i in lists)]
+        own = [n for n, _ in base.named_parameters(recurse=False)]
+        if len(lists) != 1 or nested or own:
+            what = (f"its parameters {own}" if own else f"block lists {[children[i][0] for i in lists] + nested}")
+            self._refuse_sp(f"{type(base).__name__}'s forward is not one list of blocks run in order ({what})")
+        index = lists[0]
+        embeddings = {id(m) for m in base.modules() if isinstance(m, nn.Embedding)}
+        norms = [n for n, m in children[index + 1:] if "norm" in type(m).__name__.lower()]
+        for name, module in children[index + 1:]:
+            if name not in norms and list(module.parameters()) and id(module) not in embeddings:
+                self._refuse_sp(f"{_join(base_name, name)} ({type(module).__name__}) runs after the blocks "
+                                "and is not split by the tensor plan")
+        return _join(base_name, children[index][0]), [_join(base_name, n) for n in norms]
+
+    def _refuse_sp(self, why: str) -> None:
+        cls = type(self.model)
+        raise ValueError(f"{cls.__module__}.{cls.__qualname__}: sequence_parallel=True needs the residual stream "
+                         f"split on the sequence between the blocks, and {why}; use sequence_parallel=False for "
+                         "this model")
 
 
 def _covered(module: nn.Module, name: str, plan: Mapping[str, ParallelStyle]) -> bool:

@@ -9,6 +9,12 @@ vocabulary 256, no dropout), 3 fp32 steps on the byte corpus, each layout compar
 process on the losses (1e-5) and on every tensor's update (1e-3 relative). A cell reads:
 
 * ``ok`` — the layout reproduces one process;
+* ``ok (fp64)`` — it does not in fp32, and does in fp64 (losses 1e-9, updates 1e-5): the same
+  model, rounded differently. A layout sums in another order (a split matmul, a reduction over
+  ranks), and where a gradient is mathematically about zero (a key bias the softmax ignores, a
+  router between near-equal experts) Adam divides that rounding by its own size, an update of
+  ``lr`` in a random direction; in fp64 the rounding is below Adam's ``eps``. A missing reduction
+  or a wrong split differs in fp64 as in fp32;
 * ``refused`` — refused before launch (the launcher's check on a ``meta`` model) or at the first
   forward (a pipeline split the model's forward does not allow), with the reason;
 * ``DIFFERS`` / ``CRASH`` — a bug: a silently different model, or a failure that is not a refusal;
@@ -35,6 +41,8 @@ LAYOUTS: dict[str, tuple[int, dict, Optional[str]]] = {
 EXTRA_FAMILIES = ("gpt2", "stablelm")  # ship no plan: recognised by their module names
 MAX_PARAMS = 5_000_000  # a "tiny" config that the generic sizes leave larger is not built
 STEPS, SEED = 3, 1234
+FP32 = (1e-5, 1e-3)  # the largest relative loss difference and update error of an ok cell
+FP64 = (1e-9, 1e-5)
 TIMEOUT_S = 240  # per world: a family whose tiny forward is slow (reference kernels in Python) is cut off
 
 
@@ -57,19 +65,24 @@ def _first_line(text: str, limit: int = 160) -> str:
     return (lines or [""])[-1][:limit]
 
 
-def _config(family: str, attn: Optional[str]) -> dict:
+def _config(family: str, attn: Optional[str], precision: str = "32-true") -> dict:
     from lightning_3d.testing.hf_configs import tiny_config
 
-    return {"hf": tiny_config(family), "attn_implementation": attn}
+    hf = tiny_config(family)
+    if precision == "64-true":  # torch's grouped_mm has no fp64 kernel: transformers' loop over experts
+        hf = {**hf, "experts_implementation": "eager"}
+    return {"hf": hf, "attn_implementation": attn}
 
 
-def _run(family: str, attn: Optional[str], strategy: Optional[dict] = None, world: int = 1) -> dict:
+def _run(family: str, attn: Optional[str], strategy: Optional[dict] = None, world: int = 1,
+         precision: str = "32-true") -> dict:
     """The run in processes of its own (one process too: a family's memory or time stays there),
     given at most :data:`TIMEOUT_S`."""
     from lightning_3d.testing.runs import Run, fit_gpt
     from lightning_3d.testing.world import run_world
 
-    run = Run(strategy=strategy, devices=world, steps=STEPS, seed=SEED, arch="hf", model=_config(family, attn))
+    run = Run(strategy=strategy, devices=world, steps=STEPS, seed=SEED, arch="hf",
+              model=_config(family, attn, precision), trainer={"precision": precision})
     return run_world(fit_gpt, world, run, timeout=TIMEOUT_S)[0]
 
 
@@ -111,9 +124,17 @@ def refused_before_launch(family: str, layout: str) -> Optional[str]:
     return None
 
 
-def cell(family: str, layout: str, reference: dict) -> Cell:
+def mismatches(run: dict, reference: dict, tolerances: tuple[float, float]) -> list[str]:
     from lightning_3d.testing.parity import loss_mismatches, update_mismatches
 
+    return (loss_mismatches(run["losses"], reference["losses"], rtol=tolerances[0])
+            + update_mismatches(run["state"], reference["state"], reference["initial_state"], rtol=tolerances[1]))
+
+
+def cell(family: str, layout: str, reference: dict, fp64_references: Optional[dict] = None) -> Cell:
+    """The layout's cell; a layout that differs in fp32 is run again, with its reference, in fp64
+    (``fp64_references``: attention implementation -> the fp64 one-process run, filled here)."""
+    fp64_references = {} if fp64_references is None else fp64_references
     reason = refused_before_launch(family, layout)
     if reason is not None:
         return Cell("refused", reason)
@@ -127,11 +148,21 @@ def cell(family: str, layout: str, reference: dict) -> Cell:
         if "cannot be split into pipeline stages" in text or "ReplicaMismatch" in text:
             return Cell("refused", _first_line(text))
         return Cell("CRASH", _first_line(text))
-    problems = loss_mismatches(run["losses"], reference["losses"], rtol=1e-5)
-    problems += update_mismatches(run["state"], reference["state"], reference["initial_state"], rtol=1e-3)
-    if problems:
-        return Cell("DIFFERS", "; ".join(problems[:2]))
-    return Cell("ok", figures=(worst_loss_difference(run, reference), worst_update_error(run, reference)))
+    problems = mismatches(run, reference, FP32)
+    if not problems:
+        return Cell("ok", figures=(worst_loss_difference(run, reference), worst_update_error(run, reference)))
+    try:
+        if attn not in fp64_references:
+            fp64_references[attn] = _run(family, attn, precision="64-true")
+        exact = _run(family, attn, strategy, world, precision="64-true")
+    except Exception as err:  # noqa: BLE001 - no fp64 run to tell rounding from a bug
+        return Cell("DIFFERS", f"{'; '.join(problems[:2])} (no fp64 run: {_first_line(str(err), 100)})")
+    exact_problems = mismatches(exact, fp64_references[attn], FP64)
+    if exact_problems:
+        return Cell("DIFFERS", "; ".join(exact_problems[:2]) + " (in fp64)")
+    return Cell("ok (fp64)", f"fp32: {'; '.join(problems[:2])}; fp64: losses within "
+                f"{worst_loss_difference(exact, fp64_references[attn]):.0e}, updates within "
+                f"{worst_update_error(exact, fp64_references[attn]):.0e}")
 
 
 def worst_loss_difference(run: dict, reference: dict) -> float:
@@ -145,8 +176,8 @@ def worst_update_error(run: dict, reference: dict) -> float:
         start = reference["initial_state"].get(name)
         if start is None:
             continue
-        want = reference["state"][name].float() - start.float()
-        err = ((got.float() - start.float() - want).norm() / want.norm().clamp_min(1e-12)).item()
+        want = reference["state"][name].double() - start.double()
+        err = ((got.double() - start.double() - want).norm() / want.norm().clamp_min(1e-30)).item()
         worst = max(worst, err)
     return worst
 
@@ -157,6 +188,7 @@ def family_row(family: str, layouts: list[str]) -> tuple[Optional[str], dict[str
     if reason is not None:
         return reason, {}
     references: dict[Optional[str], Any] = {}
+    fp64_references: dict[Optional[str], Any] = {}
     cells = {}
     for layout in layouts:
         attn = LAYOUTS[layout][2]
@@ -169,7 +201,7 @@ def family_row(family: str, layouts: list[str]) -> tuple[Optional[str], dict[str
         except Exception as err:  # noqa: BLE001 - one process fails: nothing to compare with
             cells[layout] = Cell("skipped", f"one process fails ({_first_line(str(err), 100)})")
             continue
-        cells[layout] = cell(family, layout, references[attn])
+        cells[layout] = cell(family, layout, references[attn], fp64_references)
     return None, cells
 
 
