@@ -221,8 +221,8 @@ class _Translation:
         return out
 
     def _layers_and_final_norms(self) -> tuple[str, list[str]]:
-        """The decoder's block list and its final norm: the base model's one ``ModuleList`` child
-        and the last norm registered after it. Refused where the base model's forward does more
+        """The decoder's block list and its final norms: the base model's one ``ModuleList`` child
+        and every norm registered after it. Refused where the base model's forward does more
         than run the blocks one after another between its embedding and that norm (two block
         lists run in cycles, parameters of its own): that work would see a sequence shard."""
         base = self.model.base_model
