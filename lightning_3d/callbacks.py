@@ -211,7 +211,8 @@ class RunSummary(Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
             # Lightning divides each micro-batch loss by accumulate_grad_batches: summing gives the mean.
-            loss = loss.detach().float()
+            # At least fp32 (a bf16 loss sums badly), fp64 kept: an fp64 run's parity is read from it.
+            loss = loss.detach().to(torch.promote_types(loss.dtype, torch.float32))
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         ids = _token_ids(batch)
         if ids is not None:

@@ -29,3 +29,59 @@ def test_matrix_cells_name_what_is_wrong():
     text = table(rows, ["tp2", "pp2_eager"])
     assert "| `a` | ok | refused |" in text and "- `a` pp2_eager: refused: why" in text
     assert "- `b`: tiny config not buildable (x)" in text
+
+
+def _runs(update: float, start: float = 0.01) -> dict:
+    """A run of one tensor that moved by ``update`` from ``start``, in fp64."""
+    import torch
+
+    return {"losses": [1.0], "state": {"w": torch.full((4,), start + update, dtype=torch.float64)},
+            "initial_state": {"w": torch.full((4,), start, dtype=torch.float64)}}
+
+
+def test_an_absolute_floor_passes_rounding_of_a_zero_gradient_not_a_wrong_update():
+    from lightning_3d.testing.hf_matrix import FP64, mismatches
+
+    zero_gradient = _runs(1e-17)  # an update that is rounding noise, 100 % off relative to 1e-16
+    assert mismatches(zero_gradient, _runs(1e-16), (FP64[0], FP64[1], 0.0))
+    assert mismatches(zero_gradient, _runs(1e-16), FP64) == []
+    halved = _runs(0.5e-6)  # an SGD update that lost half its gradient (a mean where a sum belongs)
+    assert mismatches(halved, _runs(1e-6), FP64)
+
+
+def test_a_layout_that_differs_in_fp32_is_judged_in_fp64_with_sgd(monkeypatch):
+    """The fp32 difference is rerun in fp64 with SGD: the same there is ``ok (fp64)``, a
+    difference there too is ``DIFFERS``; the fp64 runs train with SGD (linear in the gradient)."""
+    from lightning_3d.testing import hf_matrix
+
+    calls = []
+
+    def fake_run(family, attn, strategy=None, world=1, precision="32-true"):
+        calls.append((strategy is not None, precision))
+        if precision == "64-true":
+            return _runs(1e-6 if strategy is None or family == "same" else 2e-6)
+        return _runs(3e-3 if strategy is None else 6e-3)
+
+    monkeypatch.setattr(hf_matrix, "_run", fake_run)
+    monkeypatch.setattr(hf_matrix, "refused_before_launch", lambda family, layout: None)
+    reference = _runs(3e-3)
+    same = hf_matrix.cell("same", "tp2", reference)
+    assert same.state == "ok (fp64)", same
+    assert calls == [(True, "32-true"), (False, "64-true"), (True, "64-true")]
+    assert hf_matrix.cell("wrong", "tp2", reference).state == "DIFFERS"
+    assert hf_matrix._config("llama", None, "64-true")["optimizer"] == hf_matrix.FP64_OPTIMIZER == "sgd"
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "nemotron_h", "qwen3_next", "granitemoehybrid", "bamba", "dots1"])
+def test_hybrid_families_get_tiny_state_space_sizes(family):
+    """State-space and linear-attention mixers are shrunk too (their defaults are full size, and
+    transformers' reference kernels in Python made one world of such a family take minutes)."""
+    import torch
+    import transformers
+
+    from lightning_3d.testing.hf_configs import tiny_config
+
+    config = transformers.AutoConfig.for_model(**tiny_config(family))
+    with torch.device("meta"):
+        count = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    assert count < 250_000, count

@@ -124,6 +124,22 @@ def test_models_a_pipeline_split_would_change_are_refused():
     check(on_meta, Plan.from_options(tensor=2), 2)  # its tensor plan is fine
 
 
+def test_a_split_the_models_own_code_fails_on_is_refused_naming_the_class():
+    """DeepSeek-V4 routes its first layers by token id, which a later stage does not have: the
+    tiny copy's split fails inside transformers, and the launcher says so in one line naming the
+    class and the failure (it said only "too many values to unpack")."""
+    if "deepseek_v4" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip("this transformers has no DeepSeek-V4")
+    from lightning_3d.plan import Plan
+    from lightning_3d.recipe import check
+
+    with torch.device("meta"):
+        on_meta = HFCausalLM(config=tiny_config("deepseek_v4"), attn_implementation="eager")
+    with pytest.raises(ValueError, match=r"DeepseekV4ForCausalLM cannot be split into pipeline stages at its "
+                                         r"layers: on a tiny copy of its family a stage fails \(\w+Error: "):
+        check(on_meta, Plan.from_options(pipeline=2), 2)
+
+
 def test_encoders_are_refused_and_a_bert_decoder_has_no_block_list():
     config = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     with pytest.raises(ValueError, match=r"BertLMHeadModel is an encoder: its attention \(BertSelfAttention\) "

@@ -335,3 +335,16 @@ def test_tied_weights_across_stages_are_held_by_the_first_and_last_ranks():
     # Interleaved: stage 0 on rank 0, the last stage (5) on rank 5 mod 3 = 2.
     assert tied_holders(model, model.pipeline_spec(), 3, 2, "params") == {"model.tok_emb.weight": [0, 2]}
 
+
+
+def test_an_fp64_run_reports_fp64_losses(reference):
+    """Under ``64-true`` the losses the strategy returns and the run summary records are fp64:
+    a pipeline stage or the summary that rounds them to fp32 makes two fp64 runs that agree to
+    1e-15 read as 1e-7 apart (the family matrix tells rounding from a wrong model in fp64)."""
+    trainer = {"precision": "64-true"}
+    one = reference(SGD, trainer)
+    runs = run_world(fit_gpt, 2, Run(strategy={"pipeline": 2}, devices=2, steps=STEPS, seed=SEED, model=SGD,
+                                     trainer=trainer))
+    for got, want in zip(runs[0]["losses"], one["losses"]):
+        assert got == pytest.approx(want, rel=1e-12, abs=0.0)
+    assert any(float(torch.tensor(x, dtype=torch.float32)) != x for x in one["losses"])  # not fp32 values

@@ -164,9 +164,10 @@ def _hand_input(holder: Any, first_block: nn.Module) -> Any:
 
 def _stand_in_input(stage: Any, x: torch.Tensor) -> torch.Tensor:
     """What a later stage hands the model as ``inputs_embeds``: zeros of the full sequence's
-    shape (under sequence parallelism ``x`` holds a shard of it). Only their shape, dtype and
-    device matter; a fresh tensor, so nothing the model does to it can touch ``x``."""
-    batch, seq, width = x.shape
+    shape (under sequence parallelism ``x`` holds a shard of it), ``(B, S, D)`` also where the
+    layers pass more (DeepSeek-V4's residual streams, ``(B, S, streams, D)``). Only their shape,
+    dtype and device matter; a fresh tensor, so nothing the model does to it can touch ``x``."""
+    batch, seq, width = x.shape[0], x.shape[1], x.shape[-1]
     return x.new_zeros(batch, seq * stage.sequence_shards, width)
 
 
@@ -296,6 +297,11 @@ def stages_in_one_process(module: Any, pipeline: int, virtual: int = 1) -> list[
     return sorted(stages, key=lambda stage: stage.block_ids[0])
 
 
+def _first_line(err: BaseException, limit: int = 200) -> str:
+    lines = str(err).strip().splitlines()
+    return (lines[0] if lines else "")[:limit]
+
+
 def run_in_turn(stages: list[Any], ids: torch.Tensor) -> torch.Tensor:
     """``ids`` through ``stages`` one after the other: what a pipeline's last stage outputs."""
     x = ids
@@ -322,7 +328,13 @@ def check_split(lit: Any, wrap: Callable[[nn.Module], Any]) -> None:
             return
         ids = torch.randint(3, twin_model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
         whole = twin(ids)
-        split = run_in_turn(stages_in_one_process(twin, 2), ids)
+        try:
+            split = run_in_turn(stages_in_one_process(twin, 2), ids)
+        except Exception as err:  # noqa: BLE001 - the model's own code, failing on what a stage hands it
+            raise ValueError(f"{type(lit.model).__name__} cannot be split into pipeline stages at its layers: on a "
+                             f"tiny copy of its family a stage fails ({type(err).__name__}: {_first_line(err)}); "
+                             "override pipeline_spec() to return a lightning_3d.PipelineSpec, or use pipeline=1"
+                             ) from err
     if not torch.allclose(split, whole, rtol=1e-4, atol=1e-5):
         worst = (split - whole).abs().max().item()
         raise ValueError(f"{type(lit.model).__name__} cannot be split into pipeline stages at its layers: on a tiny "

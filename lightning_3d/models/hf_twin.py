@@ -23,7 +23,13 @@ SIZES: dict[str, Any] = dict(
     rotary_dim=4,  # GPT-J, CodeGen: rotary on part of a head
     # multi-head latent attention (DeepSeek-V2/V3 and kin): low-rank q / kv, a rotary part per head
     q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1,
-    n_group=1, topk_group=1,
+    n_group=1, topk_group=1, n_shared_experts=1,
+    # state-space and linear-attention mixers (Mamba-2 hybrids, gated delta nets): their defaults
+    # are full size, and transformers' reference kernels in Python are slow at those sizes
+    mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=16,
+    mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, chunk_size=16,
+    linear_head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
+    moe_shared_expert_intermediate_size=32, shared_intermediate_size=32,
 )
 RANDOM_KEY_WORDS = ("dropout", "pdrop", "jitter")  # float config keys that make a forward random
 MAX_PARAMS = 5_000_000  # above this the family derived sizes of its own: not a twin
@@ -40,6 +46,12 @@ def shrunk(options: dict[str, Any], aliases: Optional[dict[str, str]] = None) ->
         name = aliases.get(key, key)
         if name in options:
             out[name] = value
+    if "qk_rope_head_dim" in options:  # multi-head latent attention: no grouped k/v heads, and
+        # the rotary part is what its configs call head_dim
+        mla = {"head_dim": SIZES["qk_rope_head_dim"], "num_key_value_heads": SIZES["num_attention_heads"]}
+        for key, value in mla.items():
+            if aliases.get(key, key) in options:
+                out[aliases.get(key, key)] = value
     layers = aliases.get("num_hidden_layers", "num_hidden_layers")
     out.update({k: 0.0 for k, v in options.items() if isinstance(v, float) and any(w in k for w in RANDOM_KEY_WORDS)})
     types = options.get("layer_types")

@@ -134,13 +134,23 @@ class PipelineRuntime:
                 activation_peak=clock.meter.peak, in_flight_peak=clock.meter.in_flight_peak,
             )
         scale = self.micro_batches * self._accumulation()
+        # At least fp32, fp64 under 64-true: every stage knows the dtype from its own weights.
+        dtype = torch.promote_types(self._weight_dtype(), torch.float32)
         if self.is_last:  # undo the loss scaling (16-mixed) for what Lightning logs and returns
             loss_scale = self._scale_loss(torch.ones((), device=self.device))
-            losses = [x.detach().float() / loss_scale for x in losses]
-        loss = torch.stack(losses).mean() * scale if self.is_last else torch.zeros(())
-        loss = loss.to(inputs.device).float()
+            losses = [x.detach().to(dtype) / loss_scale for x in losses]
+        loss = torch.stack(losses).mean() * scale if self.is_last else torch.zeros((), dtype=dtype)
+        loss = loss.to(inputs.device, dtype)
         dist.broadcast(loss, src=self.last_rank, group=self.group)
         return loss  # the batch's mean loss; Lightning divides it by k itself, as for any step
+
+    def _weight_dtype(self) -> torch.dtype:
+        """The dtype of this rank's first floating-point weight (fp32 if it holds none)."""
+        for stage in self.stage_modules:
+            for p in stage.parameters():
+                if p.is_floating_point():
+                    return p.dtype
+        return torch.float32
 
     # ------------------------------------------------------------------ Lightning hand-off
     def train_step(self, module: torch.nn.Module, batch: Any, batch_idx: int, before: Callable[[], None],

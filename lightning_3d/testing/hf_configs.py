@@ -90,6 +90,6 @@ def tiny_config(model_type: str, **overrides: Any) -> dict[str, Any]:
     defaults = cls().to_dict()
     aliases = getattr(cls, "attribute_map", {})
     sized = {aliases.get(k, k) for k in SIZES}
-    options = {k: v for k, v in shrunk(defaults, aliases).items() if k in sized or k == "layer_types"
-               or v != defaults.get(k)}
+    options = {k: v for k, v in shrunk(defaults, aliases).items() if k in sized
+               or (k == "layer_types" and v is not None) or v != defaults.get(k)}
     return {"model_type": model_type, **options, "tie_word_embeddings": False, **overrides}
