@@ -85,3 +85,16 @@ def test_hybrid_families_get_tiny_state_space_sizes(family):
     with torch.device("meta"):
         count = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
     assert count < 250_000, count
+
+
+def test_rows_saved_and_read_back_rebuild_the_same_table(tmp_path):
+    """``--rows``: a run of some families adds to, or replaces in, an earlier run's rows."""
+    from lightning_3d.testing.hf_matrix import Cell, load_rows, save_rows, table
+
+    rows = {"a": (None, {"tp2": Cell("ok", figures=(1e-7, 2e-4)), "pp2_eager": Cell("refused", "why")}),
+            "b": ("tiny config not buildable (x)", {})}
+    path = str(tmp_path / "rows.json")
+    assert load_rows(path) == {}
+    save_rows(path, rows)
+    assert load_rows(path) == rows
+    assert table(load_rows(path), ["tp2", "pp2_eager"]) == table(rows, ["tp2", "pp2_eager"])

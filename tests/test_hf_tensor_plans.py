@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 pytest.importorskip("transformers")
 
+import transformers  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 from lightning_3d.parallel.tensor import (  # noqa: E402
@@ -31,7 +32,7 @@ from lightning_3d.parallel.tensor import (  # noqa: E402
     resolve_plan,
 )
 from lightning_3d.plans import detect_plan, plan_from_names  # noqa: E402
-from lightning_3d.testing.parity import assert_same_run  # noqa: E402
+from lightning_3d.testing.parity import assert_same_run, loss_mismatches, update_mismatches  # noqa: E402
 from lightning_3d.testing.runs import Run, fit_gpt  # noqa: E402
 from lightning_3d.testing.world import run_world  # noqa: E402
 
@@ -258,3 +259,38 @@ def test_sequence_parallel_refuses_a_base_model_that_runs_blocks_in_cycles():
                                          r"run in order .*use sequence_parallel=False"):
         hf_tensor_plan(model, sequence_parallel=True)
     assert hf_tensor_plan(model, sequence_parallel=False)  # plain tensor parallelism stays possible
+
+
+def test_scalar_parameters_between_split_projections_sum_their_gradients():
+    """Apertus' xIELU activation holds two scalars and runs between the column-parallel
+    ``up_proj`` and the row-parallel ``down_proj``, where each rank holds part of the features:
+    its gradient is a share per rank, summed over tp (transformers' plan does not list it; the
+    replica guard stopped tp2 at the first step). A parameter-free activation gets no entry."""
+    from lightning_3d.models.hf import HFCausalLM
+    from lightning_3d.parallel.tensor import ReplicatedGradSum
+    from lightning_3d.plans.hf import hf_tensor_plan
+    from lightning_3d.testing.hf_configs import tiny_config
+
+    if "apertus" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip("this transformers has no Apertus")
+    with torch.device("meta"):
+        apertus = HFCausalLM(config=tiny_config("apertus"))
+        llama = HFCausalLM(config=tiny_config("llama"))
+    assert isinstance(hf_tensor_plan(apertus, False)["model.model.layers.*.mlp.act_fn"], ReplicatedGradSum)
+    assert not any(k.endswith("act_fn") for k in hf_tensor_plan(llama, False))
+
+
+def _fit_family(rank: int, family: str, strategy: dict | None, devices: int) -> dict:
+    from lightning_3d.testing.hf_configs import tiny_config
+
+    run = Run(strategy=strategy, devices=devices, steps=3, seed=1234, arch="hf", model={"hf": tiny_config(family)})
+    return fit_gpt(rank, run)
+
+
+def test_apertus_tensor_parallel_matches_one_process():
+    if "apertus" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip("this transformers has no Apertus")
+    reference = run_world(_fit_family, 1, "apertus", None, 1)[0]
+    world = run_world(_fit_family, 2, "apertus", {"tensor": 2}, 2)
+    assert loss_mismatches(world[0]["losses"], reference["losses"], rtol=1e-5) == []
+    assert update_mismatches(world[0]["state"], reference["state"], reference["initial_state"], rtol=1e-3) == []

@@ -116,6 +116,7 @@ class _Translation:
             translated = self._translate(pattern, style, regrouped)
             if translated is not None:
                 plan[pattern] = translated
+        plan.update(self._scalars_between(plan))
         plan.update(self._ends())
         if self.sp:
             plan.update(self._sequence_parallel(plan))
@@ -146,6 +147,32 @@ class _Translation:
         if style == "replicated_with_grad_allreduce":
             return ReplicatedGradSum()
         self._refuse(pattern, style, "is an expert style outside a mixture-of-experts block")
+
+    def _scalars_between(self, plan: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+        """Modules whose only parameters are scalars, beside a column-parallel projection with a
+        local output and a row-parallel one (Apertus' xIELU activation, ``alpha_p`` and
+        ``alpha_n``, between ``up_proj`` and ``down_proj``): each rank applies the scalar to its
+        own share of the features, so each holds a share of the gradient, summed over ``tp``
+        (:class:`ReplicatedGradSum`). The plan does not list them; left alone, every tensor rank
+        would step with its own share (the replica guard's mismatch at the first step)."""
+        out: dict[str, ParallelStyle] = {}
+        parents: dict[str, set[str]] = {}
+        for pattern, style in plan.items():
+            parent, _, leaf = pattern.rpartition(".")
+            kind = "col" if isinstance(style, (ColwiseConv1DParallel, FusedColwiseParallel)) else \
+                "row" if isinstance(style, RowwiseConv1DParallel) else None
+            if kind == "col" and style.output_layouts != (Replicate(),) or kind == "row":
+                parents.setdefault(parent, set()).add(kind)
+        for parent, kinds in parents.items():
+            if kinds != {"col", "row"}:
+                continue
+            holder = next((m for n, m in self.modules.items() if name_matches(n, parent)), None)
+            for name, child in (holder.named_children() if holder is not None else ()):
+                params = list(child.parameters())
+                pattern = f"{parent}.{name}"
+                if params and all(p.numel() == 1 for p in params) and pattern not in plan:
+                    out[pattern] = ReplicatedGradSum()
+        return out
 
     def _refuse(self, pattern: str, style: str, why: str) -> None:
         cls = type(self.model)

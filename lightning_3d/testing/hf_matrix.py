@@ -1,7 +1,10 @@
 """Every decoder family of the installed ``transformers`` under every layout, against one process.
 
     python -m lightning_3d.testing.hf_matrix [--families qwen3 gemma2 ...] [--layouts tp2 pp2_eager ...]
-                                             [--out docs/hf-families.md]
+                                             [--out table.md] [--rows rows.json]
+
+(``--rows``: rows kept in a JSON file after each family, so a rerun of a few families updates
+the whole table, and an interrupted run keeps what it measured.)
 
 For each family whose config ships a tensor or pipeline plan (``registry_families``), plus GPT-2
 and StableLM (no plan): a tiny random config (``tiny_config``: 4 layers, 4 heads over 2 k/v heads,
@@ -246,6 +249,32 @@ def table(rows: dict[str, tuple[Optional[str], dict[str, Cell]]], layouts: list[
     return out
 
 
+def save_rows(path: str, rows: dict[str, tuple[Optional[str], dict[str, Cell]]]) -> None:
+    """``rows`` as JSON at ``path``, written whole to a temporary file first."""
+    import json
+    import os
+    from dataclasses import asdict
+
+    data = {family: {"reason": reason, "cells": {k: asdict(c) for k, c in cells.items()}}
+            for family, (reason, cells) in rows.items()}
+    with open(path + ".tmp", "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def load_rows(path: str) -> dict[str, tuple[Optional[str], dict[str, Cell]]]:
+    """The rows :func:`save_rows` wrote (none if ``path`` does not exist yet)."""
+    import json
+    import os
+
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return {family: (row["reason"], {k: Cell(c["state"], c["detail"], tuple(c["figures"]) if c["figures"] else None)
+                                     for k, c in row["cells"].items()}) for family, row in data.items()}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     import os
 
@@ -255,17 +284,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--families", nargs="+")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--out", help="also write the table to this file")
+    parser.add_argument("--rows", help="a JSON file of rows: read first (rows of an earlier run), the families "
+                        "run now replace theirs, rewritten after each family; the table shows them all")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("LIGHTNING3D_WORLD_START", "forkserver")
-    families = args.families or [*registry_families(), *EXTRA_FAMILIES]
-    rows = {}
+    order = [*registry_families(), *EXTRA_FAMILIES]
+    families = args.families or order
+    rows = load_rows(args.rows) if args.rows else {}
     start = time.monotonic()
     for index, family in enumerate(families, 1):
         rows[family] = family_row(family, args.layouts)
+        if args.rows:
+            save_rows(args.rows, rows)
         states = " ".join(f"{k}={c.state}" for k, c in rows[family][1].items()) or rows[family][0]
         print(f"[{index}/{len(families)} {time.monotonic() - start:.0f}s] {family}: {states}", file=sys.stderr,
               flush=True)
+    rows = {f: rows[f] for f in sorted(rows, key=lambda f: order.index(f) if f in order else len(order))}
     text = table(rows, args.layouts)
     print(text)
     if args.out:
