@@ -255,6 +255,21 @@ def test_bad_record_named_by_file_and_line(files, tmp_path, case):
     assert "\n" not in text and f"{path}:3" in text and message in text, text
 
 
+def test_template_refusal_named_by_file_and_line(tmp_path):
+    """A template's own ``raise_exception`` is one line naming the record (seen failing without
+    the wrapping: jinja2's TemplateError)."""
+    tokenizer = _tokenizer(
+        "{% if messages[0]['role'] == 'system' %}"
+        "{{ raise_exception('no system turns here') }}{% endif %}" + PLAIN
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^c.jsonl:4: the chat template refuses the conversation: "
+        r"no system turns here$",
+    ):
+        render(tokenizer, _conversation(1)["messages"], "c.jsonl:4")
+
+
 def test_too_long_truncated_or_skipped(files, tmp_path):
     """``too_long=truncate`` cuts a conversation to block_size and keeps it while an assistant
     token is left; ``skip`` drops it; both count what they drop in one warning."""

@@ -143,7 +143,21 @@ def assistant_spans(
 
 
 def render(tokenizer: Any, messages: list[dict[str, str]], where: str) -> Conversation:
-    """One conversation as token ids and labels (``-100`` but on the assistant's tokens)."""
+    """One conversation as token ids and labels (``-100`` but on the assistant's tokens);
+    ``ValueError`` naming ``where`` when the template refuses it (``raise_exception``)."""
+    from jinja2 import TemplateError
+
+    try:
+        return _render(tokenizer, messages, where)
+    except TemplateError as err:
+        text = str(err).strip().splitlines()
+        raise ValueError(
+            f"{where}: the chat template refuses the conversation: "
+            f"{text[0] if text else type(err).__name__}"
+        ) from None
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]], where: str) -> Conversation:
     template = tokenizer.get_chat_template()
     if _GENERATION_TAG.search(template):
         out = tokenizer.apply_chat_template(
