@@ -5,6 +5,7 @@
     python examples/finetune.py offload=cpu finetune.pretrained=gpt.safetensors
     python examples/finetune.py offload.path=/mnt/nvme trainer.max_steps=500
     python examples/finetune.py model=hf model.path=/models/qwen2-0.5b data=text data.path=notes/ offload=cpu
+    python examples/finetune.py model=hf model.path=DIR data=chat data.path=chats.jsonl
     python examples/finetune.py resume=last         # continue the newest fine-tune run (outputs/finetune/)
 
 Preset: conf/finetune.yaml (the docs corpus, activation checkpointing, bf16-mixed). Writes

@@ -82,6 +82,8 @@ def validate(cfg: DictConfig) -> None:
             f"per-rank batch {batch_size // layout.data} (data.batch_size {batch_size} / data {layout.data}) "
             f"is not divisible by micro_batches={plan.pp.micro_batches}"
         )
+    if "data" in cfg and not unplanned:
+        check_data_layout(cfg.data, layout)
     if "model" in cfg:
         check_target_keys(cfg.model, "model")
         model_limits(cfg.model)  # a Hugging Face model's directory or config, said as such
@@ -175,6 +177,15 @@ def check_model_and_data(model: DictConfig, data: DictConfig) -> None:
             f"the data's ids need a vocabulary of {data_vocab} but the model has vocab_size={limits.vocab_size} "
             f"({limits.source}); use the model's own tokenizer or a model with a larger vocabulary"
         )
+
+
+def check_data_layout(data: DictConfig, layout: Any) -> None:
+    """The data module's own limits on the layout, where its class has a ``check_layout``
+    (``data=chat``: packed rows need ``pipeline=1``)."""
+    check_layout = getattr(target_of(data, "data"), "check_layout", None)
+    if check_layout is not None:
+        options = OmegaConf.to_container(data, resolve=True)
+        check_layout(layout.pipeline, **{k: v for k, v in options.items() if k not in HYDRA_KEYS})
 
 
 def model_on_meta(model: DictConfig) -> Any:

@@ -1,3 +1,4 @@
+from lightning_3d.data.chat import ChatDataModule
 from lightning_3d.data.text import (
     ByteWindowDataset,
     TextDataModule,
@@ -9,6 +10,7 @@ from lightning_3d.data.tokenized import TokenizedTextDataModule
 
 __all__ = [
     "ByteWindowDataset",
+    "ChatDataModule",
     "TextDataModule",
     "TokenizedTextDataModule",
     "load_docs_corpus",

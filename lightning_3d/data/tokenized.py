@@ -32,18 +32,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 _TOKENIZE_BATCH = 256  # documents per call into the (Rust, multi-threaded) fast tokenizer
 
 
-def find_text_files(path: Optional[str]) -> list[Path]:
-    """The files ``path`` names: a file, a directory (every ``.txt`` / ``.jsonl`` below it) or a
-    glob pattern; sorted, so the corpus is the same on every rank and machine. ``ValueError``
-    names the path when it is empty, matches nothing, or names a file of another type."""
+def find_text_files(path: Optional[str], suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[Path]:
+    """The files ``path`` names: a file, a directory (every file below it whose suffix is one of
+    ``suffixes``) or a glob pattern; sorted, so the corpus is the same on every rank and machine.
+    ``ValueError`` names the path when it is empty, matches nothing, or names a file of another
+    type."""
+    kinds = " or ".join(suffixes)
     if path is None or not str(path).strip():
-        raise ValueError("data.path is empty: give data.path=FILE, DIR or GLOB (.txt or .jsonl files)")
+        raise ValueError(f"data.path is empty: give data.path=FILE, DIR or GLOB ({kinds} files)")
     path = str(path)
     root = Path(path).expanduser()
     if root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+        files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in suffixes)
         if not files:
-            raise ValueError(f"data.path={path!r} is a directory without .txt or .jsonl files")
+            raise ValueError(f"data.path={path!r} is a directory without {kinds} files")
         return files
     if root.is_file():
         files = [root]
@@ -51,16 +53,16 @@ def find_text_files(path: Optional[str]) -> list[Path]:
         files = sorted(Path(p) for p in glob.glob(str(root), recursive=True) if Path(p).is_file())
         if not files:
             raise ValueError(f"data.path={path!r} matches no file")
-    others = [str(p) for p in files if p.suffix not in TEXT_SUFFIXES]
+    others = [str(p) for p in files if p.suffix not in suffixes]
     if others:
-        raise ValueError(f"data.path={path!r}: {others[:3]} not .txt or .jsonl (text files only)")
+        raise ValueError(f"data.path={path!r}: {others[:3]} not {kinds} (text files only)")
     return files
 
 
 INVALID_UTF8 = ("error", "replace")  # data.invalid_utf8: refuse such bytes, or read them as U+FFFD
 
 
-def _text_of(file: Path, invalid_utf8: str) -> str:
+def text_of(file: Path, invalid_utf8: str) -> str:
     """``file`` decoded as UTF-8; ``ValueError`` naming the file and the byte offset of a NUL
     byte (binary content) or, unless ``invalid_utf8="replace"``, of bytes that are not UTF-8."""
     data = file.read_bytes()
@@ -79,11 +81,11 @@ def _text_of(file: Path, invalid_utf8: str) -> str:
 def read_documents(files: Iterable[Path], text_field: str = "text", invalid_utf8: str = "error") -> Iterator[str]:
     """Every non-blank document of ``files``, in order. ``ValueError`` names the file (and line)
     of a ``.jsonl`` line that is not a JSON object with a string ``text_field``, and of content
-    that is not text (see :func:`_text_of`)."""
+    that is not text (see :func:`text_of`)."""
     if invalid_utf8 not in INVALID_UTF8:
         raise ValueError(f"data.invalid_utf8={invalid_utf8!r} must be one of {INVALID_UTF8}")
     for file in files:
-        text = _text_of(file, invalid_utf8)
+        text = text_of(file, invalid_utf8)
         if file.suffix == ".txt":
             if text.strip():
                 yield text

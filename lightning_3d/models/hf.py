@@ -9,9 +9,10 @@ Needs the optional extra ``lightning-3d[hf]``; the rest of the package never imp
 
 Batches are ``(input_ids, targets)`` pairs (targets already shifted by one, as the project's
 data modules give them; ``-100`` marks positions without a target), or dicts with ``input_ids``
-and optionally ``attention_mask`` and ``labels`` (Hugging Face's convention: unshifted labels,
-``-100`` or a zero attention mask for padding). The loss is the token mean over positions that
-have a target.
+and optionally ``attention_mask``, ``labels`` (Hugging Face's convention: unshifted labels,
+``-100`` or a zero attention mask for padding) and ``position_ids`` (packed sequences, restarting
+at 0 each: ``data=chat``'s packing; not under pipeline parallelism). The loss is the token mean
+over positions that have a target.
 
 ``ThreeDStrategy(tensor=2, pipeline=2)`` needs no user code: the tensor plan is the one the
 model ships (``config.base_model_tp_plan``, translated by :mod:`lightning_3d.plans.hf`), and
@@ -199,11 +200,20 @@ class HFCausalLM(pl.LightningModule):
         if has_meta(self.model):
             materialize(self.model, torch.device("cpu") if device is None else device)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits ``(B, T, vocab)`` (vocab-sharded under tensor parallelism)."""
+    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``(B, T, vocab)`` (vocab-sharded under tensor parallelism). ``position_ids``
+        that restart at 0 within a row mark packed sequences: without an ``attention_mask``,
+        ``transformers`` keeps each one's attention to itself (``lightning_3d.data.chat_layout``)."""
         if getattr(self.model, "deferred_init", None) is not None and self._trainer is None:
             self.load_weights()  # used outside a Trainer: read the weights on the first call
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids, use_cache=False).logits
+
+    @staticmethod
+    def positions_of(batch: Any) -> Optional[torch.Tensor]:
+        """A dict batch's ``position_ids`` (packed sequences), else ``None``."""
+        return batch.get("position_ids") if isinstance(batch, Mapping) else None
 
     @staticmethod
     def split_batch(batch: Any) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
@@ -225,7 +235,8 @@ class HFCausalLM(pl.LightningModule):
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, int]:
         ids, mask, targets = self.split_batch(batch)
-        return self.loss_fn(self(ids, mask), targets), int((targets != IGNORE_INDEX).sum())
+        logits = self(ids, mask, self.positions_of(batch))
+        return self.loss_fn(logits, targets), int((targets != IGNORE_INDEX).sum())
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss, _ = self._loss(batch)
@@ -246,7 +257,7 @@ class HFCausalLM(pl.LightningModule):
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """The most likely next token at every position, ``(B, T)``."""
         ids, mask, _ = self.split_batch(batch) if not isinstance(batch, torch.Tensor) else (batch, None, None)
-        logits = self(ids, mask)
+        logits = self(ids, mask, self.positions_of(batch))
         if hasattr(logits, "full_tensor"):  # vocab-parallel logits under tensor parallelism
             logits = logits.full_tensor()
         return logits.argmax(-1)

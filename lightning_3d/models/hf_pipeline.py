@@ -352,6 +352,10 @@ def hf_pipeline_spec(lit: Any, wrap: Callable[[nn.Module], Any], prefix: str = "
     first, blocks, last = stage_layout(outer)
 
     def split(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(batch, dict) and batch.get("position_ids") is not None:  # stages count from 0
+            raise ValueError("a batch with position_ids (packed sequences) cannot run under "
+                             "pipeline parallelism: its positions do not reach later stages; use "
+                             "unpacked rows")
         ids, _, targets = lit.split_batch(batch)
         return ids, targets
 
