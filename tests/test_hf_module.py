@@ -140,6 +140,20 @@ def test_a_split_the_models_own_code_fails_on_is_refused_naming_the_class():
         check(on_meta, Plan.from_options(pipeline=2), 2)
 
 
+def test_stand_ins_return_what_the_model_unpacks_from_a_layer():
+    """Bamba's layers return ``(hidden_states, attn_weights)`` and its forward unpacks two
+    values: a later stage's stand-ins for the earlier layers return as many (the split was
+    refused with 'too many values to unpack'), and the stages in turn give the whole logits."""
+    from lightning_3d.models.hf_pipeline import run_in_turn, stages_in_one_process
+
+    if "bamba" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip("this transformers has no Bamba")
+    module = HFCausalLM(config=tiny_config("bamba"), attn_implementation="eager")
+    ids = torch.randint(3, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(run_in_turn(stages_in_one_process(module, 2), ids), module(ids))
+
+
 def test_encoders_are_refused_and_a_bert_decoder_has_no_block_list():
     config = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     with pytest.raises(ValueError, match=r"BertLMHeadModel is an encoder: its attention \(BertSelfAttention\) "

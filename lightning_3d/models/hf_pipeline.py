@@ -29,7 +29,9 @@ every layer sees the model's causal mask, so right padding must be marked in the
 from __future__ import annotations
 
 import copy
+import inspect
 import types
+import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -55,18 +57,32 @@ def _first_input(args: tuple, kwargs: dict) -> Any:
     return kwargs.get("hidden_states", next(iter(kwargs.values()), None))
 
 
+def _returned_items(module: nn.Module) -> int:
+    """How many values ``module``'s forward returns by its annotation: ``n`` for a fixed-length
+    ``tuple[...]`` (Bamba's layers return ``(hidden_states, attn_weights)``, which the model
+    unpacks), 0 for anything else."""
+    hint = inspect.signature(type(module).forward).return_annotation
+    if typing.get_origin(hint) is not tuple:
+        return 0
+    items = typing.get_args(hint)
+    return 0 if Ellipsis in items else len(items)
+
+
 class PassThrough(nn.Module):
-    """A parameter-free stand-in for a block or norm another stage holds: returns its first input.
-    Keeps the plain attributes the model's forward reads off its layers (``attention_type``)."""
+    """A parameter-free stand-in for a block or norm another stage holds: returns its first input
+    (followed by ``None`` for each further value where the module returns a tuple). Keeps the
+    plain attributes the model's forward reads off its layers (``attention_type``)."""
 
     def __init__(self, like: nn.Module) -> None:
         super().__init__()
         for key, value in vars(like).items():
             if not key.startswith("_") and isinstance(value, (str, int, float, bool)):
                 setattr(self, key, value)
+        self._items = _returned_items(like)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _first_input(args, kwargs)
+        first = _first_input(args, kwargs)
+        return (first, *[None] * (self._items - 1)) if self._items > 1 else first
 
 
 class ZeroLookup(nn.Module):
