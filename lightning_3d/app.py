@@ -43,7 +43,9 @@ from lightning_3d.resume import (
     resume_override,
     written_checkpoint,
 )
+from lightning_3d.rank_report import report_here, send
 from lightning_3d.run_dir import RunDirInUse, hold
+from lightning_3d.watchdog import LAUNCHER_PID_ENV
 
 
 # The apps' top-level keys (conf/train.yaml, conf/finetune.yaml): any other (``+ckpt_path=...``)
@@ -310,16 +312,37 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
         _discard_run_dir(Path(output_dir), hydra_cfg.job.name)
         return 2
     if already_launched():  # a rank: its launcher holds the run directory
-        return _launch_or_train(cfg, script, body, hydra_cfg, resume, chosen, planned)
+        return _reporting(output_dir, lambda: _launch_or_train(cfg, script, body, hydra_cfg, resume,
+                                                               chosen, planned))
     overwrite = cfg.get("overwrite", False)
     try:
         if not isinstance(overwrite, bool):
             raise RunDirInUse(f"overwrite={overwrite!r} must be true or false")
         with hold(Path(output_dir), resuming=resume is not None, overwrite=overwrite):
-            return _launch_or_train(cfg, script, body, hydra_cfg, resume, chosen, planned)
+            return _reporting(output_dir, lambda: _launch_or_train(cfg, script, body, hydra_cfg,
+                                                                   resume, chosen, planned))
     except RunDirInUse as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+def _reporting(output_dir: str, call: Callable[[], int]) -> int:
+    """``call()``; should it fail, one ``error:`` line from the launching process and the exit
+    code of the failure's kind (:mod:`lightning_3d.rank_report`): a rank of our launcher sends
+    it there, a one-process run says it itself. An agreed stop (a non-finite loss, a
+    preemption), Ctrl-C and an exit go on as they are, as do errors under torchrun or SLURM."""
+    ours = bool(os.environ.get(LAUNCHER_PID_ENV))
+    launching = not already_launched()  # asked now: Lightning sets LOCAL_RANK in one process too
+    try:
+        return call()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 -- CheckpointException is a BaseException
+        if getattr(err, "agreed_stop", False) or not (ours or launching):
+            raise
+        if ours:
+            return send(err, int(os.environ.get("RANK", "0")))
+        return report_here(err, Path(output_dir))
 
 
 def _launch_or_train(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str, Any]] | None,

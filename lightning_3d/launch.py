@@ -40,8 +40,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Optional
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # what a scheduler or a terminal sends
@@ -147,7 +148,8 @@ def _run_ranks(world_size: int, script: str, overrides: list[str], output_dir: s
             # A session of their own: Ctrl-C in a terminal reaches the launcher only, which
             # forwards it once (a second SIGINT would interrupt a rank before it saves).
             procs.append(subprocess.Popen(command, env=env, start_new_session=True))
-        return _watch(procs, received, grace_s)
+        return _watch(procs, received, grace_s,
+                      lambda code: _reported(store, world_size, output_dir, code))
     finally:
         _end(procs, signal.SIGKILL, 0.0)
         for signum, handler in previous.items():
@@ -155,8 +157,11 @@ def _run_ranks(world_size: int, script: str, overrides: list[str], output_dir: s
         _remove_offload_dirs(store, world_size, [p.pid for p in procs])
 
 
-def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float) -> int:
-    """Wait for the ranks; stop them all when one fails or this process is signalled."""
+def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
+           reported: Callable[[int], int] = lambda code: code) -> int:
+    """Wait for the ranks; stop them all when one fails or this process is signalled. Once they
+    have all ended after a failure, ``reported(code)`` says what failed and returns the exit
+    code."""
     while True:
         if received:
             signum = received[0]
@@ -172,15 +177,26 @@ def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float) -
         for rank, code in enumerate(codes):
             if code not in (None, 0):
                 if code < 0:  # a signal: the rank could not say anything itself
-                    print(f"lightning_3d: launcher: rank {rank} (pid {procs[rank].pid}) was killed by "
-                          f"{signal_name(-code)}; stopping the other ranks", file=sys.stderr, flush=True)
+                    print(f"error: rank {rank} (pid {procs[rank].pid}) was killed by "
+                          f"{signal_name(-code)} (out of memory, or by someone); stopping the other "
+                          "ranks", file=sys.stderr, flush=True)
                 # First a moment to fail by themselves (a lost peer fails their collective at once)
                 # and say why: a SIGTERM during their error handling would only interrupt it.
                 _end(procs, signal.SIGTERM, FAILURE_GRACE_S, received=received, patience_s=FAILURE_GRACE_S)
-                return 128 - code if code < 0 else code
+                return 128 - code if code < 0 else reported(code)
         if all(code == 0 for code in codes):
             return 0
         time.sleep(POLL_S)
+
+
+def _reported(store: Any, world_size: int, output_dir: str, code: int) -> int:
+    """After a rank exited with ``code``: the one ``error:`` line for what the ranks reported
+    (:mod:`lightning_3d.rank_report`) and its exit code; ``code`` if none reported anything (a
+    rank that printed its own ``error:`` line, such as a non-finite stop)."""
+    from lightning_3d.rank_report import collect, report
+
+    records = collect(store, world_size)
+    return report(Path(output_dir), records) if records else code
 
 
 def _end(procs: list[subprocess.Popen], signum: int, grace_s: float, received: Optional[list[int]] = None,
