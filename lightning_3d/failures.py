@@ -29,13 +29,13 @@ _PEER_LOST = ("connection closed", "connection reset", "closed by peer", "broken
 
 
 # What each I/O error means for the user: the cause in words, and what to do.
-_ELSEWHERE = "free space there, or give the run a path on another disk"
+_ELSEWHERE = "free space there, or write to another disk"
 _IO_ADVICE = {
     errno.ENOSPC: ("no space left on device", _ELSEWHERE),
     errno.EDQUOT: ("disk quota exceeded", _ELSEWHERE),
-    errno.EROFS: ("read-only file system", "give the run a writable path"),
-    errno.EACCES: ("permission denied", "give the run a path it may write"),
-    errno.EPERM: ("operation not permitted", "give the run a path it may write"),
+    errno.EROFS: ("read-only file system", "write to a writable path"),
+    errno.EACCES: ("permission denied", "write to a path this user may write"),
+    errno.EPERM: ("operation not permitted", "write to a path this user may write"),
 }
 # What torch.save's zip writer says when a write fell short (it drops the OSError).
 _SHORT_WRITE = ("unexpected pos", "failed writing file")

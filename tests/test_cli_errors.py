@@ -223,7 +223,6 @@ def test_own_errors_are_not_reported_as_a_lost_peer():
         assert is_collective_failure(lost), lost
     line = describe_failure(wrapped, 1, None, None, None)
     assert line == ("lightning_3d: rank 1: no space left on device: /mnt/nvme/state.bin; free space "
-                    "there, or give the run a path on another disk (this rank's own I/O error, not a "
-                    "lost peer)")
+                    "there, or write to another disk (this rank's own I/O error, not a lost peer)")
     assert describe_failure(ValueError("bad"), 0, None, None, None) == "lightning_3d: rank 0: ValueError: bad"
     assert describe_failure(KeyboardInterrupt(), 0, None, None, None) is None

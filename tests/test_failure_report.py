@@ -85,6 +85,30 @@ def test_a_run_directory_where_hydra_cannot_write_is_named_as_such(read_only, tm
     assert "read-only file system" in line and str(run_dir) in line, line
 
 
+@pytest.mark.parametrize("mount", ["disk", "read_only"])
+def test_consolidate_onto_a_full_or_read_only_disk_is_one_line_and_no_file(request, tmp_path, mount):
+    """Before: a ``SafetensorError`` traceback and rc 1 on a full disk; on a read-only one the
+    temporary file named, rc 2."""
+    import sys
+
+    import torch
+
+    target = request.getfixturevalue(mount)
+    if mount == "disk":  # full to the last block: the export's header is refused at once
+        subprocess.run(["dd", "if=/dev/zero", f"of={target / 'filler'}", "bs=4k"], capture_output=True)
+    source = tmp_path / "in.ckpt"
+    torch.save({"state_dict": {"model.w": torch.randn(128, 128)}, "global_step": 1}, source)
+    before = sorted(p.name for p in target.iterdir())
+    output = target / "w.safetensors"
+    done = subprocess.run([sys.executable, "-m", "lightning_3d.checkpoint", "consolidate", str(source),
+                           str(output)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.returncode == IO_ERROR, done.stderr
+    line = _one_error(done)
+    cause = "no space left on device" if mount == "disk" else "read-only file system"
+    assert line.startswith(f"error: {cause}: {output}; "), line
+    assert sorted(p.name for p in target.iterdir()) == before  # no partial file, no temporary
+
+
 def test_the_os_error_inside_a_checkpoint_exception_is_found_and_named(tmp_path):
     """No processes: what a sharded save raises on a full disk (torch wraps each rank's error)."""
     from torch.distributed.checkpoint.api import CheckpointException
