@@ -86,7 +86,8 @@ def test_a_run_directory_where_hydra_cannot_write_is_named_as_such(read_only, tm
 
 
 @pytest.mark.parametrize("mount", ["disk", "read_only"])
-def test_consolidate_onto_a_full_or_read_only_disk_is_one_line_and_no_file(request, tmp_path, mount):
+def test_consolidate_onto_a_full_or_read_only_disk_is_one_line_and_no_file(request, tmp_path,
+                                                                             mount):
     """Before: a ``SafetensorError`` traceback and rc 1 on a full disk; on a read-only one the
     temporary file named, rc 2."""
     import sys
@@ -95,13 +96,14 @@ def test_consolidate_onto_a_full_or_read_only_disk_is_one_line_and_no_file(reque
 
     target = request.getfixturevalue(mount)
     if mount == "disk":  # full to the last block: the export's header is refused at once
-        subprocess.run(["dd", "if=/dev/zero", f"of={target / 'filler'}", "bs=4k"], capture_output=True)
+        subprocess.run(["dd", "if=/dev/zero", f"of={target / 'filler'}", "bs=4k"],
+                       capture_output=True)
     source = tmp_path / "in.ckpt"
     torch.save({"state_dict": {"model.w": torch.randn(128, 128)}, "global_step": 1}, source)
     before = sorted(p.name for p in target.iterdir())
     output = target / "w.safetensors"
-    done = subprocess.run([sys.executable, "-m", "lightning_3d.checkpoint", "consolidate", str(source),
-                           str(output)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    command = [sys.executable, "-m", "lightning_3d.checkpoint", "consolidate", str(source), str(output)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == IO_ERROR, done.stderr
     line = _one_error(done)
     cause = "no space left on device" if mount == "disk" else "read-only file system"
