@@ -28,7 +28,7 @@ from lightning_3d.config import (
     without_weights,
     world_size_of,
 )
-from lightning_3d.launch import already_launched, launch_job
+from lightning_3d.launch import already_launched, launch_job, quoted
 from lightning_3d.nonfinite import NonFiniteError
 from lightning_3d.planner.auto import plan_for_app, record_planned
 from lightning_3d.preemption import Preempted
@@ -99,6 +99,9 @@ def validate(cfg: DictConfig) -> None:
     if "model" in cfg and "data" in cfg:
         check_model_and_data(cfg.model, cfg.data)
     check_trainer(cfg.trainer, cfg.parallelism, cfg.get("offload"))
+    # (A resumed epoch is shorter, and an unplanned layout unknown yet: the ranks check those.)
+    if "data" in cfg and resume is None and not unplanned:
+        check_data_sizes(cfg.data, cfg.trainer, layout.data)
 
 
 def check_app_keys(cfg: DictConfig) -> None:
@@ -177,6 +180,46 @@ def check_model_and_data(model: DictConfig, data: DictConfig) -> None:
             f"the data's ids need a vocabulary of {data_vocab} but the model has vocab_size={limits.vocab_size} "
             f"({limits.source}); use the model's own tokenizer or a model with a larger vocabulary"
         )
+
+
+def check_data_sizes(data: DictConfig, trainer: DictConfig, data_degree: int) -> None:
+    """The data's splits against the batch size and the Trainer's validation interval, where the
+    data module can count its windows (``split_windows``): at least one global batch in the
+    validation split, and an integer ``trainer.val_check_interval`` within the batches of an
+    epoch (Lightning's own check, which it makes only once the ranks have loaded the data)."""
+    split_windows = getattr(target_of(data, "data"), "split_windows", None)
+    batch_size = data.get("batch_size")
+    if split_windows is None or not isinstance(batch_size, int) or batch_size < data_degree:
+        return
+    options = OmegaConf.to_container(data, resolve=True)
+    sizes = split_windows(**{k: v for k, v in options.items() if k not in HYDRA_KEYS})
+    if sizes is None:
+        return
+    train, val = sizes
+    if val < batch_size:
+        raise ValueError(
+            f"data.batch_size={batch_size} is larger than the validation split ({val} windows of "
+            f"data.block_size+1 positions, data.val_fraction={data.get('val_fraction')}); lower "
+            "data.batch_size, or raise data.val_fraction or the data's size")
+    interval = trainer.get("val_check_interval", 1.0)
+    limit_val = trainer.get("limit_val_batches", 1.0)
+    if (isinstance(interval, bool) or not isinstance(interval, int)
+            or trainer.get("check_val_every_n_epoch", 1) is None
+            or not (isinstance(limit_val, (int, float)) and limit_val > 0)):
+        return  # Lightning checks an integer interval only when it validates by epoch
+    # Per rank, incomplete batches dropped (the sampler's and the loader's drop_last).
+    batches = (train // data_degree) // (batch_size // data_degree)
+    limit = trainer.get("limit_train_batches", 1.0)
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        batches = min(batches, limit)
+    elif isinstance(limit, float):
+        batches = int(batches * limit)
+    if interval > batches:
+        raise ValueError(
+            f"trainer.val_check_interval={interval} is above the {batches} batches of an epoch "
+            f"({train} training windows, data.batch_size={batch_size}); give "
+            f"trainer.val_check_interval={batches} or less, a fraction of the epoch such as 0.5, "
+            "or trainer.limit_val_batches=0 for no validation")
 
 
 def model_on_meta(model: DictConfig) -> Any:
@@ -302,6 +345,8 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
         # parallelism=auto: chosen here, once, and handed to the ranks as overrides (a rank of
         # torchrun / SLURM leaves it to its strategy, which plans on rank 0 for the whole world).
         chosen, planned = ([], None) if already_launched() else _resolve_auto(cfg)
+        if not already_launched():
+            quoted(output_dir)  # the ranks get it as a Hydra override: refused here if it cannot be
         if not validated:
             validate(cfg)
         # resume=last names the newest checkpoint now, before this run writes any: every rank

@@ -102,6 +102,17 @@ def local_rank_env(rank: int, world_size: int, port: int, threads: int, agent_st
     }
 
 
+def quoted(value: str) -> str:
+    """``value`` as a quoted Hydra override value, so that a ``,`` (a sweep), ``=``, a space or
+    a bracket in it reach the ranks as they are. ``ValueError`` for a value holding both kinds
+    of quote, or a backslash before one (Hydra's grammar would change it)."""
+    quote = "'" if "'" not in value else '"'
+    if quote in value or "\\'" in value or '\\"' in value or value.endswith("\\"):
+        raise ValueError(f"hydra.run.dir={value!r}: a path holding both ' and \", or a backslash "
+                         "before a quote, cannot be handed to the ranks; give another run dir")
+    return f"{quote}{value}{quote}"
+
+
 def already_launched() -> bool:
     """True inside a rank started by us, torchrun, SLURM or any launcher that sets ``LOCAL_RANK``."""
     return "LOCAL_RANK" in os.environ or "SLURM_PROCID" in os.environ
@@ -143,7 +154,8 @@ def _run_ranks(world_size: int, script: str, overrides: list[str], output_dir: s
                    LAUNCHER_PID_ENV: str(os.getpid())}  # its watchdog stops the rank should this process die
             command = [
                 sys.executable, script, *overrides,
-                f"hydra.run.dir={output_dir}", "hydra.output_subdir=null", f"hydra.job.name=rank{rank}",
+                f"hydra.run.dir={quoted(output_dir)}", "hydra.output_subdir=null",
+                f"hydra.job.name=rank{rank}",
             ]
             # A session of their own: Ctrl-C in a terminal reaches the launcher only, which
             # forwards it once (a second SIGINT would interrupt a rank before it saves).

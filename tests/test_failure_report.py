@@ -102,7 +102,8 @@ def test_consolidate_onto_a_full_or_read_only_disk_is_one_line_and_no_file(reque
     torch.save({"state_dict": {"model.w": torch.randn(128, 128)}, "global_step": 1}, source)
     before = sorted(p.name for p in target.iterdir())
     output = target / "w.safetensors"
-    command = [sys.executable, "-m", "lightning_3d.checkpoint", "consolidate", str(source), str(output)]
+    command = [sys.executable, "-m", "lightning_3d.checkpoint", "consolidate", str(source),
+               str(output)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == IO_ERROR, done.stderr
     line = _one_error(done)
