@@ -161,7 +161,7 @@ def _run_ranks(world_size: int, script: str, overrides: list[str], output_dir: s
             # forwards it once (a second SIGINT would interrupt a rank before it saves).
             procs.append(subprocess.Popen(command, env=env, start_new_session=True))
         return _watch(procs, received, grace_s,
-                      lambda code: _reported(store, world_size, output_dir, code))
+                      lambda code, codes: _reported(store, output_dir, code, codes))
     finally:
         _end(procs, signal.SIGKILL, 0.0)
         for signum, handler in previous.items():
@@ -170,9 +170,10 @@ def _run_ranks(world_size: int, script: str, overrides: list[str], output_dir: s
 
 
 def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
-           reported: Callable[[int], int] = lambda code: code) -> int:
+           reported: Callable[[int, list], int] = lambda code, codes: code) -> int:
     """Wait for the ranks; stop them all when one fails or this process is signalled. Once they
-    have all ended after a failure, ``reported(code)`` says what failed and returns the exit
+    have all ended after a failure, ``reported(code, codes)`` (the first failed rank's, every
+    rank's) says what failed and returns the exit
     code."""
     while True:
         if received:
@@ -195,19 +196,30 @@ def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
                 # First a moment to fail by themselves (a lost peer fails their collective at once)
                 # and say why: a SIGTERM during their error handling would only interrupt it.
                 _end(procs, signal.SIGTERM, FAILURE_GRACE_S, received=received, patience_s=FAILURE_GRACE_S)
-                return 128 - code if code < 0 else reported(code)
+                return 128 - code if code < 0 else reported(code, [p.returncode for p in procs])
         if all(code == 0 for code in codes):
             return 0
         time.sleep(POLL_S)
 
 
-def _reported(store: Any, world_size: int, output_dir: str, code: int) -> int:
-    """After a rank exited with ``code``: the one ``error:`` line for what the ranks reported
-    (:mod:`lightning_3d.rank_report`) and its exit code; ``code`` if none reported anything (a
-    rank that printed its own ``error:`` line, such as a non-finite stop)."""
+def _reported(store: Any, output_dir: str, code: int, codes: list[int]) -> int:
+    """After a rank failed with ``code`` and every rank has ended (``codes``): the one
+    ``error:`` line for what the ranks reported (:mod:`lightning_3d.rank_report`) and its exit
+    code; ``code`` if none reported anything (a rank that printed its own ``error:`` line, such
+    as a non-finite stop). A rank that exited without a report while the others only lost it
+    is named as the cause, with its exit code."""
+    from lightning_3d.exit_codes import PEER_LOST
     from lightning_3d.rank_report import collect, report
 
-    records = collect(store, world_size)
+    records = collect(store, len(codes))
+    reported = {r["rank"] for r in records}
+    silent = [(rank, c) for rank, c in enumerate(codes)
+              if c is not None and c > 0 and rank not in reported]
+    if records and silent and all(r["code"] == PEER_LOST for r in records):
+        rank, own = silent[0]
+        records.append({"rank": rank, "code": own, "details": [], "traceback": "",
+                        "line": f"rank {rank} exited with code {own} without saying why (its own "
+                                "output, above, may); the other ranks lost it"})
     return report(Path(output_dir), records) if records else code
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import subprocess
+import sys
 import traceback
 import uuid
 from collections.abc import Iterator
@@ -90,8 +91,6 @@ def test_consolidate_onto_a_full_or_read_only_disk_is_one_line_and_no_file(reque
                                                                              mount):
     """Before: a ``SafetensorError`` traceback and rc 1 on a full disk; on a read-only one the
     temporary file named, rc 2."""
-    import sys
-
     import torch
 
     target = request.getfixturevalue(mount)
@@ -110,6 +109,47 @@ def test_consolidate_onto_a_full_or_read_only_disk_is_one_line_and_no_file(reque
     cause = "no space left on device" if mount == "disk" else "read-only file system"
     assert line.startswith(f"error: {cause}: {output}; "), line
     assert sorted(p.name for p in target.iterdir()) == before  # no partial file, no temporary
+
+
+# Put in a rank's path as sitecustomize: rank 1 ends at its second step without a word, as a
+# rank whose process the OS or a library ended would (os._exit: no exception, no report).
+_SILENT_EXIT = """
+import os
+if os.environ.get("RANK") == "1" and os.environ.get("LIGHTNING3D_LAUNCHER_PID"):
+    from lightning.pytorch.loops import training_epoch_loop as loop
+    advance = loop._TrainingEpochLoop.advance
+    def _advance(self, *args, **kwargs):
+        if self.global_step >= 1:
+            os._exit(7)
+        return advance(self, *args, **kwargs)
+    loop._TrainingEpochLoop.advance = _advance
+"""
+
+
+def test_a_rank_that_exits_without_a_word_is_named_not_the_peer_that_lost_it(tmp_path):
+    """Rank 0 fails its collective (a lost peer, exit 4) because rank 1 exited with code 7 and
+    no report: the line names rank 1 and the launcher exits 7. Before: rank 0's traceback and
+    'a collective failed' on the terminal. Seen failing without the launcher's silent-rank
+    record (the line named rank 0's lost peer, exit 4)."""
+    import os
+
+    from lightning_3d.testing.apps import app_env
+
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_SILENT_EXIT)
+    env = app_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(hook), str(REPO), env.get("PYTHONPATH", "")])
+    run_dir = tmp_path / "run"
+    command = [sys.executable, str(SCRIPT), *TINY, "trainer.devices=2", "trainer.max_steps=5",
+               f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 7, proc.stderr[-4000:]
+    line = _one_error(proc)
+    assert line.startswith("error: rank 1 exited with code 7 without saying why"), line
+    assert "rank(s) 0 failed too" in line and str(run_dir / "ranks.log") in line, line
+    assert "a collective failed" in (run_dir / "ranks.log").read_text()
 
 
 def test_the_os_error_inside_a_checkpoint_exception_is_found_and_named(tmp_path):
