@@ -47,6 +47,7 @@ def test_the_data_sizes_are_checked_before_any_rank_starts(tmp_path):
         assert not (tmp_path / name).exists()  # refused before anything was written
 
 
+@pytest.mark.slow  # ~32 s (dp2 training); the fast suite checks the quoting itself (below)
 def test_a_quoted_run_directory_with_a_comma_and_an_equals_sign_reaches_the_ranks(tmp_path):
     run_dir = tmp_path / "a,b=c"
     app = start_app(SCRIPT, [*SMALL, "data.batch_size=4", "trainer.limit_val_batches=0",

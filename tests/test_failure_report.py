@@ -62,7 +62,8 @@ def _one_error(done: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize("devices, layout", [(2, "sharded"), (1, "consolidated")])
+@pytest.mark.parametrize("devices, layout", [  # dp2 ~35 s: the fast suite digs without processes
+    pytest.param(2, "sharded", marks=pytest.mark.slow), (1, "consolidated")])
 def test_a_save_on_a_full_disk_is_one_line_naming_the_file(disk, tmp_path, devices, layout):
     run_dir = disk / "run"
     app = start_app(SCRIPT, [*TINY, f"trainer.devices={devices}",
