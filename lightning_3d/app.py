@@ -28,6 +28,7 @@ from lightning_3d.config import (
     without_weights,
     world_size_of,
 )
+from lightning_3d.failures import REPORTS_ENV
 from lightning_3d.launch import already_launched, launch_job, quoted
 from lightning_3d.nonfinite import NonFiniteError
 from lightning_3d.planner.auto import plan_for_app, record_planned
@@ -378,16 +379,25 @@ def _reporting(output_dir: str, call: Callable[[], int]) -> int:
     preemption), Ctrl-C and an exit go on as they are, as do errors under torchrun or SLURM."""
     ours = bool(os.environ.get(LAUNCHER_PID_ENV))
     launching = not already_launched()  # asked now: Lightning sets LOCAL_RANK in one process too
+    if not (ours or launching):
+        return call()
+    before = os.environ.get(REPORTS_ENV)
+    os.environ[REPORTS_ENV] = "1"  # the strategy leaves its lines to this report
     try:
         return call()
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # noqa: BLE001 -- CheckpointException is a BaseException
-        if getattr(err, "agreed_stop", False) or not (ours or launching):
+        if getattr(err, "agreed_stop", False):
             raise
         if ours:
             return send(err, int(os.environ.get("RANK", "0")))
         return report_here(err, Path(output_dir))
+    finally:
+        if before is None:
+            os.environ.pop(REPORTS_ENV, None)
+        else:
+            os.environ[REPORTS_ENV] = before
 
 
 def _launch_or_train(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str, Any]] | None,

@@ -28,6 +28,11 @@ _PEER_LOST = ("connection closed", "connection reset", "closed by peer", "broken
               "collective operation timeout", "socket timeout", "application timeout")
 
 
+# While the app reports failures (lightning_3d.rank_report), the strategy's on_exception keeps
+# its lines on the exception, under LINES_ATTR, instead of printing them.
+REPORTS_ENV = "LIGHTNING3D_APP_REPORTS"
+LINES_ATTR = "lightning_3d_lines"
+
 # What each I/O error means for the user: the cause in words, and what to do.
 _ELSEWHERE = "free space there, or write to another disk"
 _IO_ADVICE = {

@@ -26,11 +26,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_3d.exit_codes import IO_ERROR, PEER_LOST, RANK_ERROR
-from lightning_3d.failures import exit_code_of, rank_line
+from lightning_3d.failures import LINES_ATTR, exit_code_of, rank_line
 
 KEY = "lightning_3d/failure/{rank}"
 LOG = "ranks.log"
-LINES_ATTR = "lightning_3d_lines"  # what the strategy's on_exception said, kept for the record
 _PRIORITY = {IO_ERROR: 0, RANK_ERROR: 1, PEER_LOST: 2}  # the cause first, its consequences after
 
 

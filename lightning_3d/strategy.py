@@ -30,8 +30,7 @@ from typing_extensions import override
 from lightning_3d.checkpoint.io import AtomicCheckpointIO
 from lightning_3d.checkpoint.strategy_hooks import CheckpointHooks
 from lightning_3d.collectives import Collectives
-from lightning_3d.failures import describe_failure
-from lightning_3d.rank_report import LINES_ATTR
+from lightning_3d.failures import LINES_ATTR, REPORTS_ENV, describe_failure
 from lightning_3d.layout import Layout, MeshAxis, build_mesh
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.parallel.loss import plain_loss, vocab_parallel_loss
@@ -43,7 +42,7 @@ from lightning_3d.precision import distributed_precision, scale_loss
 from lightning_3d.preemption import StopOnSignal
 from lightning_3d.recipe import Parallelized, attach_optimizers, parallelize
 from lightning_3d.telemetry import Telemetry
-from lightning_3d.watchdog import LAUNCHER_PID_ENV, Watchdog, watch_world
+from lightning_3d.watchdog import Watchdog, watch_world
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -331,7 +330,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         message = describe_failure(exception, self.global_rank, self._setting_up, self.lightning_module, self.layout)
         named = self.watchdog.failure_line(exception) if self.watchdog is not None else None
-        if os.environ.get(LAUNCHER_PID_ENV):  # our launcher reports it, in one line for every rank
+        if os.environ.get(REPORTS_ENV):  # the app reports it, in one line for every rank
             try:
                 setattr(exception, LINES_ATTR, [line for line in (named, message) if line])
                 return

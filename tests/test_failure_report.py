@@ -76,6 +76,7 @@ def test_a_save_on_a_full_disk_is_one_line_naming_the_file(disk, tmp_path, devic
     assert "rank 0" in line, line
     assert str(run_dir / "ranks.log") in line and "Errno 28" in (run_dir / "ranks.log").read_text()
     assert len(done.stderr.splitlines()) < 40, done.stderr  # the ranks' tracebacks are in the log
+    assert "lightning_3d: rank" not in done.stderr, done.stderr  # said once, in the error: line
 
 
 def test_a_run_directory_where_hydra_cannot_write_is_named_as_such(read_only, tmp_path):
