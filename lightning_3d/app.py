@@ -28,7 +28,8 @@ from lightning_3d.config import (
     without_weights,
     world_size_of,
 )
-from lightning_3d.launch import already_launched, launch_job
+from lightning_3d.failures import REPORTS_ENV
+from lightning_3d.launch import already_launched, launch_job, quoted
 from lightning_3d.nonfinite import NonFiniteError
 from lightning_3d.planner.auto import plan_for_app, record_planned
 from lightning_3d.preemption import Preempted
@@ -43,7 +44,9 @@ from lightning_3d.resume import (
     resume_override,
     written_checkpoint,
 )
+from lightning_3d.rank_report import report_here, send
 from lightning_3d.run_dir import RunDirInUse, hold
+from lightning_3d.watchdog import LAUNCHER_PID_ENV
 
 
 # The apps' top-level keys (conf/train.yaml, conf/finetune.yaml): any other (``+ckpt_path=...``)
@@ -99,6 +102,9 @@ def validate(cfg: DictConfig) -> None:
     if "model" in cfg and "data" in cfg:
         check_model_and_data(cfg.model, cfg.data)
     check_trainer(cfg.trainer, cfg.parallelism, cfg.get("offload"))
+    # (A resumed epoch is shorter, and an unplanned layout unknown yet: the ranks check those.)
+    if "data" in cfg and resume is None and not unplanned:
+        check_data_sizes(cfg.data, cfg.trainer, layout.data)
 
 
 def check_app_keys(cfg: DictConfig) -> None:
@@ -186,6 +192,46 @@ def check_data_layout(data: DictConfig, layout: Any) -> None:
     if check_layout is not None:
         options = OmegaConf.to_container(data, resolve=True)
         check_layout(layout.pipeline, **{k: v for k, v in options.items() if k not in HYDRA_KEYS})
+
+
+def check_data_sizes(data: DictConfig, trainer: DictConfig, data_degree: int) -> None:
+    """The data's splits against the batch size and the Trainer's validation interval, where the
+    data module can count its windows (``split_windows``): at least one global batch in the
+    validation split, and an integer ``trainer.val_check_interval`` within the batches of an
+    epoch (Lightning's own check, which it makes only once the ranks have loaded the data)."""
+    split_windows = getattr(target_of(data, "data"), "split_windows", None)
+    batch_size = data.get("batch_size")
+    if split_windows is None or not isinstance(batch_size, int) or batch_size < data_degree:
+        return
+    options = OmegaConf.to_container(data, resolve=True)
+    sizes = split_windows(**{k: v for k, v in options.items() if k not in HYDRA_KEYS})
+    if sizes is None:
+        return
+    train, val = sizes
+    if val < batch_size:
+        raise ValueError(
+            f"data.batch_size={batch_size} is larger than the validation split ({val} windows of "
+            f"data.block_size+1 positions, data.val_fraction={data.get('val_fraction')}); lower "
+            "data.batch_size, or raise data.val_fraction or the data's size")
+    interval = trainer.get("val_check_interval", 1.0)
+    limit_val = trainer.get("limit_val_batches", 1.0)
+    if (isinstance(interval, bool) or not isinstance(interval, int)
+            or trainer.get("check_val_every_n_epoch", 1) is None
+            or not (isinstance(limit_val, (int, float)) and limit_val > 0)):
+        return  # Lightning checks an integer interval only when it validates by epoch
+    # Per rank, incomplete batches dropped (the sampler's and the loader's drop_last).
+    batches = (train // data_degree) // (batch_size // data_degree)
+    limit = trainer.get("limit_train_batches", 1.0)
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        batches = min(batches, limit)
+    elif isinstance(limit, float):
+        batches = int(batches * limit)
+    if interval > batches:
+        raise ValueError(
+            f"trainer.val_check_interval={interval} is above the {batches} batches of an epoch "
+            f"({train} training windows, data.batch_size={batch_size}); give "
+            f"trainer.val_check_interval={batches} or less, a fraction of the epoch such as 0.5, "
+            "or trainer.limit_val_batches=0 for no validation")
 
 
 def model_on_meta(model: DictConfig) -> Any:
@@ -311,6 +357,8 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
         # parallelism=auto: chosen here, once, and handed to the ranks as overrides (a rank of
         # torchrun / SLURM leaves it to its strategy, which plans on rank 0 for the whole world).
         chosen, planned = ([], None) if already_launched() else _resolve_auto(cfg)
+        if not already_launched():
+            quoted(output_dir)  # the ranks get it as a Hydra override: refused here if it cannot be
         if not validated:
             validate(cfg)
         # resume=last names the newest checkpoint now, before this run writes any: every rank
@@ -321,16 +369,46 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
         _discard_run_dir(Path(output_dir), hydra_cfg.job.name)
         return 2
     if already_launched():  # a rank: its launcher holds the run directory
-        return _launch_or_train(cfg, script, body, hydra_cfg, resume, chosen, planned)
+        return _reporting(output_dir, lambda: _launch_or_train(cfg, script, body, hydra_cfg, resume,
+                                                               chosen, planned))
     overwrite = cfg.get("overwrite", False)
     try:
         if not isinstance(overwrite, bool):
             raise RunDirInUse(f"overwrite={overwrite!r} must be true or false")
         with hold(Path(output_dir), resuming=resume is not None, overwrite=overwrite):
-            return _launch_or_train(cfg, script, body, hydra_cfg, resume, chosen, planned)
+            return _reporting(output_dir, lambda: _launch_or_train(cfg, script, body, hydra_cfg,
+                                                                   resume, chosen, planned))
     except RunDirInUse as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+
+
+def _reporting(output_dir: str, call: Callable[[], int]) -> int:
+    """``call()``; should it fail, one ``error:`` line from the launching process and the exit
+    code of the failure's kind (:mod:`lightning_3d.rank_report`): a rank of our launcher sends
+    it there, a one-process run says it itself. An agreed stop (a non-finite loss, a
+    preemption), Ctrl-C and an exit go on as they are, as do errors under torchrun or SLURM."""
+    ours = bool(os.environ.get(LAUNCHER_PID_ENV))
+    launching = not already_launched()  # asked now: Lightning sets LOCAL_RANK in one process too
+    if not (ours or launching):
+        return call()
+    before = os.environ.get(REPORTS_ENV)
+    os.environ[REPORTS_ENV] = "1"  # the strategy leaves its lines to this report
+    try:
+        return call()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 -- CheckpointException is a BaseException
+        if getattr(err, "agreed_stop", False):
+            raise
+        if ours:
+            return send(err, int(os.environ.get("RANK", "0")))
+        return report_here(err, Path(output_dir))
+    finally:
+        if before is None:
+            os.environ.pop(REPORTS_ENV, None)
+        else:
+            os.environ[REPORTS_ENV] = before
 
 
 def _launch_or_train(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str, Any]] | None,

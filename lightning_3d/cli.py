@@ -5,7 +5,9 @@ with a paragraph and exit code 1, the code a crash has too, and a ``-m`` sweep s
 job that exits. :func:`hydra_app` runs the same ``hydra.main`` but
 
 * a config error Hydra raises before the task runs becomes one ``error:`` line and exit code 2,
-  as the app's own checks (:func:`lightning_3d.app.validate`) report bad values;
+  as the app's own checks (:func:`lightning_3d.app.validate`) report bad values; a run directory
+  where Hydra cannot write its own files (a full disk, a read-only one) is named as such, exit
+  code 3 (:mod:`lightning_3d.exit_codes`);
 * under ``-m`` every job runs: a job that fails (a non-zero exit code or an exception) is
   recorded, the next one starts, and at the end the failed ones are listed and the sweep exits 1.
 
@@ -74,6 +76,14 @@ class _HeldStream(io.TextIOBase):
         return " ".join(line for line in lines if not line.startswith(_HYDRA_HINTS))
 
 
+def _run_dir() -> Optional[str]:
+    """The run directory Hydra was setting up, as the command line gives it (Hydra has
+    forgotten its config by the time it exits)."""
+    keys = ("hydra.run.dir=", "hydra.sweep.dir=")
+    given = [arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith(keys)]
+    return given[-1].strip("'\"") if given else None
+
+
 @dataclass
 class _Sweep:
     """The jobs of this invocation: whether the task has started, and the failed ones."""
@@ -91,6 +101,8 @@ def hydra_app(task: Callable[[DictConfig], int], config_path: str, config_name: 
     from hydra.types import RunMode
 
     from lightning_3d.streams import guard_streams
+    from lightning_3d.exit_codes import BAD_INPUT, IO_ERROR
+    from lightning_3d.failures import io_error_of, io_error_words
 
     guard_streams()  # a reader closing stdout (| head) never stops the run
     sweep = _Sweep()
@@ -125,10 +137,16 @@ def hydra_app(task: Callable[[DictConfig], int], config_path: str, config_name: 
         app()
     except SystemExit as exit_:
         if not sweep.started and exit_.code not in (0, None):
-            message = stderr.one_line() or "bad command line"
+            # Hydra could not write its own files: not the command line's fault.
+            io_error = io_error_of(exit_)  # (not Hydra's MissingConfigException, an IOError too)
+            io_error = io_error if io_error is not None and io_error.errno is not None else None
+            if io_error is not None and not io_error.filename:  # failed at close: name the directory
+                io_error = OSError(io_error.errno, io_error.strerror, _run_dir())
+            message = (io_error_words(io_error) if io_error is not None
+                       else stderr.one_line() or "bad command line")
             stderr.held = None  # said in one line instead
             print(f"error: {message}", file=stderr.target)
-            sys.exit(2)
+            sys.exit(IO_ERROR if io_error is not None else BAD_INPUT)
         raise
     finally:
         sys.stderr = stderr.target

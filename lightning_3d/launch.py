@@ -40,8 +40,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Optional
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # what a scheduler or a terminal sends
@@ -101,6 +102,17 @@ def local_rank_env(rank: int, world_size: int, port: int, threads: int, agent_st
     }
 
 
+def quoted(value: str) -> str:
+    """``value`` as a quoted Hydra override value, so that a ``,`` (a sweep), ``=``, a space or
+    a bracket in it reach the ranks as they are. ``ValueError`` for a value holding both kinds
+    of quote, or a backslash before one (Hydra's grammar would change it)."""
+    quote = "'" if "'" not in value else '"'
+    if quote in value or "\\'" in value or '\\"' in value or value.endswith("\\"):
+        raise ValueError(f"hydra.run.dir={value!r}: a path holding both ' and \", or a backslash "
+                         "before a quote, cannot be handed to the ranks; give another run dir")
+    return f"{quote}{value}{quote}"
+
+
 def already_launched() -> bool:
     """True inside a rank started by us, torchrun, SLURM or any launcher that sets ``LOCAL_RANK``."""
     return "LOCAL_RANK" in os.environ or "SLURM_PROCID" in os.environ
@@ -142,12 +154,14 @@ def _run_ranks(world_size: int, script: str, overrides: list[str], output_dir: s
                    LAUNCHER_PID_ENV: str(os.getpid())}  # its watchdog stops the rank should this process die
             command = [
                 sys.executable, script, *overrides,
-                f"hydra.run.dir={output_dir}", "hydra.output_subdir=null", f"hydra.job.name=rank{rank}",
+                f"hydra.run.dir={quoted(output_dir)}", "hydra.output_subdir=null",
+                f"hydra.job.name=rank{rank}",
             ]
             # A session of their own: Ctrl-C in a terminal reaches the launcher only, which
             # forwards it once (a second SIGINT would interrupt a rank before it saves).
             procs.append(subprocess.Popen(command, env=env, start_new_session=True))
-        return _watch(procs, received, grace_s)
+        return _watch(procs, received, grace_s,
+                      lambda code, codes: _reported(store, output_dir, code, codes))
     finally:
         _end(procs, signal.SIGKILL, 0.0)
         for signum, handler in previous.items():
@@ -155,8 +169,12 @@ def _run_ranks(world_size: int, script: str, overrides: list[str], output_dir: s
         _remove_offload_dirs(store, world_size, [p.pid for p in procs])
 
 
-def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float) -> int:
-    """Wait for the ranks; stop them all when one fails or this process is signalled."""
+def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
+           reported: Callable[[int, list], int] = lambda code, codes: code) -> int:
+    """Wait for the ranks; stop them all when one fails or this process is signalled. Once they
+    have all ended after a failure, ``reported(code, codes)`` (the first failed rank's, every
+    rank's) says what failed and returns the exit
+    code."""
     while True:
         if received:
             signum = received[0]
@@ -172,15 +190,37 @@ def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float) -
         for rank, code in enumerate(codes):
             if code not in (None, 0):
                 if code < 0:  # a signal: the rank could not say anything itself
-                    print(f"lightning_3d: launcher: rank {rank} (pid {procs[rank].pid}) was killed by "
-                          f"{signal_name(-code)}; stopping the other ranks", file=sys.stderr, flush=True)
+                    print(f"error: rank {rank} (pid {procs[rank].pid}) was killed by "
+                          f"{signal_name(-code)} (out of memory, or by someone); stopping the other "
+                          "ranks", file=sys.stderr, flush=True)
                 # First a moment to fail by themselves (a lost peer fails their collective at once)
                 # and say why: a SIGTERM during their error handling would only interrupt it.
                 _end(procs, signal.SIGTERM, FAILURE_GRACE_S, received=received, patience_s=FAILURE_GRACE_S)
-                return 128 - code if code < 0 else code
+                return 128 - code if code < 0 else reported(code, [p.returncode for p in procs])
         if all(code == 0 for code in codes):
             return 0
         time.sleep(POLL_S)
+
+
+def _reported(store: Any, output_dir: str, code: int, codes: list[int]) -> int:
+    """After a rank failed with ``code`` and every rank has ended (``codes``): the one
+    ``error:`` line for what the ranks reported (:mod:`lightning_3d.rank_report`) and its exit
+    code; ``code`` if none reported anything (a rank that printed its own ``error:`` line, such
+    as a non-finite stop). A rank that exited without a report while the others only lost it
+    is named as the cause, with its exit code."""
+    from lightning_3d.exit_codes import PEER_LOST
+    from lightning_3d.rank_report import collect, report
+
+    records = collect(store, len(codes))
+    reported = {r["rank"] for r in records}
+    silent = [(rank, c) for rank, c in enumerate(codes)
+              if c is not None and c > 0 and rank not in reported]
+    if records and silent and all(r["code"] == PEER_LOST for r in records):
+        rank, own = silent[0]
+        records.append({"rank": rank, "code": own, "details": [], "traceback": "",
+                        "line": f"rank {rank} exited with code {own} without saying why (its own "
+                                "output, above, may); the other ranks lost it"})
+    return report(Path(output_dir), records) if records else code
 
 
 def _end(procs: list[subprocess.Popen], signum: int, grace_s: float, received: Optional[list[int]] = None,

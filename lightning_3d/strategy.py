@@ -4,6 +4,7 @@ checkpoint hooks: it answers Lightning's calls with them and holds no parallelis
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
@@ -29,7 +30,7 @@ from typing_extensions import override
 from lightning_3d.checkpoint.io import AtomicCheckpointIO
 from lightning_3d.checkpoint.strategy_hooks import CheckpointHooks
 from lightning_3d.collectives import Collectives
-from lightning_3d.failures import describe_failure
+from lightning_3d.failures import LINES_ATTR, REPORTS_ENV, describe_failure
 from lightning_3d.layout import Layout, MeshAxis, build_mesh
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.parallel.loss import plain_loss, vocab_parallel_loss
@@ -329,6 +330,12 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     def on_exception(self, exception: BaseException) -> None:
         message = describe_failure(exception, self.global_rank, self._setting_up, self.lightning_module, self.layout)
         named = self.watchdog.failure_line(exception) if self.watchdog is not None else None
+        if os.environ.get(REPORTS_ENV):  # the app reports it, in one line for every rank
+            try:
+                setattr(exception, LINES_ATTR, [line for line in (named, message) if line])
+                return
+            except AttributeError:  # an exception that takes no attributes: said here
+                pass
         for line in (message, named):
             if line:
                 print(line, file=sys.stderr, flush=True)

@@ -222,7 +222,7 @@ def test_own_errors_are_not_reported_as_a_lost_peer():
                  ConnectionResetError("Connection reset by peer")):
         assert is_collective_failure(lost), lost
     line = describe_failure(wrapped, 1, None, None, None)
-    assert line == ("lightning_3d: rank 1: OSError (/mnt/nvme/state.bin): No space left on device "
-                    "(this rank's own I/O error, not a lost peer)")
+    assert line == ("lightning_3d: rank 1: no space left on device: /mnt/nvme/state.bin; free space "
+                    "there, or write to another disk (this rank's own I/O error, not a lost peer)")
     assert describe_failure(ValueError("bad"), 0, None, None, None) == "lightning_3d: rank 0: ValueError: bad"
     assert describe_failure(KeyboardInterrupt(), 0, None, None, None) is None

@@ -14,12 +14,16 @@ directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads (see
 
 Every command verifies the checksums of what it reads, and no command writes onto its input (the
 same path, inside a sharded input, or a directory holding it), ``--force`` or not. Errors print
-one line ``error: ...`` on stderr and exit with code 2, before anything is written.
+one line ``error: ...`` on stderr and exit with code 2 (bad input), before anything is written,
+or 3 when the output cannot be written (no space left, a read-only file system, no permission:
+the line names the output and the cause; no partial file is left)
+(:mod:`lightning_3d.exit_codes`).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import warnings
 from collections.abc import Sequence
@@ -28,8 +32,12 @@ from typing import Any, NoReturn
 from lightning_3d.checkpoint.checks import inspect_checkpoint
 from lightning_3d.checkpoint.export import export_safetensors
 from lightning_3d.checkpoint.hf_export import DTYPES, export_hf
+from lightning_3d.exit_codes import BAD_INPUT, IO_ERROR
+from lightning_3d.failures import io_error_words
 
-USAGE_ERROR = 2
+USAGE_ERROR = BAD_INPUT
+# What makes an output unwritable, as opposed to a wrong path given (a missing input: exit 2).
+_CANNOT_WRITE = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -108,13 +116,19 @@ def _inspect(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit code (0, or 2 after printing ``error: ...``)."""
+    """Run the command line; returns the exit code (0, or 2 or 3 after printing ``error: ...``)."""
     args = build_parser().parse_args(argv)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             args.run(args)
-    except (ValueError, OSError, ImportError) as error:
+    except OSError as error:
+        if error.errno in _CANNOT_WRITE:
+            print(f"error: {_one_line(io_error_words(error))}", file=sys.stderr)
+            return IO_ERROR
+        print(f"error: {_one_line(error)}", file=sys.stderr)
+        return USAGE_ERROR
+    except (ValueError, ImportError) as error:
         print(f"error: {_one_line(error)}", file=sys.stderr)  # the error alone, no warnings before it
         return USAGE_ERROR
     for warning in caught:  # e.g. a checkpoint without checksums: one line each

@@ -12,6 +12,10 @@ Command line: ``python -m lightning_3d.checkpoint consolidate last.ckpt gpt.safe
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +39,23 @@ class ExportResult:
     num_params: int
     num_bytes: int  # size of the file written
     prefix: str  # the prefix stripped from every name ("" when none)
+
+
+@contextmanager
+def output_errors_named(output: Path) -> Iterator[None]:
+    """An I/O error of the block as an ``OSError`` naming ``output`` (not the temporary file it
+    was written to): safetensors' ``SafetensorError`` says ``No space left on device (os error
+    28)`` in its message only."""
+    try:
+        yield
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(output)) from err
+    except Exception as err:  # noqa: BLE001 -- SafetensorError has no errno of its own
+        found = re.search(r"\(os error (\d+)\)", str(err))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(output)) from err
 
 
 def _strip(names: list[str], prefix: str | None) -> str:
@@ -110,7 +131,8 @@ def export_safetensors(
 
     from safetensors.torch import save_file
 
-    atomic_write(output, lambda temp: save_file(tensors, str(temp), metadata=metadata))
+    with output_errors_named(output):
+        atomic_write(output, lambda temp: save_file(tensors, str(temp), metadata=metadata))
     return ExportResult(
         path=output,
         num_tensors=len(tensors),

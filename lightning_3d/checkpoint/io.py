@@ -25,6 +25,7 @@ from typing_extensions import override
 from lightning_3d.checkpoint.checks import load_lightning_checkpoint
 from lightning_3d.checkpoint.files import atomic_write, remove_stale_temps
 from lightning_3d.checkpoint.integrity import with_checksums
+from lightning_3d.failures import naming_path
 
 # remove_stale_temps lived here first (files.py now); callers still import it from this module.
 __all__ = ["AtomicCheckpointIO", "atomic_write", "remove_stale_temps"]
@@ -67,7 +68,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             with open(temp, "wb") as f:
                 self.write(checkpoint, f)
 
-        atomic_write(target, write)
+        with naming_path(target):  # a write that fails at close names no file
+            atomic_write(target, write)
 
     @override
     def load_checkpoint(

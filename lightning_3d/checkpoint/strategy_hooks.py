@@ -33,6 +33,7 @@ from lightning_3d.checkpoint.consolidated import (
 )
 from lightning_3d.checkpoint.integrity import KEY as CHECKSUMS
 from lightning_3d.checkpoint.view import full_state_dict
+from lightning_3d.failures import naming_path
 
 if TYPE_CHECKING:
     from lightning_3d.recipe import Parallelized
@@ -71,7 +72,8 @@ class CheckpointHooks:
             return
         if storage_options is not None:
             raise TypeError(f"sharded checkpoints take no storage_options, got {storage_options!r}")
-        sharded.save(*sharded.split_checkpoint(checkpoint), filepath)
+        with naming_path(filepath):  # an ENOSPC inside a CheckpointException names no file
+            sharded.save(*sharded.split_checkpoint(checkpoint), filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:

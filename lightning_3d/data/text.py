@@ -247,6 +247,19 @@ class TextDataModule(pl.LightningDataModule):
             raise ValueError(f"data.corpus={corpus!r} is not a known corpus; known corpora: {list(CORPUS_NAMES)}")
         return 256
 
+    @classmethod
+    def split_windows(cls, corpus: str = "stdlib", max_bytes: int | None = 8_000_000,
+                      block_size: int = 128, val_fraction: float = 0.05,
+                      **_: Any) -> tuple[int, int] | None:
+        """(training windows, validation windows) of the corpus as :meth:`setup_for` splits it,
+        for the launching process's checks; reads the corpus (the ranks read it again)."""
+        n = len(load_text_corpus(corpus, max_bytes))
+        n_val = int(n * val_fraction)
+        span = block_size + 1
+        train, val = (0 if part < span else (part - span) // block_size + 1
+                      for part in (n - n_val, n_val))
+        return train, val
+
     def _loader(self, dataset: ByteWindowDataset, shuffle: bool, resumable: bool = False) -> DataLoader:
         if self.dp_size is None or dataset is None:
             raise RuntimeError("call setup() or setup_for() before requesting dataloaders")

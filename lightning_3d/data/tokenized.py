@@ -229,6 +229,12 @@ class TokenizedTextDataModule(TextDataModule):
         return tokens
 
     @classmethod
+    def split_windows(cls, **_: Any) -> None:
+        """Not known before every file is tokenized (:meth:`check` tokenizes as much as one
+        global batch of each split needs): the ranks' own checks count them."""
+        return None
+
+    @classmethod
     def check(cls, path: Optional[str] = None, tokenizer: Optional[str] = None, block_size: int = 128,
               batch_size: int = 8, val_fraction: float = 0.05, max_tokens: Optional[int] = None,
               text_field: str = "text", invalid_utf8: str = "error", **_: Any) -> int:
