@@ -31,29 +31,27 @@ TINY = ["model=gpt_tiny", "data.batch_size=4", "data.max_bytes=100000",
         "trainer.limit_val_batches=0", "trainer.max_steps=2"]
 
 
-def _mount(path: Path, options: str) -> None:
+def _tmpfs(tmp_path: Path, options: str) -> Iterator[Path]:
+    """A tmpfs mounted with ``options`` for the test, unmounted after it (skipped unless root)."""
+    path = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
     path.mkdir()
     done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
                           capture_output=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}): needs root")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.fixture
 def disk(tmp_path: Path) -> Iterator[Path]:
     """A 256 KiB file system: room for Hydra's files and the lock, not for a checkpoint."""
-    path = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
-    _mount(path, "size=256k")
-    yield path
-    subprocess.run(["umount", "-l", str(path)], check=False)
+    yield from _tmpfs(tmp_path, "size=256k")
 
 
 @pytest.fixture
 def read_only(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / f"ro-{uuid.uuid4().hex[:6]}"
-    _mount(path, "ro,size=64k")
-    yield path
-    subprocess.run(["umount", "-l", str(path)], check=False)
+    yield from _tmpfs(tmp_path, "ro,size=64k")
 
 
 def _one_error(done: subprocess.CompletedProcess) -> str:
