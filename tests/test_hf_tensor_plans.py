@@ -261,6 +261,22 @@ def test_sequence_parallel_refuses_a_base_model_that_runs_blocks_in_cycles():
     assert hf_tensor_plan(model, sequence_parallel=False)  # plain tensor parallelism stays possible
 
 
+def test_sequence_parallel_refuses_a_final_norm_that_also_runs_before_the_blocks():
+    """NanoChat calls ``model.norm`` on the embedding and again after the last block: as the
+    final norm it would shard the sequence before the first block (a crash at the first
+    forward, '64 must match 32'); refused on the meta model."""
+    from lightning_3d.plans.hf import hf_tensor_plan
+
+    if "nanochat" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip("this transformers has no NanoChat")
+    model = _meta_model("nanochat")
+    with pytest.raises(ValueError, match=r"NanoChatForCausalLM: sequence_parallel=True .* model.norm runs more "
+                                         r"than once in NanoChatModel's forward"):
+        hf_tensor_plan(model, sequence_parallel=True)
+    assert hf_tensor_plan(model, sequence_parallel=False)
+    hf_tensor_plan(_meta_model("llama"), sequence_parallel=True)  # a final norm run once
+
+
 def test_scalar_parameters_between_split_projections_sum_their_gradients():
     """Apertus' xIELU activation holds two scalars and runs between the column-parallel
     ``up_proj`` and the row-parallel ``down_proj``, where each rank holds part of the features:
@@ -292,5 +308,25 @@ def test_apertus_tensor_parallel_matches_one_process():
         pytest.skip("this transformers has no Apertus")
     reference = run_world(_fit_family, 1, "apertus", None, 1)[0]
     world = run_world(_fit_family, 2, "apertus", {"tensor": 2}, 2)
+    assert loss_mismatches(world[0]["losses"], reference["losses"], rtol=1e-5) == []
+    assert update_mismatches(world[0]["state"], reference["state"], reference["initial_state"], rtol=1e-3) == []
+
+
+def test_blocks_inside_blocks_are_part_of_their_block():
+    """LongCat-Flash's layers hold lists of their own: the blocks are the outer list's elements
+    only (ZeRO-3 sharded a layer, then a module inside it: 'Cannot concatenate overlapping
+    meshes'), and a dp2 ZeRO-3 run matches one process."""
+    from lightning_3d.parallel.fsdp import find_blocks
+
+    inner = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    layer = nn.Sequential(nn.Linear(2, 2))
+    layer.inner = inner
+    model = nn.Module()
+    model.layers = nn.ModuleList([layer, nn.Linear(2, 2)])
+    assert [id(b) for b in find_blocks(model)] == [id(layer), id(model.layers[1])]
+    if "longcat_flash" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip("this transformers has no LongCat-Flash")
+    reference = run_world(_fit_family, 1, "longcat_flash", None, 1)[0]
+    world = run_world(_fit_family, 2, "longcat_flash", {"data": 2, "zero_stage": 3}, 2)
     assert loss_mismatches(world[0]["losses"], reference["losses"], rtol=1e-5) == []
     assert update_mismatches(world[0]["state"], reference["state"], reference["initial_state"], rtol=1e-3) == []

@@ -24,11 +24,16 @@ if TYPE_CHECKING:
 
 
 def find_blocks(module: nn.Module) -> list[nn.Module]:
-    """The repeated blocks of a model: the elements of every ``nn.ModuleList`` it contains."""
+    """The repeated blocks of a model: the elements of every ``nn.ModuleList`` it contains, but
+    not of one inside a block (LongCat-Flash's layers hold lists of their own): a block is one
+    unit, and FSDP2 cannot shard a module inside one it has sharded already."""
     blocks: list[nn.Module] = []
+    inside: set[int] = set()  # the modules of the blocks found so far
     for child in module.modules():
-        if isinstance(child, nn.ModuleList):
-            blocks.extend(m for m in child if any(p.requires_grad for p in m.parameters()))
+        if isinstance(child, nn.ModuleList) and id(child) not in inside:
+            found = [m for m in child if any(p.requires_grad for p in m.parameters())]
+            blocks.extend(found)
+            inside.update(id(sub) for m in found for sub in m.modules())
     return blocks
 
 

@@ -39,6 +39,7 @@ lists run in cycles, parameters of its own, a module with parameters after the b
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Mapping
 from typing import Optional
@@ -265,6 +266,12 @@ class _Translation:
         index = lists[0]
         embeddings = {id(m) for m in base.modules() if isinstance(m, nn.Embedding)}
         norms = [n for n, m in children[index + 1:] if "norm" in type(m).__name__.lower()]
+        source = _forward_source(base)
+        for name in norms:  # NanoChat's model.norm runs before the blocks too
+            if source.count(f"self.{name}(") > 1:
+                self._refuse_sp(f"{_join(base_name, name)} runs more than once in {type(base).__name__}'s forward "
+                                "(before the blocks too), so it cannot hold the sequence shard the last block "
+                                "hands it")
         for name, module in children[index + 1:]:
             if name not in norms and list(module.parameters()) and id(module) not in embeddings:
                 self._refuse_sp(f"{_join(base_name, name)} ({type(module).__name__}) runs after the blocks "
@@ -276,6 +283,14 @@ class _Translation:
         raise ValueError(f"{cls.__module__}.{cls.__qualname__}: sequence_parallel=True needs the residual stream "
                          f"split on the sequence between the blocks, and {why}; use sequence_parallel=False for "
                          "this model")
+
+
+def _forward_source(module: nn.Module) -> str:
+    """The source of ``module``'s forward (empty where Python has none to show)."""
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
 
 
 def _covered(module: nn.Module, name: str, plan: Mapping[str, ParallelStyle]) -> bool:
