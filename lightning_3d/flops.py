@@ -121,19 +121,39 @@ def named_device_peak(name: str, precision: str) -> Peak:
     return Peak(None, f"device {name!r} is not in the peak table; pass peak_tflops to get MFU")
 
 
+def _int_of(config: Any, keys: tuple[str, ...]) -> Optional[int]:
+    """The first of ``keys`` that ``config`` holds as an int. A transformers config whose layers
+    differ (Gemma-4's per-layer head_dim) refuses a global read of a per-layer key: ``None``."""
+    for key in keys:
+        try:
+            value = getattr(config, key, None)
+        except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _attention_width(config: Any) -> Optional[int]:
+    """heads × head_dim where the config has both (Qwen3: not the hidden size), else the width."""
+    heads, head_dim = _int_of(config, _HEAD_KEYS), _int_of(config, ("head_dim",))
+    return heads * head_dim if heads is not None and head_dim is not None else _int_of(config, _WIDTH_KEYS)
+
+
 def transformer_shape(module: nn.Module) -> Optional[tuple[int, int]]:
     """``(layers, attention width)`` from the config of ``module`` or of its ``model``
-    (``GPTConfig`` or a transformers config); ``None`` where neither has one."""
+    (``GPTConfig`` or a transformers config; where the layers differ, the mean of theirs);
+    ``None`` where neither has one."""
     for owner in (module, getattr(module, "model", None)):
         config = getattr(owner, "config", None)
         if config is None:
             continue
-        layers = next((getattr(config, k) for k in _LAYER_KEYS if isinstance(getattr(config, k, None), int)), None)
-        width = next((getattr(config, k) for k in _WIDTH_KEYS if isinstance(getattr(config, k, None), int)), None)
-        heads = next((getattr(config, k) for k in _HEAD_KEYS if isinstance(getattr(config, k, None), int)), None)
-        head_dim = getattr(config, "head_dim", None)
-        if isinstance(heads, int) and isinstance(head_dim, int):  # e.g. Qwen3: heads × head_dim != hidden
-            width = heads * head_dim
+        layers, width = _int_of(config, _LAYER_KEYS), _attention_width(config)
+        per_layer = getattr(config, "per_layer_config", None)
+        if per_layer is not None:
+            widths = [_attention_width(layer) for layer in per_layer]
+            if widths and None not in widths:
+                layers, width = len(widths), round(sum(widths) / len(widths))
         if layers is not None and width is not None:
             return layers, width
     return None

@@ -66,6 +66,26 @@ def test_transformers_config_spelling_and_head_dim():
     assert per_token(10) == 6 * 1000 + 12 * 3 * 128 * 10
 
 
+def test_layers_of_different_widths_count_their_mean():
+    """A config whose layers differ refuses a global read of a per-layer key (transformers'
+    heterogeneous configs: Gemma-4's head_dim; the run summary stopped every run of it at its
+    first step); the formula takes the layers' mean attention width."""
+
+    class PerLayer(SimpleNamespace):
+        def __getattribute__(self, key):
+            if key == "head_dim":  # as transformers' AmbiguousGlobalPerLayerAttributeError, no AttributeError
+                raise RuntimeError("'head_dim' is a per-layer attribute")
+            return super().__getattribute__(key)
+
+    config = PerLayer(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                      per_layer_config=[SimpleNamespace(num_attention_heads=4, head_dim=8),
+                                        SimpleNamespace(num_attention_heads=4, head_dim=24)])
+    module = nn.Linear(1, 1)
+    module.config = config
+    per_token, _ = model_flops_per_token(module, 1000)
+    assert per_token(10) == 6 * 1000 + 12 * 2 * 64 * 10  # mean of 32 and 96
+
+
 def test_without_config_only_parameters_count():
     per_token, formula = model_flops_per_token(nn.Linear(3, 3), 12)
     assert per_token(100) == 72 and formula.startswith("6N ")
