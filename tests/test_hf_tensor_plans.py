@@ -294,6 +294,14 @@ def test_scalar_parameters_between_split_projections_sum_their_gradients():
         llama = HFCausalLM(config=tiny_config("llama"))
     assert isinstance(hf_tensor_plan(apertus, False)["model.model.layers.*.mlp.act_fn"], ReplicatedGradSum)
     assert not any(k.endswith("act_fn") for k in hf_tensor_plan(llama, False))
+    # Per-head q/k norms a family's plan leaves out (Sarvam-MoE) are summed too; a norm over the
+    # mixer's split channels (Nemotron-H's gated norm: its weight is split-width) is not.
+    for family, pattern, summed in (("sarvam_moe", "model.model.layers.*.self_attn.q_norm", True),
+                                    ("nemotron_h", "model.model.layers.*.mixer.norm", False)):
+        if family in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+            with torch.device("meta"):
+                plan = hf_tensor_plan(HFCausalLM(config=tiny_config(family)), False)
+            assert isinstance(plan.get(pattern), ReplicatedGradSum) is summed, (family, plan.get(pattern))
 
 
 def _fit_family(rank: int, family: str, strategy: dict | None, devices: int) -> dict:

@@ -150,12 +150,14 @@ class _Translation:
         self._refuse(pattern, style, "is an expert style outside a mixture-of-experts block")
 
     def _scalars_between(self, plan: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
-        """Modules whose only parameters are scalars, beside a column-parallel projection with a
-        local output and a row-parallel one (Apertus' xIELU activation, ``alpha_p`` and
-        ``alpha_n``, between ``up_proj`` and ``down_proj``): each rank applies the scalar to its
-        own share of the features, so each holds a share of the gradient, summed over ``tp``
-        (:class:`ReplicatedGradSum`). The plan does not list them; left alone, every tensor rank
-        would step with its own share (the replica guard's mismatch at the first step)."""
+        """Modules beside a column-parallel projection with a local output and a row-parallel
+        one whose parameters are scalars (Apertus' xIELU activation, ``alpha_p`` and ``alpha_n``,
+        between ``up_proj`` and ``down_proj``) or a norm's ``head_dim`` vectors (per-head ``q_norm``
+        / ``k_norm``, which Sarvam-MoE's and Param2-MoE's plans leave out): each
+        rank applies them to its own share of the features or heads, so each holds a share of
+        the gradient, summed over ``tp`` (:class:`ReplicatedGradSum`). Left alone, every tensor
+        rank would step with its own share (the replica guard's mismatch at the first step). A
+        norm over a split width (Nemotron-H's gated norm over the mixer's channels) is not one."""
         out: dict[str, ParallelStyle] = {}
         parents: dict[str, set[str]] = {}
         for pattern, style in plan.items():
@@ -171,9 +173,23 @@ class _Translation:
             for name, child in (holder.named_children() if holder is not None else ()):
                 params = list(child.parameters())
                 pattern = f"{parent}.{name}"
-                if params and all(p.numel() == 1 for p in params) and pattern not in plan:
+                shared = all(p.numel() == 1 for p in params) or (
+                    "norm" in type(child).__name__.lower() and all(p.shape == (self._head_dim(),) for p in params))
+                if params and shared and pattern not in plan:
                     out[pattern] = ReplicatedGradSum()
         return out
+
+    def _head_dim(self) -> int:
+        """The attention head size (``head_dim``, or hidden size / heads); 0 where unknown."""
+        config = self.model.config
+        for read in (lambda: config.head_dim, lambda: config.hidden_size // config.num_attention_heads):
+            try:
+                value = read()
+            except Exception:  # noqa: BLE001 - absent, or per-layer in a heterogeneous config
+                continue
+            if isinstance(value, int) and value > 0:
+                return value
+        return 0
 
     def _refuse(self, pattern: str, style: str, why: str) -> None:
         cls = type(self.model)
