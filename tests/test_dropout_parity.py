@@ -96,7 +96,10 @@ def _dropout_seen(rank: int) -> dict:
                 if args[0].device.type == "meta" or bool((args[0] == 0).all()):
                     return  # the pipeline's shape inference, not a step
                 phase = "train" if self.trainer.training else "eval"
-                seen.setdefault((phase, name), []).append((module.training, bool((out == 0).any())))
+                # zeroed: an element that was not zero before (an exact zero in the input, as an
+                # activation may give, is no drop: CI read one as a drop in validation)
+                dropped = bool(((out == 0) & (args[0] != 0)).any())
+                seen.setdefault((phase, name), []).append((module.training, dropped))
             return hook
 
     L.seed_everything(SEED, verbose=False)
