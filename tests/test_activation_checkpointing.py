@@ -27,8 +27,8 @@ from lightning_3d.parallel.activation_checkpoint import (
     is_checkpointed,
     transformer_blocks,
 )
-from lightning_3d.testing.tiny_models import TinyGPT2, TinyLlama
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.tiny_models import TinyGPT2, TinyLlama
+from lightning_3d.harness.world import run_world
 
 B, T = 2, 16
 
@@ -243,7 +243,7 @@ def _world_rank(rank: int) -> dict:
 
     from lightning_3d.parallel.fsdp import apply_zero3
     from lightning_3d.parallel.tensor import apply_tensor_parallel
-    from lightning_3d.plans import detect_plan
+    from lightning_3d.parallel.plans import detect_plan
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("axis",))

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_3d.testing.apps import compose_config, start_app, wait_all
+from lightning_3d.harness.apps import compose_config, start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"
@@ -137,7 +137,7 @@ def test_resume_last_without_an_earlier_run_is_refused_before_any_rank_starts(ru
 def test_a_checkpoint_of_another_model_is_refused_before_any_rank_starts(runs):
     """validate() compares the checkpoint's names and shapes with the model built on meta (no
     tensor data read): B1's gpt_tiny checkpoint does not fit n_embd=64."""
-    from lightning_3d.app import validate
+    from lightning_3d.app.run import validate
 
     cwd, _ = runs
     checkpoint = _run_dirs(cwd["b"])[0] / "last.ckpt"
@@ -162,7 +162,7 @@ def _touch(path: Path, mtime: float, sharded: bool = False) -> Path:
 
 
 def test_last_is_the_newest_checkpoint_of_the_apps_own_runs(tmp_path):
-    from lightning_3d.resume import newest_checkpoint
+    from lightning_3d.checkpoint.resume import newest_checkpoint
 
     runs = tmp_path / "outputs"
     _touch(runs / "2026-11-30" / "10-00-00" / "last.ckpt", 1000)
@@ -182,7 +182,7 @@ def test_resume_values_are_checked_in_the_launching_process(tmp_path, monkeypatc
     """validate() names the value: last with no earlier run, a safetensors export (weights only),
     a directory that is not a checkpoint, the file ``last`` found when it is not a checkpoint.
     (A missing path and +ckpt_path: tests/test_cli_errors.py.)"""
-    from lightning_3d.app import validate
+    from lightning_3d.app.run import validate
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")
@@ -202,7 +202,7 @@ def test_a_stopped_run_names_the_checkpoint_to_resume_from(tmp_path):
     run wrote, else the one it resumed from itself; outside the apps, the Lightning call."""
     from types import SimpleNamespace
 
-    from lightning_3d.resume import resume_hint, written_checkpoint
+    from lightning_3d.checkpoint.resume import resume_hint, written_checkpoint
 
     trainer = SimpleNamespace(checkpoint_callback=SimpleNamespace(dirpath=str(tmp_path)), default_root_dir="/elsewhere",
                               ckpt_path=None)

@@ -1,5 +1,5 @@
 """The architecture's rules, checked on the source: the package's imports form no cycle, nothing
-outside ``strategy.py`` reads a private member of the strategy, the option table is the one
+outside ``strategy/three_d.py`` reads a private member of the strategy, the option table is the one
 source of names and defaults, and a fit reassigns nothing in torch or Lightning."""
 
 from __future__ import annotations
@@ -7,13 +7,15 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import lightning_3d
-from lightning_3d.plan import DEPRECATED, OPTIONS, Plan, hydra_schema, options_table
-from lightning_3d.strategy import ThreeDStrategy
+from lightning_3d.options import DEPRECATED, OPTIONS, Plan, hydra_schema, options_table
+from lightning_3d.strategy.three_d import ThreeDStrategy
 
 PACKAGE = Path(lightning_3d.__file__).parent
 REPO = PACKAGE.parent
@@ -75,8 +77,62 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_import_graph_has_no_cycle():
     graph = import_graph()
-    assert "lightning_3d.recipe" in graph and graph["lightning_3d.strategy"]  # the walk saw the package
+    assert "lightning_3d.strategy.recipe" in graph and graph["lightning_3d.strategy.three_d"]  # the walk saw the package
     assert cycles(graph) == []
+
+
+# The layers, bottom to top: a module imports only from its own layer or those below it
+# (function-level imports included). Every ``__main__`` is a tool: an entry point, not a library.
+BASE = {"lightning_3d.compat", "lightning_3d.layout", "lightning_3d.runtime.exit_codes"}
+CORE = ("parallel", "offload", "checkpoint", "runtime", "observe", "models", "data", "options")
+LAYERS = ("base", "core", "planner", "strategy", "tools")
+TOOLS = ("app", "bench", "harness", "calibration")
+MODULE_BUDGET = 70  # what ``import lightning_3d`` may load (64 when this was written)
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if module in BASE:
+        return "base"
+    if parts[-1] == "__main__" or (len(parts) > 1 and parts[1] in TOOLS):
+        return "tools"
+    if len(parts) == 1 or parts[1] == "strategy":
+        return "strategy"
+    if parts[1] == "planner":
+        return "planner"
+    if parts[1] in CORE:
+        return "core"
+    raise AssertionError(f"{module} belongs to no layer: add its package to one in tests/test_architecture.py")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    rank = {name: i for i, name in enumerate(LAYERS)}
+    return sorted(f"{a} ({layer_of(a)}) imports {d} ({layer_of(d)})" for a, deps in graph.items()
+                  for d in deps if rank[layer_of(d)] > rank[layer_of(a)])
+
+
+def test_imports_point_down_the_layers():
+    graph = import_graph()
+    assert {layer_of(m) for m in graph} == set(LAYERS)
+    assert upward_imports(graph) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    graph = {"lightning_3d.parallel.zero": {"lightning_3d.planner.search"},
+             "lightning_3d.planner.search": {"lightning_3d.app.run"}, "lightning_3d.app.run": set()}
+    assert upward_imports(graph) == [
+        "lightning_3d.parallel.zero (core) imports lightning_3d.planner.search (planner)",
+        "lightning_3d.planner.search (planner) imports lightning_3d.app.run (tools)"]
+
+
+def test_importing_the_package_loads_no_planner_app_or_tool():
+    code = ("import sys, lightning_3d; print(' '.join(m for m in sys.modules "
+            "if m.startswith('lightning_3d')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = done.stdout.split()
+    assert [m for m in loaded if layer_of(m) in ("planner", "tools")] == []
+    assert not any(m.startswith("support") for m in done.stdout.split())
+    assert 0 < len(loaded) <= MODULE_BUDGET, f"import lightning_3d loads {len(loaded)} modules"
 
 
 def test_cycle_finder_finds_a_cycle():
@@ -97,7 +153,7 @@ def _private_strategy_reads(source: str) -> list[str]:
 def test_no_module_outside_the_strategy_reads_its_private_members():
     offenders = {}
     for path in [*PACKAGE.rglob("*.py"), *(REPO / "tests").glob("*.py"), *(REPO / "examples").glob("*.py")]:
-        if path == PACKAGE / "strategy.py":
+        if path == PACKAGE / "strategy" / "three_d.py":
             continue
         reads = _private_strategy_reads(path.read_text())
         if reads:
@@ -108,8 +164,8 @@ def test_no_module_outside_the_strategy_reads_its_private_members():
 
 def test_the_strategys_mixins_use_only_their_own_private_members():
     # A base class of ThreeDStrategy defined in another module must not reach into the
-    # strategy's own private state (self._x defined in strategy.py).
-    own = {n.attr for n in ast.walk(ast.parse((PACKAGE / "strategy.py").read_text()))
+    # strategy's own private state (self._x defined in strategy/three_d.py).
+    own = {n.attr for n in ast.walk(ast.parse((PACKAGE / "strategy" / "three_d.py").read_text()))
            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
            and n.attr.startswith("_") and not n.attr.startswith("__")}
     for base in ThreeDStrategy.__mro__[1:]:
@@ -185,7 +241,7 @@ def _fit_and_compare(rank: int, runs: list) -> dict:
     import torch.nn.functional as F
 
     from lightning_3d.models.lit_gpt import LitGPT
-    from lightning_3d.testing.runs import fit_gpt
+    from lightning_3d.harness.runs import fit_gpt
 
     cross_entropy = F.cross_entropy
     before = _functions_of_torch_and_lightning()
@@ -201,8 +257,8 @@ def _fit_and_compare(rank: int, runs: list) -> dict:
 
 
 def test_a_tensor_parallel_and_a_pipeline_fit_reassign_nothing_in_torch_or_lightning():
-    from lightning_3d.testing.runs import Run
-    from lightning_3d.testing.world import run_world
+    from lightning_3d.harness.runs import Run
+    from lightning_3d.harness.world import run_world
 
     runs = [Run(strategy={"tensor": 2}, devices=2, steps=2, validate=True),
             Run(strategy={"pipeline": 2}, devices=2, steps=2,
@@ -215,7 +271,7 @@ def test_a_tensor_parallel_and_a_pipeline_fit_reassign_nothing_in_torch_or_light
 
 def test_a_hand_built_plan_is_checked_by_the_strategy_and_keeps_its_values():
     from lightning_3d.layout import Layout
-    from lightning_3d.plan import PipelineOptions
+    from lightning_3d.options import PipelineOptions
 
     plan = Plan(layout=Layout(pipeline=2), pp=PipelineOptions(schedule="gpipe"))
     strategy = ThreeDStrategy(plan, zero_stage=1)

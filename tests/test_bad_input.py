@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_3d  # noqa: F401  (registers the "3d*" strategies)
 from lightning_3d import ThreeDStrategy
-from lightning_3d.config import ParallelismConfig, build_strategy, world_size_of
+from lightning_3d.app.config import ParallelismConfig, build_strategy, world_size_of
 from lightning_3d.data import TextDataModule
 
 
@@ -136,13 +136,13 @@ def test_check_batch_zero_dp():
 # ------------------------------------------------------------------ the app's config checks (in process)
 @pytest.fixture
 def compose():
-    from lightning_3d.testing.apps import compose_config
+    from lightning_3d.harness.apps import compose_config
 
     return lambda *overrides: compose_config("train", *overrides)
 
 
 def test_validate_accepts_default_config(compose):
-    from lightning_3d.app import validate
+    from lightning_3d.app.run import validate
 
     validate(compose())  # no exception
     validate(compose("trainer.devices=4", "parallelism.tensor=2", "data.batch_size=30"))  # 30 % dp(2) == 0
@@ -188,7 +188,7 @@ def test_validate_accepts_default_config(compose):
     ],
 )
 def test_validate_rejects(compose, overrides, named):
-    from lightning_3d.app import validate
+    from lightning_3d.app.run import validate
 
     with pytest.raises(ValueError) as err:
         validate(compose(*overrides))
@@ -199,14 +199,14 @@ def test_validate_rejects(compose, overrides, named):
 def test_explicit_tp_plan_from_hydra_builds_the_styles(compose):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from lightning_3d.app import validate
+    from lightning_3d.app.run import validate
 
     cfg = compose("parallelism.tensor=2", "trainer.devices=2",
                   "parallelism.tp_plan={model.blocks.*.mlp.fc1:colwise,model.blocks.*.mlp.fc2:rowwise}")
     validate(cfg)  # both patterns match, 512 hidden units split in 2
     strategy = build_strategy(cfg.parallelism)
     assert set(strategy.plan.tp.plan) == {"model.blocks.*.mlp.fc1", "model.blocks.*.mlp.fc2"}
-    from lightning_3d.plans import plan_from_names
+    from lightning_3d.parallel.plans import plan_from_names
 
     styles = plan_from_names(strategy.plan.tp.plan)
     assert isinstance(styles["model.blocks.*.mlp.fc1"], ColwiseParallel)

@@ -173,7 +173,7 @@ def test_flops_per_token_reproduces_issue_15s_tflops():
     """6 Ψ + 12 L C T at 12 x 768, T = 1024, vocab 256: 478,673 tokens/s is the table's 302 TFLOP/s."""
     from lightning_3d.bench.compare import full_param_count
     from lightning_3d.bench.one_device import MODEL
-    from lightning_3d.flops import named_device_peak, transformer_flops_per_token
+    from lightning_3d.observe.flops import named_device_peak, transformer_flops_per_token
 
     psi = full_param_count({k: v for k, v in MODEL.items()})
     assert psi == 86_133_504

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.streams import NOTICE, ClosedPipeSafe
-from lightning_3d.testing.apps import app_env
+from lightning_3d.app.streams import NOTICE, ClosedPipeSafe
+from lightning_3d.harness.apps import app_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12

@@ -3,7 +3,7 @@
 sweep runs every job and reports the failed ones.
 
 The table below (71 bad values) is checked in process through Hydra's ``compose`` and
-:func:`lightning_3d.app.validate` (~0.1 s each); the ``CLI`` dozen also through
+:func:`lightning_3d.app.run.validate` (~0.1 s each); the ``CLI`` dozen also through
 ``python examples/train.py`` as a user runs it (~10 s each, all started together).
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.testing.apps import compose_config, start_app, wait_all
+from lightning_3d.harness.apps import compose_config, start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"
@@ -121,7 +121,7 @@ def test_bad_value_is_refused_in_process(case):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from lightning_3d.app import validate
+    from lightning_3d.app.run import validate
 
     overrides, named = BAD[case]
     if case.startswith("hydra:"):
@@ -167,7 +167,7 @@ def test_bad_value_is_refused_on_the_command_line(case, cli_runs):
 
 # ------------------------------------------------------------------ run directories
 def test_unique_dir_never_reuses_a_directory(tmp_path):
-    from lightning_3d.config import unique_dir
+    from lightning_3d.app.config import unique_dir
 
     base = tmp_path / "runs" / "12-00-00"
     made = [unique_dir(str(base)) for _ in range(3)]
@@ -210,7 +210,7 @@ def test_a_sweep_runs_every_job_and_exits_non_zero(tmp_path):
 
 # ------------------------------------------------------------------ what a rank says
 def test_own_errors_are_not_reported_as_a_lost_peer():
-    from lightning_3d.failures import describe_failure, is_collective_failure
+    from lightning_3d.runtime.failures import describe_failure, is_collective_failure
 
     disk_full = OSError(errno.ENOSPC, "No space left on device", "/mnt/nvme/state.bin")
     wrapped = RuntimeError("gloo: writing the checkpoint failed")

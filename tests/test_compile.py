@@ -9,9 +9,9 @@ import torch
 from lightning_3d.models.gpt import GPT, GPTConfig
 from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_3d.parallel.compile import compile_blocks
-from lightning_3d.plan import Plan
-from lightning_3d.testing.parity import assert_same_run
-from lightning_3d.testing.runs import Run, fit_layout
+from lightning_3d.options import Plan
+from lightning_3d.harness.parity import assert_same_run
+from lightning_3d.harness.runs import Run, fit_layout
 
 
 def _loss_and_grads(compiled: bool, policy: str):

@@ -3,7 +3,7 @@
 Run with ``pytest -m cuda`` on a machine with one GPU (sized for under 5 minutes on an H200, not
 yet measured there; ``bash .ci/gpu tests`` runs it with 4 pytest processes where pytest-xdist is
 installed); without a device every test here is skipped, except the CPU check of the bound. Each run is the reference ``LitGPT`` of
-:func:`lightning_3d.testing.runs.fit_gpt` (tiny, 5 AdamW steps, ``gradient_clip_val=1.0``) in a
+:func:`lightning_3d.harness.runs.fit_gpt` (tiny, 5 AdamW steps, ``gradient_clip_val=1.0``) in a
 child process of its own (``run_world(..., 1)``), as the CPU tests run theirs: no CUDA context
 and no process group in the pytest process.
 
@@ -30,9 +30,9 @@ import traceback
 import pytest
 import torch
 
-from lightning_3d.testing.parity import loss_mismatches
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import loss_mismatches
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (pytest -m cuda on a GPU machine)")

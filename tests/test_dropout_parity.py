@@ -27,9 +27,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_3d.testing.parity import assert_same_run
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import assert_same_run
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 SEED = 1234
 STEPS = 4
@@ -81,7 +81,7 @@ def _dropout_seen(rank: int) -> dict:
     from lightning_3d import ThreeDStrategy
     from lightning_3d.data import TextDataModule
     from lightning_3d.models import LitGPT
-    from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL
+    from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL
 
     seen: dict = {}
 

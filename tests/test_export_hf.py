@@ -23,8 +23,8 @@ from lightning_3d.checkpoint import export_hf, sharded  # noqa: E402
 from lightning_3d.checkpoint.__main__ import main as cli  # noqa: E402
 from lightning_3d.checkpoint.checks import load_lightning_checkpoint  # noqa: E402
 from lightning_3d.models.hf import HFCausalLM  # noqa: E402
-from lightning_3d.testing.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.testing.world import run_world  # noqa: E402
+from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
+from lightning_3d.harness.world import run_world  # noqa: E402
 
 SEED = 1234
 DATA = {"max_bytes": 1000, "val_fraction": 0.3}
@@ -237,7 +237,7 @@ def test_a_damaged_checkpoint_is_refused_naming_file_and_tensor(fixture, request
     """One flipped mantissa bit in a layer's weight: one error line naming the file and the
     tensor, no output directory, nothing said before it. Broken variant caught (seen failing):
     ``hf_export._entries`` reading the weights unverified (``verify=None``, no ``verify_shards``)."""
-    from lightning_3d.testing.damage import copy_checkpoint, flip_in_tensor
+    from support.damage import copy_checkpoint, flip_in_tensor
 
     source = request.getfixturevalue(fixture)
     name = "model.model.layers.0.mlp.down_proj.weight"

@@ -1,6 +1,6 @@
 """The strategy's hooks into torch and Lightning are subclasses and a torch-function mode, not patches.
 
-:func:`lightning_3d.precision.distributed_precision` returns the precision plugin as an instance
+:func:`lightning_3d.strategy.precision.distributed_precision` returns the precision plugin as an instance
 of a subclass of its own type: global-norm clipping, and (16-mixed) a grad scaler whose overflow
 check covers every rank. :func:`lightning_3d.parallel.loss.vocab_parallel_loss` makes
 ``F.cross_entropy`` of vocab-sharded logits return a plain tensor through a torch-function mode.
@@ -25,8 +25,8 @@ from lightning.pytorch.plugins.precision import (
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from lightning_3d.parallel.loss import vocab_parallel_loss
-from lightning_3d.precision import distributed_precision, scale_loss, shared_overflow_scaler
-from lightning_3d.testing.world import run_world
+from lightning_3d.strategy.precision import distributed_precision, scale_loss, shared_overflow_scaler
+from lightning_3d.harness.world import run_world
 
 CROSS_ENTROPY = F.cross_entropy
 PLUGIN_CLASSES = (Precision, MixedPrecision, HalfPrecision, DoublePrecision, FSDPPrecision)

@@ -1,5 +1,5 @@
 """Every failure reaches the user as one ``error:`` line from the launching process, with the exit
-code of its kind (``lightning_3d/exit_codes.py``), no traceback on the terminal (the ranks'
+code of its kind (``lightning_3d/runtime/exit_codes.py``), no traceback on the terminal (the ranks'
 tracebacks go to ``<run dir>/ranks.log``, named in that line).
 
 A full disk and a read-only one are real: small tmpfs mounts (root only; skipped elsewhere).
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.exit_codes import IO_ERROR
-from lightning_3d.testing.apps import start_app, wait_all
+from lightning_3d.runtime.exit_codes import IO_ERROR
+from lightning_3d.harness.apps import start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"
@@ -133,7 +133,7 @@ def test_a_rank_that_exits_without_a_word_is_named_not_the_peer_that_lost_it(tmp
     record (the line named rank 0's lost peer, exit 4)."""
     import os
 
-    from lightning_3d.testing.apps import app_env
+    from lightning_3d.harness.apps import app_env
 
     hook = tmp_path / "hook"
     hook.mkdir()
@@ -156,7 +156,7 @@ def test_the_os_error_inside_a_checkpoint_exception_is_found_and_named(tmp_path)
     """No processes: what a sharded save raises on a full disk (torch wraps each rank's error)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from lightning_3d.failures import exit_code_of, naming_path
+    from lightning_3d.runtime.failures import exit_code_of, naming_path
 
     full = OSError(errno.ENOSPC, "No space left on device")  # raised at close: no file named
     wrapped = CheckpointException("save failed", {1: (RuntimeError("unexpected pos 704 vs 598"),

@@ -11,14 +11,14 @@ from contextlib import contextmanager
 
 import torch
 
-from lightning_3d.launch import hosted_store, local_rank_env
+from lightning_3d.app.launch import hosted_store, local_rank_env
 
 TIMEOUT_S = 30.0  # the strategy's collective timeout in this test
 
 
 def _entry(rank, port, results, root, kill_at, resume):
     os.environ.update(local_rank_env(rank, 2, port, threads=1, agent_store=True))
-    from lightning_3d.testing.faults import fit_until_killed
+    from support.faults import fit_until_killed
 
     try:
         out = fit_until_killed(rank, root, 6, kill_at, timeout_s=TIMEOUT_S, resume=resume)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from lightning_3d.checkpoint.__main__ import main as checkpoint_cli
-from lightning_3d.finetune import resolve_pretrained
-from lightning_3d.testing.apps import start_app, wait_all
+from lightning_3d.app.finetune import resolve_pretrained
+from lightning_3d.harness.apps import start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN, FINETUNE = str(REPO / "examples/train.py"), str(REPO / "examples/finetune.py")
@@ -109,7 +109,7 @@ def test_missing_pretrained_is_one_error_line(runs):
 def _compose(overrides):
     from hydra import compose, initialize_config_dir
 
-    from lightning_3d.config import register_configs
+    from lightning_3d.app.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -118,7 +118,7 @@ def _compose(overrides):
 
 @pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
 def test_preset_and_offload_overrides(offload):
-    from lightning_3d.config import build_strategy
+    from lightning_3d.app.config import build_strategy
 
     cfg = _compose([f"offload={offload}"])
     assert cfg.trainer.devices == 1 and cfg.trainer.precision == "bf16-mixed" and cfg.data.corpus == "docs"
@@ -132,8 +132,8 @@ def test_bad_pretrained_refused_before_work(runs, case, tmp_path):
     """``damaged``: one flipped mantissa bit in a weight of the pretraining run's final.ckpt is
     refused by the launcher's check (``inspect_checkpoint`` verifies the checksums); safetensors
     files carry no checksums of their own, so only their header is checked."""
-    from lightning_3d.finetune import prepare
-    from lightning_3d.testing.damage import copy_checkpoint, flip_in_tensor
+    from lightning_3d.app.finetune import prepare
+    from support.damage import copy_checkpoint, flip_in_tensor
 
     _, paths = runs
     text = paths["root"] / "not_a_checkpoint.txt"

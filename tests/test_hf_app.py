@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from lightning_3d.data import TokenizedTextDataModule  # noqa: E402
-from lightning_3d.testing.apps import start_app, wait_all  # noqa: E402
+from lightning_3d.harness.apps import start_app, wait_all  # noqa: E402
 from lightning_3d.data.tokenized import find_text_files, read_documents, tokenize_documents  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,7 +49,7 @@ def _save_model(directory: Path) -> None:
     """A tiny random Llama whose LM head is scaled up: its first loss (~15) is far from a fresh
     init's (~ln 32), so a run that did not load these weights cannot pass for one that did."""
     from lightning_3d.models.hf import HFCausalLM
-    from lightning_3d.testing.hf_configs import tiny_hf_config
+    from lightning_3d.harness.hf_configs import tiny_hf_config
 
     torch.manual_seed(7)
     model = HFCausalLM(config=tiny_hf_config("llama", vocab_size=VOCAB)).model
@@ -305,7 +305,7 @@ def test_text_loader_resumes_mid_epoch(files):
 def _compose(overrides, name="train"):
     from hydra import compose, initialize_config_dir
 
-    from lightning_3d.config import register_configs
+    from lightning_3d.app.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -313,8 +313,8 @@ def _compose(overrides, name="train"):
 
 
 def test_model_configs_carry_only_their_own_keys(files):
-    from lightning_3d.app import check_model_and_data
-    from lightning_3d.config import check_target_keys
+    from lightning_3d.app.run import check_model_and_data
+    from lightning_3d.app.config import check_target_keys
 
     cfg = _compose(["model._target_=lightning_3d.models.HFCausalLM"])  # the reference GPT's keys
     keys = r"model.block_size, model.dropout, .*not parameters of .*HFCausalLM"
@@ -335,7 +335,7 @@ def test_model_configs_carry_only_their_own_keys(files):
 
 
 def test_finetune_preset_starts_from_the_model_directory(files):
-    from lightning_3d.finetune import prepare
+    from lightning_3d.app.finetune import prepare
 
     cfg = _compose(["model=hf", f"model.path={files['model']}", "data=text", f"data.path={files['corpus']}"],
                    name="finetune")
@@ -347,7 +347,7 @@ def test_finetune_preset_starts_from_the_model_directory(files):
 def test_layout_checked_against_the_directory_model_on_meta(files):
     """``from_pretrained`` refuses the meta device: the launcher builds the directory's model from
     its config.json instead, so the tensor-parallel plan and the pipeline split are checked too."""
-    from lightning_3d.app import validate
+    from lightning_3d.app.run import validate
 
     base = ["model=hf", f"model.path={files['model']}", "data=text", f"data.path={files['corpus']}",
             f"data.block_size={BLOCK}", f"data.batch_size={BATCH}"]
@@ -361,7 +361,7 @@ def test_layout_checked_against_the_directory_model_on_meta(files):
 def test_tie_split_by_the_plan_is_refused_before_launch():
     """Tied embedding and head that a plan would shard along different dimensions: refused in
     the launching process (on the meta model), not on the ranks."""
-    from lightning_3d.app import validate
+    from lightning_3d.app.run import validate
 
     config = ("model.config={model_type: qwen2, vocab_size: 256, hidden_size: 32, intermediate_size: 64, "
               "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 64, "

@@ -1,12 +1,12 @@
 """Hugging Face decoder families under every layout reproduce one process (gloo worlds).
 
-The CI set (``lightning_3d.testing.hf_configs.TINY_HF``): each family stands for something the
+The CI set (``lightning_3d.harness.hf_configs.TINY_HF``): each family stands for something the
 layouts must get right — per-head norms (Qwen3), an embedding scaled inside itself with sliding
 windows and soft-capping (Gemma2), fused projections (Phi-3), full-width q/k norms (OLMo2),
 experts (Mixtral), interleaved fused q/k/v and a parallel residual (GPT-NeoX), partial rotary
 (Phi), a family that ships no plan (StableLM). Each layout trains 5 fp32 steps and must give
 the single-process losses and every tensor's update. The whole registry: ``-m slow`` and
-``python -m lightning_3d.testing.hf_matrix``.
+``python -m lightning_3d.harness.hf_matrix``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from lightning_3d.testing.hf_matrix import LAYOUTS  # noqa: E402  (the whole matrix's layouts)
-from lightning_3d.testing.parity import loss_mismatches, update_mismatches  # noqa: E402
-from lightning_3d.testing.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.testing.world import run_world  # noqa: E402
+from lightning_3d.harness.hf_matrix import LAYOUTS  # noqa: E402  (the whole matrix's layouts)
+from lightning_3d.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
+from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
+from lightning_3d.harness.world import run_world  # noqa: E402
 
 STEPS, SEED = 5, 1234
 TRAINER = {"gradient_clip_val": 0.05}
@@ -66,9 +66,9 @@ def test_family_matches_single_process(reference, family, layout):
         import torch
 
         from lightning_3d.models.hf import HFCausalLM
-        from lightning_3d.plan import Plan
-        from lightning_3d.recipe import check
-        from lightning_3d.testing.hf_configs import tiny_hf_config
+        from lightning_3d.options import Plan
+        from lightning_3d.parallel.model_check import check
+        from lightning_3d.harness.hf_configs import tiny_hf_config
 
         with torch.device("meta"):  # as the app's launcher checks it
             module = HFCausalLM(config=tiny_hf_config(family))

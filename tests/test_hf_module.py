@@ -9,7 +9,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from lightning_3d.models.hf import IGNORE_INDEX, HFCausalLM  # noqa: E402
-from lightning_3d.testing.hf_configs import TINY_HF, tiny_config, tiny_hf_config  # noqa: E402
+from lightning_3d.harness.hf_configs import TINY_HF, tiny_config, tiny_hf_config  # noqa: E402
 
 
 def test_config_builds_deterministically_and_model_instance_is_kept():
@@ -110,8 +110,8 @@ def test_models_a_pipeline_split_would_change_are_refused():
 
     if "dory" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no Dory")
-    from lightning_3d.plan import Plan
-    from lightning_3d.recipe import check
+    from lightning_3d.options import Plan
+    from lightning_3d.parallel.model_check import check
 
     module = HFCausalLM(config=tiny_config("dory"))
     with pytest.raises(ValueError, match=r"DoryForCausalLM cannot be split into pipeline stages at its layers: "
@@ -130,8 +130,8 @@ def test_a_split_the_models_own_code_fails_on_is_refused_naming_the_class():
     class and the failure (it said only "too many values to unpack")."""
     if "deepseek_v4" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no DeepSeek-V4")
-    from lightning_3d.plan import Plan
-    from lightning_3d.recipe import check
+    from lightning_3d.options import Plan
+    from lightning_3d.parallel.model_check import check
 
     with torch.device("meta"):
         on_meta = HFCausalLM(config=tiny_config("deepseek_v4"), attn_implementation="eager")

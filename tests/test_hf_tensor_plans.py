@@ -31,10 +31,10 @@ from lightning_3d.parallel.tensor import (  # noqa: E402
     regroup_fused_rows,
     resolve_plan,
 )
-from lightning_3d.plans import detect_plan, plan_from_names  # noqa: E402
-from lightning_3d.testing.parity import assert_same_run, loss_mismatches, update_mismatches  # noqa: E402
-from lightning_3d.testing.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.testing.world import run_world  # noqa: E402
+from lightning_3d.parallel.plans import detect_plan, plan_from_names  # noqa: E402
+from lightning_3d.harness.parity import assert_same_run, loss_mismatches, update_mismatches  # noqa: E402
+from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
+from lightning_3d.harness.world import run_world  # noqa: E402
 
 STEPS, SEED = 5, 1234
 UNTIED = {"tie_word_embeddings": False}
@@ -42,7 +42,7 @@ UNTIED = {"tie_word_embeddings": False}
 
 def _hf(family: str = "gpt2", **overrides):
     from lightning_3d.models.hf import HFCausalLM
-    from lightning_3d.testing.hf_configs import tiny_hf_config
+    from lightning_3d.harness.hf_configs import tiny_hf_config
 
     return HFCausalLM(config=tiny_hf_config(family, **{**UNTIED, **overrides}))
 
@@ -151,7 +151,7 @@ def _values_rank(rank: int) -> dict:
 
     from lightning_3d.checkpoint.consolidated import load_full_model_state
     from lightning_3d.parallel.tensor import apply_tensor_parallel
-    from lightning_3d.state import full_state_dict
+    from lightning_3d.checkpoint.view import full_state_dict
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -226,7 +226,7 @@ def test_hf_gpt2_tensor_parallel_matches_single_process(reference, sequence_para
 def _meta_model(family: str):
     import transformers
 
-    from lightning_3d.testing.hf_configs import tiny_config
+    from lightning_3d.harness.hf_configs import tiny_config
 
     options = dict(tiny_config(family))
     config = transformers.AutoConfig.for_model(options.pop("model_type"), **options)
@@ -239,7 +239,7 @@ def test_sequence_parallel_finds_the_final_norm_without_a_pipeline_plan():
     plain norm handed a sequence-sharded DTensor crashed with 'mixed torch.Tensor and DTensor')."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    from lightning_3d.plans.hf import hf_tensor_plan
+    from lightning_3d.parallel.plans.hf import hf_tensor_plan
 
     model = _meta_model("nemotron")
     assert getattr(model.config, "base_model_pp_plan", None) is None
@@ -252,7 +252,7 @@ def test_sequence_parallel_finds_the_final_norm_without_a_pipeline_plan():
 def test_sequence_parallel_refuses_a_base_model_that_runs_blocks_in_cycles():
     """HRM-Text runs two block lists in cycles and adds their states between them: a sequence
     shard would meet a whole tensor (a crash at the first step); refused on the meta model."""
-    from lightning_3d.plans.hf import hf_tensor_plan
+    from lightning_3d.parallel.plans.hf import hf_tensor_plan
 
     model = _meta_model("hrm_text")
     with pytest.raises(ValueError, match=r"HrmTextForCausalLM: sequence_parallel=True .* not one list of blocks "
@@ -265,7 +265,7 @@ def test_sequence_parallel_refuses_a_final_norm_that_also_runs_before_the_blocks
     """NanoChat calls ``model.norm`` on the embedding and again after the last block: as the
     final norm it would shard the sequence before the first block (a crash at the first
     forward, '64 must match 32'); refused on the meta model."""
-    from lightning_3d.plans.hf import hf_tensor_plan
+    from lightning_3d.parallel.plans.hf import hf_tensor_plan
 
     if "nanochat" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no NanoChat")
@@ -284,8 +284,8 @@ def test_scalar_parameters_between_split_projections_sum_their_gradients():
     replica guard stopped tp2 at the first step). A parameter-free activation gets no entry."""
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.parallel.tensor import ReplicatedGradSum
-    from lightning_3d.plans.hf import hf_tensor_plan
-    from lightning_3d.testing.hf_configs import tiny_config
+    from lightning_3d.parallel.plans.hf import hf_tensor_plan
+    from lightning_3d.harness.hf_configs import tiny_config
 
     if "apertus" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no Apertus")
@@ -305,7 +305,7 @@ def test_scalar_parameters_between_split_projections_sum_their_gradients():
 
 
 def _fit_family(rank: int, family: str, strategy: dict | None, devices: int) -> dict:
-    from lightning_3d.testing.hf_configs import tiny_config
+    from lightning_3d.harness.hf_configs import tiny_config
 
     run = Run(strategy=strategy, devices=devices, steps=3, seed=1234, arch="hf", model={"hf": tiny_config(family)})
     return fit_gpt(rank, run)

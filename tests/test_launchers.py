@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-import lightning_3d.launch
-from lightning_3d.launch import launch_job
+import lightning_3d.app.launch
+from lightning_3d.app.launch import launch_job
 
 SCRIPT = r'''
 import json, sys
@@ -99,7 +99,7 @@ def test_launch_job_forms_its_world_when_the_picked_port_is_taken(tmp_path, monk
         other_program.bind(("127.0.0.1", 0))
         other_program.listen()
         taken = other_program.getsockname()[1]
-        monkeypatch.setattr(lightning_3d.launch, "free_port", lambda: taken)
+        monkeypatch.setattr(lightning_3d.app.launch, "free_port", lambda: taken)
         assert launch_job(2, str(script), [str(tmp_path)], str(tmp_path), threads=1) == 0
     outs = [(tmp_path / f"rank{r}.txt").read_text().split() for r in range(2)]
     assert [value for value, _ in outs] == ["3.0", "3.0"]

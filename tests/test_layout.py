@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_3d.layout import MESH_AXES, ZERO_STAGES, Layout, MeshAxis, build_mesh
-from lightning_3d.testing.fake import fake_world
+from lightning_3d.parallel.fake_world import fake_world
 
 
 # ------------------------------------------------------------------ axes

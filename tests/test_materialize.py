@@ -14,9 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_3d.models.gpt import GPT, GPTConfig
 from lightning_3d.parallel.materialize import AHEAD, DeferredInit, ParamInit, materialize
 from lightning_3d.parallel.tensor import local_tensor
-from lightning_3d.testing.parity import assert_same_run
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import assert_same_run
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 CONFIG = GPTConfig(vocab_size=300, block_size=37, n_layer=3, n_head=4, n_embd=64, bias=True)
 
@@ -117,7 +117,7 @@ ZERO3_PARAMS = Run(strategy={"zero_stage": 3, "offload": "cpu", "offload_params"
 def _eager_and_deferred(rank: int, runs: list) -> list:
     """Each run eager, then deferred, in this one process (a world of one); where the recipe
     materialised the deferred model."""
-    import lightning_3d.recipe as recipe
+    import lightning_3d.strategy.recipe as recipe
 
     places = []
     original = recipe.materialize
@@ -157,9 +157,9 @@ def test_each_rank_holds_its_shard_of_the_eager_weights(options, rank):
 
     from lightning_3d.layout import build_mesh
     from lightning_3d.models import LitGPT
-    from lightning_3d.plan import Plan
-    from lightning_3d.recipe import parallelize
-    from lightning_3d.testing.fake import fake_world
+    from lightning_3d.options import Plan
+    from lightning_3d.strategy.recipe import parallelize
+    from lightning_3d.parallel.fake_world import fake_world
 
     hparams = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=64)
     torch.manual_seed(5)
@@ -204,7 +204,7 @@ def test_a_fused_projection_under_tensor_parallelism_gets_its_regrouped_rows():
     from torch.distributed.tensor.parallel import parallelize_module
 
     from lightning_3d.parallel.tensor import FusedColwiseParallel
-    from lightning_3d.testing.fake import fake_world
+    from lightning_3d.parallel.fake_world import fake_world
 
     def fill(t, g):
         t.copy_(torch.arange(t.numel(), dtype=t.dtype).view_as(t))

@@ -1,4 +1,4 @@
-"""Model FLOPs per token, device peaks and MFU in ``RunSummary`` (``lightning_3d/flops.py``)."""
+"""Model FLOPs per token, device peaks and MFU in ``RunSummary`` (``lightning_3d/observe/flops.py``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_3d.callbacks import RunSummary
+from lightning_3d.observe.summary import RunSummary
 from lightning_3d.data import TextDataModule
-from lightning_3d.flops import check_peak_tflops, device_peak, model_flops_per_token, precision_dtype
+from lightning_3d.observe.flops import check_peak_tflops, device_peak, model_flops_per_token, precision_dtype
 from lightning_3d.models import LitGPT
 
 V, BLOCK, L, D = 32, 8, 2, 16  # vocab, positions, layers, width of the hand-counted GPT

@@ -6,7 +6,7 @@
   must pick ``SLURMEnvironment``;
 
 and in both the ranks Lightning reads must be those the launchers gave, and a 2 x 2 layout must
-train exactly as one process does (``lightning_3d.testing.multinode``). No second machine is
+train exactly as one process does (``support.multinode``). No second machine is
 involved: the network between nodes is the loopback interface.
 
 Timings on 2 cores (the 2 x 2 worlds and the timeout check are ``slow``): torchrun 2 x 2 ~26 s,
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.testing.multinode import slurm_env, slurm_nodes, slurm_tasks, torchrun_nodes
-from lightning_3d.testing.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.testing.apps import start_app, wait_all
-from lightning_3d.testing.runs import Run, fit_gpt
+from support.multinode import slurm_env, slurm_nodes, slurm_tasks, torchrun_nodes
+from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
+from lightning_3d.harness.apps import start_app, wait_all
+from lightning_3d.harness.runs import Run, fit_gpt
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
@@ -146,7 +146,7 @@ def test_slurm_variables_make_a_launched_rank(monkeypatch):
     ``already_launched``, so the app trains in the task instead of starting ranks)."""
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
-    from lightning_3d.launch import already_launched
+    from lightning_3d.app.launch import already_launched
 
     for key in [k for k in os.environ if k.startswith("SLURM_") or k in ("LOCAL_RANK", "MASTER_ADDR")]:
         monkeypatch.delenv(key)
@@ -195,13 +195,13 @@ def _sbatch_options() -> dict[str, str]:
 
 def test_sbatch_example_is_valid_bash_and_its_overrides_a_valid_run(tmp_path, monkeypatch):
     """``examples/slurm/train.sbatch``: bash accepts it; under ``srun`` it runs the training app with
-    overrides that Hydra composes and :func:`lightning_3d.app.validate` accepts for the world of
+    overrides that Hydra composes and :func:`lightning_3d.app.run.validate` accepts for the world of
     its ``#SBATCH`` lines, read as Lightning's ``SLURMEnvironment`` reads them (rank 0 of 16); the
     only change is ``trainer.accelerator=cpu`` (no 8 GPUs here). Every task gets one run directory."""
     from omegaconf import open_dict
 
-    from lightning_3d.app import validate
-    from lightning_3d.testing.apps import compose_config
+    from lightning_3d.app.run import validate
+    from lightning_3d.harness.apps import compose_config
 
     subprocess.run(["bash", "-n", str(SBATCH)], check=True, timeout=30)
     options = _sbatch_options()
@@ -230,7 +230,7 @@ def test_sbatch_example_is_valid_bash_and_its_overrides_a_valid_run(tmp_path, mo
 def test_ranks_of_an_external_launch_share_one_run_directory(tmp_path, monkeypatch):
     """Under torchrun / srun every rank resolves ``${unique_dir:...}`` itself, possibly a second
     later than its peers: the directory is named after the job, not the time, and is shared."""
-    from lightning_3d.config import unique_dir
+    from lightning_3d.app.config import unique_dir
 
     for key in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_ID"):
         monkeypatch.delenv(key, raising=False)
@@ -252,7 +252,7 @@ def test_devices_that_disagree_with_srun_are_refused_when_the_trainer_is_built(m
     import lightning as L
 
     from lightning_3d import ThreeDStrategy
-    from lightning_3d.testing.multinode import slurm_env
+    from support.multinode import slurm_env
 
     for key, value in slurm_env(rank=0, nodes=2, procs_per_node=2, port=29500, job_id="5").items():
         monkeypatch.setenv(key, value)

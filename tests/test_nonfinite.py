@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_3d.nonfinite import NonFiniteError, NonFiniteGuard, NonFiniteOptions, SkipStep
-from lightning_3d.plan import Plan
-from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL
-from lightning_3d.testing.world import run_world
+from lightning_3d.runtime.nonfinite import NonFiniteError, NonFiniteGuard, NonFiniteOptions, SkipStep
+from lightning_3d.options import Plan
+from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL
+from lightning_3d.harness.world import run_world
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300.0
@@ -202,7 +202,7 @@ def test_a_diverging_pipeline_stops_both_stages_at_the_same_step():
 def _fp16_clipped(rank):
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_3d.testing.runs import Run, fit_gpt
+    from lightning_3d.harness.runs import Run, fit_gpt
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**36, backoff_factor=2.0**-8)
     plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
@@ -250,8 +250,8 @@ def test_the_app_refuses_max_steps_0_and_bad_nonfinite_options_up_front(override
     it trained nothing, saved untrained weights and ended in KeyError: 'steps'."""
     from hydra import compose, initialize_config_dir
 
-    from lightning_3d.app import validate
-    from lightning_3d.config import register_configs
+    from lightning_3d.app.run import validate
+    from lightning_3d.app.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):

@@ -9,9 +9,9 @@ them per step is what a CPU can check of the GPU's overhead; timings belong to
 
 import collections
 
-from lightning_3d.testing.parity import assert_same_run
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import assert_same_run
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 STEPS = 6
 TRAINER = {"gradient_clip_val": 1.0}  # the benchmark's setting: the norm is computed every step
@@ -34,7 +34,7 @@ def _counted_fit(rank, run):
 
     def ours() -> bool:  # called directly from lightning_3d (a mesh lookup's own reads are torch's)
         caller = traceback.extract_stack()[-3]
-        return "lightning_3d" in caller.filename and "/testing/" not in caller.filename
+        return "lightning_3d" in caller.filename and "/harness/" not in caller.filename
 
     def counting(owner, name, key):
         original = getattr(owner, name)
@@ -59,7 +59,7 @@ def _counted_fit(rank, run):
 
     torch.tensor = tensor
 
-    from lightning_3d.callbacks import RunSummary
+    from lightning_3d.observe.summary import RunSummary
 
     start = RunSummary.on_train_batch_start
 

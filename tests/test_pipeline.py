@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from lightning_3d.parallel.pipeline import stage_blocks, stage_ids
-from lightning_3d.testing.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.testing.runs import Run, fit_gpt, fit_gpt_ranks
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
+from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks
+from lightning_3d.harness.world import run_world
 
 STEPS, SEED = 5, 1234
 SGD = {"n_layer": 4, "optimizer": "sgd", "lr": 0.3}

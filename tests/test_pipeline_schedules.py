@@ -1,13 +1,13 @@
 """The orders PyTorch's schedules actually run, as the strategy builds them — without processes.
 
-Each rank is traced alone in a fake world (``lightning_3d.testing.schedule_trace``); the ranks'
+Each rank is traced alone in a fake world (``support.schedule_trace``); the ranks'
 traces are then replayed together against the pipeline's data dependencies, with forward cost 1
 and backward cost 2.
 """
 
 import pytest
 
-from lightning_3d.testing.schedule_trace import in_flight_peak, simulate, trace_rank
+from support.schedule_trace import in_flight_peak, simulate, trace_rank
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
 

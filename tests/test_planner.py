@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_3d.memory import zero_formula_bytes
-from lightning_3d.plan import Plan
+from lightning_3d.observe.memory import zero_formula_bytes
+from lightning_3d.options import Plan
 from lightning_3d.planner import Choice, Cluster, PlannerOptions, model_facts, plan_layouts
-from lightning_3d.planner.calibration import compare, run_layout, tiny_facts
-from lightning_3d.testing.world import run_world
-from lightning_3d.planner.layouts import LAYOUTS, choice_of
+from lightning_3d.calibration.memory import compare, run_layout, tiny_facts
+from lightning_3d.harness.world import run_world
+from lightning_3d.calibration.layouts import LAYOUTS, choice_of
 from lightning_3d.planner.memory import model_state, stage_parts
-from lightning_3d.testing.runs import TINY_DATA
+from lightning_3d.harness.runs import TINY_DATA
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = TINY_DATA["batch_size"]
@@ -49,7 +49,7 @@ def test_options_name_bad_values():
 def test_facts_count_the_model(facts):
     """Parameters from the meta model (each once), the tp-split share from the GPT plan."""
     from lightning_3d.models import LitGPT
-    from lightning_3d.testing.runs import TINY_MODEL
+    from lightning_3d.harness.runs import TINY_MODEL
 
     with torch.device("meta"):
         module = LitGPT(**TINY_MODEL)
@@ -194,11 +194,11 @@ def test_tensor_parallelism_stays_inside_a_node(facts):
 
 
 def test_the_models_own_check_rejects_with_its_message():
-    """A vocabulary tensor=2 cannot split: recipe.check's sentence is the reason."""
+    """A vocabulary tensor=2 cannot split: model_check.check's sentence is the reason."""
     from functools import partial
 
     from lightning_3d.models import LitGPT
-    from lightning_3d.recipe import check
+    from lightning_3d.parallel.model_check import check
 
     with torch.device("meta"):
         module = LitGPT(vocab_size=255, block_size=16, n_layer=2, n_head=2, n_embd=16)
@@ -213,7 +213,7 @@ def test_the_models_own_check_rejects_with_its_message():
 
 def _plan_app(*overrides):
     from lightning_3d.planner.__main__ import plan
-    from lightning_3d.testing.apps import compose_config
+    from lightning_3d.harness.apps import compose_config
 
     return plan(compose_config("plan", "model=gpt_tiny", *overrides))
 
@@ -270,7 +270,7 @@ def _gathered_blocks_at_once(rank: int) -> int:
     from lightning_3d import ThreeDStrategy
     from lightning_3d.data import TextDataModule
     from lightning_3d.models import LitGPT
-    from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL
+    from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL
 
     alive, most = set(), [0]
     unshard, reshard = fsdp_group.FSDPParamGroup.unshard, fsdp_group.FSDPParamGroup.reshard

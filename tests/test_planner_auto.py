@@ -1,4 +1,4 @@
-"""``auto=True`` / ``parallelism=auto`` (lightning_3d.planner.auto): the planner's first choice for
+"""``auto=True`` / ``parallelism=auto`` (lightning_3d.strategy.auto): the planner's first choice for
 the world found, the options given with it as constraints, and real 2-rank CPU runs that train
 the chosen layout (the strategy through ``run_world``, and the Hydra app)."""
 
@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from lightning_3d import ThreeDStrategy
-from lightning_3d.plan import Plan
+from lightning_3d.options import Plan
 from lightning_3d.planner import Cluster, PlannerOptions, model_facts, plan_layouts
-from lightning_3d.planner.auto import (CPU_OPTIONS, choose, constraints, found_cluster, host_memory_gb, planned,
+from lightning_3d.strategy.auto import (CPU_OPTIONS, choose, constraints, found_cluster, host_memory_gb, planned,
                                        planned_figures, record_planned)
-from lightning_3d.recipe import check
-from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL, Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.parallel.model_check import check
+from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL, Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH, SEQ = TINY_DATA["batch_size"], TINY_DATA["block_size"]

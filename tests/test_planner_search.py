@@ -3,7 +3,7 @@ schedules, sequence parallelism and NVMe offload — their memory and time terms
 layout is built as predicted (fake world, one process).
 
 Plain unit tests on a 4-block tiny GPT; the sequence-parallel activation bytes are measured in a
-fake world (and equal a real gloo run's meter: ``python -m lightning_3d.planner.calibration
+fake world (and equal a real gloo run's meter: ``python -m lightning_3d.calibration.memory
 --layouts tp2_sp``, and the ``-m slow`` calibration test in test_planner.py).
 """
 
@@ -18,7 +18,7 @@ from lightning_3d.planner.choice import Choice
 from lightning_3d.planner.memory import NVME_RESIDENT_BYTES, model_state, rank_memory, stage_parts
 from lightning_3d.planner.schedule import bubble_share, in_flight_chunks, messages
 from lightning_3d.planner.timing import step_time
-from lightning_3d.planner.validate import rank_kinds, validate_layout
+from lightning_3d.calibration.validate import rank_kinds, validate_layout
 
 TINY = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32)
 
@@ -48,11 +48,11 @@ def _alive_peak(order, freed_by):
 
 
 def test_in_flight_chunks_are_what_torchs_own_op_order_keeps():
-    """Replayed from the ops torch's schedules run on each rank (lightning_3d.testing.schedule_trace):
+    """Replayed from the ops torch's schedules run on each rank (support.schedule_trace):
     interleaved 1F1B frees a chunk's activations at its backward; zero-bubble only at its weight
     backward (the input backward retains the graph), which rank r runs r micro-batches late, so
     every rank peaks where rank 0 does."""
-    from lightning_3d.testing.schedule_trace import trace_rank
+    from support.schedule_trace import trace_rank
 
     for schedule, freed_by in (("interleaved_1f1b", "B"), ("zero_bubble", "W")):
         for p in (2, 4):
@@ -203,7 +203,7 @@ def test_the_fake_world_measurement_equals_the_local_shape_copy(facts):
     from lightning_3d.parallel.activation_checkpoint import transformer_blocks
     from lightning_3d.parallel.tensor import resolve_plan
     from lightning_3d.planner.activations import measure_sequence_parallel
-    from lightning_3d.plans import build_plan
+    from lightning_3d.parallel.plans import build_plan
 
     module = _tiny()
     name, block = transformer_blocks(module)[0]
@@ -235,7 +235,7 @@ def test_a_block_that_cannot_run_alone_leaves_its_sequence_parallel_layouts_unme
     pytest.importorskip("transformers")
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.planner.search import plan_candidates
-    from lightning_3d.testing.hf_configs import tiny_hf_config
+    from lightning_3d.harness.hf_configs import tiny_hf_config
 
     with torch.device("meta"):
         module = HFCausalLM(config=tiny_hf_config("llama"))

@@ -1,4 +1,4 @@
-"""Step-time calibration of the planner (lightning_3d.planner.machine, .time_calibration): the
+"""Step-time calibration of the planner (lightning_3d.calibration.machine, .time_calibration): the
 ranking arithmetic on synthetic numbers, the constants' measurement on this machine, and (slow)
 real runs of a few layouts against the planner's prediction."""
 
@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from lightning_3d.planner.choice import PlannerOptions
-from lightning_3d.planner.machine import (MachineConstants, fit_link, from_probes, matmul_gflops, median_time,
+from lightning_3d.calibration.machine import (MachineConstants, fit_link, from_probes, matmul_gflops, median_time,
                                           planner_options, selective_share, step_overheads, threads_per_rank)
-from lightning_3d.planner.time_calibration import (TIME_LAYOUTS, _alone_constants, calibrate, combine,
+from lightning_3d.calibration.step_time import (TIME_LAYOUTS, _alone_constants, calibrate, combine,
                                                    confident_misorders, constants_line, predict, ranks, repredict,
                                                    rotated, spearman, summarise, time_facts, verdict)
 
@@ -186,11 +186,11 @@ def test_collective_efficiencies_and_shares_come_from_the_probes():
 def test_step_overhead_is_the_tiny_runs_unpredicted_time():
     """The tiny GPT's measured step minus the model's prediction for it: 10 ms more than predicted
     is 10 ms of step overhead, and a step faster than predicted is none (not negative)."""
-    from lightning_3d.planner.calibration import tiny_facts
-    from lightning_3d.planner.layouts import choice_of
-    from lightning_3d.planner.machine import machine_cluster
+    from lightning_3d.calibration.memory import tiny_facts
+    from lightning_3d.calibration.layouts import choice_of
+    from lightning_3d.calibration.machine import machine_cluster
     from lightning_3d.planner.timing import step_time
-    from lightning_3d.testing.runs import TINY_DATA
+    from lightning_3d.harness.runs import TINY_DATA
 
     facts, batch = tiny_facts((1,)), TINY_DATA["batch_size"]
     none = dataclasses.replace(QUIET, step_overhead_us={1: 0.0, 2: 0.0})
@@ -216,7 +216,7 @@ def test_a_round_without_a_world_of_two_measures_no_link():
 def test_selective_checkpointing_share_is_the_checkpointed_blocks_extra_time(monkeypatch):
     """The share is selective's time over the plain block's, less one, timed on the same block
     (plain first, then checkpointed), and never below 0 (a noisy run's faster recompute)."""
-    import lightning_3d.planner.machine as machine
+    import lightning_3d.calibration.machine as machine
     from lightning_3d.parallel.activation_checkpoint import is_checkpointed
 
     blocks, seen = [], []
@@ -250,11 +250,11 @@ def _bench_json(tmp_path, rows):
 
 
 def test_the_device_check_ranks_the_benchmarks_rows(tmp_path, capsys):
-    """``python -m lightning_3d.planner.device_check``: the planner predicts full checkpointing
+    """``python -m lightning_3d.calibration.device_check``: the planner predicts full checkpointing
     slowest and none fastest; a run where that held is 0 % off, one where full measured fastest is
     as far off as none measured slower than full; unmodelled rows are left out; no modelled row is
     one error line."""
-    from lightning_3d.planner.device_check import main
+    from lightning_3d.calibration.device_check import main
 
     rows = [("torch", {}, 0.001), ("3d", {}, 0.010), ("3d_ac_selective", {"ac_policy": "selective"}, 0.011),
             ("3d_ac_full", {"ac_policy": "full"}, 0.013), ("3d_compile", {"compile": True}, 0.005),

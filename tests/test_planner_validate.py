@@ -1,4 +1,4 @@
-"""``python -m lightning_3d.plan validate=true``: the planner's choice built at its full world size in
+"""``python -m lightning_3d.planner validate=true``: the planner's choice built at its full world size in
 one process (fake process group, ``meta`` tensors) and held against the prediction.
 
 Fake world, one process: a 64-rank dp × tp × pp layout of the tiny GPT under ZeRO 1 and 3 passes
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_3d.planner.choice import Choice
-from lightning_3d.planner.validate import rank_kinds, validate_layout
+from lightning_3d.calibration.validate import rank_kinds, validate_layout
 
 TINY = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32)
 
@@ -36,7 +36,7 @@ def tiny_facts():
 
 def _app(*overrides: str) -> int:
     from lightning_3d.planner.__main__ import plan
-    from lightning_3d.testing.apps import compose_config
+    from lightning_3d.harness.apps import compose_config
 
     return plan(compose_config("plan", *overrides))
 
@@ -66,7 +66,7 @@ def test_app_validates_a_64_rank_layout(capsys, zero, policy):
 
 
 def test_a_wrong_memory_model_is_caught(monkeypatch, capsys, tiny_facts):
-    import lightning_3d.planner.calibration as calibration
+    import lightning_3d.calibration.memory as calibration
 
     honest = calibration.model_state
 
@@ -91,7 +91,7 @@ def test_a_wrong_memory_model_is_caught(monkeypatch, capsys, tiny_facts):
 def test_a_memory_model_that_under_predicts_is_caught(monkeypatch, tiny_facts):
     """The dangerous direction: a model that predicts too little plans layouts that do not fit.
     Broken variant caught (seen failing): ``Row.off`` flagging only ``ratio > 1 + TOLERANCE``."""
-    import lightning_3d.planner.calibration as calibration
+    import lightning_3d.calibration.memory as calibration
 
     honest = calibration.model_state
 

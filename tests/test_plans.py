@@ -28,10 +28,10 @@ from lightning_3d.parallel.tensor import (
     regroup_fused_rows,
     resolve_plan,
 )
-from lightning_3d.plans import BUILTIN, build_plan, detect_plan, plan_from_names
-from lightning_3d.testing.fake import fake_world
-from lightning_3d.testing.tiny_models import LitTinyLM, TinyGPT2, TinyLlama
-from lightning_3d.testing.world import run_world
+from lightning_3d.parallel.plans import BUILTIN, build_plan, detect_plan, plan_from_names
+from lightning_3d.parallel.fake_world import fake_world
+from lightning_3d.harness.tiny_models import LitTinyLM, TinyGPT2, TinyLlama
+from lightning_3d.harness.world import run_world
 
 
 def _gpt(**kw) -> GPT:
@@ -319,7 +319,7 @@ def _values_rank(rank: int) -> dict:
 
 
 def _gpt2_fused(mesh) -> dict:
-    from lightning_3d.state import full_state_dict
+    from lightning_3d.checkpoint.view import full_state_dict
 
     torch.manual_seed(0)
     model = TinyGPT2(vocab=64, block_size=16, d=32, n_layer=2, n_head=4)

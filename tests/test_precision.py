@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
-from lightning_3d.testing.parity import update_mismatches
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import update_mismatches
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 SEED = 1234
 SGD = {"optimizer": "sgd", "lr": 0.3}
@@ -130,7 +130,7 @@ def _overflow_on_rank_0_only(rank):
     import torch.distributed as dist
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_3d.precision import distributed_precision
+    from lightning_3d.strategy.precision import distributed_precision
 
     dist.init_process_group("gloo")
     try:

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_3d.testing.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.testing.runs import Run, fit_gpt, fit_gpt_ranks
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
+from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks
+from lightning_3d.harness.world import run_world
 
 LAYOUTS = {
     "dp2_zero0": {"zero_stage": 0},

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lightning_3d.parallel.replicas import fingerprint, replicated_over
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 transformers = pytest.importorskip("transformers")
 
@@ -84,7 +84,7 @@ def test_replicated_over_reads_the_layout():
 
 @pytest.mark.parametrize("value", ["sometimes", 0, -3, 2.5, True])
 def test_replica_check_values_are_checked_before_any_process(value):
-    from lightning_3d.plan import Plan
+    from lightning_3d.options import Plan
 
     with pytest.raises(ValueError, match=r"replica_check=.* must be 'first', 'off' or a positive number of steps"):
         Plan.from_options(replica_check=value)

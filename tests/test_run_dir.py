@@ -1,5 +1,5 @@
 """A run directory belongs to one run at a time, and an earlier run in it is not overwritten
-(``lightning_3d/run_dir.py``); resuming a finished run is refused (``resume.check_steps_left``).
+(``lightning_3d/app/run_dir.py``); resuming a finished run is refused (``resume.check_steps_left``).
 
 Before: a fresh run and a ``resume=last`` given the same ``hydra.run.dir`` at once both exited 0,
 one ``summary.json`` survived and the earlier run's ``last.ckpt`` and ``final.ckpt`` were
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_3d.resume import check_steps_left
-from lightning_3d.run_dir import LOCK, RunDirInUse, hold
-from lightning_3d.testing.apps import start_app, wait_all
+from lightning_3d.checkpoint.resume import check_steps_left
+from lightning_3d.app.run_dir import LOCK, RunDirInUse, hold
+from lightning_3d.harness.apps import start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["model=gpt_tiny", "trainer.devices=1", "trainer.max_steps=3", "data.max_bytes=100000",
@@ -101,8 +101,8 @@ def test_resuming_a_finished_run_is_refused_unless_max_steps_was_raised(tmp_path
 def test_the_app_refuses_to_resume_a_finished_run_before_launch(tmp_path):
     from hydra.utils import instantiate
 
-    from lightning_3d.app import validate
-    from lightning_3d.testing.apps import compose_config
+    from lightning_3d.app.run import validate
+    from lightning_3d.harness.apps import compose_config
 
     cfg = compose_config("train", "model=gpt_tiny", "trainer.max_steps=3")
     path = tmp_path / "last.ckpt"

@@ -18,8 +18,8 @@ import pytest
 from torch.distributed import HashStore
 
 from lightning_3d.offload.paths import DIR_PREFIX
-from lightning_3d.testing.apps import app_env
-from lightning_3d.watchdog import STORE_TIMEOUT, Watchdog
+from lightning_3d.harness.apps import app_env
+from lightning_3d.runtime.watchdog import STORE_TIMEOUT, Watchdog
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = ["model=gpt_tiny", "parallelism.data=2", "offload=nvme", "trainer.max_steps=100000", "data.max_bytes=300000",
@@ -240,7 +240,7 @@ def test_a_second_sigint_received_before_the_launcher_acted_stops_at_once(signal
     ranks are killed at once, not after the grace. One SIGINT keeps the grace. Broken variant
     caught (seen failing): ``_end`` counting the signals received when it starts as handled (the
     second one was then never seen: the ranks ran their whole grace)."""
-    from lightning_3d.launch import _watch
+    from lightning_3d.app.launch import _watch
 
     procs = _slow_ranks(2)
     try:

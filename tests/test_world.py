@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-import lightning_3d.launch
-import lightning_3d.testing.world
-from lightning_3d.launch import free_port, local_rank_env
-from lightning_3d.testing.world import run_world
+import lightning_3d.app.launch
+import lightning_3d.harness.world
+from lightning_3d.app.launch import free_port, local_rank_env
+from lightning_3d.harness.world import run_world
 
 WORLD_TIMEOUT_S = 90.0  # a broken rendezvous fails, or times out, well before this
 PG_TIMEOUT = timedelta(seconds=30)
@@ -52,8 +52,8 @@ def _expected(tag, world_size):
 
 def _pick(monkeypatch, port):
     """Make the port picker return ``port``, wherever a launcher looks it up."""
-    monkeypatch.setattr(lightning_3d.launch, "free_port", lambda: port)
-    monkeypatch.setattr(lightning_3d.testing.world, "free_port", lambda: port, raising=False)
+    monkeypatch.setattr(lightning_3d.app.launch, "free_port", lambda: port)
+    monkeypatch.setattr(lightning_3d.harness.world, "free_port", lambda: port, raising=False)
 
 
 # Each rank imports Lightning (~8 s of CPU on the 2-core CI machine), hence small worlds.
@@ -98,7 +98,7 @@ def test_a_world_forms_when_the_picked_port_is_taken(monkeypatch):
 
 
 def test_the_store_lives_exactly_as_long_as_the_block():
-    with lightning_3d.launch.hosted_store() as port:
+    with lightning_3d.app.launch.hosted_store() as port:
         socket.create_connection(("127.0.0.1", port), timeout=5).close()  # something listens on it
     with pytest.raises(OSError):  # and nothing once the world is gone
         socket.create_connection(("127.0.0.1", port), timeout=5).close()

@@ -100,7 +100,7 @@ def table(results: list[dict[str, Any]], world: int, zero_stage: int, repeats: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lightning_3d.testing.world import run_world
+    from lightning_3d.harness.world import run_world
 
     parser = argparse.ArgumentParser(prog="python -m lightning_3d.bench.checkpoint_sharded",
                                      description=__doc__.splitlines()[0])

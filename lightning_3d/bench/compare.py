@@ -6,7 +6,7 @@ every row alike, and each row reports the median of its repeats' tokens/s.
 
 Theory per row (E = 4 bytes per fp32 element, Ψ parameters, N data-parallel ranks):
 
-- model state per rank: :func:`lightning_3d.memory.zero_formula_bytes` at the row's ZeRO stage,
+- model state per rank: :func:`lightning_3d.observe.memory.zero_formula_bytes` at the row's ZeRO stage,
   with Ψ_rank (the rank's pipeline stage or tensor slice) for pipeline and tensor rows;
 - bytes sent per rank per step (ring algorithm): data-parallel all-reduce, or ZeRO-1/2
   reduce-scatter + all-gather: 2(N-1)/N·EΨ; ZeRO-3 (gather for forward, again for backward,
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from lightning_3d.bench import cell
-from lightning_3d.memory import zero_formula_bytes
+from lightning_3d.observe.memory import zero_formula_bytes
 
 E = 4  # bytes per fp32 element
 
@@ -130,7 +130,7 @@ def row_spec(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
 def run_row(name: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """One run of a row on fresh processes; the per-rank results."""
     from lightning_3d.bench.peers import fit_deepspeed, fit_lightning
-    from lightning_3d.testing.world import run_world
+    from lightning_3d.harness.world import run_world
 
     row = ROWS[name]
     fn: Callable = fit_lightning if row.engine == "lightning" else fit_deepspeed

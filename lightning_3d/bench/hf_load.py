@@ -69,8 +69,8 @@ def load_on_rank(rank: int, directory: str, layout: dict, deferred: bool) -> dic
     from lightning_3d.layout import build_mesh
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.parallel.tensor import local_tensor
-    from lightning_3d.plan import Plan
-    from lightning_3d.recipe import parallelize
+    from lightning_3d.options import Plan
+    from lightning_3d.strategy.recipe import parallelize
 
     torch.set_num_threads(1)
     plan = Plan.from_options(**layout).resolved(2)
@@ -102,7 +102,7 @@ def save_directory(directory: str, hidden: int, layers: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lightning_3d.testing.world import run_world
+    from lightning_3d.harness.world import run_world
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=2048)

@@ -38,12 +38,12 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from lightning_3d.layout import build_mesh
-    from lightning_3d.memory import peak_rss_mb
+    from lightning_3d.observe.memory import peak_rss_mb
     from lightning_3d.models import LitGPT
     from lightning_3d.parallel.materialize import to_device_keeping_meta
-    from lightning_3d.plan import Plan
-    from lightning_3d.recipe import parallelize
-    from lightning_3d.testing.fake import fake_world
+    from lightning_3d.options import Plan
+    from lightning_3d.strategy.recipe import parallelize
+    from lightning_3d.parallel.fake_world import fake_world
 
     torch.set_num_threads(args.threads)
     base = peak_rss_mb()

@@ -109,7 +109,7 @@ def _worker(args: argparse.Namespace) -> None:
     """One variant in its own process: set up, then one timed step per ``step`` line on stdin."""
     import torch
 
-    from lightning_3d.memory import peak_rss_mb
+    from lightning_3d.observe.memory import peak_rss_mb
     from lightning_3d.offload import OffloadedAdam
 
     params = _params(args)

@@ -24,7 +24,7 @@ fp32 on the host first, the old path). Figures: build time (model built, Trainer
 the first batch; ``build_peak_rss_mb`` in the JSON: the host peak by then),
 device and host peaks, step time split into forward + backward (to ``on_before_optimizer_step``,
 device synchronised) and the rest (clipping, the optimizer step and its transfers), TFLOP/s of
-model FLOPs (:func:`lightning_3d.flops.transformer_flops_per_token`; recomputation not counted).
+model FLOPs (:func:`lightning_3d.observe.flops.transformer_flops_per_token`; recomputation not counted).
 Writes ``OUT/ladder.md`` and ``OUT/ladder.json``.
 """
 
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_3d.bench import offload_worker as om
-from lightning_3d.flops import transformer_flops_per_token
+from lightning_3d.observe.flops import transformer_flops_per_token
 
 # name: (n_layer, n_embd); GPT-3's shapes at these sizes (Brown et al. 2020, table 2.1).
 SIZES = {"0.35B": (24, 1024), "1.3B": (24, 2048), "2.7B": (32, 2560), "6.7B": (32, 4096)}

@@ -15,7 +15,7 @@ place (``LitGPT(deferred_init=True)``; ``--eager-init`` for the old whole-fp32-f
 
 Columns: peak RSS, and the same minus the RSS after imports and data (``over base``: what the
 model, its training state and the activations added); bytes of parameters, gradients and optimizer
-state resident at the optimizer step (``lightning_3d.memory.model_state_bytes``; an offloaded
+state resident at the optimizer step (``lightning_3d.observe.memory.model_state_bytes``; an offloaded
 optimizer counts its RAM window). With bf16 parameters ``OffloadedAdam`` keeps fp32 master
 weights and fp32 Adam moments in its store, while plain AdamW keeps bf16 moments and no master
 copy. The NVMe file sits in the page cache on a machine with spare RAM (not counted in RSS), so

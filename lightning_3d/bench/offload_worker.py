@@ -51,9 +51,9 @@ def _worker(args: argparse.Namespace) -> None:
     from lightning.pytorch.callbacks import Callback
 
     from lightning_3d import ThreeDStrategy
-    from lightning_3d.callbacks import RunSummary
+    from lightning_3d.observe.summary import RunSummary
     from lightning_3d.data import TextDataModule
-    from lightning_3d.memory import peak_rss_mb
+    from lightning_3d.observe.memory import peak_rss_mb
     from lightning_3d.models import LitGPT
     from lightning_3d.offload import OffloadedAdam
 

@@ -24,7 +24,7 @@ kernels' time, not the launch queue's; tokens/s is the median over the steps aft
 TFLOP/s counts model FLOPs only: ``6 Ψ + 12 L C T`` per token (forward + backward of the
 parameters' matmuls and of attention's scores and weighted sums); recomputation under
 activation checkpointing is not counted, so a checkpointed row shows what it delivers. MFU
-divides by the device's dense peak at the run's precision (:data:`lightning_3d.flops.PEAK_TFLOPS`, or ``--peak-tflops``).
+divides by the device's dense peak at the run's precision (:data:`lightning_3d.observe.flops.PEAK_TFLOPS`, or ``--peak-tflops``).
 
 Writes OUT/one_device.md (the table) and OUT/one_device.json (every figure and the settings).
 """
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_3d.bench import cell
-from lightning_3d.flops import named_device_peak, transformer_flops_per_token
+from lightning_3d.observe.flops import named_device_peak, transformer_flops_per_token
 
 MODEL = {"vocab_size": 256, "block_size": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768, "dropout": 0.0}
 QUICK = {"model": {"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 64}, "batch": 4, "steps": 4, "warmup": 1}
@@ -122,7 +122,7 @@ def _fit_lightning(spec: dict[str, Any]) -> dict[str, Any]:
     from lightning.pytorch.callbacks import Callback
 
     from lightning_3d import ThreeDStrategy
-    from lightning_3d.callbacks import RunSummary
+    from lightning_3d.observe.summary import RunSummary
     from lightning_3d.models import LitGPT
 
     class StepTimer(Callback):
@@ -193,7 +193,7 @@ def measure(cfg: dict[str, Any], log: Any = print, after_row: Any = None) -> dic
     """Every row ``repeats`` times, interleaved; failures become notes, not crashes.
     ``after_row(raw so far)`` runs after each row (the files are rewritten: a run killed by an
     outer timeout keeps what it measured)."""
-    from lightning_3d.testing.world import run_world
+    from lightning_3d.harness.world import run_world
 
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg["rows"]}
     notes: dict[str, str] = {}
@@ -300,7 +300,7 @@ def parse(argv: Optional[list[str]]) -> dict[str, Any]:
     parser.add_argument("--block-size", type=int, help="sequence length T (default 1024)")
     parser.add_argument("--precision", default="bf16-mixed", help=f"one of {', '.join(PRECISIONS)}")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clip_val (every row)")
-    parser.add_argument("--peak-tflops", type=float, help="the device's peak for MFU (default: lightning_3d.flops.PEAK_TFLOPS)")
+    parser.add_argument("--peak-tflops", type=float, help="the device's peak for MFU (default: lightning_3d.observe.flops.PEAK_TFLOPS)")
     parser.add_argument("--timeout-s", type=float, default=300.0, help="per row run")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", "--outdir", dest="out", default=str(DEFAULT_OUT))

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_3d.bench.comm import CommCounter, count_collectives, counting_allreduce_hook
-from lightning_3d.memory import peak_rss_mb
+from lightning_3d.observe.memory import peak_rss_mb
 from lightning_3d.models import LitGPT
 from lightning_3d.models.gpt import Block
 
@@ -138,7 +138,7 @@ def build_strategy(kind: str, options: dict[str, Any], world: int) -> Any:
 
 def fit_lightning(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Train ``spec["steps"]`` steps under a Lightning strategy; see the module docstring."""
-    from lightning_3d.callbacks import RunSummary
+    from lightning_3d.observe.summary import RunSummary
     from lightning_3d.data import TextDataModule
 
     L.seed_everything(spec["seed"], verbose=False)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 MODEL = dict(n_embd=256, n_layer=4, n_head=8, block_size=128, warmup_steps=2)
 

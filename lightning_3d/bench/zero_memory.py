@@ -4,7 +4,7 @@
 
 Trains the reference GPT for two fp32 AdamW steps per layout on gloo worlds and prints, for
 rank 0, the bytes of parameters, gradients and optimizer state resident at the end of backward
-(counted from the tensors: see ``lightning_3d.memory``) and their ratio to the formula
+(counted from the tensors: see ``lightning_3d.observe.memory``) and their ratio to the formula
 (stage 0: 16Ψ, 1: 8Ψ + 8Ψ/N, 2: 4Ψ + 12Ψ/N, 3: 16Ψ/N). Peak RSS is printed too, measured with
 ``MALLOC_MMAP_THRESHOLD_=1048576`` so freed large tensors go back to the OS.
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from lightning_3d.memory import zero_formula_bytes
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.observe.memory import zero_formula_bytes
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 
 def measure(data: int, stage: int, model: dict) -> dict:

@@ -10,7 +10,10 @@ The modules form layers, each importing only those below it:
 - ``checks`` (what a checkpoint holds), ``consolidated`` and ``sharded`` (the two writers,
   both over ``view``);
 - ``io`` (Lightning's checkpoint IO plugin), ``export``, ``hf_export``, ``pretrained``,
-  ``strategy_hooks`` (the strategy's save and load hooks).
+  ``resume`` (run-directory checkpoint names and what ``resume=`` resolves to).
+
+The strategy's save and load hooks live above this package, in
+``lightning_3d.strategy.checkpoint_hooks``.
 """
 
 from lightning_3d.checkpoint.checks import check_against, inspect_checkpoint

@@ -17,7 +17,7 @@ same path, inside a sharded input, or a directory holding it), ``--force`` or no
 one line ``error: ...`` on stderr and exit with code 2 (bad input), before anything is written,
 or 3 when the output cannot be written (no space left, a read-only file system, no permission:
 the line names the output and the cause; no partial file is left)
-(:mod:`lightning_3d.exit_codes`).
+(:mod:`lightning_3d.runtime.exit_codes`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any, NoReturn
 from lightning_3d.checkpoint.checks import inspect_checkpoint
 from lightning_3d.checkpoint.export import export_safetensors
 from lightning_3d.checkpoint.hf_export import DTYPES, export_hf
-from lightning_3d.exit_codes import BAD_INPUT, IO_ERROR
-from lightning_3d.failures import io_error_words
+from lightning_3d.runtime.exit_codes import BAD_INPUT, IO_ERROR
+from lightning_3d.runtime.failures import io_error_words
 
 USAGE_ERROR = BAD_INPUT
 # What makes an output unwritable, as opposed to a wrong path given (a missing input: exit 2).

@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_3d.checkpoint.checks import load_lightning_checkpoint
 from lightning_3d.checkpoint.files import atomic_write, remove_stale_temps
 from lightning_3d.checkpoint.integrity import with_checksums
-from lightning_3d.failures import naming_path
+from lightning_3d.runtime.failures import naming_path
 
 # remove_stale_temps lived here first (files.py now); callers still import it from this module.
 __all__ = ["AtomicCheckpointIO", "atomic_write", "remove_stale_temps"]

@@ -15,7 +15,7 @@ at 0 each: ``data=chat``'s packing; not under pipeline parallelism). The loss is
 over positions that have a target.
 
 ``ThreeDStrategy(tensor=2, pipeline=2)`` needs no user code: the tensor plan is the one the
-model ships (``config.base_model_tp_plan``, translated by :mod:`lightning_3d.plans.hf`), and
+model ships (``config.base_model_tp_plan``, translated by :mod:`lightning_3d.parallel.plans.hf`), and
 :meth:`pipeline_spec` splits along its ``base_model_pp_plan`` with stages that run the model's
 own forward (:mod:`lightning_3d.models.hf_pipeline`). A directory's weights are read where they
 end up, each rank its own slices (:mod:`lightning_3d.models.hf_load`).

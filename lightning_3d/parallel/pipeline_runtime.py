@@ -65,7 +65,7 @@ def _timed_stage_class(clock: _Clock) -> type:
 class PipelineRuntime:
     """This rank's pipeline stages, their schedule, and one step of it inside Lightning.
 
-    ``options`` is a :class:`~lightning_3d.plan.PipelineOptions` with its defaults resolved;
+    ``options`` is a :class:`~lightning_3d.options.PipelineOptions` with its defaults resolved;
     ``accumulation()`` answers Lightning's ``accumulate_grad_batches``; ``scale_loss`` is the
     16-mixed dynamic loss scale (identity otherwise); ``telemetry`` receives a
     ``"pipeline_step"`` event per training step."""

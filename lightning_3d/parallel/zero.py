@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_3d.compat import all_gather_single, reduce_scatter_single
 from lightning_3d.parallel.tensor import local_tensor as _local
-from lightning_3d.plan import ZeroOptions
+from lightning_3d.options import ZeroOptions
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -3,7 +3,7 @@
     python -m lightning_3d.planner                                  # gpt_small on one 8 x 80 GB node
     python -m lightning_3d.planner model=gpt_50m cluster=workstation_24gb
     python -m lightning_3d.planner cluster.nodes=4 planner.batch_size=512 top=20
-    python -m lightning_3d.plan model=gpt_70b cluster=128_nodes_8x80gb layout.tensor=8 layout.pipeline=8 \
+    python -m lightning_3d.planner model=gpt_70b cluster=128_nodes_8x80gb layout.tensor=8 layout.pipeline=8 \
         planner.zero_stages=[1] planner.offloads=[none] validate=true
 
 The ``model`` group is training's (``conf/model/``); ``cluster`` is ``conf/cluster/``; the
@@ -14,7 +14,7 @@ value, or a cluster on which nothing fits, ends with one ``error:`` line and exi
 ``layout.data`` / ``layout.tensor`` / ``layout.pipeline`` keep only layouts of those sizes (a
 fixed ``tensor`` also limits the activation measurement to that size, which is what makes a
 70B model quick to plan). ``validate=true`` then builds the first choice at its full world size
-in this one process (:mod:`lightning_3d.planner.validate`), prints its per-rank-kind table of
+in this one process (:mod:`lightning_3d.calibration.validate`), prints its per-rank-kind table of
 predicted against built bytes, and ends with an ``error:`` line and exit code 2 if a shape or
 placement is wrong or a figure is more than 10% off.
 """
@@ -26,14 +26,14 @@ import time
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_3d.cli import hydra_app
+from lightning_3d.app.cli import hydra_app
 
 
 def plan(cfg: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
 
-    from lightning_3d.app import model_on_meta
-    from lightning_3d.config import check_target_keys
+    from lightning_3d.app.run import model_on_meta
+    from lightning_3d.app.config import check_target_keys
     from lightning_3d.planner import Cluster
     from lightning_3d.planner.search import plan_candidates
     from lightning_3d.planner.table import nothing_fits, ranked_table, rejected_summary
@@ -57,7 +57,7 @@ def plan(cfg: DictConfig) -> int:
             raise ValueError(f"no layout of {cluster.world_size} ranks has {pins} (data x tensor x pipeline must "
                              "equal nodes x devices_per_node)")
         if validate and candidates[0].fits:
-            from lightning_3d.planner.validate import check_choice
+            from lightning_3d.calibration.validate import check_choice
 
             check_choice(candidates[0].choice, options.precision)
     except ValueError as err:
@@ -101,7 +101,7 @@ def validated(make_module, facts, choice, precision: str, started: float) -> int
     """Build ``choice`` at full size and print the comparison; 2 and an ``error:`` line if it is off."""
     import resource
 
-    from lightning_3d.planner.validate import table, validate_layout
+    from lightning_3d.calibration.validate import table, validate_layout
 
     start = time.perf_counter()
     try:

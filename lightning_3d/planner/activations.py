@@ -168,7 +168,7 @@ def measure_sequence_parallel(entry: tuple[str, nn.Module], plan: Mapping[str, A
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lightning_3d.testing.fake import fake_world
+    from lightning_3d.parallel.fake_world import fake_world
 
     if dist.is_initialized():
         raise ValueError("sequence-parallel activations are measured in a fake world, which needs a process "

@@ -184,7 +184,7 @@ def split_dims(module: nn.Module) -> tuple[dict[str, int], set[str]]:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     from lightning_3d.parallel.tensor import resolve_plan, split_dim
-    from lightning_3d.plans import build_plan
+    from lightning_3d.parallel.plans import build_plan
 
     try:
         resolved = resolve_plan(module, build_plan(module, None, False), 1)
@@ -278,7 +278,7 @@ def sequence_parallel_activations(module: nn.Module, block: tuple[str, nn.Module
     import torch.distributed as dist
 
     from lightning_3d.parallel.tensor import resolve_plan
-    from lightning_3d.plans import build_plan
+    from lightning_3d.parallel.plans import build_plan
 
     name = block[0]
     out: dict[tuple, ActivationFit] = {}

@@ -2,7 +2,7 @@
 
 :func:`plan_layouts` is pure: model facts, a cluster and options in, candidates out (fitting
 ones first, fastest first; then the rejected ones, each with one reason). The same function
-serves the CLI's table and ``parallelism=auto`` (:mod:`lightning_3d.planner.auto`).
+serves the CLI's table and ``parallelism=auto`` (:mod:`lightning_3d.strategy.auto`).
 
 Enumerated: ``data × tensor × pipeline = world`` (tensor innermost, kept inside a node and
 dividing the head count; pipeline dividing the block count), ZeRO stages, micro-batches (powers
@@ -10,8 +10,8 @@ of two dividing the per-rank batch, at least ``pipeline`` for 1F1B as torch requ
 pipeline they are gradient accumulation steps), schedules (the interleaved ones with each of
 ``virtual_stages`` stages per rank), sequence parallelism (with ``tensor > 1``, where measured),
 activation checkpointing and offload (to host memory or NVMe, with ZeRO-3's parameters or without).
-Every candidate is built as a :class:`~lightning_3d.plan.Plan` (``Plan.from_options``), and,
-given ``check`` (:func:`lightning_3d.recipe.check` bound to the model on ``meta``), checked
+Every candidate is built as a :class:`~lightning_3d.options.Plan` (``Plan.from_options``), and,
+given ``check`` (:func:`lightning_3d.parallel.model_check.check` bound to the model on ``meta``), checked
 against the model's shapes; their ``ValueError`` is the rejection's reason. A split that is
 refused as a whole (a tensor size that crosses nodes, say) is one rejected candidate, not one
 per ZeRO stage and micro-batch count.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from lightning_3d.parallel.pipeline import MULTI_STAGE
-from lightning_3d.plan import Plan
+from lightning_3d.options import Plan
 from lightning_3d.planner.choice import OFFLOADS, Choice, PlannerOptions
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.facts import ModelFacts
@@ -184,7 +184,7 @@ def plan_candidates(module: Any, cluster: Cluster, options: PlannerOptions, *, t
     allows (or ``tp_sizes``), and :func:`plan_layouts` with the strategy's own check of the model:
     what the CLI and ``parallelism=auto`` both plan from."""
     from lightning_3d.planner.facts import model_facts
-    from lightning_3d.recipe import check
+    from lightning_3d.parallel.model_check import check
 
     facts = model_facts(module, seq_len=options.seq_len, precision=options.precision,
                         tp_sizes=tp_sizes or divisors(cluster.devices_per_node), name=name,

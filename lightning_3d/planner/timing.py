@@ -38,9 +38,9 @@ all-reduces (a reduce-scatter and an all-gather each), so its time is tensor par
 
 MFU counts the model's FLOPs (without recomputation) per second over the world's peak.
 
-**Calibrated against measured runs** (``python -m lightning_3d.planner.calibration --time``:
+**Calibrated against measured runs** (``python -m lightning_3d.calibration.memory --time``:
 a 3.3 M-parameter GPT, fp32, on this project's 2-core CPU, gloo; the table in the README).
-What the measurements led to, each a device constant that ``lightning_3d.planner.machine``
+What the measurements led to, each a device constant that ``lightning_3d.calibration.machine``
 measures rather than a per-layout factor:
 
 - **optimizer step** (new, ``StepTime.optimizer``): Adam's memory-bound pass over the rank's parameters
@@ -50,7 +50,7 @@ measures rather than a per-layout factor:
   FLOPs); measured 0.31-0.33 here, so 8/6 stays the default, and full checkpointing measured
   1.2-1.3x a plain step, as predicted;
 - **CPU ranks** do not overlap communication (``overlap=0``,
-  :data:`lightning_3d.planner.auto.CPU_OPTIONS`): gloo reduces and copies on the rank's own core;
+  :data:`lightning_3d.strategy.auto.CPU_OPTIONS`): gloo reduces and copies on the rank's own core;
 - the rate of a rank is the measured rate of a whole block (``machine.block_rate``), not a bare
   matmul's: 85-95% of it per core here, but 65% with two threads in one process.
 

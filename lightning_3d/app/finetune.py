@@ -1,0 +1,166 @@
+"""The body of ``examples/finetune.py``: train from pretrained weights on one workstation.
+
+The preset (``conf/finetune.yaml``) is the main job's, with one process, NVMe offload,
+activation checkpointing and bf16; what this module adds is *where the weights come from*:
+
+1. :func:`resolve_pretrained` turns ``finetune.pretrained`` (a path, or ``"latest"``) into a file
+   (a model that brings its own weights, ``model=hf model.path=DIR``, starts from those instead,
+   see :func:`prepare`);
+2. :func:`check_pretrained` compares that file with the configured model, built on ``meta``
+   (nothing is allocated), so a wrong file ends the app with one ``error:`` line before any work;
+3. :func:`finetune` (every rank) runs :func:`lightning_3d.app.run.train` with the model built and the
+   weights loaded *before* ``trainer.fit`` — the strategy then shards and offloads them like any
+   others — and records the file in ``summary.json``.
+
+Example::
+
+    python examples/train.py trainer.devices=1                        # writes outputs/<date>/<time>/final.ckpt
+    python examples/finetune.py                                       # fine-tunes the newest one
+    python examples/finetune.py offload=cpu finetune.pretrained=gpt.safetensors
+    python examples/finetune.py model=hf model.path=/models/qwen2-0.5b data=text data.path=notes/  # its own weights
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from lightning_3d.checkpoint.resume import FINETUNE_RUNS
+
+LATEST = "latest"
+
+
+def resolve_pretrained(value: str, project_dir: str | Path) -> Path:
+    """The pretrained file ``value`` names: a path (relative to ``project_dir``), or ``"latest"``:
+    the newest ``outputs/**/final.ckpt`` under ``project_dir`` written by ``examples/train.py``
+    (fine-tune runs, under ``outputs/finetune/``, are skipped: fine-tuning never silently chains).
+
+    ``ValueError`` when ``"latest"`` finds nothing; the file itself is checked by :func:`check_pretrained`.
+    """
+    if value != LATEST:
+        path = Path(value).expanduser()
+        return path if path.is_absolute() else Path(project_dir) / path
+    outputs = Path(project_dir) / "outputs"
+    found = [p for p in outputs.glob("**/final.ckpt") if p.relative_to(outputs).parts[0] != FINETUNE_RUNS]
+    if not found:
+        raise ValueError(
+            f"finetune.pretrained=latest: no final.ckpt under {outputs}; run examples/train.py first "
+            "or pass finetune.pretrained=PATH (a .ckpt or .safetensors file)"
+        )
+    return max(found, key=lambda p: p.stat().st_mtime)
+
+
+def check_pretrained(model_cfg: DictConfig, path: Path) -> None:
+    """Raise ``ValueError`` (or ``FileNotFoundError``) unless ``path`` is a checkpoint that
+    :func:`~lightning_3d.checkpoint.pretrained.load_pretrained` can load into ``model_cfg``'s
+    model: the same names and shapes. Reads only the file's header / weights index."""
+    import torch
+    from hydra.utils import instantiate
+
+    from lightning_3d.checkpoint.checks import (
+        check_against,
+        inspect_checkpoint,
+        shapes_of,
+    )
+    from lightning_3d.checkpoint.pretrained import map_names
+
+    info = inspect_checkpoint(path)  # missing, a directory, not a checkpoint, truncated
+    try:
+        with torch.device("meta"):
+            module = instantiate(model_cfg)
+    except Exception:  # noqa: BLE001 -- a module not buildable on meta is checked by load_pretrained on the rank
+        return
+    own = shapes_of(module.state_dict())
+    names = map_names(list(info["shapes"]), list(own), info["format"])
+    check_against(own, {names[n]: shape for n, shape in info["shapes"].items()}, source=str(path))
+
+
+def own_weights(model_cfg: DictConfig) -> Optional[Path]:
+    """The directory the configured model loads its own pretrained weights from when it is built
+    (``model=hf model.path=DIR``), else ``None``."""
+    from lightning_3d.app.config import target_of
+    from lightning_3d.models.hf import HFCausalLM
+
+    target = target_of(model_cfg, "model")
+    path = model_cfg.get("path") if isinstance(target, type) and issubclass(target, HFCausalLM) else None
+    return Path(str(path)).expanduser().resolve() if path is not None else None
+
+
+def prepare(cfg: DictConfig, project_dir: str | Path) -> Optional[Path]:
+    """Resolve and check ``cfg.finetune.pretrained``, then pin it in ``cfg`` as an absolute path
+    (so every rank loads the same file); return where the starting weights come from.
+
+    A model that brings its own weights (``model=hf model.path=DIR``) starts from them under the
+    default ``"latest"``; ``null`` loads nothing either (a random init, or the model's own).
+    Then ``cfg.finetune.pretrained`` becomes ``None``. ``ValueError`` / ``FileNotFoundError``
+    on bad input."""
+    own = own_weights(cfg.model)
+    value = cfg.finetune.pretrained
+    if value is None or (value == LATEST and own is not None):
+        cfg.finetune.pretrained = None
+        return own
+    path = resolve_pretrained(str(value), project_dir).resolve()
+    check_pretrained(cfg.model, path)
+    cfg.finetune.pretrained = str(path)
+    return path
+
+
+def pretrained_module(module: Any, path: str) -> Any:
+    """Hydra target wrapping ``cfg.model``: the built module with ``path``'s weights loaded."""
+    from lightning_3d.checkpoint.pretrained import load_pretrained
+
+    load_pretrained(module, path)
+    return module
+
+
+def finetune(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
+    """Per-rank body for :func:`lightning_3d.app.run`: :func:`~lightning_3d.app.run.train` with the
+    model's weights loaded from ``cfg.finetune.pretrained`` before ``trainer.fit``.
+
+    Returns the run summary with ``"pretrained"`` (the file's absolute path) and ``"offload"``
+    (the offload config) added, also written to ``output_dir/summary.json``.
+    """
+    from lightning.pytorch.utilities import rank_zero_only
+
+    from lightning_3d.app.run import train
+
+    cfg = copy.deepcopy(cfg)
+    OmegaConf.resolve(cfg)  # data.block_size etc. refer to ${model.*}, which moves into model.module
+    source = cfg.finetune.pretrained or own_weights(cfg.model)  # None: a random init
+    if cfg.finetune.pretrained is not None:
+        with open_dict(cfg):
+            # app.train builds cfg.model with hydra's instantiate, which builds the nested module
+            # first and hands it to pretrained_module: the weights are in before trainer.fit.
+            cfg.model = {"_target_": f"{__name__}.pretrained_module", "module": cfg.model,
+                         "path": str(cfg.finetune.pretrained)}
+    summary = {**train(cfg, output_dir), "pretrained": str(source) if source is not None else None,
+               "offload": OmegaConf.to_container(cfg.offload)}
+    if rank_zero_only.rank == 0:
+        (Path(output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def main(cfg: DictConfig, script: str) -> int:
+    """``examples/finetune.py``'s entry point: check the configuration (model, data, layout), then
+    the pretrained file against the model, then :func:`lightning_3d.app.run` with
+    :func:`finetune`; returns the exit code (2: bad input)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.utils import get_original_cwd
+
+    from lightning_3d.app.run import _discard_run_dir, run, validate
+
+    try:
+        validate(cfg)  # first: a wrong model is named as such, not as a checkpoint that does not fit it
+        path = prepare(cfg, get_original_cwd())
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        hydra_cfg = HydraConfig.get()
+        _discard_run_dir(Path(hydra_cfg.runtime.output_dir), hydra_cfg.job.name)
+        return 2
+    print(f"fine-tuning from {path if path is not None else 'a random init (finetune.pretrained=null)'}")
+    return run(cfg, script, body=finetune, validated=True)

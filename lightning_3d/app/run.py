@@ -1,0 +1,494 @@
+"""The body of the Hydra apps (``examples/train.py``): validate, launch ranks, train, summarise.
+
+Everything that can be wrong with a configuration is checked in the launching process, before
+any rank, process group or file exists; a bad value ends the app with one ``error:`` line and
+exit code 2 instead of a traceback from every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from collections.abc import Callable
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_3d.app.config import (
+    HYDRA_KEYS,
+    build_strategy,
+    plan_of,
+    check_target_keys,
+    model_limits,
+    target_of,
+    without_weights,
+    world_size_of,
+)
+from lightning_3d.runtime.failures import REPORTS_ENV
+from lightning_3d.app.launch import already_launched, launch_job, quoted
+from lightning_3d.runtime.nonfinite import NonFiniteError
+from lightning_3d.strategy.auto import plan_for_app, record_planned
+from lightning_3d.runtime.preemption import Preempted
+from lightning_3d.parallel.model_check import check
+from lightning_3d.checkpoint.resume import (
+    PeriodicCheckpoint,
+    check_every_n_steps,
+    check_fits,
+    check_steps_left,
+    resolve_resume,
+    resume_hint,
+    resume_override,
+    written_checkpoint,
+)
+from lightning_3d.app.rank_report import report_here, send
+from lightning_3d.app.run_dir import RunDirInUse, hold
+from lightning_3d.runtime.watchdog import LAUNCHER_PID_ENV
+
+
+# The apps' top-level keys (conf/train.yaml, conf/finetune.yaml): any other (``+ckpt_path=...``)
+# would be read by nothing, so it is refused instead of being silently ignored.
+APP_KEYS = frozenset({"model", "data", "parallelism", "offload", "trainer", "seed", "checkpoint", "resume",
+                      "finetune", "overwrite"})
+CHECKPOINT_KEYS = frozenset({"every_n_steps"})
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ``ValueError`` for any inconsistent value in ``cfg`` (no side effects): the app's
+    keys, the periodic checkpoints and the checkpoint to resume from (``resume=``: it exists, and
+    its names and shapes are the model's), the layout, the model's and the data's keys and values
+    (the model built on ``meta``, the data module built), the plan against the model's shapes,
+    and the Trainer's arguments."""
+    check_app_keys(cfg)
+    check_seed(cfg.get("seed"))
+    resume = resolve_resume(cfg.get("resume"), project_dir(), finetune="finetune" in cfg)
+    world = world_size_of(cfg.trainer)
+    max_steps = cfg.trainer.get("max_steps", -1)
+    if max_steps == 0 or (isinstance(max_steps, int) and max_steps < -1):
+        raise ValueError(f"trainer.max_steps={max_steps} trains no step (the run would save untrained weights as "
+                         "final.ckpt); give a positive number of steps, or -1 to let trainer.max_epochs decide")
+    check_trainer_counts(cfg.trainer)  # max_steps=2.5 (Lightning would train 3)
+    plan = plan_of(cfg.parallelism, cfg.get("offload")).resolved(world)
+    layout = plan.layout
+    batch_size = cfg.data.get("batch_size") if "data" in cfg else None
+    unplanned = plan.auto.enabled  # parallelism=auto left to the ranks: the planner picks dividing sizes
+    if not unplanned and isinstance(batch_size, int) and batch_size > 0 and batch_size % layout.data:
+        raise ValueError(
+            f"global data.batch_size ({batch_size}) is not divisible by data-parallel size ({layout.data})"
+        )
+    if (not unplanned and layout.pipeline > 1 and isinstance(batch_size, int) and batch_size > 0
+            and (batch_size // layout.data) % plan.pp.micro_batches):
+        raise ValueError(
+            f"per-rank batch {batch_size // layout.data} (data.batch_size {batch_size} / data {layout.data}) "
+            f"is not divisible by micro_batches={plan.pp.micro_batches}"
+        )
+    if "data" in cfg and not unplanned:
+        check_data_layout(cfg.data, layout)
+    if "model" in cfg:
+        check_target_keys(cfg.model, "model")
+        model_limits(cfg.model)  # a Hugging Face model's directory or config, said as such
+        model = model_on_meta(cfg.model)
+        if model is not None and (layout.tensor > 1 or layout.pipeline > 1):
+            check(model, plan, world)
+        if model is not None and plan.offload.device == "nvme":
+            _check_offload_room(model, plan)
+        if model is not None and resume is not None:
+            check_fits(resume, model)
+    if resume is not None:
+        check_steps_left(resume, max_steps)
+    if "model" in cfg and "data" in cfg:
+        check_model_and_data(cfg.model, cfg.data)
+    check_trainer(cfg.trainer, cfg.parallelism, cfg.get("offload"))
+    # (A resumed epoch is shorter, and an unplanned layout unknown yet: the ranks check those.)
+    if "data" in cfg and resume is None and not unplanned:
+        check_data_sizes(cfg.data, cfg.trainer, layout.data)
+
+
+def check_app_keys(cfg: DictConfig) -> None:
+    """Every top-level key (and every ``checkpoint.*`` key) is one the app reads;
+    ``trainer.enable_checkpointing`` is ``checkpoint.every_n_steps``'s to set."""
+    unknown = sorted(str(k) for k in cfg.keys() if k not in APP_KEYS)
+    if "ckpt_path" in unknown:
+        raise ValueError("ckpt_path is not a key of this app: to resume, pass resume=last (the newest checkpoint of "
+                         "the app's earlier runs under ./outputs) or resume=PATH")
+    if unknown:
+        one = len(unknown) == 1
+        raise ValueError(f"{', '.join(unknown)}: not {'a key' if one else 'keys'} of this app, nothing would read "
+                         f"{'it' if one else 'them'} (its keys: {', '.join(sorted(APP_KEYS))})")
+    checkpoint = cfg.get("checkpoint")
+    if checkpoint is not None:
+        extra = sorted(str(k) for k in checkpoint.keys() if k not in CHECKPOINT_KEYS)
+        if extra:
+            raise ValueError(f"{', '.join(f'checkpoint.{k}' for k in extra)}: not a key of the checkpoint block (its "
+                             f"keys: {', '.join(sorted(CHECKPOINT_KEYS))})")
+        check_every_n_steps(checkpoint.get("every_n_steps"))
+    if "enable_checkpointing" in cfg.trainer:
+        raise ValueError("trainer.enable_checkpointing: set checkpoint.every_n_steps instead (a number of steps, or "
+                         "null for no periodic checkpoints)")
+
+
+def check_trainer_counts(trainer: DictConfig) -> None:
+    """The Trainer's counts are whole numbers (Lightning takes ``max_steps=2.5`` and trains 3)."""
+    for key, least in (("log_every_n_steps", 0), ("num_sanity_val_steps", -1), ("max_steps", -1),
+                       ("min_steps", 0), ("max_epochs", -1), ("min_epochs", 0)):
+        value = trainer.get(key, 0)
+        if value is None and key != "log_every_n_steps":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"trainer.{key}={value!r} must be an integer >= {least}")
+
+
+def check_seed(seed: Any) -> None:
+    """``seed``: a whole number in [0, 2**32 - 1], what ``seed_everything`` and numpy take."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed={seed!r} must be a whole number in [0, {2**32 - 1}]")
+
+
+def project_dir() -> str:
+    """Where the app was started (relative ``resume=`` paths and ``./outputs`` are taken from there)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        from hydra.utils import get_original_cwd
+
+        return get_original_cwd()
+    return os.getcwd()
+
+
+def check_model_and_data(model: DictConfig, data: DictConfig) -> None:
+    """The model's and the data's keys against their targets' parameters, each one's own checks
+    (a Hugging Face model directory or config; the data files and tokenizer, when the data module
+    has a ``check`` classmethod; the data module's constructor), and the two against each other:
+    the data's ids must fit the model's vocabulary and its ``block_size`` the model's positions."""
+    check_target_keys(model, "model")
+    check_target_keys(data, "data")
+    limits = model_limits(model)
+    block_size = data.get("block_size")
+    if block_size is not None and limits.max_positions is not None and block_size > limits.max_positions:
+        raise ValueError(
+            f"data.block_size={block_size} is above the model's maximum positions {limits.max_positions} "
+            f"({limits.source}); set data.block_size={limits.max_positions} or less"
+        )
+    _build(data, "data")  # its constructor's own checks (batch_size, val_fraction, ...); reads no data
+    data_check = getattr(target_of(data, "data"), "check", None)
+    if data_check is None:
+        return
+    options = OmegaConf.to_container(data, resolve=True)
+    data_vocab = data_check(**{k: v for k, v in options.items() if k not in HYDRA_KEYS})
+    if limits.vocab_size is not None and data_vocab > limits.vocab_size:
+        raise ValueError(
+            f"the data's ids need a vocabulary of {data_vocab} but the model has vocab_size={limits.vocab_size} "
+            f"({limits.source}); use the model's own tokenizer or a model with a larger vocabulary"
+        )
+
+
+def check_data_layout(data: DictConfig, layout: Any) -> None:
+    """The data module's own limits on the layout, where its class has a ``check_layout``
+    (``data=chat``: packed rows need ``pipeline=1``)."""
+    check_layout = getattr(target_of(data, "data"), "check_layout", None)
+    if check_layout is not None:
+        options = OmegaConf.to_container(data, resolve=True)
+        check_layout(layout.pipeline, **{k: v for k, v in options.items() if k not in HYDRA_KEYS})
+
+
+def check_data_sizes(data: DictConfig, trainer: DictConfig, data_degree: int) -> None:
+    """The data's splits against the batch size and the Trainer's validation interval, where the
+    data module can count its windows (``split_windows``): at least one global batch in the
+    validation split, and an integer ``trainer.val_check_interval`` within the batches of an
+    epoch (Lightning's own check, which it makes only once the ranks have loaded the data)."""
+    split_windows = getattr(target_of(data, "data"), "split_windows", None)
+    batch_size = data.get("batch_size")
+    if split_windows is None or not isinstance(batch_size, int) or batch_size < data_degree:
+        return
+    options = OmegaConf.to_container(data, resolve=True)
+    sizes = split_windows(**{k: v for k, v in options.items() if k not in HYDRA_KEYS})
+    if sizes is None:
+        return
+    train, val = sizes
+    if val < batch_size:
+        raise ValueError(
+            f"data.batch_size={batch_size} is larger than the validation split ({val} windows of "
+            f"data.block_size+1 positions, data.val_fraction={data.get('val_fraction')}); lower "
+            "data.batch_size, or raise data.val_fraction or the data's size")
+    interval = trainer.get("val_check_interval", 1.0)
+    limit_val = trainer.get("limit_val_batches", 1.0)
+    if (isinstance(interval, bool) or not isinstance(interval, int)
+            or trainer.get("check_val_every_n_epoch", 1) is None
+            or not (isinstance(limit_val, (int, float)) and limit_val > 0)):
+        return  # Lightning checks an integer interval only when it validates by epoch
+    # Per rank, incomplete batches dropped (the sampler's and the loader's drop_last).
+    batches = (train // data_degree) // (batch_size // data_degree)
+    limit = trainer.get("limit_train_batches", 1.0)
+    if isinstance(limit, int) and not isinstance(limit, bool):
+        batches = min(batches, limit)
+    elif isinstance(limit, float):
+        batches = int(batches * limit)
+    if interval > batches:
+        raise ValueError(
+            f"trainer.val_check_interval={interval} is above the {batches} batches of an epoch "
+            f"({train} training windows, data.batch_size={batch_size}); give "
+            f"trainer.val_check_interval={batches} or less, a fraction of the epoch such as 0.5, "
+            "or trainer.limit_val_batches=0 for no validation")
+
+
+def model_on_meta(model: DictConfig) -> Any:
+    """The configured model built on ``meta`` (no memory, no weights read), so its constructor's
+    checks run here; ``None`` for a module that cannot be built on meta for other reasons (the
+    ranks build it for real). ``ValueError`` for a bad value."""
+    import torch
+
+    with torch.device("meta"):
+        return _build(without_weights(model), "model")
+
+
+def _build(node: DictConfig, where: str) -> Any:
+    """``instantiate(node)``; a ``ValueError``, ``TypeError`` or ``ImportError`` from the
+    constructor is a config error (``ValueError`` naming ``where``), anything else -> ``None``."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node)
+    except Exception as err:  # noqa: BLE001 -- Hydra wraps the constructor's error
+        cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
+        if isinstance(cause, (ValueError, TypeError, ImportError)):
+            text = str(cause).strip().splitlines()
+            raise ValueError(f"{where} ({node.get('_target_')}): {type(cause).__name__}: "
+                             f"{text[0] if text else ''}") from None
+        return None
+
+
+def _check_offload_room(model: Any, plan: Any) -> None:
+    """The offload path has room for at least this rank's share of Adam's two fp32 moments
+    (a lower bound: the rank checks the exact size before writing)."""
+    from lightning_3d.offload.paths import check_offload_path
+
+    layout = plan.layout
+    shards = (layout.data if layout.zero_stage >= 1 else 1) * layout.tensor * layout.pipeline
+    check_offload_path(plan.offload.path, 8 * sum(p.numel() for p in model.parameters()) // shards)
+
+
+def check_trainer(trainer: DictConfig, parallelism: Any, offload: Any = None) -> None:
+    """The Trainer's arguments: Lightning's own checks (precision, max_steps, val_check_interval,
+    an unknown argument, ...) by building the Trainer here, with the strategy, without starting
+    anything, plus those Lightning leaves to the first step (``accumulate_grad_batches >= 1``,
+    ``gradient_clip_val >= 0``)."""
+    import logging
+
+    import lightning as L
+
+    from lightning_3d.observe.flops import check_peak_tflops
+
+    kwargs = OmegaConf.to_container(trainer, resolve=True)
+    try:
+        check_peak_tflops(kwargs.pop("peak_tflops", None))
+    except ValueError as err:
+        raise ValueError(f"trainer.peak_tflops: {err}") from None
+    accumulate = kwargs.get("accumulate_grad_batches", 1)
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"trainer.accumulate_grad_batches={accumulate!r} must be an integer >= 1")
+    clip = kwargs.get("gradient_clip_val")
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
+        raise ValueError(f"trainer.gradient_clip_val={clip!r} must be a number >= 0 (or null: no clipping)")
+    check_trainer_counts(trainer)
+    quiet = logging.getLogger("lightning.pytorch")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # "GPU available: ..." belongs to the ranks' output
+    try:
+        L.Trainer(**{**kwargs, "logger": False}, strategy=build_strategy(parallelism, offload))
+    except Exception as err:  # noqa: BLE001 -- ValueError, MisconfigurationException, TypeError, a missing accelerator
+        text = str(err).strip().splitlines()
+        raise ValueError(f"trainer: {text[0] if text else type(err).__name__}") from None
+    finally:
+        quiet.setLevel(level)
+
+
+def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
+    """Train on this rank (the world is already launched, or has one process)."""
+    import lightning as L
+    from hydra.utils import instantiate
+
+    from lightning_3d.observe.summary import RNGStateCheckpoint, RunSummary
+
+    L.seed_everything(cfg.seed, verbose=False)
+    model = instantiate(cfg.model)
+    datamodule = instantiate(cfg.data)
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    summary = RunSummary(out_dir=output_dir, peak_tflops=trainer_kwargs.pop("peak_tflops", None))  # ours, for MFU
+    callbacks = [summary, RNGStateCheckpoint()]  # a resume from its checkpoints continues exactly
+    every_n_steps = (cfg.get("checkpoint") or {}).get("every_n_steps")
+    if every_n_steps is not None:  # <run dir>/last.ckpt; preempted.ckpt goes next to it
+        callbacks.append(PeriodicCheckpoint(output_dir, every_n_steps))
+    trainer = L.Trainer(
+        **trainer_kwargs,
+        enable_checkpointing=every_n_steps is not None,
+        strategy=build_strategy(cfg.parallelism, cfg.get("offload")),
+        callbacks=callbacks,
+        default_root_dir=output_dir,
+    )
+    # resume: pinned to one file by run(); a launcher of our own (torchrun) may leave "last" to each rank.
+    resume = resolve_resume(cfg.get("resume"), project_dir(), finetune="finetune" in cfg)
+    try:
+        with warnings.catch_warnings():
+            # A resumed run saves into its own new directory, which Lightning would warn about.
+            warnings.filterwarnings("ignore", message="The dirpath has changed from")
+            trainer.fit(model, datamodule, ckpt_path=str(resume) if resume is not None else None)
+    except (NonFiniteError, Preempted) as err:
+        _stop(trainer, err)
+    # The trained model, consolidated (any layout, plain Lightning or examples/finetune.py
+    # loads it; `python -m lightning_3d.checkpoint consolidate` turns it into safetensors).
+    trainer.save_checkpoint(Path(output_dir) / "final.ckpt")
+    return summary.summary
+
+
+def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str, Any]] | None = None,
+        validated: bool = False) -> int:
+    """Entry point shared by the example apps; returns the process exit code. ``body`` runs on
+    every rank once the world exists (default :func:`train`); ``validated``: the caller has run
+    :func:`validate` on ``cfg`` already."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    output_dir = hydra_cfg.runtime.output_dir
+    try:
+        # parallelism=auto: chosen here, once, and handed to the ranks as overrides (a rank of
+        # torchrun / SLURM leaves it to its strategy, which plans on rank 0 for the whole world).
+        chosen, planned = ([], None) if already_launched() else _resolve_auto(cfg)
+        if not already_launched():
+            quoted(output_dir)  # the ranks get it as a Hydra override: refused here if it cannot be
+        if not validated:
+            validate(cfg)
+        # resume=last names the newest checkpoint now, before this run writes any: every rank
+        # (and a relaunch) resumes from the same file.
+        resume = resolve_resume(cfg.get("resume"), project_dir(), finetune="finetune" in cfg)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        _discard_run_dir(Path(output_dir), hydra_cfg.job.name)
+        return 2
+    if already_launched():  # a rank: its launcher holds the run directory
+        return _reporting(output_dir, lambda: _launch_or_train(cfg, script, body, hydra_cfg, resume,
+                                                               chosen, planned))
+    overwrite = cfg.get("overwrite", False)
+    try:
+        if not isinstance(overwrite, bool):
+            raise RunDirInUse(f"overwrite={overwrite!r} must be true or false")
+        with hold(Path(output_dir), resuming=resume is not None, overwrite=overwrite):
+            return _reporting(output_dir, lambda: _launch_or_train(cfg, script, body, hydra_cfg,
+                                                                   resume, chosen, planned))
+    except RunDirInUse as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def _reporting(output_dir: str, call: Callable[[], int]) -> int:
+    """``call()``; should it fail, one ``error:`` line from the launching process and the exit
+    code of the failure's kind (:mod:`lightning_3d.app.rank_report`): a rank of our launcher sends
+    it there, a one-process run says it itself. An agreed stop (a non-finite loss, a
+    preemption), Ctrl-C and an exit go on as they are, as do errors under torchrun or SLURM."""
+    ours = bool(os.environ.get(LAUNCHER_PID_ENV))
+    launching = not already_launched()  # asked now: Lightning sets LOCAL_RANK in one process too
+    if not (ours or launching):
+        return call()
+    before = os.environ.get(REPORTS_ENV)
+    os.environ[REPORTS_ENV] = "1"  # the strategy leaves its lines to this report
+    try:
+        return call()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as err:  # noqa: BLE001 -- CheckpointException is a BaseException
+        if getattr(err, "agreed_stop", False):
+            raise
+        if ours:
+            return send(err, int(os.environ.get("RANK", "0")))
+        return report_here(err, Path(output_dir))
+    finally:
+        if before is None:
+            os.environ.pop(REPORTS_ENV, None)
+        else:
+            os.environ[REPORTS_ENV] = before
+
+
+def _launch_or_train(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str, Any]] | None,
+                     hydra_cfg: Any, resume: Path | None, chosen: list[str], planned: dict[str, Any] | None) -> int:
+    """Start the ranks of a world of more than one process, or train in this one."""
+    output_dir = hydra_cfg.runtime.output_dir
+    world = world_size_of(cfg.trainer)
+    if world > 1 and not already_launched():
+        if cfg.trainer.get("num_nodes", 1) > 1:
+            print("error: multi-node runs are started by torchrun or SLURM, one launcher per node", file=sys.stderr)
+            return 2
+        threads = max(1, (os.cpu_count() or 1) // world)
+        overrides = [o for o in hydra_cfg.overrides.task if o.split("=", 1)[0].lstrip("+~") != "resume"] + chosen
+        if resume is not None:
+            overrides.append(resume_override(resume))
+        code = launch_job(world, script, overrides, output_dir, threads)
+        if code == 0:
+            record_planned(Path(output_dir) / "summary.json", planned)  # the ranks did not plan: add it
+            _report(Path(output_dir) / "summary.json")
+        return code
+    if resume is not None:
+        cfg.resume = str(resume)
+    summary = (body or train)(cfg, output_dir)
+    if world == 1:
+        record_planned(Path(output_dir) / "summary.json", planned)
+        _report(Path(output_dir) / "summary.json", summary)
+    return 0
+
+
+def _resolve_auto(cfg: DictConfig) -> tuple[list[str], dict[str, Any] | None]:
+    """``parallelism=auto``: the planner's choice written into ``cfg``, as the ranks' overrides,
+    and its predictions for ``summary.json``; ``([], None)`` without auto."""
+    if not cfg.parallelism.get("auto"):
+        return [], None
+    return plan_for_app(cfg, plan_of(cfg.parallelism, cfg.get("offload")), model_on_meta(cfg.model),
+                           world_size_of(cfg.trainer))
+
+
+def _discard_run_dir(path: Path, job_name: str) -> None:
+    """Remove a run directory that holds only what Hydra wrote before the config was refused."""
+    hydra_only = {".hydra", f"{job_name}.log"}
+    if path.is_dir() and {p.name for p in path.iterdir()} <= hydra_only:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _stop(trainer: Any, err: Exception) -> None:
+    """Rank 0 prints one ``error:`` line (every rank stopped at the same step: the check is
+    agreed; a non-finite stop adds how to resume from the last good checkpoint), then this
+    process ends with exit code 1 where it is the app's own run (a rank, or the one process);
+    in a ``-m`` sweep job or outside Hydra the error propagates, so the sweep records the job
+    and runs the next. No ``final.ckpt``: the weights are the last good step's,
+    which the last checkpoint written holds already. The other ranks wait for rank 0's line
+    before they exit, as the launcher ends the remaining ranks at the first exit code."""
+    import torch.distributed as dist
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if trainer.global_rank == 0:
+        hint = ""
+        if isinstance(err, NonFiniteError):  # (Preempted names its checkpoint and the command itself)
+            last_good = written_checkpoint(trainer)
+            hint = f"; {'the last good checkpoint is kept, ' if last_good is not None else ''}{resume_hint(last_good)}"
+        print(f"error: {err}{hint}", file=sys.stderr, flush=True)
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.barrier()
+        except RuntimeError:  # a peer gone already: nothing left to wait for
+            pass
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.RUN:
+        raise SystemExit(1) from None
+    raise err
+
+
+def _report(path: Path, summary: dict[str, Any] | None = None) -> None:
+    if summary is None:
+        if not path.exists():
+            return
+        summary = json.loads(path.read_text())
+    losses = summary.get("losses") or [float("nan")]
+    print(
+        f"done: {summary.get('steps', 0)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+        f"{summary.get('tokens_per_s', 0.0):.0f} tokens/s; summary: {path}"
+    )

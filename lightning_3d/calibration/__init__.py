@@ -1,0 +1,1 @@
+"""The planner's calibration: its predictions against measured runs."""

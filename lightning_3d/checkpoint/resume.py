@@ -1,0 +1,226 @@
+"""The Hydra apps' checkpoints and ``resume=last|PATH``: where runs save, and what "last" means.
+
+Every run of ``examples/train.py`` (and ``examples/finetune.py``) saves ``<run dir>/last.ckpt``
+every ``checkpoint.every_n_steps`` optimizer steps and at its last step (``trainer.max_steps``),
+through Lightning's ``ModelCheckpoint`` (:class:`PeriodicCheckpoint`), so the strategy writes it
+in ``parallelism.checkpoint_format`` (one file, or a directory of shards under the same name) and
+atomically (the previous ``last.ckpt`` stays whole until the new one replaces it). On SIGTERM /
+SIGINT every rank saves ``<run dir>/preempted.ckpt`` (:mod:`lightning_3d.runtime.preemption`). Both are
+taken right after an optimizer step, so a run resumed from either continues exactly as the
+uninterrupted run would have: weights, optimizer state, LR schedule, loop counters, the data
+loader's position and every rank's RNG states (``trainer.fit(ckpt_path=...)``).
+
+``resume=PATH`` continues from that checkpoint (a ``.ckpt`` file or a sharded checkpoint
+directory; relative to the working directory). ``resume=last`` picks the checkpoint written
+most recently (modification time) among the ``last.ckpt`` and ``preempted.ckpt`` of every run
+directory under ``./outputs`` of the same app: ``examples/train.py``'s runs are
+``outputs/<date>/<time>`` (``outputs/finetune/`` left out), ``examples/finetune.py``'s are
+``outputs/finetune/...`` — the default ``hydra.run.dir`` of each. A resumed run is a new run, in
+a new directory, with its own ``last.ckpt``; it may change the layout (``trainer.devices``,
+``parallelism.*``) and ``trainer.max_steps``, and should keep everything else.
+
+Resolved in the launching process (:func:`resolve_resume`, called by
+:func:`lightning_3d.app.run.validate` and pinned by :func:`lightning_3d.app.run`), so a missing file
+or no earlier checkpoint is one ``error:`` line and exit code 2, and every rank resumes from the
+same file.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.pytorch.callbacks import ModelCheckpoint
+from typing_extensions import override
+
+
+LAST = "last"
+LAST_NAME = "last.ckpt"
+PREEMPTED = "preempted.ckpt"  # written on SIGTERM / SIGINT by lightning_3d.runtime.preemption.StopOnSignal
+FINETUNE_RUNS = "finetune"  # outputs/finetune/...: examples/finetune.py's own run dirs (see conf/finetune.yaml)
+RESUMABLE = (LAST_NAME, PREEMPTED)  # what a run leaves to resume from, in its run directory
+OUTPUTS = "outputs"  # the apps' run directories, relative to the working directory (conf/*.yaml)
+
+
+class PeriodicCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` keeping one file, ``<dirpath>/last.ckpt``, saved every ``every_n_steps``
+    optimizer steps and at ``trainer.max_steps``, always right after an optimizer step.
+
+    Lightning's own fallback save in ``on_train_end`` is left out: there the fit loop has counted
+    the epoch as finished, so a run resumed from it would start the next epoch instead of going on
+    where it stopped.
+
+    Example::
+
+        trainer = L.Trainer(max_steps=120, callbacks=[PeriodicCheckpoint("runs/a", every_n_steps=50)])
+        trainer.fit(model, data)  # runs/a/last.ckpt at steps 50, 100 and 120
+    """
+
+    def __init__(self, dirpath: str | Path, every_n_steps: int) -> None:
+        super().__init__(dirpath=str(dirpath), save_last=True, save_top_k=0, every_n_train_steps=every_n_steps,
+                         enable_version_counter=False, save_on_train_epoch_end=True)
+        self.every_n_steps = every_n_steps
+        self.last_path = Path(dirpath) / LAST_NAME
+
+    @override
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        step = trainer.global_step
+        if step == trainer.max_steps and step % self.every_n_steps:  # the last step, not saved above
+            trainer.save_checkpoint(self.last_path)
+
+    @override
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        pass  # no end-of-fit save (see the class docstring)
+
+
+def check_every_n_steps(value: Any) -> None:
+    """``checkpoint.every_n_steps``: a whole number >= 1, or ``None`` (no periodic checkpoints)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"checkpoint.every_n_steps={value!r} must be a whole number >= 1, or null for no periodic "
+                         "checkpoints")
+
+
+def runs_of(finetune: bool) -> tuple[str, Optional[str]]:
+    """``(directory of this app's runs, a subdirectory of it that holds another app's runs)``,
+    relative to the working directory."""
+    return (f"{OUTPUTS}/{FINETUNE_RUNS}", None) if finetune else (OUTPUTS, FINETUNE_RUNS)
+
+
+def _written_at(path: Path) -> float:
+    """When a checkpoint was written: a file's mtime; a sharded directory's newest entry's."""
+    if path.is_dir():
+        return max([path.stat().st_mtime, *(p.stat().st_mtime for p in path.iterdir())])
+    return path.stat().st_mtime
+
+
+def newest_checkpoint(runs: Path, skip: Optional[str] = None) -> Optional[Path]:
+    """The ``last.ckpt`` or ``preempted.ckpt`` under ``runs`` (any depth; not under ``runs/skip``)
+    written most recently, or ``None``."""
+    from lightning_3d.checkpoint.sharded_files import is_sharded_checkpoint
+
+    if not runs.is_dir():
+        return None
+    found = [p for name in RESUMABLE for p in runs.glob(f"**/{name}")
+             if (p.is_file() or is_sharded_checkpoint(p)) and (skip is None or p.relative_to(runs).parts[0] != skip)]
+    return max(found, key=_written_at, default=None)
+
+
+def resolve_resume(value: Any, project_dir: str | Path, finetune: bool = False) -> Optional[Path]:
+    """The checkpoint ``resume=value`` names, as an absolute path (``None`` for ``None``):
+    ``"last"`` (see the module's docstring) or a path relative to ``project_dir``. ``ValueError``
+    when there is none, it does not exist, or it is not a training checkpoint."""
+    from lightning_3d.checkpoint.checks import SAFETENSORS, detect_format
+
+    if value is None:
+        return None
+    if value == LAST:
+        runs, skip = runs_of(finetune)
+        path = newest_checkpoint(Path(project_dir) / runs, skip)
+        if path is None:
+            raise ValueError(f"resume=last: no {' or '.join(RESUMABLE)} under {Path(project_dir) / runs}"
+                             f"{f' (outside {runs}/{skip}/)' if skip else ''} to resume from; pass resume=PATH, "
+                             "or start without resume")
+        return path.resolve()
+    path = Path(str(value)).expanduser()
+    path = (path if path.is_absolute() else Path(project_dir) / path).resolve()
+    try:
+        kind = detect_format(path)
+    except FileNotFoundError:
+        raise ValueError(f"resume={value!r}: {path} does not exist (give a last.ckpt or preempted.ckpt file or "
+                         "sharded directory, or resume=last)") from None
+    except ValueError as err:
+        raise ValueError(f"resume={value!r}: {err}") from None
+    if kind == SAFETENSORS:
+        raise ValueError(f"resume={value!r}: {path} holds weights only (safetensors), not a training state to resume; "
+                         "start from its weights with examples/finetune.py finetune.pretrained=PATH")
+    return path
+
+
+def check_fits(path: Path, module: Any) -> None:
+    """``ValueError`` naming every name and shape in which the checkpoint at ``path`` differs from
+    ``module`` (built on ``meta``): read from a ``.ckpt`` mapped, not loaded, or from a sharded
+    checkpoint's metadata, so no tensor data is read here (the ranks verify checksums as they load)."""
+    from lightning_3d.checkpoint import sharded_files
+    from lightning_3d.checkpoint.checks import check_against, load_lightning_checkpoint, shapes_of
+
+    try:
+        if sharded_files.is_sharded_checkpoint(path):
+            entries = sharded_files.tensor_entries(sharded_files.read_metadata(path), sharded_files.MODEL)
+            saved = {name: tuple(md.size) for name, md in entries.items()}
+        else:
+            saved = shapes_of(load_lightning_checkpoint(path, mmap=True, verify=None)["state_dict"])
+        check_against(shapes_of(module.state_dict()), saved, source="the checkpoint")
+    except ValueError as err:
+        raise ValueError(f"resume={path}: {err}") from None
+
+
+def check_steps_left(path: Path, max_steps: Any) -> None:
+    """``ValueError`` if the checkpoint at ``path`` is already at ``max_steps`` (a finished run:
+    the resumed one would train nothing and exit 0), or its loop counters cannot be read (a
+    sharded checkpoint's ``meta.pt`` missing, truncated or damaged). Reads those counters only
+    (``meta.pt``; a ``.ckpt`` memory-mapped)."""
+    from lightning_3d.checkpoint import sharded_files
+    from lightning_3d.checkpoint.checks import load_lightning_checkpoint
+
+    try:  # read whatever max_steps is: a sharded checkpoint's missing or damaged meta.pt is named here
+        if sharded_files.is_sharded_checkpoint(path):
+            entries = sharded_files.read_meta(path)
+        else:
+            entries = load_lightning_checkpoint(path, mmap=True, verify=None)
+    except ValueError as err:
+        raise ValueError(f"resume={path}: {err}") from None
+    if "loops" not in entries or "optimizer_states" not in entries:
+        raise ValueError(f"resume={path}: it holds weights only (no optimizer state or loop counters: saved with "
+                         "weights_only=True), not a training state to resume; start from its weights with "
+                         "examples/finetune.py finetune.pretrained=PATH")
+    step = entries.get("global_step")
+    if not isinstance(max_steps, int) or max_steps < 1:
+        return  # -1: the epochs decide; Lightning says when there is nothing left
+    if isinstance(step, int) and step >= max_steps:
+        raise ValueError(f"resume={path}: that run is finished (global step {step}, trainer.max_steps={max_steps}): "
+                         f"nothing to train; raise trainer.max_steps above {step} to go on")
+
+
+def resume_hint(checkpoint: Optional[Path]) -> str:
+    """How to continue the run this process belongs to from ``checkpoint``, as one phrase: inside
+    one of the Hydra apps its own command line (its overrides, ``resume=`` replaced); elsewhere
+    the Lightning call (``ckpt_path='last'`` for ``None``)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
+    except Exception:  # noqa: BLE001 -- no Hydra run (or not one of ours): the Lightning call
+        overrides = None
+    if overrides is None:
+        return f"resume with trainer.fit(..., ckpt_path={str(checkpoint) if checkpoint is not None else LAST!r})"
+    if checkpoint is None:
+        return "this run wrote no checkpoint to resume from (see checkpoint.every_n_steps): start it again"
+    script = sys.argv[0]
+    if os.path.isabs(script) and not os.path.relpath(script).startswith(".."):
+        script = os.path.relpath(script)  # examples/train.py, as typed from the project's directory
+    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "resume"]
+    return "resume with: " + shlex.join(["python", script, *kept, f"resume={checkpoint}"])
+
+
+def resume_override(path: Path) -> str:
+    """``resume=<path>`` as a Hydra command-line override, quoted so that spaces, ``=`` and ``,``
+    parse (Hydra's quoted strings escape only quotes)."""
+    quoted = str(path).replace("'", "\\'")
+    return f"resume='{quoted}'"
+
+
+def written_checkpoint(trainer: Any) -> Optional[Path]:
+    """What a run that stopped can be resumed from: the newest ``last.ckpt`` / ``preempted.ckpt``
+    it wrote (in its checkpoint directory), else the checkpoint it resumed from itself, else ``None``."""
+    if trainer is None:
+        return None
+    callback = getattr(trainer, "checkpoint_callback", None)
+    directory = Path(getattr(callback, "dirpath", None) or trainer.default_root_dir)
+    found = [directory / name for name in RESUMABLE if (directory / name).exists()]
+    resumed_from = getattr(trainer, "ckpt_path", None)
+    newest = max(found, key=_written_at, default=None)
+    return newest if newest is not None else (Path(resumed_from) if resumed_from else None)

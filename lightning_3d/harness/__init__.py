@@ -1,0 +1,1 @@
+"""The run harness the tools share: gloo worlds, reference runs, parity measures."""

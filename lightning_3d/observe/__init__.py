@@ -1,0 +1,1 @@
+"""What a run reports: the run summary, FLOPs and memory measures, telemetry."""

@@ -1,0 +1,41 @@
+"""A plan checked against a model built on ``meta``, before any rank starts: shapes and names
+only, no memory, no process group. The recipe, the app's launcher and the planner use it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lightning_3d.options import Plan
+from lightning_3d.parallel.plans import build_plan
+from lightning_3d.parallel.stages import plan_stages
+from lightning_3d.parallel.tensor import resolve_plan
+from lightning_3d.parallel.tied import check_tied_styles, find_tied
+
+
+def pipeline_spec(module: nn.Module) -> Any:
+    """The module's :class:`~lightning_3d.PipelineSpec`; ``ValueError`` if it has none."""
+    if not callable(getattr(module, "pipeline_spec", None)):
+        raise ValueError(
+            f"{type(module).__name__} cannot be split into pipeline stages: define "
+            "pipeline_spec() returning a lightning_3d.PipelineSpec (see the README)"
+        )
+    return module.pipeline_spec()
+
+
+def check(module: nn.Module, plan: Plan, world_size: int) -> None:
+    """Check ``plan`` against a model built on ``meta`` (shapes and names only, no memory, no
+    process group): the layout tiles the world, the tensor-parallel plan fits the shapes and
+    splits tied weights alike, the pipeline split has enough blocks and valid split points.
+    ``ValueError`` naming the problem."""
+    layout = plan.layout.resolve(world_size)
+    if layout.tensor > 1:
+        styles = build_plan(module, plan.tp.plan, plan.tp.sequence_parallel)
+        check_tied_styles(module, resolve_plan(module, styles, layout.tensor), find_tied(module))
+    if layout.pipeline > 1:
+        virtual = plan.pp.virtual_stages
+        spec = pipeline_spec(module)
+        plan_stages(module, spec, layout.pipeline * virtual, plan.pp.split, virtual)
+        if spec.check is not None:
+            spec.check()

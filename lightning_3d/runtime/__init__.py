@@ -1,0 +1,1 @@
+"""Run-time safety on every rank: watchdog, preemption, non-finite steps, failures."""

@@ -1,0 +1,1 @@
+"""The strategy layer: ``ThreeDStrategy`` and what it applies to a model."""

@@ -1,0 +1,362 @@
+"""``ThreeDStrategy``: the Lightning adapter around the plan (``plan/``), the recipe
+(``recipe.py``), the precision subclasses (``precision.py``), the pipeline runtime and the
+checkpoint hooks: it answers Lightning's calls with them and holds no parallelism of its own."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _set_num_threads_if_needed,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_3d.checkpoint.io import AtomicCheckpointIO
+from lightning_3d.strategy.checkpoint_hooks import CheckpointHooks
+from lightning_3d.strategy.collectives import Collectives
+from lightning_3d.runtime.failures import LINES_ATTR, REPORTS_ENV, describe_failure
+from lightning_3d.layout import Layout, MeshAxis, build_mesh
+from lightning_3d.offload import OffloadedAdam
+from lightning_3d.parallel.loss import plain_loss, vocab_parallel_loss
+from lightning_3d.parallel.materialize import to_device_keeping_meta
+from lightning_3d.parallel.replicas import ReplicaCheck, plan_hint
+from lightning_3d.options import Plan
+from lightning_3d.strategy.precision import distributed_precision, scale_loss
+from lightning_3d.runtime.preemption import StopOnSignal
+from lightning_3d.strategy.recipe import Parallelized, attach_optimizers, parallelize
+from lightning_3d.observe.telemetry import Telemetry
+from lightning_3d.runtime.watchdog import Watchdog, watch_world
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_3d.parallel.pipeline_runtime import PipelineRuntime
+
+
+class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
+    """Pipeline × data × tensor parallelism with ZeRO sharding on the data axis.
+
+    Takes a :class:`~lightning_3d.options.Plan`, or its options by name (``tensor=2``, ...: the
+    table in :data:`lightning_3d.options.OPTIONS` and the README). A bad value raises
+    ``ValueError`` here, before any process exists.
+
+    Example::
+
+        import lightning as L
+        import lightning_3d  # registers "3d", "3d_zero1", "3d_zero2", "3d_zero3", "3d_auto" (auto=True)
+
+        trainer = L.Trainer(accelerator="cpu", devices=4, strategy="3d_zero3")
+        trainer = L.Trainer(devices=8, strategy=lightning_3d.ThreeDStrategy(tensor=2, zero_stage=2))
+    """
+
+    strategy_name = "3d"
+    # A module built on meta (LitGPT(deferred_init=True)) is materialised by the recipe, after
+    # sharding, straight into its final dtype, device and shard (parallel/materialize.py).
+    materializes_meta_modules = True
+
+    def __init__(self, plan: Optional[Plan] = None, *, accelerator: Optional[Any] = None,
+                 parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Optional[Any] = None,
+                 checkpoint_io: Optional[Any] = None, precision_plugin: Optional[Any] = None, **options: Any) -> None:
+        self.plan = (plan or Plan()).updated(**options)  # checked, even when built by hand
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            # Atomic files: a save killed half-way leaves the previous checkpoint, not a torn one.
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
+            precision_plugin=precision_plugin,
+        )
+        self.telemetry = Telemetry()  # RunSummary subscribes (logits sizes, pipeline bubbles)
+        self.signals = StopOnSignal()  # a callback: on SIGTERM / SIGINT every rank saves and stops
+        self.parallelized: Optional[Parallelized] = None  # what the recipe made of the module (setup)
+        self.num_nodes = 1
+        self._device_mesh: Optional[DeviceMesh] = None
+        self._sync_grads = True
+        self._setting_up: Optional[str] = None  # the setup step under way (for error reports)
+        self.watchdog: Optional[Watchdog] = None  # heartbeats: names a stalled or dead peer (setup_environment)
+        self.planned: Optional[dict[str, Any]] = None  # auto=True: the planner's predictions (RunSummary writes them)
+        self._replica_steps = 0  # optimizer steps of this run so far (the replica check's clock)
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        """Register ``"3d"`` and the ZeRO presets in Lightning's ``StrategyRegistry``."""
+        registry.register("3d", cls, description="lightning_3d: data x tensor x pipeline + ZeRO", override=True)
+        for stage in (1, 2, 3):
+            registry.register(f"3d_zero{stage}", cls, description=f"lightning_3d with ZeRO stage {stage}",
+                              zero_stage=stage, override=True)
+        registry.register("3d_auto", cls, description="lightning_3d: the planner's layout", auto=True, override=True)
+
+    @property
+    def layout(self) -> Layout:
+        return self.plan.layout
+
+    @property
+    def checkpoint_format(self) -> str:
+        return self.plan.checkpoint.format
+
+    @property
+    def pipeline(self) -> Optional[PipelineRuntime]:
+        """This rank's pipeline runtime (``None`` without a pipeline, or before setup)."""
+        return self.parallelized.runtime if self.parallelized is not None else None
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh exists only after the processes have started (setup_environment)")
+        return self._device_mesh
+
+    @property
+    def dp_size(self) -> int:  # the mesh's own group (slicing the mesh costs ~0.3 ms per call)
+        return self.device_mesh.get_group(MeshAxis.DATA.value).size()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.device_mesh.get_local_rank(MeshAxis.DATA.value)
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        if self.parallel_devices is None:
+            raise RuntimeError("root_device is unknown until the Trainer has assigned devices")
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Ranks that share a data-parallel coordinate (tensor / pipeline peers) read the same data.
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    @override
+    def _configure_launcher(self) -> None:
+        # Called while the Trainer is constructed: the last moment to reject a bad layout
+        # before any process, process group or file exists.
+        self.plan = self.plan.resolved(self.num_nodes * self.num_processes)
+        if self.cluster_environment.creates_processes_externally:  # torchrun, srun: Lightning checks only its own launches
+            self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        else:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.root_device.type == "cpu":
+            # Ranks on one host share its cores; unless OMP_NUM_THREADS says otherwise, give each
+            # rank its share instead of letting every rank start one thread per core.
+            _set_num_threads_if_needed(num_processes=self.num_processes)
+        reset_seed()
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        backend = self.plan.dist.backend or _get_default_process_group_backend_for_device(self.root_device)
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self.plan.dist.timeout, device_id=device_id)
+        if self.plan.auto.enabled:  # the planner's first choice for the world found (lightning_3d/strategy/auto.py)
+            from lightning_3d.strategy.auto import resolve_for_strategy  # loads the planner
+
+            self.plan = resolve_for_strategy(self)
+        self.plan = self.plan.resolved(self.world_size)
+        self._device_mesh = build_mesh(self.layout, self.root_device.type)
+        self.watchdog = self.watchdog or watch_world(self.global_rank, self.world_size, self.plan,
+                                                     lambda: self.lightning_module.trainer.global_step)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.accelerator.setup(trainer)
+        self.model_to_device()
+        self.model = self.precision_plugin.convert_module(self.model)
+        module = self.lightning_module
+        if self.parallelized is None or self.parallelized.module is not module:  # validate() after fit() reuses
+            self.parallelized = parallelize(
+                module, self.device_mesh, self.plan, device=self.root_device,
+                precision=str(self.precision_plugin.precision),
+                accumulation=lambda: trainer.accumulate_grad_batches,
+                scale_loss=lambda loss: scale_loss(self.precision_plugin, loss),
+                telemetry=self.telemetry, step=lambda name: setattr(self, "_setting_up", name),
+            )
+        self._setting_up = "optimizer setup"
+        if trainer.state.fn == TrainerFn.FITTING:
+            trainer.callbacks += [] if self.signals in trainer.callbacks else [self.signals]  # SIGTERM: save, stop
+            self.setup_optimizers(trainer)
+            self.optimizers = attach_optimizers(self.parallelized, self.optimizers, self.plan)
+        self.setup_precision_plugin()
+        # Clipping by the global norm over shards and stages, and a loss-scale overflow on any
+        # rank skipping the step on every rank: a subclass of the plugin Lightning chose.
+        self.precision_plugin = distributed_precision(self.precision_plugin, self._norm_scope, self.plan.nonfinite,
+                                                      before_step=self._check_replica_gradients)
+        self._setting_up = None
+        self.barrier()
+
+    def _norm_scope(self) -> tuple[Any, set[int]]:
+        # Stages own disjoint parameters: their norms add up over pp, a tied copy's only once.
+        return self.parallelized.pp_group, self.parallelized.norm_duplicates()
+
+    @override
+    def model_to_device(self) -> None:
+        to_device_keeping_meta(self.model, self.root_device)  # meta: the recipe materialises it in place
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        # Lightning enters this on accumulation micro-batches: reduce only on the last one.
+        self._sync_grads = False
+        try:
+            yield
+        finally:
+            self._sync_grads = True
+
+    def _step_context(self):
+        # Vocab-parallel logits (a DTensor sharded on the vocabulary) need loss_parallel for
+        # cross-entropy, in the forward and in the backward; scoped to this strategy's steps.
+        return vocab_parallel_loss() if self.layout.tensor > 1 else nullcontext()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._step_context():
+            if self.pipeline is None:
+                return plain_loss(super().training_step(*args, **kwargs))
+            batch_idx = args[1] if len(args) > 1 else 0
+            loss = self.pipeline.train_step(self.lightning_module, args[0], batch_idx, self._before_schedule,
+                                            self.precision_plugin.train_step_context())
+            self.lightning_module.log("train_loss", loss, prog_bar=True)
+            return loss
+
+    def _before_schedule(self) -> None:
+        self.pre_backward(None)
+        # Only the last stage scales a loss: the other stages' grad scaler sets up its scale here.
+        scale_loss(self.precision_plugin, torch.zeros((), device=self.root_device))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().validation_step, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().test_step, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step(super().predict_step, args, kwargs, plain=False)
+
+    def _evaluation_step(self, step: Callable, args: tuple, kwargs: dict, plain: bool = True) -> Any:
+        # Under a pipeline, a forward-only schedule runs the batch first and the module's own
+        # step then runs on every rank with self(inputs) answering the last stage's outputs.
+        answering = nullcontext() if self.pipeline is None else self.pipeline.answering_forward(
+            self.lightning_module, kwargs.get("batch", args[0] if args else None), self.precision_plugin.forward_context()
+        )
+        with self._step_context(), answering:
+            output = step(*args, **kwargs)
+            return plain_loss(output) if plain else output
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        if self.pipeline is not None:  # the schedule already ran backward in training_step
+            # ZeRO-3: FSDP2 reduced the tied copies' gradients; add them up (ZeRO 0-2 engines do it).
+            self.pipeline.hand_back_grads(self.parallelized.tied_copies() if not self.parallelized.engines else [])
+            self.post_backward(closure_loss)
+            return closure_loss
+        with self._step_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        for engine in self.parallelized.engines:
+            engine.prepare_backward(sync=self._sync_grads, early=self.pipeline is None)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        for engine in self.parallelized.engines:
+            engine.finish_backward()
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Any] = None,
+                       **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        engine = self.parallelized.engine_for(optimizer)
+        if engine is not None:
+            engine.after_step()
+        if self._replicas_due:
+            self.check_replicas(values_only=True)
+        self._replica_steps += 1
+        return output
+
+    @property
+    def _replicas_due(self) -> bool:
+        return self.plan.replicas.due(self._replica_steps)
+
+    def _check_replica_gradients(self, optimizer: Optimizer) -> None:
+        # Before the step: replicas' gradients (what the optimizer is about to apply) agree.
+        if self._replicas_due:
+            self._compare_gradients(optimizer)
+
+    def _compare_gradients(self, optimizer: Optimizer) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        ReplicaCheck(plan_hint(self.parallelized.tp_plan)).compare("gradient", self.parallelized.replica_gradients(params))
+
+    def check_replicas(self, values_only: bool = False) -> None:
+        """Check that every parameter several ranks replicate (tensor ranks; a tied weight's
+        copies on pipeline stages) holds the same value on each, and (``values_only=False``)
+        the same gradient, where gradients are held per parameter; ``ReplicaMismatch`` on every
+        rank naming the parameters otherwise. A collective: call it on every rank. Runs by
+        itself at the run's first optimizer step (``replica_check``)."""
+        if not values_only:
+            for optimizer in self.optimizers:
+                self._compare_gradients(optimizer)
+        ReplicaCheck(plan_hint(self.parallelized.tp_plan)).compare("value", self.parallelized.replica_values())
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        message = describe_failure(exception, self.global_rank, self._setting_up, self.lightning_module, self.layout)
+        named = self.watchdog.failure_line(exception) if self.watchdog is not None else None
+        if os.environ.get(REPORTS_ENV):  # the app reports it, in one line for every rank
+            try:
+                setattr(exception, LINES_ATTR, [line for line in (named, message) if line])
+                return
+            except AttributeError:  # an exception that takes no attributes: said here
+                pass
+        for line in (message, named):
+            if line:
+                print(line, file=sys.stderr, flush=True)
+
+    @override
+    def teardown(self) -> None:
+        # Lightning's teardown, but an offloaded optimizer's state stays put (reading it would
+        # stream the NVMe file); engines detach but stay for trainer.save_checkpoint() after fit.
+        for engine in self.parallelized.engines if self.parallelized is not None else ():
+            engine.detach()
+        self.cluster_environment.teardown()
+        for optimizer in self.optimizers:  # offload_delay_update: the last step's weights into the model
+            if isinstance(optimizer, OffloadedAdam):
+                optimizer.synchronize()
+        _optimizers_to_device([o for o in self.optimizers if not isinstance(o, OffloadedAdam)], torch.device("cpu"))
+        if self.lightning_module is not None:
+            self.lightning_module.cpu()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+        if self.watchdog is not None:  # joins its thread: none left running at interpreter exit
+            self.watchdog.stop()
+            self.watchdog = None

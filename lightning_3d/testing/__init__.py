@@ -1,1 +1,0 @@
-"""Helpers for tests and benchmarks: multi-process gloo worlds and reference training runs."""
