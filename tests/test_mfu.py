@@ -36,8 +36,8 @@ def test_gpt_flops_match_hand_count():
 
 
 def test_issue_table_model_gives_its_tflops():
-    """The README's 12 x 768 GPT at seq 1024: 630 MFLOP per token, so the 478 673 tok/s of the
-    issue's raw-loop row are the 302 TFLOP/s printed beside them."""
+    """The one-device benchmark's 12 x 768 GPT (docs/gpu.md) at seq 1024: 630 MFLOP per token,
+    so the 478 673 tok/s of the issue's raw-loop row are the 302 TFLOP/s printed beside them."""
     with torch.device("meta"):
         module = LitGPT(vocab_size=256, block_size=1024, n_layer=12, n_head=12, n_embd=768)
     n = sum(p.numel() for p in module.parameters())

@@ -13,7 +13,7 @@ from lightning_3d.calibration.step_time import (TIME_LAYOUTS, _alone_constants, 
                                                    confident_misorders, constants_line, predict, ranks, repredict,
                                                    rotated, spearman, summarise, time_facts, verdict)
 
-# Round figures of this 2-core machine when it is quiet (see the README's calibration table).
+# Round figures of this 2-core machine when it is quiet (see the calibration table in docs/planner.md).
 QUIET = MachineConstants(gflops={1: 80.0, 2: 60.0}, intra_node_gbps=1.0, latency_us=200.0,
                          launch_overhead_us=1000.0, threads={1: 2, 2: 1}, adam_params_per_s={1: 5e8, 2: 3e8})
 

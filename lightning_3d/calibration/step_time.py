@@ -314,7 +314,7 @@ def _adam(c: MachineConstants) -> str:
 
 
 def table(result: Mapping[str, Any]) -> str:
-    """The README's table: layouts by measured time, with prediction, parts and both ranks."""
+    """The calibration table (docs/planner.md): layouts by measured time, with prediction, parts and both ranks."""
     medians, guesses = result["medians"], result["guesses"]
     measured_rank = dict(zip(medians, ranks(list(medians.values()))))
     predicted_rank = dict(zip(guesses, ranks(list(guesses.values()))))

@@ -12,8 +12,9 @@ and Megatron-LM: ``6·N + 12·L·d·T`` with
 - ``N`` the model's parameters, each counted once (a tied embedding/head once; under tensor or
   pipeline parallelism the whole model's count, not one rank's). ``6·N``: every weight takes
   part in one multiply-add (2 FLOPs) per token forward, twice that backward. Embedding lookups
-  and norms are counted too, as in the published figures (about 1 % of ``N`` at the README's
-  GPT); a module that wants them out supplies its own count (below);
+  and norms are counted too, as in the published figures (about 1 % of ``N`` at the one-device
+  benchmark's 12 x 768 GPT, docs/gpu.md); a module that wants them out supplies its own count
+  (below);
 - ``L`` transformer blocks of attention width ``d`` (query heads × head size) and ``T`` the
   sequence length: the ``Q·Kᵀ`` and ``scores·V`` products, ``2·2·T·d`` FLOPs per token per layer
   forward, three times that with backward. Counted over the full ``T × T`` square, causal or

@@ -6,7 +6,7 @@ non-finite losses). It is validated whole when it is built, in the launching pro
 value fails with a ``ValueError`` naming it before any process, process group or file exists.
 
 :data:`OPTIONS` is the one table of option names: ``ThreeDStrategy(**options)``, the Hydra
-``parallelism`` / ``offload`` schemas (:func:`hydra_schema`) and the README's option table
+``parallelism`` / ``offload`` schemas (:func:`hydra_schema`) and docs/options.md
 (:func:`options_table`) are all made from it, and every default comes from the group's field.
 
 Example::
@@ -377,7 +377,7 @@ def from_hydra(parallelism: Mapping[str, Any], offload: Optional[Mapping[str, An
 
 
 def options_table() -> str:
-    """The README's option table (a test checks the README carries this text)."""
+    """The option table of docs/options.md (rendered by lightning_3d.options.docs_page)."""
     rows = ["| option | default | Hydra key | meaning |", "|---|---|---|---|"]
     for option in OPTIONS:
         hydra = f"`{option.hydra_group}.{option.key}`" if option.hydra_group else "—"

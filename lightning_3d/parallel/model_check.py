@@ -19,7 +19,7 @@ def pipeline_spec(module: nn.Module) -> Any:
     if not callable(getattr(module, "pipeline_spec", None)):
         raise ValueError(
             f"{type(module).__name__} cannot be split into pipeline stages: define "
-            "pipeline_spec() returning a lightning_3d.PipelineSpec (see the README)"
+            "pipeline_spec() returning a lightning_3d.PipelineSpec (see docs/parallelism.md)"
         )
     return module.pipeline_spec()
 

@@ -39,7 +39,7 @@ all-reduces (a reduce-scatter and an all-gather each), so its time is tensor par
 MFU counts the model's FLOPs (without recomputation) per second over the world's peak.
 
 **Calibrated against measured runs** (``python -m lightning_3d.calibration.memory --time``:
-a 3.3 M-parameter GPT, fp32, on this project's 2-core CPU, gloo; the table in the README).
+a 3.3 M-parameter GPT, fp32, on this project's 2-core CPU, gloo; the table in docs/planner.md).
 What the measurements led to, each a device constant that ``lightning_3d.calibration.machine``
 measures rather than a per-layout factor:
 

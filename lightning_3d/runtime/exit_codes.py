@@ -2,7 +2,7 @@
 
 One code per kind of failure, so that a script or a scheduler can tell a run worth relaunching
 (a lost peer: resume) from one that will fail the same way (a bad value, a full disk). The
-README's reliability section lists them.
+docs/reliability.md lists them.
 """
 
 OK = 0

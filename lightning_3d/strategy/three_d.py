@@ -54,7 +54,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     """Pipeline × data × tensor parallelism with ZeRO sharding on the data axis.
 
     Takes a :class:`~lightning_3d.options.Plan`, or its options by name (``tensor=2``, ...: the
-    table in :data:`lightning_3d.options.OPTIONS` and the README). A bad value raises
+    table in :data:`lightning_3d.options.OPTIONS` and docs/options.md). A bad value raises
     ``ValueError`` here, before any process exists.
 
     Example::
