@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import lightning_3d
-from lightning_3d.options import DEPRECATED, OPTIONS, Plan, hydra_schema, options_table
+from lightning_3d.options import OPTIONS, Plan, hydra_schema, options_table
 from lightning_3d.strategy.three_d import ThreeDStrategy
 
 PACKAGE = Path(lightning_3d.__file__).parent
@@ -186,7 +186,7 @@ def test_options_have_one_source_for_names_and_defaults():
     for option in OPTIONS:
         schema = offload if option.hydra_group == "offload" else parallelism
         assert getattr(schema, option.key) == option.default, option.name
-    # the strategy takes exactly these names (and the deprecated ones)
+    # the strategy takes exactly these names
     assert ThreeDStrategy(**{o.name: o.default for o in OPTIONS if o.name != "offload_path"}).plan == \
         Plan.from_options()
     with pytest.raises(ValueError, match="unknown ThreeDStrategy option"):
@@ -197,14 +197,9 @@ def test_the_options_page_carries_the_option_table():
     assert options_table() in (REPO / "docs" / "options.md").read_text()
 
 
-def test_deprecated_names_still_work_with_a_warning():
-    for old, new in DEPRECATED.items():
-        value = "full" if new == "ac_policy" else 3
-        with pytest.warns(DeprecationWarning, match=f"'{old}' is now '{new}'"):
-            plan = Plan.from_options(**{old: value})
-        assert plan.options()[new] == value
-    with pytest.raises(ValueError, match="not both"):
-        Plan.from_options(ac_policy="full", activation_checkpointing="full")
+def test_an_old_option_name_is_refused():
+    with pytest.raises(ValueError, match="unknown ThreeDStrategy option"):
+        Plan.from_options(activation_checkpointing="full")
 
 
 def test_a_plan_rederives_its_defaults_when_updated():

@@ -161,7 +161,7 @@ def test_validate_accepts_default_config(compose):
         (["offload=nvme", "offload.path=/no/such/dir"], ["'/no/such/dir' does not exist"]),
         (["offload=cpu", "offload.params=true"], ["offload_params=True needs zero_stage=3", "zero_stage=0"]),
         (["parallelism.ac_policy=half"], ["policy 'half'"]),
-        (["parallelism.activation_checkpointing=half"], ["policy 'half'"]),  # the deprecated name
+        (["parallelism.activation_checkpointing=full"], ["activation_checkpointing"]),  # an old name
         (["parallelism.checkpoint_format=zip"], ["checkpoint_format", "'zip'"]),
         # the tensor-parallel plan is checked against the model's shapes (built on meta)
         (["parallelism.tensor=2", "trainer.devices=2", "model.n_head=3", "model.n_embd=48"], ["heads 3", "tensor=2"]),

@@ -20,6 +20,8 @@ import pytest
 import torch
 
 from lightning_3d.checkpoint import integrity, sharded
+
+from lightning_3d.checkpoint import sharded_files
 from lightning_3d.checkpoint.__main__ import main as cli
 from lightning_3d.checkpoint.checks import inspect_checkpoint, load_lightning_checkpoint
 from lightning_3d.checkpoint.io import AtomicCheckpointIO
@@ -82,8 +84,8 @@ def test_every_tensor_and_shard_item_has_a_checksum(saved):
     assert {name for name, _ in integrity.tensors_in(ckpt)} == set(recorded)
     assert f"state_dict.{WEIGHT}" in recorded and any(n.startswith("optimizer_states.0.state.") for n in recorded)
     directory = saved["sharded"]
-    items = torch.load(directory / sharded.META_FILE, weights_only=True)[integrity.KEY]["items"]
-    assert len(items) == len(sharded.read_metadata(directory).storage_data)
+    items = torch.load(directory / sharded_files.META_FILE, weights_only=True)[integrity.KEY]["items"]
+    assert len(items) == len(sharded_files.read_metadata(directory).storage_data)
     assert {item[2] for item in items} == {"__0_0.distcp", "__1_0.distcp"}  # each rank checksummed its own
 
 
@@ -164,7 +166,7 @@ def _damage_optimizer_state(path: Path) -> str:
 def _damage_pickle(path: Path) -> str:
     """``global_step`` 2 -> 3 in the pickle of the ``.ckpt`` (of ``meta.pt`` when sharded): it
     still unpickles, so only the zip record's CRC tells."""
-    assert bump_pickled_int(path / sharded.META_FILE if path.is_dir() else path, "global_step") == 3
+    assert bump_pickled_int(path / sharded_files.META_FILE if path.is_dir() else path, "global_step") == 3
     return "corrupted or truncated checkpoint file .*Bad CRC-32"
 
 
@@ -176,7 +178,7 @@ def _damage_index(path: Path) -> str:
 
 def _drop_a_record(path: Path) -> str:
     """One tensor's checksum record deleted (the rest of the checkpoint intact)."""
-    file = path / sharded.META_FILE if path.is_dir() else path
+    file = path / sharded_files.META_FILE if path.is_dir() else path
     checkpoint = torch.load(file, map_location="cpu", weights_only=True)
     record = checkpoint[integrity.KEY]
     if path.is_dir():
@@ -220,7 +222,7 @@ def test_resume_from_damaged_optimizer_state_is_refused(saved, name, tmp_path):
 # ------------------------------------------------------------------------------ old files
 def _without_checksums(source: Path, target: Path) -> Path:
     copy = copy_checkpoint(source, target)
-    file = copy / sharded.META_FILE if copy.is_dir() else copy
+    file = copy / sharded_files.META_FILE if copy.is_dir() else copy
     checkpoint = torch.load(file, map_location="cpu", weights_only=True)
     del checkpoint[integrity.KEY]
     torch.save(checkpoint, file)

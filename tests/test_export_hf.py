@@ -20,6 +20,8 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 
 from lightning_3d.checkpoint import export_hf, sharded  # noqa: E402
+
+from lightning_3d.checkpoint import sharded_files
 from lightning_3d.checkpoint.__main__ import main as cli  # noqa: E402
 from lightning_3d.checkpoint.checks import load_lightning_checkpoint  # noqa: E402
 from lightning_3d.models.hf import HFCausalLM  # noqa: E402
@@ -131,7 +133,7 @@ def test_dtype_cast_keeps_ties_and_force_replaces(qwen2_ckpt, tmp_path):
 
 
 def test_sharded_two_process_checkpoint_exports_exactly(llama_sharded, tmp_path):
-    assert sharded.read_meta(llama_sharded)["hf_config"]["model_type"] == "llama"  # rank 0's meta.pt keeps it
+    assert sharded_files.read_meta(llama_sharded)["hf_config"]["model_type"] == "llama"  # rank 0's meta.pt keeps it
     out = tmp_path / "llama-hf"
     assert cli(["export-hf", str(llama_sharded), str(out)]) == 0
     model = _assert_exact_export(out, llama_sharded)

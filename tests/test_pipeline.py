@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from lightning_3d.parallel.pipeline import stage_blocks, stage_ids
+from lightning_3d.parallel.stages import stage_blocks, stage_ids
 from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
 from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks
 from lightning_3d.harness.world import run_world

@@ -186,7 +186,7 @@ def test_collective_efficiencies_and_shares_come_from_the_probes():
 def test_step_overhead_is_the_tiny_runs_unpredicted_time():
     """The tiny GPT's measured step minus the model's prediction for it: 10 ms more than predicted
     is 10 ms of step overhead, and a step faster than predicted is none (not negative)."""
-    from lightning_3d.calibration.memory import tiny_facts
+    from lightning_3d.calibration.layouts import tiny_facts
     from lightning_3d.calibration.layouts import choice_of
     from lightning_3d.calibration.machine import machine_cluster
     from lightning_3d.planner.timing import step_time

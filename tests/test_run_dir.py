@@ -117,14 +117,15 @@ def test_the_app_refuses_to_resume_a_finished_run_before_launch(tmp_path):
 def test_a_sharded_checkpoint_without_a_whole_meta_file_is_refused_before_launch(tmp_path, damage):
     """Each rank used to fail on it with ``OSError: Invalid argument``; now one line from the launcher."""
     from lightning_3d.checkpoint import sharded
+    from lightning_3d.checkpoint import sharded_files
 
     directory = tmp_path / "last.ckpt"
     directory.mkdir()
     (directory / ".metadata").write_bytes(b"")  # enough to be taken for a sharded checkpoint
     if damage == "truncated":
-        torch.save({"format": "lightning_3d.sharded/1", "global_step": 3, "loops": {}}, directory / sharded.META_FILE)
-        data = (directory / sharded.META_FILE).read_bytes()
-        (directory / sharded.META_FILE).write_bytes(data[: len(data) // 2])
+        torch.save({"format": "lightning_3d.sharded/1", "global_step": 3, "loops": {}}, directory / sharded_files.META_FILE)
+        data = (directory / sharded_files.META_FILE).read_bytes()
+        (directory / sharded_files.META_FILE).write_bytes(data[: len(data) // 2])
     match = "no meta.pt" if damage == "missing" else "meta.pt: corrupted or truncated checkpoint file"
     with pytest.raises(ValueError, match=f"resume={directory}: .*{match}"):
         check_steps_left(directory, 5)

@@ -20,6 +20,7 @@ import torch
 
 from lightning_3d.checkpoint.files import publish
 from lightning_3d.checkpoint import sharded
+from lightning_3d.checkpoint import sharded_files
 from lightning_3d.checkpoint.checks import inspect_checkpoint, load_lightning_checkpoint
 from lightning_3d.checkpoint.export import export_safetensors
 from lightning_3d.checkpoint.io import remove_stale_temps
@@ -91,7 +92,7 @@ def _assert_equals_reference(path: Path, reference_path: Path) -> None:
 ])
 def test_sharded_checkpoint_equals_the_single_process_one(saved, layout):
     path = saved(layout)
-    assert sharded.is_sharded_checkpoint(path) and inspect_checkpoint(path)["format"] == "sharded"
+    assert sharded_files.is_sharded_checkpoint(path) and inspect_checkpoint(path)["format"] == "sharded"
     _assert_equals_reference(path, saved("single"))
 
 
@@ -178,7 +179,7 @@ def test_bad_sharded_directories(saved, tmp_path):
     with pytest.raises(ValueError, match="missing its file __0_0.distcp"):
         inspect_checkpoint(missing)
     no_meta = copy("no_meta.ckpt")
-    (no_meta / sharded.META_FILE).unlink()
+    (no_meta / sharded_files.META_FILE).unlink()
     with pytest.raises(ValueError, match="incomplete sharded checkpoint"):
         load_lightning_checkpoint(no_meta)
     plain_dir = tmp_path / "plain"
@@ -201,10 +202,11 @@ def test_publish_replaces_a_checkpoint_atomically(tmp_path):
 _KILLED_SAVER = textwrap.dedent("""
     import sys, time, torch, torch.distributed as dist
     from lightning_3d.checkpoint import sharded
+    from lightning_3d.checkpoint import sharded_files
     dist.init_process_group("gloo", init_method="file://" + sys.argv[2] + ".pg", rank=0, world_size=1)
     def save(step):
         tensors = {"state_dict.w": torch.full((1 << 16,), float(step))}
-        sharded.save(tensors, {"global_step": step, "state_dict": {}, "format": sharded.FORMAT}, sys.argv[1])
+        sharded_files.save(tensors, {"global_step": step, "state_dict": {}, "format": sharded_files.FORMAT}, sys.argv[1])
     save(1)
     print("first saved", flush=True)
     real = torch.save
@@ -234,7 +236,7 @@ def test_kill_during_sharded_save_keeps_the_previous_checkpoint(tmp_path):
         proc.communicate()
     # The new shards exist only under the temporary name, which "last" resolution never matches.
     assert sorted(p.name for p in target.parent.iterdir()) == sorted(["last.ckpt", temp.name])
-    assert sharded.read_meta(target)["global_step"] == 1
-    assert torch.equal(sharded.read_tensors(target)["w"], torch.full((1 << 16,), 1.0))
+    assert sharded_files.read_meta(target)["global_step"] == 1
+    assert torch.equal(sharded_files.read_tensors(target)["w"], torch.full((1 << 16,), 1.0))
     remove_stale_temps(target.parent)  # what the next save does first
     assert sorted(p.name for p in target.parent.iterdir()) == ["last.ckpt"]

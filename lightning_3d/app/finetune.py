@@ -152,7 +152,7 @@ def main(cfg: DictConfig, script: str) -> int:
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_original_cwd
 
-    from lightning_3d.app.run import _discard_run_dir, run, validate
+    from lightning_3d.app.run import discard_run_dir, run, validate
 
     try:
         validate(cfg)  # first: a wrong model is named as such, not as a checkpoint that does not fit it
@@ -160,7 +160,7 @@ def main(cfg: DictConfig, script: str) -> int:
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         hydra_cfg = HydraConfig.get()
-        _discard_run_dir(Path(hydra_cfg.runtime.output_dir), hydra_cfg.job.name)
+        discard_run_dir(Path(hydra_cfg.runtime.output_dir), hydra_cfg.job.name)
         return 2
     print(f"fine-tuning from {path if path is not None else 'a random init (finetune.pretrained=null)'}")
     return run(cfg, script, body=finetune, validated=True)

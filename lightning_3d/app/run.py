@@ -366,7 +366,7 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
         resume = resolve_resume(cfg.get("resume"), project_dir(), finetune="finetune" in cfg)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
-        _discard_run_dir(Path(output_dir), hydra_cfg.job.name)
+        discard_run_dir(Path(output_dir), hydra_cfg.job.name)
         return 2
     if already_launched():  # a rank: its launcher holds the run directory
         return _reporting(output_dir, lambda: _launch_or_train(cfg, script, body, hydra_cfg, resume,
@@ -447,7 +447,7 @@ def _resolve_auto(cfg: DictConfig) -> tuple[list[str], dict[str, Any] | None]:
                            world_size_of(cfg.trainer))
 
 
-def _discard_run_dir(path: Path, job_name: str) -> None:
+def discard_run_dir(path: Path, job_name: str) -> None:
     """Remove a run directory that holds only what Hydra wrote before the config was refused."""
     hydra_only = {".hydra", f"{job_name}.log"}
     if path.is_dir() and {p.name for p in path.iterdir()} <= hydra_only:

@@ -88,7 +88,7 @@ def row_of(mode: str, args: argparse.Namespace) -> om.Row:
 def run_one(row: om.Row, n_layer: int, n_embd: int, args: argparse.Namespace) -> dict[str, Any]:
     """One worker, alone, under a deadline: its figures, or ``{"outcome": why not}``."""
     worker_args = argparse.Namespace(**{**vars(args), "n_layer": n_layer, "n_embd": n_embd})
-    worker = om._start(row, worker_args)
+    worker = om.start_worker(row, worker_args)
     expired = threading.Event()
     phase = "building"
 
@@ -99,19 +99,19 @@ def run_one(row: om.Row, n_layer: int, n_embd: int, args: argparse.Namespace) ->
     timer = threading.Timer(args.row_timeout_s, expire)
     timer.start()
     try:
-        ready = om._read(worker)
+        ready = om.read_reply(worker)
         if "oom" in ready:
             return {"outcome": "does not fit", "phase": phase, "error": ready["oom"]}
         steps = []
         for index in range(1 + args.rounds):
             phase = f"step {index + 1} of {1 + args.rounds}"
-            record = om._step(worker)
+            record = om.step_worker(worker)
             if "oom" in record:
                 return {"outcome": "does not fit", "phase": phase, "error": record["oom"], **ready}
             if index:  # the first step creates the optimizer state: not timed
                 steps.append(record)
         phase = "finishing"
-        final = om._read(worker)
+        final = om.read_reply(worker)
     except (RuntimeError, OSError) as error:  # the worker died, or was killed
         code = worker.poll()
         if expired.is_set():

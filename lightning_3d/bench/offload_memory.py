@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_3d.bench import offload_ladder
-from lightning_3d.bench.offload_worker import MODEL, Row, _read, _start, _step, _worker, model_config
+from lightning_3d.bench.offload_worker import MODEL, Row, read_reply, start_worker, step_worker, run_worker, model_config
 
 PRECISIONS = ("32-true", "bf16-true")
 DEFAULT_OUT = Path("bench_out") / "offload_memory"
@@ -85,17 +85,17 @@ def default_groups(checkpointing_rows: bool = True) -> dict[str, list[Row]]:
 
 def measure(rows: list[Row], args: argparse.Namespace) -> list[dict[str, Any]]:
     """One record per row: medians over ``args.rounds`` steps, the rows' steps interleaved."""
-    workers = [_start(row, args) for row in rows]
+    workers = [start_worker(row, args) for row in rows]
     try:
-        bases = [_read(w)["base_rss_mb"] for w in workers]
+        bases = [read_reply(w)["base_rss_mb"] for w in workers]
         steps: list[list[dict[str, Any]]] = [[] for _ in workers]
         for round_ in range(1 + args.rounds):
             order = list(range(len(workers)))
             for i in order[round_ % len(order):] + order[: round_ % len(order)]:
-                record = _step(workers[i])
+                record = step_worker(workers[i])
                 if round_:  # the first step creates the optimizer state: not timed
                     steps[i].append(record)
-        finals = [_read(w) for w in workers]
+        finals = [read_reply(w) for w in workers]
     finally:
         for w in workers:
             if w.poll() is None:
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.vocab is None:
         args.vocab = 32_000 if ladder else MODEL["vocab_size"]
     if args.worker:
-        _worker(args)
+        run_worker(args)
         return
     if ladder:
         try:

@@ -44,7 +44,7 @@ def _say(record: dict[str, Any]) -> None:
     print(PREFIX + json.dumps(record), flush=True)
 
 
-def _worker(args: argparse.Namespace) -> None:
+def run_worker(args: argparse.Namespace) -> None:
     """One configuration: train ``1 + rounds`` steps, each started by a ``step`` line on stdin."""
     import lightning as L
     import torch
@@ -125,7 +125,7 @@ def _worker(args: argparse.Namespace) -> None:
           **summary.activations, **device})
 
 
-def _start(row: Row, args: argparse.Namespace) -> subprocess.Popen:
+def start_worker(row: Row, args: argparse.Namespace) -> subprocess.Popen:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", OMP_NUM_THREADS=str(args.threads))
     command = [sys.executable, "-m", "lightning_3d.bench.offload_memory", "--worker",
                *(f"--{f.name}={getattr(row, f.name)}" for f in fields(row)),
@@ -139,7 +139,7 @@ def _start(row: Row, args: argparse.Namespace) -> subprocess.Popen:
     return proc
 
 
-def _read(worker: subprocess.Popen) -> dict[str, Any]:
+def read_reply(worker: subprocess.Popen) -> dict[str, Any]:
     """The worker's next record (other stdout lines are skipped)."""
     for line in worker.stdout:
         if line.startswith(PREFIX):
@@ -148,7 +148,7 @@ def _read(worker: subprocess.Popen) -> dict[str, Any]:
     raise RuntimeError(f"benchmark worker {worker.args[4:9]} exited with {worker.wait()}:\n{worker.log.read()[-3000:]}")
 
 
-def _step(worker: subprocess.Popen) -> dict[str, Any]:
+def step_worker(worker: subprocess.Popen) -> dict[str, Any]:
     worker.stdin.write("step\n")
     worker.stdin.flush()
-    return _read(worker)
+    return read_reply(worker)

@@ -169,7 +169,7 @@ def fit_link(small: tuple[int, float], large: tuple[int, float], world: int) -> 
     return 1 / per_byte / 1e9, latency * 1e6
 
 
-def _rank_probe(rank: int, d_model: int, batch: int, seq_len: int, sizes: Sequence[int], repeats: int
+def rank_probe(rank: int, d_model: int, batch: int, seq_len: int, sizes: Sequence[int], repeats: int
                 ) -> dict[str, Any]:
     """On each rank of a gloo world, all ranks busy at once as in a run: the matmul and block
     rates with this rank's threads, the block overhead, and median seconds of an all-reduce of
@@ -346,7 +346,7 @@ def measure(d_model: int = 256, batch: int = 4, seq_len: int = 128, world: int =
     alone = matmul_gflops(d_model, batch * seq_len, threads[1])
     alone_block, _ = block_rate(d_model, batch * world, seq_len, threads[1])
     alone_adam = adam_params_per_s(1 << 21, threads[1])
-    ranks = run_world(_rank_probe, world, d_model, batch, seq_len, (small, large), repeats)
+    ranks = run_world(rank_probe, world, d_model, batch, seq_len, (small, large), repeats)
     found = from_probes(ranks, (small, large), world, alone_block, alone, threads, alone_adam)
     tiny = {1: tiny_step_seconds(0, 1), world: statistics.median(run_world(tiny_step_seconds, world, world))}
     return step_overheads(found, tiny)
@@ -355,7 +355,7 @@ def measure(d_model: int = 256, batch: int = 4, seq_len: int = 128, world: int =
 def from_probes(ranks: Sequence[Mapping[str, Any]], sizes: tuple[int, int], world: int, alone_block: float,
                 alone_matmul: float, threads: Mapping[int, int], alone_adam: Optional[float] = None
                 ) -> MachineConstants:
-    """:class:`MachineConstants` from every rank's :func:`_rank_probe` (medians over ranks) and the
+    """:class:`MachineConstants` from every rank's :func:`rank_probe` (medians over ranks) and the
     1-process world's block, matmul (and Adam) rates. The reduce-scatter's and all-gather's
     efficiencies: the ring bytes one rank sends (``(n−1)/n`` of the ``max(sizes)`` fp32 tensor)
     per second, over the all-reduce's fitted bandwidth. Probes of an older version without these

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from lightning_3d.planner.choice import Choice
 from lightning_3d.planner.facts import ModelFacts
-from lightning_3d.calibration.layouts import LAYOUTS, choice_of, tiny_facts  # noqa: F401 -- tiny_facts: re-exported
+from lightning_3d.calibration.layouts import LAYOUTS, choice_of, tiny_facts
 from lightning_3d.planner.memory import model_state, stage_parts
 
 KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes_per_block")

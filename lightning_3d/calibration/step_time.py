@@ -136,9 +136,9 @@ def _run(rank: int, name: str, steps: int) -> float:
 
 def _world_round(rank: int, names: Sequence[str], steps: int) -> dict[str, Any]:
     """One round on a rank of the 2-process world: the constants, then each layout once."""
-    from lightning_3d.calibration.machine import _rank_probe
+    from lightning_3d.calibration.machine import rank_probe
 
-    probe = _rank_probe(rank, TIME_MODEL["n_embd"], TIME_DATA["batch_size"] // 2, TIME_DATA["block_size"],
+    probe = rank_probe(rank, TIME_MODEL["n_embd"], TIME_DATA["batch_size"] // 2, TIME_DATA["block_size"],
                         SIZES, 15)
     probe["tiny_step_s"] = tiny_step_seconds(rank, 2)
     times = {name: _run(rank, name, steps) for name in names}

@@ -29,32 +29,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_3d.checkpoint.pieces import Pieces, flat_boxes, flat_index
-from lightning_3d.checkpoint.sharded_files import (
-    FORMAT,
-    META_FILE,
-    MODEL,
-    is_sharded_checkpoint,
-    load,
-    optimizer_prefix,
-    read_consolidated,
-    read_meta,
-    read_metadata,
-    read_tensors,
-    save,
-    split_checkpoint,
-    tensor_entries,
-    verify_shards,
-)
+from lightning_3d.checkpoint.sharded_files import MODEL
 from lightning_3d.checkpoint.view import StateView, optimizer_params, state_in_slices, to_full
 from lightning_3d.parallel.tensor import local_tensor
 from lightning_3d.parallel.zero import ZeroDataParallel
 
-# The files' side, re-exported: callers (the strategy's hooks, tests) use ``sharded.<name>``.
-__all__ = [
-    "FORMAT", "META_FILE", "MODEL", "finish_model", "is_sharded_checkpoint", "load", "model_state", "model_targets",
-    "optimizer_prefix", "optimizer_state", "optimizer_targets", "read_consolidated", "read_meta", "read_metadata",
-    "read_tensors", "save", "split_checkpoint", "tensor_entries", "verify_shards",
-]
 
 
 # ------------------------------------------------------------------------------ placement

@@ -217,8 +217,6 @@ OPTIONS: tuple[Option, ...] = (
            "ZeRO stage, micro-batches, AC, offload); options set away from their defaults constrain it"),
 )
 OPTION_NAMES: tuple[str, ...] = tuple(option.name for option in OPTIONS)
-# Old name -> new name, accepted with a DeprecationWarning for one release.
-DEPRECATED = {"activation_checkpointing": "ac_policy", "checkpoint_every_n": "ac_every_n"}
 
 
 @dataclass(frozen=True)
@@ -271,13 +269,6 @@ class Plan:
 
 def _renamed(options: dict[str, Any]) -> dict[str, Any]:
     options = dict(options)
-    for old, new in DEPRECATED.items():
-        if old in options:
-            if new in options:
-                raise ValueError(f"give {new}={options[new]!r} or the deprecated {old}={options[old]!r}, not both")
-            warnings.warn(f"ThreeDStrategy option {old!r} is now {new!r}; the old name goes in the next release",
-                          DeprecationWarning, stacklevel=4)
-            options[new] = options.pop(old)
     if "timeout" in options:  # Lightning's strategies take a timedelta named timeout
         if "timeout_s" in options:
             raise ValueError("give timeout_s or timeout, not both")
@@ -352,8 +343,6 @@ def hydra_schema(group: str) -> type:
         kind = option.hydra_type if option.hydra_type is not None else type(option.default)
         default = option.default
         specs.append((option.key, kind, field(default_factory=lambda d=default: d) if _mutable(default) else default))
-    if group == "parallelism":
-        specs += [(old, Any, None) for old in DEPRECATED]
     return dataclasses.make_dataclass(f"{group.capitalize()}Config", specs, frozen=False)
 
 
@@ -363,11 +352,7 @@ def _mutable(value: Any) -> bool:
 
 def from_hydra(parallelism: Mapping[str, Any], offload: Optional[Mapping[str, Any]] = None) -> Plan:
     """A plan from the Hydra ``parallelism`` and ``offload`` groups (plain mappings)."""
-    options = {k: v for k, v in parallelism.items() if not (k in DEPRECATED and v is None)}
-    defaults = {option.name: option.default for option in OPTIONS}
-    for old, new in DEPRECATED.items():  # the schema fills the new key with its default
-        if old in options and options.get(new) == defaults[new]:
-            options.pop(new)
+    options = dict(parallelism)
     by_key = {option.key: option.name for option in OPTIONS if option.hydra_group == "offload"}
     for key, value in (offload or {}).items():
         if key not in by_key:

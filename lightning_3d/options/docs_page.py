@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from lightning_3d.options import DEPRECATED, options_table
+from lightning_3d.options import options_table
 
 OPTIONS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "options.md"
 REGENERATE = (
@@ -54,17 +54,10 @@ same check into one `error:` line and exit code 2 before any rank starts.
 """
 
 
-def _deprecated() -> str:
-    if not DEPRECATED:
-        return ""
-    names = ", ".join(f"`{old}` (now `{new}`)" for old, new in DEPRECATED.items())
-    return f"\nOlder names still accepted for this release, with a `DeprecationWarning`: {names}.\n"
-
-
 def options_page() -> str:
-    """The whole of ``docs/options.md``: an introduction, deprecated names, the option table."""
+    """The whole of ``docs/options.md``: an introduction and the option table."""
     intro = _INTRO.format(regenerate=REGENERATE)
-    return f"{intro}{_deprecated()}\n{options_table()}\n"
+    return f"{intro}\n{options_table()}\n"
 
 
 def write_options_page(path: Optional[Path] = None) -> Path:

@@ -18,15 +18,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_3d.compat import rng_neutral_stage
-from lightning_3d.parallel.stages import (  # noqa: F401  (re-exported: the pipeline's public names)
-    SPLITS,
-    StageModule,
-    plan_stages,
-    split_stages,
-    stage_blocks,
-    stage_ids,
-    validate_split,
-)
+from lightning_3d.parallel.stages import StageModule, validate_split
 
 # name -> (PyTorch schedule class, runs several (virtual) stages per rank, placed round-robin)
 _SCHEDULE_CLASSES = {

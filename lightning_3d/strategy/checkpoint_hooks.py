@@ -24,6 +24,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_3d.checkpoint import sharded
+
+from lightning_3d.checkpoint import sharded_files
 from lightning_3d.checkpoint.checks import check_against, shapes_of
 from lightning_3d.checkpoint.consolidated import (
     full_model_state,
@@ -73,28 +75,28 @@ class CheckpointHooks:
         if storage_options is not None:
             raise TypeError(f"sharded checkpoints take no storage_options, got {storage_options!r}")
         with naming_path(filepath):  # an ENOSPC inside a CheckpointException names no file
-            sharded.save(*sharded.split_checkpoint(checkpoint), filepath)
+            sharded_files.save(*sharded_files.split_checkpoint(checkpoint), filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if not sharded.is_sharded_checkpoint(checkpoint_path):
+        if not sharded_files.is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         return self._load_sharded(checkpoint_path)
 
     def _load_sharded(self, path: _PATH) -> dict[str, Any]:
         """Read a sharded checkpoint into the model (and, when fitting, the optimizers) in place;
         return the rest of the checkpoint for Lightning to restore."""
-        meta = sharded.read_meta(path)
-        metadata = sharded.read_metadata(path)
+        meta = sharded_files.read_meta(path)
+        metadata = sharded_files.read_metadata(path)
         module = self.lightning_module
-        saved = sharded.tensor_entries(metadata, sharded.MODEL)
+        saved = sharded_files.tensor_entries(metadata, sharded_files.MODEL)
         strict = getattr(module, "strict_loading", True)
         check_against(shapes_of(module.state_dict()), {n: tuple(md.size) for n, md in saved.items()},
                       strict=strict, names=self.parallelized.full_names, source=str(path))
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         # Every rank checks its share of the bytes it is about to read (the optimizer's only when
         # fitting); all refuse a damaged item before anything is read into the model.
-        sharded.verify_shards(path, metadata, meta, prefix="" if fitting else sharded.MODEL,
+        sharded_files.verify_shards(path, metadata, meta, prefix="" if fitting else sharded_files.MODEL,
                               distributed=dist.is_available() and dist.is_initialized())
         meta.pop(CHECKSUMS, None)
         targets, after = sharded.model_targets(module, [n for n in module.state_dict() if n in saved])
@@ -104,21 +106,21 @@ class CheckpointHooks:
             if len(states) != len(self.optimizers):
                 raise ValueError(f"{path} has {len(states)} optimizer states, the module configures {len(self.optimizers)}")
             for index, (optimizer, state) in enumerate(zip(self.optimizers, states)):
-                prefix = sharded.optimizer_prefix(index)
+                prefix = sharded_files.optimizer_prefix(index)
                 found, install = sharded.optimizer_targets(
-                    module, optimizer, self.parallelized.engine_for(optimizer), sharded.tensor_entries(metadata, prefix), state,
+                    module, optimizer, self.parallelized.engine_for(optimizer), sharded_files.tensor_entries(metadata, prefix), state,
                     prefix,
                 )
                 targets.update(found)
                 installs.append(install)
-        sharded.load(targets, path, metadata)
+        sharded_files.load(targets, path, metadata)
         sharded.finish_model(module, after)
         for install in installs:
             install()
         return meta
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if checkpoint.get("format") == sharded.FORMAT:
+        if checkpoint.get("format") == sharded_files.FORMAT:
             return  # read in place by load_checkpoint
         # Names and shapes first (DTensors report full shapes), so a checkpoint of another model
         # fails naming the tensors before anything is overwritten.
@@ -128,7 +130,7 @@ class CheckpointHooks:
         load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict, names)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if checkpoint.get("format") == sharded.FORMAT:
+        if checkpoint.get("format") == sharded_files.FORMAT:
             return  # read in place by load_checkpoint
         saved = checkpoint["optimizer_states"]
         if len(saved) != len(self.optimizers):

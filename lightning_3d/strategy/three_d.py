@@ -1,4 +1,4 @@
-"""``ThreeDStrategy``: the Lightning adapter around the plan (``plan/``), the recipe
+"""``ThreeDStrategy``: the Lightning adapter around the plan (``options/``), the recipe
 (``recipe.py``), the precision subclasses (``precision.py``), the pipeline runtime and the
 checkpoint hooks: it answers Lightning's calls with them and holds no parallelism of its own."""
 
