@@ -17,9 +17,9 @@ the end and exits 1 (see :mod:`lightning_3d.app.cli`).
 
 from omegaconf import DictConfig
 
-from lightning_3d.app.run import run
 from lightning_3d.app.cli import hydra_app
 from lightning_3d.app.config import register_configs
+from lightning_3d.app.run import run
 
 
 def main(cfg: DictConfig) -> int:

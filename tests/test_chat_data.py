@@ -71,8 +71,8 @@ def _conversation(i):
 
 
 def _tiny_model(attn):
-    from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.harness.hf_configs import tiny_hf_config
+    from lightning_3d.models.hf import HFCausalLM
 
     torch.manual_seed(0)
     return HFCausalLM(

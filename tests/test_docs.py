@@ -114,8 +114,11 @@ def test_github_slugs():
 
 def test_the_readme_names_no_issue_numbers():
     readme = (REPO / "README.md").read_text()
-    hits = [f"README.md:{n}: {line.strip()}" for n, line in enumerate(readme.splitlines(), 1)
-            if ISSUE_NUMBER.search(line)]
+    hits = [
+        f"README.md:{n}: {line.strip()}"
+        for n, line in enumerate(readme.splitlines(), 1)
+        if ISSUE_NUMBER.search(line)
+    ]
     assert hits == []
     assert ISSUE_NUMBER.search("fixed in issue 27") and ISSUE_NUMBER.search("see #27")
     assert not ISSUE_NUMBER.search("[x](docs/app.md#multi-node) and 3 issues")

@@ -22,21 +22,27 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.runtime.exit_codes import IO_ERROR
 from lightning_3d.harness.apps import start_app, wait_all
+from lightning_3d.runtime.exit_codes import IO_ERROR
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"
-TINY = ["model=gpt_tiny", "data.batch_size=4", "data.max_bytes=100000",
-        "trainer.limit_val_batches=0", "trainer.max_steps=2"]
+TINY = [
+    "model=gpt_tiny",
+    "data.batch_size=4",
+    "data.max_bytes=100000",
+    "trainer.limit_val_batches=0",
+    "trainer.max_steps=2",
+]
 
 
 def _tmpfs(tmp_path: Path, options: str) -> Iterator[Path]:
     """A tmpfs mounted with ``options`` for the test, unmounted after it (skipped unless root)."""
     path = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
     path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                          capture_output=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}): needs root")
     yield path
@@ -60,13 +66,25 @@ def _one_error(done: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize("devices, layout", [  # dp2 ~35 s: the fast suite digs without processes
-    pytest.param(2, "sharded", marks=pytest.mark.slow), (1, "consolidated")])
+@pytest.mark.parametrize(
+    "devices, layout",
+    [  # dp2 ~35 s: the fast suite digs without processes
+        pytest.param(2, "sharded", marks=pytest.mark.slow),
+        (1, "consolidated"),
+    ],
+)
 def test_a_save_on_a_full_disk_is_one_line_naming_the_file(disk, tmp_path, devices, layout):
     run_dir = disk / "run"
-    app = start_app(SCRIPT, [*TINY, f"trainer.devices={devices}",
-                             f"parallelism.checkpoint_format={layout}", f"hydra.run.dir={run_dir}"],
-                    tmp_path)
+    app = start_app(
+        SCRIPT,
+        [
+            *TINY,
+            f"trainer.devices={devices}",
+            f"parallelism.checkpoint_format={layout}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        tmp_path,
+    )
     done = wait_all({"app": app}, timeout=300)["app"]
     assert done.returncode == IO_ERROR, done.stderr[-4000:]
     line = _one_error(done)
@@ -87,22 +105,30 @@ def test_a_run_directory_where_hydra_cannot_write_is_named_as_such(read_only, tm
 
 
 @pytest.mark.parametrize("mount", ["disk", "read_only"])
-def test_consolidate_onto_a_full_or_read_only_disk_is_one_line_and_no_file(request, tmp_path,
-                                                                             mount):
+def test_consolidate_onto_a_full_or_read_only_disk_is_one_line_and_no_file(
+    request, tmp_path, mount
+):
     """Before: a ``SafetensorError`` traceback and rc 1 on a full disk; on a read-only one the
     temporary file named, rc 2."""
     import torch
 
     target = request.getfixturevalue(mount)
     if mount == "disk":  # full to the last block: the export's header is refused at once
-        subprocess.run(["dd", "if=/dev/zero", f"of={target / 'filler'}", "bs=4k"],
-                       capture_output=True)
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={target / 'filler'}", "bs=4k"], capture_output=True
+        )
     source = tmp_path / "in.ckpt"
     torch.save({"state_dict": {"model.w": torch.randn(128, 128)}, "global_step": 1}, source)
     before = sorted(p.name for p in target.iterdir())
     output = target / "w.safetensors"
-    command = [sys.executable, "-m", "lightning_3d.checkpoint", "consolidate", str(source),
-               str(output)]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_3d.checkpoint",
+        "consolidate",
+        str(source),
+        str(output),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == IO_ERROR, done.stderr
     line = _one_error(done)
@@ -141,10 +167,17 @@ def test_a_rank_that_exits_without_a_word_is_named_not_the_peer_that_lost_it(tmp
     env = app_env()
     env["PYTHONPATH"] = os.pathsep.join([str(hook), str(REPO), env.get("PYTHONPATH", "")])
     run_dir = tmp_path / "run"
-    command = [sys.executable, str(SCRIPT), *TINY, "trainer.devices=2", "trainer.max_steps=5",
-               f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        *TINY,
+        "trainer.devices=2",
+        "trainer.max_steps=5",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 7, proc.stderr[-4000:]
     line = _one_error(proc)
     assert line.startswith("error: rank 1 exited with code 7 without saying why"), line
@@ -159,9 +192,13 @@ def test_the_os_error_inside_a_checkpoint_exception_is_found_and_named(tmp_path)
     from lightning_3d.runtime.failures import exit_code_of, naming_path
 
     full = OSError(errno.ENOSPC, "No space left on device")  # raised at close: no file named
-    wrapped = CheckpointException("save failed", {1: (RuntimeError("unexpected pos 704 vs 598"),
-                                                      traceback.StackSummary()),
-                                                  0: (full, traceback.StackSummary())})
+    wrapped = CheckpointException(
+        "save failed",
+        {
+            1: (RuntimeError("unexpected pos 704 vs 598"), traceback.StackSummary()),
+            0: (full, traceback.StackSummary()),
+        },
+    )
     assert exit_code_of(wrapped) == IO_ERROR
     with pytest.raises(OSError) as raised:
         with naming_path(tmp_path / "last.ckpt"):

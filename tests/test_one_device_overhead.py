@@ -16,8 +16,14 @@ from lightning_3d.harness.world import run_world
 STEPS = 6
 TRAINER = {"gradient_clip_val": 1.0}  # the benchmark's setting: the norm is computed every step
 READS = ("item", "tolist", "__bool__", "__float__", "__int__")
-COLLECTIVES = ("all_reduce", "barrier", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "all_to_all_single")
+COLLECTIVES = (
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+)
 
 
 def _counted_fit(rank, run):
@@ -78,7 +84,8 @@ def test_3d_on_one_device_matches_auto_with_no_collectives_and_no_extra_host_rea
     steps aside, autograd's gradients are used as they are); from the second step on, 3d makes
     no collective call and lightning_3d code reads at most one device value per step (the
     non-finite check of loss, gradients and gradient norm, read together before the optimizer
-    steps; RunSummary reads the losses once, at the end). Catches: the flat-bucket copy or a world-of-one all-reduce back in the step, the
+    steps; RunSummary reads the losses once, at the end). Catches: the flat-bucket copy or a
+    world-of-one all-reduce back in the step, the
     per-step signal agreement or loss reduction made into a device round trip again, the
     non-finite check reading its flags twice."""
     auto = fit_gpt(0, Run(steps=STEPS, trainer=TRAINER))

@@ -13,8 +13,12 @@ VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
 
 
 def _orders(schedule, pp, m):
-    return {rank: trace_rank(schedule, pp_size=pp, virtual=VIRTUAL[schedule], micro_batches=m, rank=rank)
-            for rank in range(pp)}
+    return {
+        rank: trace_rank(
+            schedule, pp_size=pp, virtual=VIRTUAL[schedule], micro_batches=m, rank=rank
+        )
+        for rank in range(pp)
+    }
 
 
 @pytest.mark.parametrize("schedule", list(VIRTUAL))
@@ -57,6 +61,9 @@ def test_1f1b_keeps_at_most_p_micro_batches_in_flight(pp, m):
 
 
 def test_a_deadlocking_order_is_caught():
-    orders = {0: [("F", 0, 0), ("B", 0, 0)], 1: [("B", 1, 0), ("F", 1, 0)]}  # backward before forward
+    orders = {
+        0: [("F", 0, 0), ("B", 0, 0)],
+        1: [("B", 1, 0), ("F", 1, 0)],
+    }  # backward before forward
     with pytest.raises(RuntimeError, match="deadlocks"):
         simulate(orders)

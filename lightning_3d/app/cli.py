@@ -131,7 +131,9 @@ def hydra_app(task: Callable[[DictConfig], int], config_path: str, config_name: 
 
     import hydra
 
-    app = hydra.main(version_base=None, config_path=config_path, config_name=config_name)(task_function)
+    app = hydra.main(version_base=None, config_path=config_path, config_name=config_name)(
+        task_function
+    )
     sys.stderr = stderr
     try:
         app()
@@ -140,10 +142,15 @@ def hydra_app(task: Callable[[DictConfig], int], config_path: str, config_name: 
             # Hydra could not write its own files: not the command line's fault.
             io_error = io_error_of(exit_)  # (not Hydra's MissingConfigException, an IOError too)
             io_error = io_error if io_error is not None and io_error.errno is not None else None
-            if io_error is not None and not io_error.filename:  # failed at close: name the directory
+            if (
+                io_error is not None and not io_error.filename
+            ):  # failed at close: name the directory
                 io_error = OSError(io_error.errno, io_error.strerror, _run_dir())
-            message = (io_error_words(io_error) if io_error is not None
-                       else stderr.one_line() or "bad command line")
+            message = (
+                io_error_words(io_error)
+                if io_error is not None
+                else stderr.one_line() or "bad command line"
+            )
             stderr.held = None  # said in one line instead
             print(f"error: {message}", file=stderr.target)
             sys.exit(IO_ERROR if io_error is not None else BAD_INPUT)
@@ -153,6 +160,8 @@ def hydra_app(task: Callable[[DictConfig], int], config_path: str, config_name: 
         if stderr.held is not None:
             stderr.release()  # --help, --cfg, --info: Hydra's own output, as it is
     if sweep.failed:
-        print(f"sweep: {len(sweep.failed)} job(s) failed:", *sweep.failed, sep="\n  ", file=sys.stderr)
+        print(
+            f"sweep: {len(sweep.failed)} job(s) failed:", *sweep.failed, sep="\n  ", file=sys.stderr
+        )
         sys.exit(1)
     sys.exit(0)

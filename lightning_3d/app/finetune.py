@@ -46,7 +46,9 @@ def resolve_pretrained(value: str, project_dir: str | Path) -> Path:
         path = Path(value).expanduser()
         return path if path.is_absolute() else Path(project_dir) / path
     outputs = Path(project_dir) / "outputs"
-    found = [p for p in outputs.glob("**/final.ckpt") if p.relative_to(outputs).parts[0] != FINETUNE_RUNS]
+    found = [
+        p for p in outputs.glob("**/final.ckpt") if p.relative_to(outputs).parts[0] != FINETUNE_RUNS
+    ]
     if not found:
         raise ValueError(
             f"finetune.pretrained=latest: no final.ckpt under {outputs}; run examples/train.py first "
@@ -87,7 +89,11 @@ def own_weights(model_cfg: DictConfig) -> Optional[Path]:
     from lightning_3d.models.hf import HFCausalLM
 
     target = target_of(model_cfg, "model")
-    path = model_cfg.get("path") if isinstance(target, type) and issubclass(target, HFCausalLM) else None
+    path = (
+        model_cfg.get("path")
+        if isinstance(target, type) and issubclass(target, HFCausalLM)
+        else None
+    )
     return Path(str(path)).expanduser().resolve() if path is not None else None
 
 
@@ -130,16 +136,24 @@ def finetune(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     from lightning_3d.app.run import train
 
     cfg = copy.deepcopy(cfg)
-    OmegaConf.resolve(cfg)  # data.block_size etc. refer to ${model.*}, which moves into model.module
+    OmegaConf.resolve(
+        cfg
+    )  # data.block_size etc. refer to ${model.*}, which moves into model.module
     source = cfg.finetune.pretrained or own_weights(cfg.model)  # None: a random init
     if cfg.finetune.pretrained is not None:
         with open_dict(cfg):
             # app.train builds cfg.model with hydra's instantiate, which builds the nested module
             # first and hands it to pretrained_module: the weights are in before trainer.fit.
-            cfg.model = {"_target_": f"{__name__}.pretrained_module", "module": cfg.model,
-                         "path": str(cfg.finetune.pretrained)}
-    summary = {**train(cfg, output_dir), "pretrained": str(source) if source is not None else None,
-               "offload": OmegaConf.to_container(cfg.offload)}
+            cfg.model = {
+                "_target_": f"{__name__}.pretrained_module",
+                "module": cfg.model,
+                "path": str(cfg.finetune.pretrained),
+            }
+    summary = {
+        **train(cfg, output_dir),
+        "pretrained": str(source) if source is not None else None,
+        "offload": OmegaConf.to_container(cfg.offload),
+    }
     if rank_zero_only.rank == 0:
         (Path(output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -155,12 +169,16 @@ def main(cfg: DictConfig, script: str) -> int:
     from lightning_3d.app.run import discard_run_dir, run, validate
 
     try:
-        validate(cfg)  # first: a wrong model is named as such, not as a checkpoint that does not fit it
+        validate(
+            cfg
+        )  # first: a wrong model is named as such, not as a checkpoint that does not fit it
         path = prepare(cfg, get_original_cwd())
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         hydra_cfg = HydraConfig.get()
         discard_run_dir(Path(hydra_cfg.runtime.output_dir), hydra_cfg.job.name)
         return 2
-    print(f"fine-tuning from {path if path is not None else 'a random init (finetune.pretrained=null)'}")
+    print(
+        f"fine-tuning from {path if path is not None else 'a random init (finetune.pretrained=null)'}"
+    )
     return run(cfg, script, body=finetune, validated=True)

@@ -41,8 +41,13 @@ def record_of(exception: BaseException, rank: int) -> dict[str, Any]:
     if code == IO_ERROR or not lines:  # the file of an I/O error, whatever the strategy said first
         lines = [own, *[line for line in lines if line != own]]
     text = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
-    return {"rank": rank, "code": code, "line": lines[0].removeprefix("lightning_3d: "),
-            "details": lines[1:], "traceback": text}
+    return {
+        "rank": rank,
+        "code": code,
+        "line": lines[0].removeprefix("lightning_3d: "),
+        "details": lines[1:],
+        "traceback": text,
+    }
 
 
 def send(exception: BaseException, rank: int) -> int:
@@ -52,12 +57,22 @@ def send(exception: BaseException, rank: int) -> int:
 
     record = record_of(exception, rank)
     try:
-        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=10), wait_for_workers=False)
+        store = TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=10),
+            wait_for_workers=False,
+        )
         store.set(KEY.format(rank=rank), json.dumps(record))
     except Exception:  # noqa: BLE001 -- no launcher to tell: say it here
-        print(record["traceback"], f"lightning_3d: {record['line']}", sep="", file=sys.stderr,
-              flush=True)
+        print(
+            record["traceback"],
+            f"lightning_3d: {record['line']}",
+            sep="",
+            file=sys.stderr,
+            flush=True,
+        )
     return record["code"]
 
 
@@ -77,9 +92,12 @@ def collect(store: Any, world_size: int) -> list[dict[str, Any]]:
 def write_log(run_dir: Path, records: list[dict[str, Any]]) -> Optional[Path]:
     """The records' tracebacks in ``run_dir/ranks.log``, else in a file in the temporary
     directory (the run directory's disk may be the one that is full); ``None`` if neither."""
-    text = "".join(f"=== rank {r['rank']} (exit code {r['code']}): {r['line']}\n"
-                   + "".join(f"{line}\n" for line in r.get("details", [])) + f"{r['traceback']}\n"
-                   for r in records)
+    text = "".join(
+        f"=== rank {r['rank']} (exit code {r['code']}): {r['line']}\n"
+        + "".join(f"{line}\n" for line in r.get("details", []))
+        + f"{r['traceback']}\n"
+        for r in records
+    )
     try:
         path = run_dir / LOG
         with open(path, "a") as log:

@@ -28,7 +28,9 @@ class Telemetry:
     def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
         """Call ``subscriber(event, fields)`` for every event from now on; returns the unsubscribe."""
         self._subscribers.append(subscriber)
-        return lambda: self._subscribers.remove(subscriber) if subscriber in self._subscribers else None
+        return lambda: (
+            self._subscribers.remove(subscriber) if subscriber in self._subscribers else None
+        )
 
     def publish(self, event: str, **fields: Any) -> None:
         for subscriber in list(self._subscribers):

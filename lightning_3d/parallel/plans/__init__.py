@@ -15,17 +15,19 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_3d.parallel.tensor import name_matches
 from lightning_3d.parallel.plans.common import TransformerNames, plan_from_names, transformer_plan
 from lightning_3d.parallel.plans.gpt import GPT_NAMES
 from lightning_3d.parallel.plans.gpt2 import GPT2_NAMES
 from lightning_3d.parallel.plans.hf import hf_tensor_plan
 from lightning_3d.parallel.plans.llama import LLAMA_NAMES
+from lightning_3d.parallel.tensor import name_matches
 
 BUILTIN: dict[str, TransformerNames] = {"gpt": GPT_NAMES, "llama": LLAMA_NAMES, "gpt2": GPT2_NAMES}
 
 
-def detect_plan(module: nn.Module, sequence_parallel: bool = False) -> tuple[str, dict[str, ParallelStyle]]:
+def detect_plan(
+    module: nn.Module, sequence_parallel: bool = False
+) -> tuple[str, dict[str, ParallelStyle]]:
     """Recognise the architecture of ``module`` by its module names; return (name, plan)."""
     names = [n for n, _ in module.named_modules() if n]
     for arch, spec in BUILTIN.items():
@@ -38,7 +40,9 @@ def detect_plan(module: nn.Module, sequence_parallel: bool = False) -> tuple[str
     )
 
 
-def build_plan(module: nn.Module, plan: Mapping | None, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def build_plan(
+    module: nn.Module, plan: Mapping | None, sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
     """The plan to apply: ``plan`` if given (styles or style names), else the one the module's
     ``transformers`` model ships (translated), else the built-in recognised by module names."""
     if plan:
@@ -49,5 +53,12 @@ def build_plan(module: nn.Module, plan: Mapping | None, sequence_parallel: bool)
     return detect_plan(module, sequence_parallel)[1]
 
 
-__all__ = ["BUILTIN", "TransformerNames", "build_plan", "detect_plan", "hf_tensor_plan", "plan_from_names",
-           "transformer_plan"]
+__all__ = [
+    "BUILTIN",
+    "TransformerNames",
+    "build_plan",
+    "detect_plan",
+    "hf_tensor_plan",
+    "plan_from_names",
+    "transformer_plan",
+]
