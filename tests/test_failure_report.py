@@ -111,6 +111,72 @@ def test_consolidate_onto_a_full_or_read_only_disk_is_one_line_and_no_file(reque
     assert sorted(p.name for p in target.iterdir()) == before  # no partial file, no temporary
 
 
+def _hf_checkpoint(path: Path) -> Path:
+    """A consolidated checkpoint of a tiny ``HFCausalLM`` (what ``export-hf`` takes)."""
+    import torch
+
+    from lightning_3d.models.hf import HF_CONFIG_KEY, HFCausalLM
+    from lightning_3d.testing.hf_configs import tiny_hf_config
+
+    module = HFCausalLM(config=tiny_hf_config("llama"))
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
+                HF_CONFIG_KEY: module.model.config.to_dict(), "global_step": 1}, path)
+    return path
+
+
+def _export_hf(source: Path, output: Path, *before: str) -> subprocess.CompletedProcess:
+    command = [*before, sys.executable, "-m", "lightning_3d.checkpoint", "export-hf", str(source),
+               str(output)]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
+
+
+@pytest.mark.parametrize("mount", ["disk", "read_only"])
+def test_export_hf_onto_a_full_or_read_only_disk_is_one_line_and_no_file(request, tmp_path,
+                                                                          mount):
+    """Before: exit 3 already, but the line named no path on a full disk, and the temporary
+    directory instead of the output on a read-only one."""
+    pytest.importorskip("transformers")
+    target = request.getfixturevalue(mount)
+    if mount == "disk":  # full to the last block
+        subprocess.run(["dd", "if=/dev/zero", f"of={target / 'filler'}", "bs=4k"],
+                       capture_output=True)
+    source = _hf_checkpoint(tmp_path / "in.ckpt")
+    before = sorted(p.name for p in target.iterdir())
+    output = target / "hf"
+    done = _export_hf(source, output)
+    assert done.returncode == IO_ERROR, done.stderr
+    line = _one_error(done)
+    cause = "no space left on device" if mount == "disk" else "read-only file system"
+    assert line.startswith(f"error: {cause}: {output}; "), line
+    assert sorted(p.name for p in target.iterdir()) == before  # no partial file, no temporary
+
+
+def test_export_hf_into_a_directory_this_user_may_not_write_is_one_line_and_no_file(tmp_path):
+    """Not root, or root without the capability to ignore file modes (``setpriv``): the
+    permission a user meets. Before: the temporary directory named instead of the output."""
+    import os
+    import shutil
+
+    pytest.importorskip("transformers")
+    before: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root ignores file modes, and setpriv is not here to drop that")
+        before = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    source = _hf_checkpoint(tmp_path / "in.ckpt")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    output = locked / "hf"
+    try:
+        done = _export_hf(source, output, *before)
+    finally:
+        locked.chmod(0o755)  # so that pytest can remove it
+    assert done.returncode == IO_ERROR, done.stderr
+    line = _one_error(done)
+    assert line.startswith(f"error: permission denied: {output}; "), line
+    assert list(locked.iterdir()) == []  # no partial file, no temporary
+
+
 # Put in a rank's path as sitecustomize: rank 1 ends at its second step without a word, as a
 # rank whose process the OS or a library ended would (os._exit: no exception, no report).
 _SILENT_EXIT = """
