@@ -13,6 +13,8 @@ Seen failing with the launcher's report (``launch._reported``), the rank's recor
 from __future__ import annotations
 
 import errno
+import re
+import signal
 import subprocess
 import sys
 import traceback
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.exit_codes import IO_ERROR
+from lightning_3d.exit_codes import IO_ERROR, PEER_LOST
 from lightning_3d.testing.apps import start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,45 +179,95 @@ def test_export_hf_into_a_directory_this_user_may_not_write_is_one_line_and_no_f
     assert list(locked.iterdir()) == []  # no partial file, no temporary
 
 
-# Put in a rank's path as sitecustomize: rank 1 ends at its second step without a word, as a
-# rank whose process the OS or a library ended would (os._exit: no exception, no report).
-_SILENT_EXIT = """
-import os
+# Put in a rank's path as sitecustomize: rank 1 does ACTION once, at its second step.
+_RANK_ONE_AT_STEP_TWO = """
+import os, signal
 if os.environ.get("RANK") == "1" and os.environ.get("LIGHTNING3D_LAUNCHER_PID"):
     from lightning.pytorch.loops import training_epoch_loop as loop
     advance = loop._TrainingEpochLoop.advance
+    done = []
     def _advance(self, *args, **kwargs):
-        if self.global_step >= 1:
-            os._exit(7)
+        if self.global_step >= 1 and not done:
+            done.append(1)
+            ACTION
         return advance(self, *args, **kwargs)
     loop._TrainingEpochLoop.advance = _advance
 """
 
 
-def test_a_rank_that_exits_without_a_word_is_named_not_the_peer_that_lost_it(tmp_path):
-    """Rank 0 fails its collective (a lost peer, exit 4) because rank 1 exited with code 7 and
-    no report: the line names rank 1 and the launcher exits 7. Before: rank 0's traceback and
-    'a collective failed' on the terminal. Seen failing without the launcher's silent-rank
-    record (the line named rank 0's lost peer, exit 4)."""
+def _dp2_where_rank_one(tmp_path: Path, action: str,
+                        *overrides: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """The app on two ranks, rank 1 doing ``action`` (a Python statement) at its second step:
+    the run directory and the launcher's finished process."""
     import os
 
     from lightning_3d.testing.apps import app_env
 
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_SILENT_EXIT)
+    (hook / "sitecustomize.py").write_text(_RANK_ONE_AT_STEP_TWO.replace("ACTION", action))
     env = app_env()
     env["PYTHONPATH"] = os.pathsep.join([str(hook), str(REPO), env.get("PYTHONPATH", "")])
     run_dir = tmp_path / "run"
     command = [sys.executable, str(SCRIPT), *TINY, "trainer.devices=2", "trainer.max_steps=5",
-               f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+               *overrides, f"hydra.run.dir={run_dir}"]
+    return run_dir, subprocess.run(command, cwd=tmp_path, env=env, capture_output=True,
+                                   text=True, timeout=300)
+
+
+def test_a_rank_that_exits_without_a_word_is_named_not_the_peer_that_lost_it(tmp_path):
+    """Rank 0 fails its collective (a lost peer, exit 4) because rank 1 exited with code 7 and
+    no report (``os._exit``: as a rank whose process the OS or a library ended): the line names
+    rank 1 and the launcher exits 7. Before: rank 0's traceback and 'a collective failed' on
+    the terminal. Seen failing without the launcher's silent-rank record (the line named rank
+    0's lost peer, exit 4)."""
+    run_dir, proc = _dp2_where_rank_one(tmp_path, "os._exit(7)")
     assert proc.returncode == 7, proc.stderr[-4000:]
     line = _one_error(proc)
     assert line.startswith("error: rank 1 exited with code 7 without saying why"), line
     assert "rank(s) 0 failed too" in line and str(run_dir / "ranks.log") in line, line
     assert "a collective failed" in (run_dir / "ranks.log").read_text()
+
+
+@pytest.mark.slow  # ~30 s (dp2); the fast suite checks the launcher's report without processes
+def test_a_killed_rank_is_named_and_the_peers_that_lost_it_are_logged(tmp_path):
+    """Rank 1 SIGKILLed: one line naming it, exit 137, and rank 0's failed collective (its
+    gloo traceback) in ranks.log. Seen failing without the killed rank's record in
+    ``launch._reported``: no ranks.log (the launcher returned 137 without collecting the
+    survivors' reports)."""
+    run_dir, proc = _dp2_where_rank_one(tmp_path, "os.kill(os.getpid(), signal.SIGKILL)")
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr[-4000:]
+    line = _one_error(proc)
+    assert re.match(r"error: rank 1 \(pid \d+\) was killed by SIGKILL", line), line
+    assert "rank(s) 0 failed too" in line and str(run_dir / "ranks.log") in line, line
+    log = (run_dir / "ranks.log").read_text()
+    assert "=== rank 0 (exit code 4)" in log and "Traceback" in log, log[-4000:]
+    assert "lightning_3d: rank" not in proc.stderr, proc.stderr[-4000:]  # said in the log
+
+
+def test_the_launcher_names_a_killed_rank_before_the_peers_that_lost_it(tmp_path, capsys):
+    """No processes: the launcher's report once rank 1 was SIGKILLed and rank 0 lost it, the
+    same whichever exit it saw first; a rank the launcher killed itself is not the cause."""
+    import json
+
+    from torch.distributed import HashStore
+
+    from lightning_3d.launch import _reported
+    from lightning_3d.rank_report import KEY, record_of
+
+    store = HashStore()
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:9")
+    store.set(KEY.format(rank=0), json.dumps(record_of(lost, 0)))
+    for first in (PEER_LOST, 128 + signal.SIGKILL):
+        assert _reported(store, str(tmp_path), first, [PEER_LOST, -signal.SIGKILL], set(),
+                         [100, 101]) == 128 + signal.SIGKILL
+        line = _one_error(subprocess.CompletedProcess([], 0, "", capsys.readouterr().err))
+        assert line.startswith("error: rank 1 (pid 101) was killed by SIGKILL"), line
+        assert f"rank(s) 0 failed too (tracebacks: {tmp_path / 'ranks.log'})" in line, line
+    assert "Connection closed by peer" in (tmp_path / "ranks.log").read_text()
+    assert _reported(store, str(tmp_path), PEER_LOST, [PEER_LOST, -signal.SIGKILL], {1},
+                     [100, 101]) == PEER_LOST  # killed past its grace, by the launcher
+    assert capsys.readouterr().err.startswith("error: rank 0: RuntimeError: [gloo")
 
 
 def test_the_os_error_inside_a_checkpoint_exception_is_found_and_named(tmp_path):
