@@ -245,6 +245,22 @@ def test_a_killed_rank_is_named_and_the_peers_that_lost_it_are_logged(tmp_path):
     assert "lightning_3d: rank" not in proc.stderr, proc.stderr[-4000:]  # said in the log
 
 
+@pytest.mark.slow  # ~35 s (dp2, a 5 s timeout); the fast suite checks the report without processes
+def test_a_lost_peer_is_exit_code_4_naming_the_rank_that_stalled(tmp_path):
+    """Rank 1 stops (SIGSTOP: its sockets stay open, so rank 0's collective waits): within
+    ``parallelism.timeout_s`` rank 0's collective times out and its watchdog names rank 1;
+    the launcher exits 4 (a lost peer: relaunch and resume) with one line naming rank 1. Seen
+    failing without the strategy putting the watchdog's verdict first: exit 4, but the line
+    said only 'rank 0: a collective failed ... Another rank has probably stopped'."""
+    run_dir, proc = _dp2_where_rank_one(tmp_path, "os.kill(os.getpid(), signal.SIGSTOP)",
+                                        "parallelism.timeout_s=5")
+    assert proc.returncode == PEER_LOST, proc.stderr[-4000:]
+    line = _one_error(proc)
+    assert line.startswith("error: rank 0: rank 1 has not made progress for"), line
+    assert str(run_dir / "ranks.log") in line, line
+    assert "a collective failed" in (run_dir / "ranks.log").read_text()
+
+
 def test_the_launcher_names_a_killed_rank_before_the_peers_that_lost_it(tmp_path, capsys):
     """No processes: the launcher's report once rank 1 was SIGKILLed and rank 0 lost it, the
     same whichever exit it saw first; a rank the launcher killed itself is not the cause."""
