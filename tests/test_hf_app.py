@@ -260,7 +260,7 @@ def test_the_launchers_check_reads_every_line_not_one_batchs_worth(files, tmp_pa
 def test_the_launcher_counts_windows_as_the_ranks_split_them_and_no_further_than_needed(files):
     """``split_windows`` counts what ``setup_for`` cuts (exact with no ``enough``), and stops
     tokenizing once ``enough`` holds: a small interval is confirmed by the first documents."""
-    options = dict(path=str(files["corpus"]), tokenizer=str(files["model"]), block_size=BLOCK)
+    options = {"path": str(files["corpus"]), "tokenizer": str(files["model"]), "block_size": BLOCK}
     data = TokenizedTextDataModule(**options, batch_size=BATCH)
     data.setup_for(1, 0)
     exact = (len(data.train_dataset), len(data.val_dataset))

@@ -165,7 +165,7 @@ def enough_tokens(count: int, block_size: int, batch_size: int, val_fraction: fl
     return min(split_counts(count, block_size, val_fraction)) >= batch_size
 
 
-def count_tokens(documents: Iterator[str], tokenizer: Any, max_tokens: Optional[int],
+def count_tokens(documents: Iterator[str], tokenizer: Any, max_tokens: int | None,
                  enough: Callable[[int], bool]) -> int:
     """The length of the stream :func:`tokenize_documents` makes of ``documents``, tokenizing
     only until ``enough(length)`` holds (then a lower bound; ``enough`` must grow with the
@@ -243,11 +243,11 @@ class TokenizedTextDataModule(TextDataModule):
         return tokens
 
     @classmethod
-    def split_windows(cls, path: Optional[str] = None, tokenizer: Optional[str] = None,
+    def split_windows(cls, path: str | None = None, tokenizer: str | None = None,
                       block_size: int = 128, val_fraction: float = 0.05,
-                      max_tokens: Optional[int] = None, text_field: str = "text",
+                      max_tokens: int | None = None, text_field: str = "text",
                       invalid_utf8: str = "error",
-                      enough: Optional[Callable[[int, int], bool]] = None,
+                      enough: Callable[[int, int], bool] | None = None,
                       **_: Any) -> tuple[int, int]:
         """(training windows, validation windows) of the files' token stream, for the launching
         process's checks. Tokenizing stops once ``enough(training, validation)`` holds (then
