@@ -14,14 +14,14 @@ run directory, outputs/finetune/<date>/<time>. A Hugging Face model directory (`
 model.path=DIR``) brings its own weights and tokenizer (``data=text``: local .txt / .jsonl files).
 A missing or mismatched pretrained file, model directory, tokenizer or text ends the app with one
 ``error:`` line and exit code 2, before any work (so does a bad command line, see
-:mod:`lightning_3d.cli`).
+:mod:`lightning_3d.app.cli`).
 """
 
 from omegaconf import DictConfig
 
-from lightning_3d.cli import hydra_app
-from lightning_3d.config import register_configs
-from lightning_3d.finetune import main as finetune_main
+from lightning_3d.app.cli import hydra_app
+from lightning_3d.app.config import register_configs
+from lightning_3d.app.finetune import main as finetune_main
 
 
 def main(cfg: DictConfig) -> int:

@@ -10,16 +10,16 @@
 
 Writes summary.json (layout, per-step losses, tokens/s, per-rank memory), last.ckpt (every
 checkpoint.every_n_steps steps and at the end) and final.ckpt to the run directory, a new one
-per run; resume=last|PATH continues a run exactly (see lightning_3d/resume.py). A bad value
+per run; resume=last|PATH continues a run exactly (see lightning_3d/checkpoint/resume.py). A bad value
 ends the app with one ``error:`` line and exit code 2; a sweep with failed jobs lists them at
-the end and exits 1 (see :mod:`lightning_3d.cli`).
+the end and exits 1 (see :mod:`lightning_3d.app.cli`).
 """
 
 from omegaconf import DictConfig
 
-from lightning_3d.app import run
-from lightning_3d.cli import hydra_app
-from lightning_3d.config import register_configs
+from lightning_3d.app.run import run
+from lightning_3d.app.cli import hydra_app
+from lightning_3d.app.config import register_configs
 
 
 def main(cfg: DictConfig) -> int:

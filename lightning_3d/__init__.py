@@ -13,7 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_3d.layout import Layout, MeshAxis
 from lightning_3d.parallel.pipeline import PipelineSpec
-from lightning_3d.strategy import ThreeDStrategy
+from lightning_3d.strategy.three_d import ThreeDStrategy
 
 ThreeDStrategy.register_strategies(StrategyRegistry)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_3d.config import (
+from lightning_3d.app.config import (
     HYDRA_KEYS,
     build_strategy,
     plan_of,
@@ -28,13 +28,13 @@ from lightning_3d.config import (
     without_weights,
     world_size_of,
 )
-from lightning_3d.failures import REPORTS_ENV
-from lightning_3d.launch import already_launched, launch_job, quoted
-from lightning_3d.nonfinite import NonFiniteError
-from lightning_3d.planner.auto import plan_for_app, record_planned
-from lightning_3d.preemption import Preempted
-from lightning_3d.recipe import check
-from lightning_3d.resume import (
+from lightning_3d.runtime.failures import REPORTS_ENV
+from lightning_3d.app.launch import already_launched, launch_job, quoted
+from lightning_3d.runtime.nonfinite import NonFiniteError
+from lightning_3d.strategy.auto import plan_for_app, record_planned
+from lightning_3d.runtime.preemption import Preempted
+from lightning_3d.strategy.recipe import check
+from lightning_3d.checkpoint.resume import (
     PeriodicCheckpoint,
     check_every_n_steps,
     check_fits,
@@ -44,15 +44,27 @@ from lightning_3d.resume import (
     resume_override,
     written_checkpoint,
 )
-from lightning_3d.rank_report import report_here, send
-from lightning_3d.run_dir import RunDirInUse, hold
-from lightning_3d.watchdog import LAUNCHER_PID_ENV
+from lightning_3d.app.rank_report import report_here, send
+from lightning_3d.app.run_dir import RunDirInUse, hold
+from lightning_3d.runtime.watchdog import LAUNCHER_PID_ENV
 
 
 # The apps' top-level keys (conf/train.yaml, conf/finetune.yaml): any other (``+ckpt_path=...``)
 # would be read by nothing, so it is refused instead of being silently ignored.
-APP_KEYS = frozenset({"model", "data", "parallelism", "offload", "trainer", "seed", "checkpoint", "resume",
-                      "finetune", "overwrite"})
+APP_KEYS = frozenset(
+    {
+        "model",
+        "data",
+        "parallelism",
+        "offload",
+        "trainer",
+        "seed",
+        "checkpoint",
+        "resume",
+        "finetune",
+        "overwrite",
+    }
+)
 CHECKPOINT_KEYS = frozenset({"every_n_steps"})
 
 
@@ -68,19 +80,33 @@ def validate(cfg: DictConfig) -> None:
     world = world_size_of(cfg.trainer)
     max_steps = cfg.trainer.get("max_steps", -1)
     if max_steps == 0 or (isinstance(max_steps, int) and max_steps < -1):
-        raise ValueError(f"trainer.max_steps={max_steps} trains no step (the run would save untrained weights as "
-                         "final.ckpt); give a positive number of steps, or -1 to let trainer.max_epochs decide")
+        raise ValueError(
+            f"trainer.max_steps={max_steps} trains no step (the run would save untrained weights as "
+            "final.ckpt); give a positive number of steps, or -1 to let trainer.max_epochs decide"
+        )
     check_trainer_counts(cfg.trainer)  # max_steps=2.5 (Lightning would train 3)
     plan = plan_of(cfg.parallelism, cfg.get("offload")).resolved(world)
     layout = plan.layout
     batch_size = cfg.data.get("batch_size") if "data" in cfg else None
-    unplanned = plan.auto.enabled  # parallelism=auto left to the ranks: the planner picks dividing sizes
-    if not unplanned and isinstance(batch_size, int) and batch_size > 0 and batch_size % layout.data:
+    unplanned = (
+        plan.auto.enabled
+    )  # parallelism=auto left to the ranks: the planner picks dividing sizes
+    if (
+        not unplanned
+        and isinstance(batch_size, int)
+        and batch_size > 0
+        and batch_size % layout.data
+    ):
         raise ValueError(
             f"global data.batch_size ({batch_size}) is not divisible by data-parallel size ({layout.data})"
         )
-    if (not unplanned and layout.pipeline > 1 and isinstance(batch_size, int) and batch_size > 0
-            and (batch_size // layout.data) % plan.pp.micro_batches):
+    if (
+        not unplanned
+        and layout.pipeline > 1
+        and isinstance(batch_size, int)
+        and batch_size > 0
+        and (batch_size // layout.data) % plan.pp.micro_batches
+    ):
         raise ValueError(
             f"per-rank batch {batch_size // layout.data} (data.batch_size {batch_size} / data {layout.data}) "
             f"is not divisible by micro_batches={plan.pp.micro_batches}"
@@ -112,28 +138,42 @@ def check_app_keys(cfg: DictConfig) -> None:
     ``trainer.enable_checkpointing`` is ``checkpoint.every_n_steps``'s to set."""
     unknown = sorted(str(k) for k in cfg.keys() if k not in APP_KEYS)
     if "ckpt_path" in unknown:
-        raise ValueError("ckpt_path is not a key of this app: to resume, pass resume=last (the newest checkpoint of "
-                         "the app's earlier runs under ./outputs) or resume=PATH")
+        raise ValueError(
+            "ckpt_path is not a key of this app: to resume, pass resume=last (the newest checkpoint of "
+            "the app's earlier runs under ./outputs) or resume=PATH"
+        )
     if unknown:
         one = len(unknown) == 1
-        raise ValueError(f"{', '.join(unknown)}: not {'a key' if one else 'keys'} of this app, nothing would read "
-                         f"{'it' if one else 'them'} (its keys: {', '.join(sorted(APP_KEYS))})")
+        raise ValueError(
+            f"{', '.join(unknown)}: not {'a key' if one else 'keys'} of this app, nothing would read "
+            f"{'it' if one else 'them'} (its keys: {', '.join(sorted(APP_KEYS))})"
+        )
     checkpoint = cfg.get("checkpoint")
     if checkpoint is not None:
         extra = sorted(str(k) for k in checkpoint.keys() if k not in CHECKPOINT_KEYS)
         if extra:
-            raise ValueError(f"{', '.join(f'checkpoint.{k}' for k in extra)}: not a key of the checkpoint block (its "
-                             f"keys: {', '.join(sorted(CHECKPOINT_KEYS))})")
+            raise ValueError(
+                f"{', '.join(f'checkpoint.{k}' for k in extra)}: not a key of the checkpoint block (its "
+                f"keys: {', '.join(sorted(CHECKPOINT_KEYS))})"
+            )
         check_every_n_steps(checkpoint.get("every_n_steps"))
     if "enable_checkpointing" in cfg.trainer:
-        raise ValueError("trainer.enable_checkpointing: set checkpoint.every_n_steps instead (a number of steps, or "
-                         "null for no periodic checkpoints)")
+        raise ValueError(
+            "trainer.enable_checkpointing: set checkpoint.every_n_steps instead (a number of steps, or "
+            "null for no periodic checkpoints)"
+        )
 
 
 def check_trainer_counts(trainer: DictConfig) -> None:
     """The Trainer's counts are whole numbers (Lightning takes ``max_steps=2.5`` and trains 3)."""
-    for key, least in (("log_every_n_steps", 0), ("num_sanity_val_steps", -1), ("max_steps", -1),
-                       ("min_steps", 0), ("max_epochs", -1), ("min_epochs", 0)):
+    for key, least in (
+        ("log_every_n_steps", 0),
+        ("num_sanity_val_steps", -1),
+        ("max_steps", -1),
+        ("min_steps", 0),
+        ("max_epochs", -1),
+        ("min_epochs", 0),
+    ):
         value = trainer.get(key, 0)
         if value is None and key != "log_every_n_steps":
             continue
@@ -167,12 +207,18 @@ def check_model_and_data(model: DictConfig, data: DictConfig) -> None:
     check_target_keys(data, "data")
     limits = model_limits(model)
     block_size = data.get("block_size")
-    if block_size is not None and limits.max_positions is not None and block_size > limits.max_positions:
+    if (
+        block_size is not None
+        and limits.max_positions is not None
+        and block_size > limits.max_positions
+    ):
         raise ValueError(
             f"data.block_size={block_size} is above the model's maximum positions {limits.max_positions} "
             f"({limits.source}); set data.block_size={limits.max_positions} or less"
         )
-    _build(data, "data")  # its constructor's own checks (batch_size, val_fraction, ...); reads no data
+    _build(
+        data, "data"
+    )  # its constructor's own checks (batch_size, val_fraction, ...); reads no data
     data_check = getattr(target_of(data, "data"), "check", None)
     if data_check is None:
         return
@@ -220,14 +266,16 @@ def check_data_sizes(data: DictConfig, trainer: DictConfig, data_degree: int) ->
         raise ValueError(
             f"data.batch_size={batch_size} is larger than the validation split ({val} windows of "
             f"data.block_size+1 positions, data.val_fraction={data.get('val_fraction')}); lower "
-            "data.batch_size, or raise data.val_fraction or the data's size")
+            "data.batch_size, or raise data.val_fraction or the data's size"
+        )
     batches = _epoch_batches(train, batch_size, data_degree, trainer)
     if interval is not None and interval > batches:
         raise ValueError(
             f"trainer.val_check_interval={interval} is above the {batches} batches of an epoch "
             f"({train} training windows, data.batch_size={batch_size}); give "
             f"trainer.val_check_interval={batches} or less, a fraction of the epoch such as 0.5, "
-            "or trainer.limit_val_batches=0 for no validation")
+            "or trainer.limit_val_batches=0 for no validation"
+        )
 
 
 def _checked_interval(trainer: DictConfig) -> int | None:
@@ -235,9 +283,12 @@ def _checked_interval(trainer: DictConfig) -> int | None:
     integer, validation by epoch, some validation batches); ``None`` elsewhere."""
     interval = trainer.get("val_check_interval", 1.0)
     limit_val = trainer.get("limit_val_batches", 1.0)
-    if (isinstance(interval, bool) or not isinstance(interval, int)
-            or trainer.get("check_val_every_n_epoch", 1) is None
-            or not (isinstance(limit_val, (int, float)) and limit_val > 0)):
+    if (
+        isinstance(interval, bool)
+        or not isinstance(interval, int)
+        or trainer.get("check_val_every_n_epoch", 1) is None
+        or not (isinstance(limit_val, (int, float)) and limit_val > 0)
+    ):
         return None
     return interval
 
@@ -277,8 +328,10 @@ def _build(node: DictConfig, where: str) -> Any:
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
         if isinstance(cause, (ValueError, TypeError, ImportError)):
             text = str(cause).strip().splitlines()
-            raise ValueError(f"{where} ({node.get('_target_')}): {type(cause).__name__}: "
-                             f"{text[0] if text else ''}") from None
+            raise ValueError(
+                f"{where} ({node.get('_target_')}): {type(cause).__name__}: "
+                f"{text[0] if text else ''}"
+            ) from None
         return None
 
 
@@ -301,7 +354,7 @@ def check_trainer(trainer: DictConfig, parallelism: Any, offload: Any = None) ->
 
     import lightning as L
 
-    from lightning_3d.flops import check_peak_tflops
+    from lightning_3d.observe.flops import check_peak_tflops
 
     kwargs = OmegaConf.to_container(trainer, resolve=True)
     try:
@@ -312,8 +365,12 @@ def check_trainer(trainer: DictConfig, parallelism: Any, offload: Any = None) ->
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(f"trainer.accumulate_grad_batches={accumulate!r} must be an integer >= 1")
     clip = kwargs.get("gradient_clip_val")
-    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0):
-        raise ValueError(f"trainer.gradient_clip_val={clip!r} must be a number >= 0 (or null: no clipping)")
+    if clip is not None and (
+        isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0
+    ):
+        raise ValueError(
+            f"trainer.gradient_clip_val={clip!r} must be a number >= 0 (or null: no clipping)"
+        )
     check_trainer_counts(trainer)
     quiet = logging.getLogger("lightning.pytorch")
     level = quiet.level
@@ -332,13 +389,15 @@ def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     import lightning as L
     from hydra.utils import instantiate
 
-    from lightning_3d.callbacks import RNGStateCheckpoint, RunSummary
+    from lightning_3d.observe.summary import RNGStateCheckpoint, RunSummary
 
     L.seed_everything(cfg.seed, verbose=False)
     model = instantiate(cfg.model)
     datamodule = instantiate(cfg.data)
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
-    summary = RunSummary(out_dir=output_dir, peak_tflops=trainer_kwargs.pop("peak_tflops", None))  # ours, for MFU
+    summary = RunSummary(
+        out_dir=output_dir, peak_tflops=trainer_kwargs.pop("peak_tflops", None)
+    )  # ours, for MFU
     callbacks = [summary, RNGStateCheckpoint()]  # a resume from its checkpoints continues exactly
     every_n_steps = (cfg.get("checkpoint") or {}).get("every_n_steps")
     if every_n_steps is not None:  # <run dir>/last.ckpt; preempted.ckpt goes next to it
@@ -365,8 +424,12 @@ def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     return summary.summary
 
 
-def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str, Any]] | None = None,
-        validated: bool = False) -> int:
+def run(
+    cfg: DictConfig,
+    script: str,
+    body: Callable[[DictConfig, str], dict[str, Any]] | None = None,
+    validated: bool = False,
+) -> int:
     """Entry point shared by the example apps; returns the process exit code. ``body`` runs on
     every rank once the world exists (default :func:`train`); ``validated``: the caller has run
     :func:`validate` on ``cfg`` already."""
@@ -390,15 +453,19 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
         _discard_run_dir(Path(output_dir), hydra_cfg.job.name)
         return 2
     if already_launched():  # a rank: its launcher holds the run directory
-        return _reporting(output_dir, lambda: _launch_or_train(cfg, script, body, hydra_cfg, resume,
-                                                               chosen, planned))
+        return _reporting(
+            output_dir,
+            lambda: _launch_or_train(cfg, script, body, hydra_cfg, resume, chosen, planned),
+        )
     overwrite = cfg.get("overwrite", False)
     try:
         if not isinstance(overwrite, bool):
             raise RunDirInUse(f"overwrite={overwrite!r} must be true or false")
         with hold(Path(output_dir), resuming=resume is not None, overwrite=overwrite):
-            return _reporting(output_dir, lambda: _launch_or_train(cfg, script, body, hydra_cfg,
-                                                                   resume, chosen, planned))
+            return _reporting(
+                output_dir,
+                lambda: _launch_or_train(cfg, script, body, hydra_cfg, resume, chosen, planned),
+            )
     except RunDirInUse as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -406,7 +473,7 @@ def run(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str
 
 def _reporting(output_dir: str, call: Callable[[], int]) -> int:
     """``call()``; should it fail, one ``error:`` line from the launching process and the exit
-    code of the failure's kind (:mod:`lightning_3d.rank_report`): a rank of our launcher sends
+    code of the failure's kind (:mod:`lightning_3d.app.rank_report`): a rank of our launcher sends
     it there, a one-process run says it itself. An agreed stop (a non-finite loss, a
     preemption), Ctrl-C and an exit go on as they are, as do errors under torchrun or SLURM."""
     ours = bool(os.environ.get(LAUNCHER_PID_ENV))
@@ -432,22 +499,36 @@ def _reporting(output_dir: str, call: Callable[[], int]) -> int:
             os.environ[REPORTS_ENV] = before
 
 
-def _launch_or_train(cfg: DictConfig, script: str, body: Callable[[DictConfig, str], dict[str, Any]] | None,
-                     hydra_cfg: Any, resume: Path | None, chosen: list[str], planned: dict[str, Any] | None) -> int:
+def _launch_or_train(
+    cfg: DictConfig,
+    script: str,
+    body: Callable[[DictConfig, str], dict[str, Any]] | None,
+    hydra_cfg: Any,
+    resume: Path | None,
+    chosen: list[str],
+    planned: dict[str, Any] | None,
+) -> int:
     """Start the ranks of a world of more than one process, or train in this one."""
     output_dir = hydra_cfg.runtime.output_dir
     world = world_size_of(cfg.trainer)
     if world > 1 and not already_launched():
         if cfg.trainer.get("num_nodes", 1) > 1:
-            print("error: multi-node runs are started by torchrun or SLURM, one launcher per node", file=sys.stderr)
+            print(
+                "error: multi-node runs are started by torchrun or SLURM, one launcher per node",
+                file=sys.stderr,
+            )
             return 2
         threads = max(1, (os.cpu_count() or 1) // world)
-        overrides = [o for o in hydra_cfg.overrides.task if o.split("=", 1)[0].lstrip("+~") != "resume"] + chosen
+        overrides = [
+            o for o in hydra_cfg.overrides.task if o.split("=", 1)[0].lstrip("+~") != "resume"
+        ] + chosen
         if resume is not None:
             overrides.append(resume_override(resume))
         code = launch_job(world, script, overrides, output_dir, threads)
         if code == 0:
-            record_planned(Path(output_dir) / "summary.json", planned)  # the ranks did not plan: add it
+            record_planned(
+                Path(output_dir) / "summary.json", planned
+            )  # the ranks did not plan: add it
             _report(Path(output_dir) / "summary.json")
         return code
     if resume is not None:
@@ -464,8 +545,12 @@ def _resolve_auto(cfg: DictConfig) -> tuple[list[str], dict[str, Any] | None]:
     and its predictions for ``summary.json``; ``([], None)`` without auto."""
     if not cfg.parallelism.get("auto"):
         return [], None
-    return plan_for_app(cfg, plan_of(cfg.parallelism, cfg.get("offload")), model_on_meta(cfg.model),
-                           world_size_of(cfg.trainer))
+    return plan_for_app(
+        cfg,
+        plan_of(cfg.parallelism, cfg.get("offload")),
+        model_on_meta(cfg.model),
+        world_size_of(cfg.trainer),
+    )
 
 
 def _discard_run_dir(path: Path, job_name: str) -> None:
@@ -489,7 +574,9 @@ def _stop(trainer: Any, err: Exception) -> None:
 
     if trainer.global_rank == 0:
         hint = ""
-        if isinstance(err, NonFiniteError):  # (Preempted names its checkpoint and the command itself)
+        if isinstance(
+            err, NonFiniteError
+        ):  # (Preempted names its checkpoint and the command itself)
             last_good = written_checkpoint(trainer)
             hint = f"; {'the last good checkpoint is kept, ' if last_good is not None else ''}{resume_hint(last_good)}"
         print(f"error: {err}{hint}", file=sys.stderr, flush=True)

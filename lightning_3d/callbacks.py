@@ -21,8 +21,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_3d.flops import Peak, check_peak_tflops, device_peak, model_flops_per_token
-from lightning_3d.memory import model_state_bytes, peak_rss_mb
+from lightning_3d.observe.flops import Peak, check_peak_tflops, device_peak, model_flops_per_token
+from lightning_3d.observe.memory import model_state_bytes, peak_rss_mb
 from lightning_3d.parallel.activations import ActivationMeter
 from lightning_3d.parallel.activation_checkpoint import is_checkpointed, transformer_blocks
 
@@ -46,7 +46,11 @@ def _token_ids(batch: Any) -> Optional[torch.Tensor]:
 def describe_layout(trainer: pl.Trainer) -> dict[str, Any]:
     """The run's parallel layout, for any strategy (a plain single-process run included)."""
     layout = getattr(trainer.strategy, "layout", None)
-    sizes = layout.as_dict() if layout is not None else {"data": trainer.world_size, "tensor": 1, "pipeline": 1}
+    sizes = (
+        layout.as_dict()
+        if layout is not None
+        else {"data": trainer.world_size, "tensor": 1, "pipeline": 1}
+    )
     sizes.setdefault("zero_stage", 0)
     return {
         "world_size": trainer.world_size,
@@ -59,7 +63,11 @@ def describe_layout(trainer: pl.Trainer) -> dict[str, Any]:
 
 def _count_parameters(trainer: pl.Trainer, module: pl.LightningModule) -> int:
     parallelized = getattr(trainer.strategy, "parallelized", None)  # ThreeDStrategy: stages add up
-    return parallelized.count_parameters() if parallelized is not None else sum(p.numel() for p in module.parameters())
+    return (
+        parallelized.count_parameters()
+        if parallelized is not None
+        else sum(p.numel() for p in module.parameters())
+    )
 
 
 class RunSummary(Callback):
@@ -72,20 +80,20 @@ class RunSummary(Callback):
       peers must each compute the full loss);
     - ``tokens_per_s``: median over steps after ``warmup_steps`` of global tokens / step time;
     - ``flops_per_token`` (training FLOPs per token, mean over the trained tokens) and
-      ``flops_formula`` (how it was counted, see :mod:`lightning_3d.flops`); ``tflops``: the
+      ``flops_formula`` (how it was counted, see :mod:`lightning_3d.observe.flops`); ``tflops``: the
       model FLOP/s achieved per device (median over steps after warm-up of the step's model
       FLOPs / step time / world size, in TFLOP/s); ``peak_tflops``: the device's peak dense
       TFLOP/s at the run's precision (``peak_tflops=`` if given, else the table in
-      :data:`lightning_3d.flops.PEAK_TFLOPS`), ``peak_source`` where it came from;
+      :data:`lightning_3d.observe.flops.PEAK_TFLOPS`), ``peak_source`` where it came from;
       ``mfu = tflops / peak_tflops``. Where no peak is known (every CPU, a device not in the
       table), ``peak_tflops`` and ``mfu`` are ``null`` and ``peak_source`` says why;
     - ``ranks``: per rank, peak RSS and the model-state bytes resident at the end of backward,
-      just before the optimizer step (see :func:`lightning_3d.memory.model_state_bytes`), and
+      just before the optimizer step (see :func:`lightning_3d.observe.memory.model_state_bytes`), and
       the activation memory per transformer block of the first training batch
       (``activation_bytes_per_block``, see :meth:`activation_figures`);
     - ``planned`` (only under ``auto=True`` / ``parallelism=auto``): the planner's predictions for
       the layout it chose (options, per-rank memory parts, step time parts, tokens/s; see
-      :func:`lightning_3d.planner.auto.planned_figures`), read from the strategy's ``planned``,
+      :func:`lightning_3d.strategy.auto.planned_figures`), read from the strategy's ``planned``,
       to set against the measured figures above.
 
     Tokens/s, TFLOP/s per device and MFU (where a peak is known) are logged every optimizer step
@@ -96,8 +104,13 @@ class RunSummary(Callback):
     unless positive.
     """
 
-    def __init__(self, out_dir: Optional[str] = None, warmup_steps: int = 3, filename: str = "summary.json",
-                 peak_tflops: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        out_dir: Optional[str] = None,
+        warmup_steps: int = 3,
+        filename: str = "summary.json",
+        peak_tflops: Optional[float] = None,
+    ) -> None:
         self.peak_tflops = check_peak_tflops(peak_tflops)
         self.out_dir = out_dir
         self.warmup_steps = warmup_steps
@@ -149,11 +162,17 @@ class RunSummary(Callback):
         # Once per fit, off the step: a collective under a pipeline (stages add up), on every rank.
         self._num_params = _count_parameters(trainer, pl_module)
         per_token, self._flops_formula = model_flops_per_token(pl_module, self._num_params)
-        self._per_token = functools.lru_cache(maxsize=16)(per_token)  # a few sequence lengths at most
-        self._peak = device_peak(trainer.strategy.root_device, str(trainer.precision), self.peak_tflops)
+        self._per_token = functools.lru_cache(maxsize=16)(
+            per_token
+        )  # a few sequence lengths at most
+        self._peak = device_peak(
+            trainer.strategy.root_device, str(trainer.precision), self.peak_tflops
+        )
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._t0 is None:
             self._t0 = time.perf_counter()
         if not self.activations and self._meter is None:  # the first batch only: no cost afterwards
@@ -185,18 +204,27 @@ class RunSummary(Callback):
         ``nn.ModuleList`` of trainable modules).
         """
         blocks = transformer_blocks(pl_module)
-        figures = {"blocks_on_rank": len(blocks), "checkpointed_blocks": sum(is_checkpointed(b) for _, b in blocks)}
+        figures = {
+            "blocks_on_rank": len(blocks),
+            "checkpointed_blocks": sum(is_checkpointed(b) for _, b in blocks),
+        }
         if meter.block_bytes:
-            figures["activation_bytes_per_block"] = round(sum(meter.block_bytes.values()) / len(meter.block_bytes))
+            figures["activation_bytes_per_block"] = round(
+                sum(meter.block_bytes.values()) / len(meter.block_bytes)
+            )
         return figures
 
     @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
         self._meter = None
         self._meter_context.close()  # the hooks of a batch that did not finish
 
     @override
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
         # End of backward, gradients reduced, optimizer not yet stepped: the ZeRO accounting point.
         # Steady state after the first step (optimizer state exists); counted once, off the hot path.
         if not self.memory or trainer.global_step == 1:
@@ -204,7 +232,12 @@ class RunSummary(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
     ) -> None:
         if self._meter is not None:  # forward and backward of the first batch are done
             self._stop_meter(pl_module)
@@ -242,8 +275,12 @@ class RunSummary(Callback):
                 logged["mfu"] = logged["tflops"] / self._peak.tflops
         # As host tensors: a Python number would become a tensor on the module's device, a
         # host-to-device copy that waits for the device, three times a step.
-        pl_module.log_dict({k: torch.tensor(v, dtype=torch.float32) for k, v in logged.items()},
-                           prog_bar=True, on_step=True, logger=bool(trainer.loggers))
+        pl_module.log_dict(
+            {k: torch.tensor(v, dtype=torch.float32) for k, v in logged.items()},
+            prog_bar=True,
+            on_step=True,
+            logger=bool(trainer.loggers),
+        )
         self._t0, self._tokens, self._flops, self._loss_sum = now, 0, 0.0, None
 
     @property
@@ -278,14 +315,19 @@ class RunSummary(Callback):
         figures: dict[str, Any] = {}
         logits = self._observed.get("logits")
         if logits:
-            figures["logits_bytes"], figures["logits_dense_bytes"] = logits[-1]["local_bytes"], logits[-1]["dense_bytes"]
+            figures["logits_bytes"], figures["logits_dense_bytes"] = (
+                logits[-1]["local_bytes"],
+                logits[-1]["dense_bytes"],
+            )
         compiled = self._observed.get("compiled")
         if compiled:
             figures["compiled_blocks"] = compiled[-1]["blocks"]
         steps = self._observed.get("pipeline_step")
         if steps:
             bubbles = [s["bubble_fraction"] for s in steps]
-            figures["bubble_fraction"] = round(statistics.median(bubbles[self.warmup_steps :] or bubbles), 4)
+            figures["bubble_fraction"] = round(
+                statistics.median(bubbles[self.warmup_steps :] or bubbles), 4
+            )
             figures["activation_peak_bytes"] = max(s["activation_peak"] for s in steps)
             figures["in_flight_peak"] = max(s["in_flight_peak"] for s in steps)
         return figures
@@ -302,7 +344,9 @@ class RunSummary(Callback):
     def flops_figures(self, world_size: int) -> dict[str, Any]:
         """The summary's FLOP figures (see the class docstring)."""
         tokens = sum(self.step_tokens)
-        tflops = self._steady_median(self.step_flops) / world_size / 1e12 if self.step_flops else None
+        tflops = (
+            self._steady_median(self.step_flops) / world_size / 1e12 if self.step_flops else None
+        )
         peak = self._peak.tflops
         return {
             "flops_per_token": sum(self.step_flops) / tokens if tokens else None,
@@ -315,7 +359,12 @@ class RunSummary(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        mine = {"rank": trainer.global_rank, "peak_rss_mb": round(peak_rss_mb(), 1), **self.memory, **self.activations}
+        mine = {
+            "rank": trainer.global_rank,
+            "peak_rss_mb": round(peak_rss_mb(), 1),
+            **self.memory,
+            **self.activations,
+        }
         device = trainer.strategy.root_device
         if device.type == "cuda":  # the accelerator's own peak, next to the host's RSS
             mine["device_peak_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
@@ -326,7 +375,9 @@ class RunSummary(Callback):
             dist.all_gather_object(ranks, mine)
         self.summary = {
             "layout": describe_layout(trainer),
-            "num_params": self._num_params if self._num_params is not None else _count_parameters(trainer, pl_module),
+            "num_params": self._num_params
+            if self._num_params is not None
+            else _count_parameters(trainer, pl_module),
             "steps": len(self.losses),
             "losses": self.losses,
             "tokens_per_s": self.tokens_per_s(),
@@ -343,7 +394,6 @@ class RunSummary(Callback):
             (out / self.filename).write_text(json.dumps(self.summary, indent=2))
 
 
-
 def _rng_states() -> dict[str, Any]:
     """This process's generator states, in types a weights-only ``torch.load`` reads back."""
     import numpy as np
@@ -351,8 +401,13 @@ def _rng_states() -> dict[str, Any]:
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     states: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "gauss": float(gauss)},
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "gauss": float(gauss),
+        },
         "python": random.getstate(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -365,7 +420,9 @@ def _set_rng_states(states: dict[str, Any]) -> None:
 
     torch.set_rng_state(states["torch"])
     n = states["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"])
+    )
     version, internal, gauss = states["python"]
     random.setstate((version, tuple(internal), gauss))
     if "cuda" in states and torch.cuda.is_available():

@@ -5,9 +5,9 @@ with a paragraph and exit code 1, the code a crash has too, and a ``-m`` sweep s
 job that exits. :func:`hydra_app` runs the same ``hydra.main`` but
 
 * a config error Hydra raises before the task runs becomes one ``error:`` line and exit code 2,
-  as the app's own checks (:func:`lightning_3d.app.validate`) report bad values; a run directory
+  as the app's own checks (:func:`lightning_3d.app.run.validate`) report bad values; a run directory
   where Hydra cannot write its own files (a full disk, a read-only one) is named as such, exit
-  code 3 (:mod:`lightning_3d.exit_codes`);
+  code 3 (:mod:`lightning_3d.runtime.exit_codes`);
 * under ``-m`` every job runs: a job that fails (a non-zero exit code or an exception) is
   recorded, the next one starts, and at the end the failed ones are listed and the sweep exits 1.
 
@@ -100,9 +100,9 @@ def hydra_app(task: Callable[[DictConfig], int], config_path: str, config_name: 
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from lightning_3d.streams import guard_streams
-    from lightning_3d.exit_codes import BAD_INPUT, IO_ERROR
-    from lightning_3d.failures import io_error_of, io_error_words
+    from lightning_3d.app.streams import guard_streams
+    from lightning_3d.runtime.exit_codes import BAD_INPUT, IO_ERROR
+    from lightning_3d.runtime.failures import io_error_of, io_error_words
 
     guard_streams()  # a reader closing stdout (| head) never stops the run
     sweep = _Sweep()
@@ -131,7 +131,9 @@ def hydra_app(task: Callable[[DictConfig], int], config_path: str, config_name: 
 
     import hydra
 
-    app = hydra.main(version_base=None, config_path=config_path, config_name=config_name)(task_function)
+    app = hydra.main(version_base=None, config_path=config_path, config_name=config_name)(
+        task_function
+    )
     sys.stderr = stderr
     try:
         app()
@@ -140,10 +142,15 @@ def hydra_app(task: Callable[[DictConfig], int], config_path: str, config_name: 
             # Hydra could not write its own files: not the command line's fault.
             io_error = io_error_of(exit_)  # (not Hydra's MissingConfigException, an IOError too)
             io_error = io_error if io_error is not None and io_error.errno is not None else None
-            if io_error is not None and not io_error.filename:  # failed at close: name the directory
+            if (
+                io_error is not None and not io_error.filename
+            ):  # failed at close: name the directory
                 io_error = OSError(io_error.errno, io_error.strerror, _run_dir())
-            message = (io_error_words(io_error) if io_error is not None
-                       else stderr.one_line() or "bad command line")
+            message = (
+                io_error_words(io_error)
+                if io_error is not None
+                else stderr.one_line() or "bad command line"
+            )
             stderr.held = None  # said in one line instead
             print(f"error: {message}", file=stderr.target)
             sys.exit(IO_ERROR if io_error is not None else BAD_INPUT)
@@ -153,6 +160,8 @@ def hydra_app(task: Callable[[DictConfig], int], config_path: str, config_name: 
         if stderr.held is not None:
             stderr.release()  # --help, --cfg, --info: Hydra's own output, as it is
     if sweep.failed:
-        print(f"sweep: {len(sweep.failed)} job(s) failed:", *sweep.failed, sep="\n  ", file=sys.stderr)
+        print(
+            f"sweep: {len(sweep.failed)} job(s) failed:", *sweep.failed, sep="\n  ", file=sys.stderr
+        )
         sys.exit(1)
     sys.exit(0)

@@ -1,6 +1,6 @@
 """The collectives Lightning asks a strategy for, over ``torch.distributed``'s default group.
 
-A mixin for :class:`~lightning_3d.strategy.ThreeDStrategy`; it uses only the strategy's public
+A mixin for :class:`~lightning_3d.strategy.three_d.ThreeDStrategy`; it uses only the strategy's public
 ``root_device``.
 """
 
@@ -9,7 +9,10 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _sync_ddp_if_available,
+)
 from torch import Tensor
 
 
@@ -31,7 +34,12 @@ class Collectives:
         dist.broadcast_object_list(box, src)
         return box[0]
 
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+    def reduce(
+        self,
+        tensor: Any,
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[str, Any]] = "mean",
+    ) -> Any:
         if isinstance(tensor, Tensor):
             if _distributed_is_initialized() and dist.get_world_size(group) == 1:
                 # Lightning's reduce would still barrier and all-reduce (a device sync on NCCL). It

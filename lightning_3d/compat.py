@@ -35,15 +35,24 @@ def _newest(*names: str) -> Any:
     raise AttributeError(f"this torch has none of torch.distributed.{{{', '.join(names)}}}")
 
 
-def all_gather_single(output: Tensor, input: Tensor, group: Optional[Any] = None, async_op: bool = False) -> Any:
+def all_gather_single(
+    output: Tensor, input: Tensor, group: Optional[Any] = None, async_op: bool = False
+) -> Any:
     """Gather every rank's ``input`` (same size everywhere) into ``output``, rank by rank
     (``output`` holds ``group size × input.numel()`` elements). ``torch.distributed.all_gather_single``
     (2.13+) or ``all_gather_into_tensor`` (before)."""
-    return _newest("all_gather_single", "all_gather_into_tensor")(output, input, group=group, async_op=async_op)
+    return _newest("all_gather_single", "all_gather_into_tensor")(
+        output, input, group=group, async_op=async_op
+    )
 
 
-def reduce_scatter_single(output: Tensor, input: Tensor, op: Any = dist.ReduceOp.SUM, group: Optional[Any] = None,
-                          async_op: bool = False) -> Any:
+def reduce_scatter_single(
+    output: Tensor,
+    input: Tensor,
+    op: Any = dist.ReduceOp.SUM,
+    group: Optional[Any] = None,
+    async_op: bool = False,
+) -> Any:
     """Reduce ``input`` over the group and give rank ``r`` the ``r``-th of its equal parts in
     ``output``. ``torch.distributed.reduce_scatter_single`` (2.13+) or ``reduce_scatter_tensor``
     (before)."""
@@ -111,5 +120,8 @@ def rng_neutral_stage(stage_class: type) -> type:
         with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
             return infer(self, *args, **kwargs)
 
-    return type(stage_class.__name__, (stage_class,), {"_shape_inference": _shape_inference,
-                                                        "__doc__": stage_class.__doc__})
+    return type(
+        stage_class.__name__,
+        (stage_class,),
+        {"_shape_inference": _shape_inference, "__doc__": stage_class.__doc__},
+    )

@@ -16,11 +16,11 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
-from lightning_3d.plan import Plan, from_hydra, hydra_schema
-from lightning_3d.strategy import ThreeDStrategy
+from lightning_3d.options import Plan, from_hydra, hydra_schema
+from lightning_3d.strategy.three_d import ThreeDStrategy
 
 
-# The schemas are made from the one option table (lightning_3d.plan.OPTIONS): every key and
+# The schemas are made from the one option table (lightning_3d.options.OPTIONS): every key and
 # default of the parallelism and offload groups is the strategy's own.
 ParallelismConfig = hydra_schema("parallelism")
 OffloadConfig = hydra_schema("offload")
@@ -54,8 +54,12 @@ def unique_dir(path: str) -> str:
 
     base = Path(str(path))
     job = launcher_job_id()
-    if job is not None:  # every rank of a torchrun / srun job resolves this itself: one name for all
-        shared = base.parent / f"job-{job}" if job != "none" else base  # torchrun's default id is "none"
+    if (
+        job is not None
+    ):  # every rank of a torchrun / srun job resolves this itself: one name for all
+        shared = (
+            base.parent / f"job-{job}" if job != "none" else base
+        )  # torchrun's default id is "none"
         shared.mkdir(parents=True, exist_ok=True)
         return str(shared)
     base.parent.mkdir(parents=True, exist_ok=True)
@@ -85,7 +89,7 @@ def launcher_job_id() -> Optional[str]:
 
 
 def plan_of(parallelism: Any, offload: Any = None) -> Plan:
-    """The checked :class:`~lightning_3d.plan.Plan` of a ``parallelism`` and an ``offload``
+    """The checked :class:`~lightning_3d.options.Plan` of a ``parallelism`` and an ``offload``
     config (dataclass, DictConfig or mapping); ``ValueError`` naming a bad value."""
     options = parallelism if isinstance(parallelism, dict) else _to_dict(parallelism)
     if offload is not None:
@@ -146,7 +150,9 @@ def check_target_keys(node: Any, where: str) -> None:
         )
     missing = sorted(n for n in named - keys if params[n].default is inspect.Parameter.empty)
     if missing:
-        raise ValueError(f"{where}._target_={node._target_} needs {', '.join(f'{where}.{k}' for k in missing)}")
+        raise ValueError(
+            f"{where}._target_={node._target_} needs {', '.join(f'{where}.{k}' for k in missing)}"
+        )
 
 
 @dataclass
@@ -175,7 +181,9 @@ def hf_model_limits(path: Optional[str], config: Any) -> ModelLimits:
     a config with a ``model_type``) and read its vocabulary and position limits from the config
     (nothing is built). ``ValueError`` names the bad value."""
     if path is not None and config is not None:
-        raise ValueError(f"model=hf takes model.path or model.config, not both (model.path={str(path)!r})")
+        raise ValueError(
+            f"model=hf takes model.path or model.config, not both (model.path={str(path)!r})"
+        )
     hf = _hf_config_from_dir(path) if path is not None else _hf_config_from_dict(config)
     positions = getattr(hf, "max_position_embeddings", None) or getattr(hf, "n_positions", None)
     where = f"{path}/config.json" if path is not None else "model.config"
@@ -193,12 +201,19 @@ def without_weights(node: Any) -> Any:
     from lightning_3d.models.hf import HFCausalLM
 
     target = target_of(node, "model")
-    if not (isinstance(target, type) and issubclass(target, HFCausalLM)) or node.get("path") is None:
+    if (
+        not (isinstance(target, type) and issubclass(target, HFCausalLM))
+        or node.get("path") is None
+    ):
         return node
-    if node.get("deferred_init", True):  # built on meta from the files' headers: their checks run too
+    if node.get(
+        "deferred_init", True
+    ):  # built on meta from the files' headers: their checks run too
         return node
     config = _hf_config_from_dir(node.path).to_dict()
-    return OmegaConf.merge(OmegaConf.to_container(node, resolve=True), {"path": None, "config": config})
+    return OmegaConf.merge(
+        OmegaConf.to_container(node, resolve=True), {"path": None, "config": config}
+    )
 
 
 def _hf_config_from_dir(path: str) -> Any:
@@ -208,14 +223,20 @@ def _hf_config_from_dir(path: str) -> Any:
     if not directory.is_dir():
         raise ValueError(f"model.path={str(path)!r} is not a directory")
     if not (directory / "config.json").is_file():
-        raise ValueError(f"model.path={str(path)!r} has no config.json: not a Hugging Face model directory")
+        raise ValueError(
+            f"model.path={str(path)!r} has no config.json: not a Hugging Face model directory"
+        )
     if not any(directory.glob("*.safetensors")) and not any(directory.glob("pytorch_model*.bin")):
-        raise ValueError(f"model.path={str(path)!r} has no weights (*.safetensors or pytorch_model*.bin)")
+        raise ValueError(
+            f"model.path={str(path)!r} has no weights (*.safetensors or pytorch_model*.bin)"
+        )
     transformers = _transformers()
     try:
         return transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"model.path={str(path)!r}: cannot read config.json: {_first_line(err)}") from None
+        raise ValueError(
+            f"model.path={str(path)!r}: cannot read config.json: {_first_line(err)}"
+        ) from None
 
 
 def _hf_config_from_dict(config: Any) -> Any:
@@ -227,7 +248,9 @@ def _hf_config_from_dict(config: Any) -> Any:
     options = dict(_to_dict(config))
     model_type = options.pop("model_type", None)
     if model_type is None:
-        raise ValueError(f"model.config needs a model_type (e.g. llama, qwen2, gpt2); its keys: {sorted(options)}")
+        raise ValueError(
+            f"model.config needs a model_type (e.g. llama, qwen2, gpt2); its keys: {sorted(options)}"
+        )
     transformers = _transformers()
     try:
         return transformers.AutoConfig.for_model(model_type, **options)
@@ -239,7 +262,9 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise ValueError("model=hf needs Hugging Face transformers: pip install 'lightning-3d[hf]'") from None
+        raise ValueError(
+            "model=hf needs Hugging Face transformers: pip install 'lightning-3d[hf]'"
+        ) from None
     return transformers
 
 

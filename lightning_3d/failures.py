@@ -20,15 +20,23 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from lightning_3d.exit_codes import IO_ERROR, PEER_LOST, RANK_ERROR
+from lightning_3d.runtime.exit_codes import IO_ERROR, PEER_LOST, RANK_ERROR
 
 # What gloo, NCCL and the TCP store say when the other side of a collective is gone or silent
 # (gloo's timeout: "Application timeout caused pair closure").
-_PEER_LOST = ("connection closed", "connection reset", "closed by peer", "broken pipe", "timed out",
-              "collective operation timeout", "socket timeout", "application timeout")
+_PEER_LOST = (
+    "connection closed",
+    "connection reset",
+    "closed by peer",
+    "broken pipe",
+    "timed out",
+    "collective operation timeout",
+    "socket timeout",
+    "application timeout",
+)
 
 
-# While the app reports failures (lightning_3d.rank_report), the strategy's on_exception keeps
+# While the app reports failures (lightning_3d.app.rank_report), the strategy's on_exception keeps
 # its lines on the exception, under LINES_ATTR, instead of printing them.
 REPORTS_ENV = "LIGHTNING3D_APP_REPORTS"
 LINES_ATTR = "lightning_3d_lines"
@@ -67,8 +75,11 @@ def _own_os_error(exception: BaseException) -> Optional[OSError]:
     """The I/O error (a full disk, a read-only or missing path) behind ``exception``, if any: a
     ``ConnectionError`` or ``TimeoutError`` is a peer's, not this rank's. One that names its
     file is preferred."""
-    found = [err for err in _chain(exception)
-             if isinstance(err, OSError) and not isinstance(err, (ConnectionError, TimeoutError))]
+    found = [
+        err
+        for err in _chain(exception)
+        if isinstance(err, OSError) and not isinstance(err, (ConnectionError, TimeoutError))
+    ]
     return next((err for err in found if err.filename), found[0] if found else None)
 
 
@@ -87,7 +98,7 @@ def io_error_words(error: OSError) -> str:
 
 def exit_code_of(exception: BaseException) -> int:
     """The exit code for a rank that failed with ``exception``
-    (:mod:`lightning_3d.exit_codes`): an I/O error, a lost peer, or the rank's own error."""
+    (:mod:`lightning_3d.runtime.exit_codes`): an I/O error, a lost peer, or the rank's own error."""
     if _own_os_error(exception) is not None:
         return IO_ERROR
     return PEER_LOST if is_collective_failure(exception) else RANK_ERROR
@@ -131,22 +142,29 @@ def is_collective_failure(exception: BaseException) -> bool:
     return isinstance(exception, RuntimeError) and any(words in text for words in _PEER_LOST)
 
 
-def describe_failure(exception: BaseException, rank: int, setup_step: Optional[str], module: Any,
-                     layout: Any) -> Optional[str]:
+def describe_failure(
+    exception: BaseException, rank: int, setup_step: Optional[str], module: Any, layout: Any
+) -> Optional[str]:
     """One line for stderr saying what failed on this rank (a setup step, a lost peer, or the
     rank's own error with the file of an I/O error); ``None`` for an interrupt (Ctrl-C)."""
     first_line = str(exception).splitlines()[0] if str(exception) else ""
-    if getattr(exception, "agreed_stop", False):  # NonFiniteError, Preempted: one message says it all
+    if getattr(
+        exception, "agreed_stop", False
+    ):  # NonFiniteError, Preempted: one message says it all
         return None
     if setup_step is not None:
-        return (f"lightning_3d: rank {rank}: setting up {type(module).__name__} for {layout} failed during "
-                f"{setup_step}: {type(exception).__name__}: {first_line[:300]}")
+        return (
+            f"lightning_3d: rank {rank}: setting up {type(module).__name__} for {layout} failed during "
+            f"{setup_step}: {type(exception).__name__}: {first_line[:300]}"
+        )
     if is_collective_failure(exception) and dist.is_available() and dist.is_initialized():
-        from lightning_3d.resume import resume_hint, written_checkpoint
+        from lightning_3d.checkpoint.resume import resume_hint, written_checkpoint
 
-        return (f"lightning_3d: rank {rank}: a collective failed ({type(exception).__name__}: {first_line[:200]}). "
-                "Another rank has probably stopped; checkpoints already written are complete (saves are atomic); "
-                f"{resume_hint(written_checkpoint(getattr(module, '_trainer', None)))}")
+        return (
+            f"lightning_3d: rank {rank}: a collective failed ({type(exception).__name__}: {first_line[:200]}). "
+            "Another rank has probably stopped; checkpoints already written are complete (saves are atomic); "
+            f"{resume_hint(written_checkpoint(getattr(module, '_trainer', None)))}"
+        )
     if not isinstance(exception, Exception):
         return None  # KeyboardInterrupt, SystemExit: the user's or the launcher's doing
     return rank_line(exception, rank)
@@ -156,7 +174,9 @@ def rank_line(exception: BaseException, rank: int) -> str:
     """``lightning_3d: rank R: ...``: the rank's own error, the file and cause of an I/O error."""
     io_error = _own_os_error(exception)
     if io_error is not None:
-        return (f"lightning_3d: rank {rank}: {io_error_words(io_error)} (this rank's own I/O error, "
-                "not a lost peer)")
+        return (
+            f"lightning_3d: rank {rank}: {io_error_words(io_error)} (this rank's own I/O error, "
+            "not a lost peer)"
+        )
     first_line = str(exception).splitlines()[0] if str(exception) else ""
     return f"lightning_3d: rank {rank}: {type(exception).__name__}: {first_line[:300]}"

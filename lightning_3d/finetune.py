@@ -8,7 +8,7 @@ activation checkpointing and bf16; what this module adds is *where the weights c
    see :func:`prepare`);
 2. :func:`check_pretrained` compares that file with the configured model, built on ``meta``
    (nothing is allocated), so a wrong file ends the app with one ``error:`` line before any work;
-3. :func:`finetune` (every rank) runs :func:`lightning_3d.app.train` with the model built and the
+3. :func:`finetune` (every rank) runs :func:`lightning_3d.app.run.train` with the model built and the
    weights loaded *before* ``trainer.fit`` — the strategy then shards and offloads them like any
    others — and records the file in ``summary.json``.
 
@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from lightning_3d.resume import FINETUNE_RUNS
+from lightning_3d.checkpoint.resume import FINETUNE_RUNS
 
 LATEST = "latest"
 
@@ -46,7 +46,9 @@ def resolve_pretrained(value: str, project_dir: str | Path) -> Path:
         path = Path(value).expanduser()
         return path if path.is_absolute() else Path(project_dir) / path
     outputs = Path(project_dir) / "outputs"
-    found = [p for p in outputs.glob("**/final.ckpt") if p.relative_to(outputs).parts[0] != FINETUNE_RUNS]
+    found = [
+        p for p in outputs.glob("**/final.ckpt") if p.relative_to(outputs).parts[0] != FINETUNE_RUNS
+    ]
     if not found:
         raise ValueError(
             f"finetune.pretrained=latest: no final.ckpt under {outputs}; run examples/train.py first "
@@ -83,11 +85,15 @@ def check_pretrained(model_cfg: DictConfig, path: Path) -> None:
 def own_weights(model_cfg: DictConfig) -> Optional[Path]:
     """The directory the configured model loads its own pretrained weights from when it is built
     (``model=hf model.path=DIR``), else ``None``."""
-    from lightning_3d.config import target_of
+    from lightning_3d.app.config import target_of
     from lightning_3d.models.hf import HFCausalLM
 
     target = target_of(model_cfg, "model")
-    path = model_cfg.get("path") if isinstance(target, type) and issubclass(target, HFCausalLM) else None
+    path = (
+        model_cfg.get("path")
+        if isinstance(target, type) and issubclass(target, HFCausalLM)
+        else None
+    )
     return Path(str(path)).expanduser().resolve() if path is not None else None
 
 
@@ -119,7 +125,7 @@ def pretrained_module(module: Any, path: str) -> Any:
 
 
 def finetune(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
-    """Per-rank body for :func:`lightning_3d.app.run`: :func:`~lightning_3d.app.train` with the
+    """Per-rank body for :func:`lightning_3d.app.run`: :func:`~lightning_3d.app.run.train` with the
     model's weights loaded from ``cfg.finetune.pretrained`` before ``trainer.fit``.
 
     Returns the run summary with ``"pretrained"`` (the file's absolute path) and ``"offload"``
@@ -127,19 +133,27 @@ def finetune(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
     """
     from lightning.pytorch.utilities import rank_zero_only
 
-    from lightning_3d.app import train
+    from lightning_3d.app.run import train
 
     cfg = copy.deepcopy(cfg)
-    OmegaConf.resolve(cfg)  # data.block_size etc. refer to ${model.*}, which moves into model.module
+    OmegaConf.resolve(
+        cfg
+    )  # data.block_size etc. refer to ${model.*}, which moves into model.module
     source = cfg.finetune.pretrained or own_weights(cfg.model)  # None: a random init
     if cfg.finetune.pretrained is not None:
         with open_dict(cfg):
             # app.train builds cfg.model with hydra's instantiate, which builds the nested module
             # first and hands it to pretrained_module: the weights are in before trainer.fit.
-            cfg.model = {"_target_": f"{__name__}.pretrained_module", "module": cfg.model,
-                         "path": str(cfg.finetune.pretrained)}
-    summary = {**train(cfg, output_dir), "pretrained": str(source) if source is not None else None,
-               "offload": OmegaConf.to_container(cfg.offload)}
+            cfg.model = {
+                "_target_": f"{__name__}.pretrained_module",
+                "module": cfg.model,
+                "path": str(cfg.finetune.pretrained),
+            }
+    summary = {
+        **train(cfg, output_dir),
+        "pretrained": str(source) if source is not None else None,
+        "offload": OmegaConf.to_container(cfg.offload),
+    }
     if rank_zero_only.rank == 0:
         (Path(output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -152,15 +166,19 @@ def main(cfg: DictConfig, script: str) -> int:
     from hydra.core.hydra_config import HydraConfig
     from hydra.utils import get_original_cwd
 
-    from lightning_3d.app import _discard_run_dir, run, validate
+    from lightning_3d.app.run import _discard_run_dir, run, validate
 
     try:
-        validate(cfg)  # first: a wrong model is named as such, not as a checkpoint that does not fit it
+        validate(
+            cfg
+        )  # first: a wrong model is named as such, not as a checkpoint that does not fit it
         path = prepare(cfg, get_original_cwd())
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         hydra_cfg = HydraConfig.get()
         _discard_run_dir(Path(hydra_cfg.runtime.output_dir), hydra_cfg.job.name)
         return 2
-    print(f"fine-tuning from {path if path is not None else 'a random init (finetune.pretrained=null)'}")
+    print(
+        f"fine-tuning from {path if path is not None else 'a random init (finetune.pretrained=null)'}"
+    )
     return run(cfg, script, body=finetune, validated=True)

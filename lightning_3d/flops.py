@@ -48,7 +48,11 @@ PEAK_TFLOPS: tuple[tuple[str, str, dict[str, float]], ...] = (
     (r"\bH200\b.*\bNVL\b", "H200 NVL", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
     (r"\bH200\b", "H200 SXM", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
     (r"\bH100\b.*\bNVL\b", "H100 NVL", {"bf16": 835.5, "fp16": 835.5, "tf32": 417.5, "fp32": 60.0}),
-    (r"\bH100\b.*\bPCIe\b", "H100 PCIe", {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2}),
+    (
+        r"\bH100\b.*\bPCIe\b",
+        "H100 PCIe",
+        {"bf16": 756.5, "fp16": 756.5, "tf32": 378.0, "fp32": 51.2},
+    ),
     (r"\bH100\b", "H100 SXM", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
     (r"\bA100\b", "A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
     (r"\bL40S\b", "L40S", {"bf16": 362.1, "fp16": 362.1, "tf32": 183.0, "fp32": 91.6}),
@@ -71,8 +75,15 @@ def check_peak_tflops(value: Any) -> Optional[float]:
     """``value`` as a peak in TFLOP/s: ``None`` (look the device up) or a positive finite number."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"peak_tflops must be a positive number of TFLOP/s per device (or None), got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"peak_tflops must be a positive number of TFLOP/s per device (or None), got {value!r}"
+        )
     return float(value)
 
 
@@ -116,7 +127,9 @@ def named_device_peak(name: str, precision: str) -> Peak:
     for pattern, label, figures in PEAK_TFLOPS:
         if re.search(pattern, name, flags=re.IGNORECASE):
             if dtype not in figures:
-                return Peak(None, f"no {dtype or precision} peak for {label} in the table; pass peak_tflops")
+                return Peak(
+                    None, f"no {dtype or precision} peak for {label} in the table; pass peak_tflops"
+                )
             return Peak(figures[dtype], f"table: {label} {dtype} dense")
     return Peak(None, f"device {name!r} is not in the peak table; pass peak_tflops to get MFU")
 
@@ -137,7 +150,11 @@ def _int_of(config: Any, keys: tuple[str, ...]) -> Optional[int]:
 def _attention_width(config: Any) -> Optional[int]:
     """heads × head_dim where the config has both (Qwen3: not the hidden size), else the width."""
     heads, head_dim = _int_of(config, _HEAD_KEYS), _int_of(config, ("head_dim",))
-    return heads * head_dim if heads is not None and head_dim is not None else _int_of(config, _WIDTH_KEYS)
+    return (
+        heads * head_dim
+        if heads is not None and head_dim is not None
+        else _int_of(config, _WIDTH_KEYS)
+    )
 
 
 def transformer_shape(module: nn.Module) -> Optional[tuple[int, int]]:
@@ -174,12 +191,18 @@ def model_flops_per_token(module: nn.Module, num_params: int) -> tuple[Callable[
         raise ValueError(f"num_params must be a non-negative int, got {num_params!r}")
     own = getattr(module, "flops_per_token", None)
     if callable(own):
-        return (lambda seq_len: _checked(own(seq_len), seq_len)), f"{type(module).__name__}.flops_per_token"
+        return (
+            lambda seq_len: _checked(own(seq_len), seq_len)
+        ), f"{type(module).__name__}.flops_per_token"
     shape = transformer_shape(module)
     if shape is None:
-        return (lambda seq_len: 6.0 * num_params), "6N (no transformer config found: attention left out)"
+        return (
+            lambda seq_len: 6.0 * num_params
+        ), "6N (no transformer config found: attention left out)"
     layers, width = shape
-    return (lambda seq_len: transformer_flops_per_token(num_params, layers, width, seq_len)), "6N + 12*L*d*T"
+    return (
+        lambda seq_len: transformer_flops_per_token(num_params, layers, width, seq_len)
+    ), "6N + 12*L*d*T"
 
 
 def transformer_flops_per_token(num_params: int, layers: int, width: int, seq_len: int) -> float:
@@ -188,6 +211,13 @@ def transformer_flops_per_token(num_params: int, layers: int, width: int, seq_le
 
 
 def _checked(value: Any, seq_len: int) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"flops_per_token({seq_len}) must return a positive finite number, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(
+            f"flops_per_token({seq_len}) must return a positive finite number, got {value!r}"
+        )
     return float(value)

@@ -10,7 +10,7 @@ No rank outlives the launcher, and what a rank could not clean up is cleaned her
 
 * SIGTERM / SIGINT / SIGHUP to the launcher (a scheduler's preemption, Ctrl-C, a closed
   terminal) are forwarded to every rank, which stop together at the end of the step with a
-  checkpoint (:class:`~lightning_3d.preemption.StopOnSignal`); ranks still running
+  checkpoint (:class:`~lightning_3d.runtime.preemption.StopOnSignal`); ranks still running
   :data:`GRACE_S` later (a fixed bound: schedulers kill outright after their own grace period,
   30 s by default for SLURM and Kubernetes, so a longer one would rarely be used), or at a second
   signal, are killed. The launcher then exits with ``128 + signal``, never 0. The ranks run in a
@@ -20,10 +20,10 @@ No rank outlives the launcher, and what a rank could not clean up is cleaned her
   stopped) and as long again to exit, removing their own files, before they are killed; a rank
   killed by a signal is named, as it could not say anything itself.
 * Afterwards the NVMe offload directories of its ranks (named after their pids, in the paths
-  the ranks recorded in the store: :func:`lightning_3d.watchdog.record_offload_path`) are
+  the ranks recorded in the store: :func:`lightning_3d.runtime.watchdog.record_offload_path`) are
   removed: a SIGKILLed rank leaves its own behind.
 * Should the launcher itself be killed outright, each rank's watchdog notices (its parent
-  changed) and stops the rank as if it had been sent SIGTERM (:mod:`lightning_3d.watchdog`).
+  changed) and stops the rank as if it had been sent SIGTERM (:mod:`lightning_3d.runtime.watchdog`).
 
 The rendezvous store is hosted here, in the launching process, as ``torchrun``'s agent hosts it
 (:func:`hosted_store`): its port is one the OS assigned to a socket that listens for the whole
@@ -47,7 +47,9 @@ from typing import Any, Optional
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # what a scheduler or a terminal sends
 GRACE_S = 60.0  # after forwarding a signal: time for the ranks to finish the step and save
-FAILURE_GRACE_S = 5.0  # after a rank failed: for the others to exit by themselves, then again after SIGTERM
+FAILURE_GRACE_S = (
+    5.0  # after a rank failed: for the others to exit by themselves, then again after SIGTERM
+)
 POLL_S = 0.2
 
 
@@ -82,7 +84,9 @@ def hosted_store() -> Iterator[int]:
         del store  # the last reference: the server stops and the port is released
 
 
-def local_rank_env(rank: int, world_size: int, port: int, threads: int, agent_store: bool = False) -> dict[str, str]:
+def local_rank_env(
+    rank: int, world_size: int, port: int, threads: int, agent_store: bool = False
+) -> dict[str, str]:
     """The variables ``torchrun`` sets for one rank of a single-node world.
 
     ``agent_store``: the store on ``port`` is up already (:func:`hosted_store`), and rank 0 joins
@@ -108,8 +112,10 @@ def quoted(value: str) -> str:
     of quote, or a backslash before one (Hydra's grammar would change it)."""
     quote = "'" if "'" not in value else '"'
     if quote in value or "\\'" in value or '\\"' in value or value.endswith("\\"):
-        raise ValueError(f"hydra.run.dir={value!r}: a path holding both ' and \", or a backslash "
-                         "before a quote, cannot be handed to the ranks; give another run dir")
+        raise ValueError(
+            f"hydra.run.dir={value!r}: a path holding both ' and \", or a backslash "
+            "before a quote, cannot be handed to the ranks; give another run dir"
+        )
     return f"{quote}{value}{quote}"
 
 
@@ -118,13 +124,19 @@ def already_launched() -> bool:
     return "LOCAL_RANK" in os.environ or "SLURM_PROCID" in os.environ
 
 
-def launch_job(world_size: int, script: str, overrides: list[str], output_dir: str, threads: int,
-               grace_s: float = GRACE_S) -> int:
+def launch_job(
+    world_size: int,
+    script: str,
+    overrides: list[str],
+    output_dir: str,
+    threads: int,
+    grace_s: float = GRACE_S,
+) -> int:
     """Run ``script`` with ``overrides`` on ``world_size`` local ranks; return the worst exit code
     (``128 + n`` for a rank killed by signal ``n``, or for this launcher signalled with ``n``).
 
     SIGTERM / SIGINT / SIGHUP to the launcher are forwarded to every rank (SIGHUP as SIGTERM), so
-    they stop together with a checkpoint (:class:`~lightning_3d.preemption.StopOnSignal`); ranks
+    they stop together with a checkpoint (:class:`~lightning_3d.runtime.preemption.StopOnSignal`); ranks
     still running ``grace_s`` later, or at a second signal, are killed. When a rank fails, the
     others get :data:`FAILURE_GRACE_S` to exit, then SIGTERM and as long again before they are
     killed. No rank outlives this call, and the NVMe offload directories of its ranks are
@@ -136,34 +148,59 @@ def launch_job(world_size: int, script: str, overrides: list[str], output_dir: s
         return _run_ranks(world_size, script, overrides, output_dir, threads, port, grace_s)
 
 
-def _run_ranks(world_size: int, script: str, overrides: list[str], output_dir: str, threads: int, port: int,
-               grace_s: float = GRACE_S) -> int:
+def _run_ranks(
+    world_size: int,
+    script: str,
+    overrides: list[str],
+    output_dir: str,
+    threads: int,
+    port: int,
+    grace_s: float = GRACE_S,
+) -> int:
     from torch.distributed import TCPStore
 
-    from lightning_3d.watchdog import LAUNCHER_PID_ENV, STORE_TIMEOUT
+    from lightning_3d.runtime.watchdog import LAUNCHER_PID_ENV, STORE_TIMEOUT
 
-    store = TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)  # what the ranks record
+    store = TCPStore(
+        "127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT
+    )  # what the ranks record
     received: list[int] = []
     previous = {}
-    if threading.current_thread() is threading.main_thread():  # where Python lets signals be handled
-        previous = {signum: signal.signal(signum, lambda signum, _: received.append(signum)) for signum in FORWARDED}
+    if (
+        threading.current_thread() is threading.main_thread()
+    ):  # where Python lets signals be handled
+        previous = {
+            signum: signal.signal(signum, lambda signum, _: received.append(signum))
+            for signum in FORWARDED
+        }
     procs: list[subprocess.Popen] = []
     try:
         for rank in range(world_size):
-            env = {**os.environ, **local_rank_env(rank, world_size, port, threads, agent_store=True),
-                   LAUNCHER_PID_ENV: str(os.getpid())}  # its watchdog stops the rank should this process die
+            env = {
+                **os.environ,
+                **local_rank_env(rank, world_size, port, threads, agent_store=True),
+                LAUNCHER_PID_ENV: str(os.getpid()),
+            }  # its watchdog stops the rank should this process die
             command = [
-                sys.executable, script, *overrides,
-                f"hydra.run.dir={quoted(output_dir)}", "hydra.output_subdir=null",
+                sys.executable,
+                script,
+                *overrides,
+                f"hydra.run.dir={quoted(output_dir)}",
+                "hydra.output_subdir=null",
                 f"hydra.job.name=rank{rank}",
             ]
             # A session of their own: Ctrl-C in a terminal reaches the launcher only, which
             # forwards it once (a second SIGINT would interrupt a rank before it saves).
             procs.append(subprocess.Popen(command, env=env, start_new_session=True))
         pids = [p.pid for p in procs]
-        return _watch(procs, received, grace_s,
-                      lambda code, codes, signalled: _reported(store, output_dir, code, codes,
-                                                               signalled, pids))
+        return _watch(
+            procs,
+            received,
+            grace_s,
+            lambda code, codes, signalled: _reported(
+                store, output_dir, code, codes, signalled, pids
+            ),
+        )
     finally:
         _end(procs, signal.SIGKILL, 0.0)
         for signum, handler in previous.items():
@@ -171,8 +208,12 @@ def _run_ranks(world_size: int, script: str, overrides: list[str], output_dir: s
         _remove_offload_dirs(store, world_size, [p.pid for p in procs])
 
 
-def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
-           reported: Callable[[int, list, set], int] = lambda code, codes, signalled: code) -> int:
+def _watch(
+    procs: list[subprocess.Popen],
+    received: list[int],
+    grace_s: float,
+    reported: Callable[[int, list, set], int] = lambda code, codes, signalled: code,
+) -> int:
     """Wait for the ranks; stop them all when one fails or this process is signalled. Once they
     have all ended after a failure, ``reported(code, codes, signalled)`` (the first failed
     rank's exit code, ``128 + n`` for signal ``n``; every rank's return code; the ranks this
@@ -181,9 +222,12 @@ def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
         if received:
             signum = received[0]
             forwarded = signal.SIGTERM if signum == signal.SIGHUP else signum
-            print(f"lightning_3d: launcher: {signal.Signals(signum).name} received; forwarded to every rank, "
-                  f"which stop at the end of their step with a checkpoint (killed after {grace_s:g} s)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"lightning_3d: launcher: {signal.Signals(signum).name} received; forwarded to every rank, "
+                f"which stop at the end of their step with a checkpoint (killed after {grace_s:g} s)",
+                file=sys.stderr,
+                flush=True,
+            )
             # Only the first signal is acted on here: a second one already received (a double
             # Ctrl-C faster than this loop polls) ends the grace at once.
             _end(procs, forwarded, grace_s, received=received, handled=1)
@@ -192,51 +236,84 @@ def _watch(procs: list[subprocess.Popen], received: list[int], grace_s: float,
         for rank, code in enumerate(codes):
             if code not in (None, 0):
                 if code < 0:  # a signal: the rank could not say anything itself (the report will)
-                    print(f"lightning_3d: launcher: rank {rank} (pid {procs[rank].pid}) was killed "
-                          f"by {signal_name(-code)}; stopping the other ranks", file=sys.stderr,
-                          flush=True)
+                    print(
+                        f"lightning_3d: launcher: rank {rank} (pid {procs[rank].pid}) was killed "
+                        f"by {signal_name(-code)}; stopping the other ranks",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 # First a moment to fail by themselves (a lost peer fails their collective at once)
                 # and say why: a SIGTERM during their error handling would only interrupt it.
-                signalled = _end(procs, signal.SIGTERM, FAILURE_GRACE_S, received=received,
-                                 patience_s=FAILURE_GRACE_S)
-                return reported(128 - code if code < 0 else code, [p.returncode for p in procs],
-                                signalled)
+                signalled = _end(
+                    procs,
+                    signal.SIGTERM,
+                    FAILURE_GRACE_S,
+                    received=received,
+                    patience_s=FAILURE_GRACE_S,
+                )
+                return reported(
+                    128 - code if code < 0 else code, [p.returncode for p in procs], signalled
+                )
         if all(code == 0 for code in codes):
             return 0
         time.sleep(POLL_S)
 
 
-def _reported(store: Any, output_dir: str, code: int, codes: list[int], signalled: set[int],
-              pids: list[int]) -> int:
+def _reported(
+    store: Any, output_dir: str, code: int, codes: list[int], signalled: set[int], pids: list[int]
+) -> int:
     """After a rank failed with ``code`` and every rank has ended (``codes``): the one
-    ``error:`` line for what the ranks reported (:mod:`lightning_3d.rank_report`) and its exit
+    ``error:`` line for what the ranks reported (:mod:`lightning_3d.app.rank_report`) and its exit
     code; ``code`` if none reported anything (a rank that printed its own ``error:`` line, such
     as a non-finite stop). A rank that exited without a report while the others only lost it
     is named as the cause, with its exit code; so is a rank killed by a signal this launcher
     did not send (``signalled``: the ranks it stopped), with ``128 + n``, before the peers that
     lost it, whose tracebacks go to the log like any rank's."""
-    from lightning_3d.exit_codes import PEER_LOST
-    from lightning_3d.rank_report import collect, report
+    from lightning_3d.runtime.exit_codes import PEER_LOST
+    from lightning_3d.app.rank_report import collect, report
 
     records = collect(store, len(codes))
     reported = {r["rank"] for r in records}
-    silent = [(rank, c) for rank, c in enumerate(codes)
-              if c is not None and c > 0 and rank not in reported]
+    silent = [
+        (rank, c)
+        for rank, c in enumerate(codes)
+        if c is not None and c > 0 and rank not in reported
+    ]
     if records and silent and all(r["code"] == PEER_LOST for r in records):
         rank, own = silent[0]
-        records.append({"rank": rank, "code": own, "details": [], "traceback": "",
-                        "line": f"rank {rank} exited with code {own} without saying why (its own "
-                                "output, above, may); the other ranks lost it"})
+        records.append(
+            {
+                "rank": rank,
+                "code": own,
+                "details": [],
+                "traceback": "",
+                "line": f"rank {rank} exited with code {own} without saying why (its own "
+                "output, above, may); the other ranks lost it",
+            }
+        )
     for rank, c in enumerate(codes):
         if c is not None and c < 0 and rank not in signalled | reported:
-            records.append({"rank": rank, "code": 128 - c, "details": [], "traceback": "",
-                            "line": f"rank {rank} (pid {pids[rank]}) was killed by "
-                                    f"{signal_name(-c)} (out of memory, or by someone)"})
+            records.append(
+                {
+                    "rank": rank,
+                    "code": 128 - c,
+                    "details": [],
+                    "traceback": "",
+                    "line": f"rank {rank} (pid {pids[rank]}) was killed by "
+                    f"{signal_name(-c)} (out of memory, or by someone)",
+                }
+            )
     return report(Path(output_dir), records) if records else code
 
 
-def _end(procs: list[subprocess.Popen], signum: int, grace_s: float, received: Optional[list[int]] = None,
-         patience_s: float = 0.0, handled: Optional[int] = None) -> set[int]:
+def _end(
+    procs: list[subprocess.Popen],
+    signum: int,
+    grace_s: float,
+    received: Optional[list[int]] = None,
+    patience_s: float = 0.0,
+    handled: Optional[int] = None,
+) -> set[int]:
     """After up to ``patience_s`` for the ranks to exit by themselves, send ``signum`` to those
     still running, wait up to ``grace_s``, then SIGKILL and reap every one; the waits end early
     once ``received`` holds more than ``handled`` signals (default: as many as it holds now).
@@ -249,7 +326,9 @@ def _end(procs: list[subprocess.Popen], signum: int, grace_s: float, received: O
             signalled.add(rank)
             _send(proc, signum)
             if signum != signal.SIGKILL:
-                _send(proc, signal.SIGCONT)  # a stopped (SIGSTOP) rank acts on it only once continued
+                _send(
+                    proc, signal.SIGCONT
+                )  # a stopped (SIGSTOP) rank acts on it only once continued
     _wait(procs, grace_s, lambda: received is not None and len(received) > count)
     for rank, proc in enumerate(procs):
         if proc.poll() is None:
@@ -262,7 +341,9 @@ def _end(procs: list[subprocess.Popen], signum: int, grace_s: float, received: O
 def _wait(procs: list[subprocess.Popen], seconds: float, interrupted: Any) -> None:
     """Until every process has exited, ``seconds`` have passed or ``interrupted()``."""
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs) and not interrupted():
+    while (
+        time.monotonic() < deadline and any(p.poll() is None for p in procs) and not interrupted()
+    ):
         time.sleep(POLL_S)
 
 
@@ -285,7 +366,7 @@ def _remove_offload_dirs(store: Any, world_size: int, pids: list[int]) -> None:
     """The ranks' NVMe offload directories, in the paths they recorded in the store: a rank
     killed (or stopped past the grace period) could not remove its own."""
     from lightning_3d.offload.paths import remove_owned
-    from lightning_3d.watchdog import recorded_offload_paths
+    from lightning_3d.runtime.watchdog import recorded_offload_paths
 
     for parent in recorded_offload_paths(store, world_size):
         try:

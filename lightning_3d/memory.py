@@ -36,7 +36,9 @@ def _optimizer_params(optimizers: Iterable[torch.optim.Optimizer]) -> list[Tenso
     return [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
 
 
-def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> dict[str, int]:
+def model_state_bytes(
+    module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()
+) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state resident on this rank.
 
     ``unsharded_param_bytes`` is the part of ``param_bytes`` held by parameters that are plain
@@ -46,7 +48,9 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
     ``offloaded_param_bytes``: the part of ``param_bytes`` that FSDP2 keeps in CPU memory under a
     ``CPUOffloadPolicy`` (``ThreeDStrategy(offload_params=True)``).
     """
-    optimizers = [getattr(opt, "_optimizer", opt) for opt in optimizers]  # unwrap LightningOptimizer
+    optimizers = [
+        getattr(opt, "_optimizer", opt) for opt in optimizers
+    ]  # unwrap LightningOptimizer
     params = list(module.parameters())
     seen: set[int] = set()
     param_bytes = _storage_bytes(params, seen)
@@ -57,9 +61,17 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
     # An offloaded optimizer's state lives off this device (CPU buffers or NVMe files): count
     # what it keeps resident here (its streaming window), not the whole state it can read back.
     offloaded = [opt for opt in optimizers if hasattr(opt, "resident_state_bytes_peak")]
-    state = [v for opt in optimizers if opt not in offloaded
-             for s in opt.state.values() for v in s.values() if isinstance(v, Tensor)]
-    state_bytes = _storage_bytes(state, seen) + sum(opt.resident_state_bytes_peak for opt in offloaded)
+    state = [
+        v
+        for opt in optimizers
+        if opt not in offloaded
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, Tensor)
+    ]
+    state_bytes = _storage_bytes(state, seen) + sum(
+        opt.resident_state_bytes_peak for opt in offloaded
+    )
     split = [p for p in params if _tp_sharded(p)]
     return {
         "tp_split_param_bytes": sum(_local(p).numel() * p.element_size() for p in split),
@@ -79,7 +91,9 @@ def _cpu_offloaded_params(module: nn.Module) -> list[Tensor]:
     found = []
     for m in module.modules():
         group = m._get_fsdp_state()._fsdp_param_group if isinstance(m, FSDPModule) else None  # noqa: SLF001
-        found += [fp.sharded_param for fp in (group.fsdp_params if group else ()) if fp.offload_to_cpu]
+        found += [
+            fp.sharded_param for fp in (group.fsdp_params if group else ()) if fp.offload_to_cpu
+        ]
     return found
 
 
@@ -99,4 +113,6 @@ def peak_rss_mb() -> float:
 def zero_formula_bytes(num_params: int, stage: int, data: int) -> int:
     """Model-state bytes per rank for fp32 Adam under ZeRO, from the paper (Ψ = ``num_params``)."""
     psi, n = num_params, data
-    return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
+    return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[
+        stage
+    ]

@@ -2,7 +2,7 @@
 
 Without this check a diverging run (``model.lr=1e6``) trains on NaN from the step the loss
 blows up, reports success and saves NaN weights over the last good checkpoint. The check runs
-where :mod:`lightning_3d.precision`'s plugin runs the closure (training step + backward), so
+where :mod:`lightning_3d.strategy.precision`'s plugin runs the closure (training step + backward), so
 the optimizer has not stepped yet:
 
 * the loss and the gradients the optimizer would apply: every rank flags its own, and one
@@ -56,8 +56,14 @@ class NonFiniteOptions:
         problems = []
         if self.action not in NONFINITE_ACTIONS:
             problems.append(f"nonfinite must be one of {NONFINITE_ACTIONS}, got {self.action!r}")
-        if not isinstance(self.max_skips, int) or isinstance(self.max_skips, bool) or self.max_skips < 0:
-            problems.append(f"max_nonfinite_skips must be a whole number >= 0, got {self.max_skips!r}")
+        if (
+            not isinstance(self.max_skips, int)
+            or isinstance(self.max_skips, bool)
+            or self.max_skips < 0
+        ):
+            problems.append(
+                f"max_nonfinite_skips must be a whole number >= 0, got {self.max_skips!r}"
+            )
         return problems
 
 
@@ -80,16 +86,24 @@ class SkipStep(Exception):
     the precision plugin's ``optimizer_step``; never escapes it)."""
 
 
-def nonfinite_flags(loss: Optional[torch.Tensor], grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+def nonfinite_flags(
+    loss: Optional[torch.Tensor], grads: Sequence[torch.Tensor], device: torch.device
+) -> torch.Tensor:
     """``(2, world_size)`` flags (row 0: loss, row 1: gradients; 1.0 where that rank saw a
     non-finite value), the same on every rank: one all-reduce of the flags over the default
     group when one exists. ``None`` (a step that returned no loss) counts as finite; ``grads``
     are this rank's parts (local tensors of DTensors are read). Left on ``device``: no host
     sync, so the caller reads them together with other flags."""
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_available() and dist.is_initialized() else (1, 0)
+    world, rank = (
+        (dist.get_world_size(), dist.get_rank())
+        if dist.is_available() and dist.is_initialized()
+        else (1, 0)
+    )
     flags = torch.zeros(2, world, dtype=torch.float32, device=device)
     if loss is not None:
-        flags[0, rank] = (~torch.isfinite(local_tensor(loss).detach())).any().float()  # a vocab-parallel loss: its part
+        flags[0, rank] = (
+            (~torch.isfinite(local_tensor(loss).detach())).any().float()
+        )  # a vocab-parallel loss: its part
     if grads:
         flags[1, rank] = _any_nonfinite(grads, device)
     if world > 1:
@@ -140,7 +154,9 @@ class NonFiniteGuard:
     def flag_step(self, loss: Any, grads: Sequence[torch.Tensor], device: torch.device) -> None:
         """:meth:`check_step` without reading the answer yet (no host sync): :meth:`resolve`
         reads it, with the norm's, before the optimizer steps. The collective runs now."""
-        self._flags = nonfinite_flags(loss if isinstance(loss, torch.Tensor) else None, grads, device)
+        self._flags = nonfinite_flags(
+            loss if isinstance(loss, torch.Tensor) else None, grads, device
+        )
 
     def flag_norm(self, norm: torch.Tensor) -> None:
         """:meth:`check_norm` without reading the answer yet (see :meth:`flag_step`)."""
@@ -164,7 +180,9 @@ class NonFiniteGuard:
             if loss_ranks:
                 self.failed(f"non-finite loss at global step {self.step} on rank(s) {loss_ranks}")
             if grad_ranks:
-                self.failed(f"non-finite gradients at global step {self.step} on rank(s) {grad_ranks}")
+                self.failed(
+                    f"non-finite gradients at global step {self.step} on rank(s) {grad_ranks}"
+                )
         if norm is not None and read[-1]:
             self.failed(f"non-finite gradient norm ({float(norm)}) at global step {self.step}")
 
@@ -177,7 +195,11 @@ class NonFiniteGuard:
             raise NonFiniteError(
                 f"{what}, after {len(self.skipped)} skipped step(s) {self.skipped} "
                 f"(max_nonfinite_skips={self.options.max_skips}): the run stops. The step was not applied: the "
-                "weights (and checkpoints) are those before it", self.step)
+                "weights (and checkpoints) are those before it",
+                self.step,
+            )
         raise NonFiniteError(
             f"{what}. The step was not applied: the weights (and checkpoints) are those before it. Lower the "
-            "learning rate, or skip such steps with nonfinite='skip' (Hydra: parallelism.nonfinite=skip)", self.step)
+            "learning rate, or skip such steps with nonfinite='skip' (Hydra: parallelism.nonfinite=skip)",
+            self.step,
+        )

@@ -11,7 +11,7 @@ every rank:
   the scale backs off everywhere), or the ranks' weights part ways: Lightning calls
   ``scaler.unscale_``, which checks this rank's gradients only;
 * a non-finite loss on any rank, or a non-finite global gradient norm, stops the run (or skips
-  the step) on every rank before the optimizer applies it (:mod:`lightning_3d.nonfinite`):
+  the step) on every rank before the optimizer applies it (:mod:`lightning_3d.runtime.nonfinite`):
   ``optimizer_step`` runs the closure (training step + backward) wrapped in the check.
 
 :func:`distributed_precision` returns the plugin Lightning chose as an instance of a subclass of
@@ -40,12 +40,13 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 
-from lightning_3d.nonfinite import NonFiniteGuard, NonFiniteOptions, SkipStep
+from lightning_3d.runtime.nonfinite import NonFiniteGuard, NonFiniteOptions, SkipStep
 from lightning_3d.parallel.clip import clip_grad_norm_
 
 NormScope = Callable[[], "tuple[Optional[dist.ProcessGroup], Collection[int]]"]
 """Called at clip time: ``(sum_over, skip_in_norm)`` for :func:`lightning_3d.parallel.clip.clip_grad_norm_`
 (the pipeline group, whose ranks hold disjoint parameters; ids of parameters another rank counts)."""
+
 
 def _no_scope() -> tuple[None, frozenset]:
     return None, frozenset()
@@ -92,7 +93,7 @@ class GlobalNormClipping(_Adapted):
     ``gradient_clip_val`` with the norm algorithm calls) clips by the norm over every rank's
     gradients, summed over the group the norm scope names at clip time; ``optimizer_step``
     checks the loss and gradients, and ``clip_grad_by_norm`` the norm, for non-finite values
-    before the optimizer steps (:class:`~lightning_3d.nonfinite.NonFiniteGuard`, the instance's own)."""
+    before the optimizer steps (:class:`~lightning_3d.runtime.nonfinite.NonFiniteGuard`, the instance's own)."""
 
     _prefix = "Distributed"
     _norm_scope: NormScope = staticmethod(_no_scope)  # an instance's own scope replaces this
@@ -105,18 +106,33 @@ class GlobalNormClipping(_Adapted):
         """This plugin's guard: its options and the steps skipped so far."""
         return self.__dict__.setdefault("_nonfinite", NonFiniteGuard())
 
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         guard = self.nonfinite
         guard.step = model.trainer.global_step
-        check = getattr(model, "automatic_optimization", False)  # manual steps run no training closure
+        check = getattr(
+            model, "automatic_optimization", False
+        )  # manual steps run no training closure
 
         def checked_closure() -> Any:
             result = closure()
-            if check and self._has_scaler():  # gradient overflow under 16-mixed is the scaler's to find
+            if (
+                check and self._has_scaler()
+            ):  # gradient overflow under 16-mixed is the scaler's to find
                 guard.check_step(result, [], model.device)  # now: the scaler unscales right after
-            elif check:  # read with the gradient norm's flag in _after_closure: one host sync per step
-                guard.flag_step(result, [p.grad for p in self.main_params(optimizer)  # type: ignore[attr-defined]
-                                         if p.grad is not None], model.device)
+            elif (
+                check
+            ):  # read with the gradient norm's flag in _after_closure: one host sync per step
+                guard.flag_step(
+                    result,
+                    [
+                        p.grad
+                        for p in self.main_params(optimizer)  # type: ignore[attr-defined]
+                        if p.grad is not None
+                    ],
+                    model.device,
+                )
             return result
 
         try:
@@ -141,15 +157,21 @@ class GlobalNormClipping(_Adapted):
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         sum_over, skip = self._norm_scope()
-        norm = clip_grad_norm_(self.main_params(optimizer), clip_val, sum_over=sum_over, skip_in_norm=skip)  # type: ignore[attr-defined]
+        norm = clip_grad_norm_(
+            self.main_params(optimizer), clip_val, sum_over=sum_over, skip_in_norm=skip
+        )  # type: ignore[attr-defined]
         if not self._has_scaler():  # no overflow for a scaler to skip: read with the step's flags
             self.nonfinite.flag_norm(norm)
             return
         found_inf = self._found_inf(optimizer)
         # The norm's flag and the scaler's found-inf flags in one host read (the scaler reads its
         # own flags again in step(): 16-mixed costs two reads per step, other precisions one).
-        read = torch.cat([(~torch.isfinite(norm.detach())).float().reshape(1),
-                          *(f.detach().float().reshape(1).to(norm.device) for f in found_inf)]).tolist()
+        read = torch.cat(
+            [
+                (~torch.isfinite(norm.detach())).float().reshape(1),
+                *(f.detach().float().reshape(1).to(norm.device) for f in found_inf),
+            ]
+        ).tolist()
         if not read[0]:
             return
         if any(read[1:]):  # an overflow the grad scaler skips (and backs off for)
@@ -217,9 +239,12 @@ def shared_overflow_scaler(scaler: torch.amp.GradScaler) -> torch.amp.GradScaler
     return _restore(SharedOverflowChecks, type(scaler), dict(vars(scaler)))
 
 
-def distributed_precision(plugin: Precision, norm_scope: NormScope = _no_scope,
-                          nonfinite: NonFiniteOptions = NonFiniteOptions(),
-                          before_step: Callable[[Any], None] = _nothing_before_step) -> Precision:
+def distributed_precision(
+    plugin: Precision,
+    norm_scope: NormScope = _no_scope,
+    nonfinite: NonFiniteOptions = NonFiniteOptions(),
+    before_step: Callable[[Any], None] = _nothing_before_step,
+) -> Precision:
     """``plugin`` as an instance of a subclass of its type, with the same state, whose
     ``clip_grad_by_norm`` clips by the global norm (``norm_scope()`` is called at every clip for
     ``(sum_over, skip_in_norm)``), whose ``optimizer_step`` stops or skips a step with a

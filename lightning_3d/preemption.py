@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_3d.resume import PREEMPTED as CHECKPOINT_NAME
-from lightning_3d.resume import resume_hint
+from lightning_3d.checkpoint.resume import PREEMPTED as CHECKPOINT_NAME
+from lightning_3d.checkpoint.resume import resume_hint
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -48,7 +48,9 @@ class StopOnSignal(Callback):
         self.install()
         self._last_step = trainer.global_step
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step != self._last_step:  # an optimizer step ended (not mid-accumulation)
             self._last_step = trainer.global_step
             self.stop_if_signalled(trainer, trainer.strategy.root_device, trainer.global_rank)
@@ -72,7 +74,9 @@ class StopOnSignal(Callback):
     def _record(self, signum: int, frame: Any) -> None:
         self.received = self.received or signum
         if signum == signal.SIGINT:  # a second Ctrl-C interrupts at once
-            signal.signal(signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler))
+            signal.signal(
+                signal.SIGINT, self._previous.get(signal.SIGINT, signal.default_int_handler)
+            )
 
     def restore(self) -> None:
         if threading.current_thread() is not threading.main_thread():

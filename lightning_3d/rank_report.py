@@ -1,12 +1,12 @@
 """One reporter for every failure: a rank's error reaches the user as one ``error:`` line from
 the launching process, its traceback in a log file that line names.
 
-A rank started by :func:`lightning_3d.launch.launch_job` that fails does not print its
+A rank started by :func:`lightning_3d.app.launch.launch_job` that fails does not print its
 traceback (two ranks failing in a sharded save used to print some 250 lines of
 ``CheckpointException``): it sends one record (its rank, exit code, one line saying what failed,
 its traceback) to the launcher through the rendezvous store the launcher hosts, not through a
 file, as the disk may be what failed (:func:`send`), and exits with the code of its kind of
-failure (:mod:`lightning_3d.exit_codes`). The launcher, once every rank has ended, writes the
+failure (:mod:`lightning_3d.runtime.exit_codes`). The launcher, once every rank has ended, writes the
 records' tracebacks to ``<run dir>/ranks.log`` (or, where that cannot be written, a file in the
 temporary directory) and prints the line of the failure that caused the others: an I/O error
 before a rank's own error before a lost peer (:func:`report`).
@@ -25,8 +25,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_3d.exit_codes import IO_ERROR, PEER_LOST, RANK_ERROR
-from lightning_3d.failures import LINES_ATTR, exit_code_of, rank_line
+from lightning_3d.runtime.exit_codes import IO_ERROR, PEER_LOST, RANK_ERROR
+from lightning_3d.runtime.failures import LINES_ATTR, exit_code_of, rank_line
 
 KEY = "lightning_3d/failure/{rank}"
 LOG = "ranks.log"
@@ -41,8 +41,13 @@ def record_of(exception: BaseException, rank: int) -> dict[str, Any]:
     if code == IO_ERROR or not lines:  # the file of an I/O error, whatever the strategy said first
         lines = [own, *[line for line in lines if line != own]]
     text = "".join(traceback.format_exception(type(exception), exception, exception.__traceback__))
-    return {"rank": rank, "code": code, "line": lines[0].removeprefix("lightning_3d: "),
-            "details": lines[1:], "traceback": text}
+    return {
+        "rank": rank,
+        "code": code,
+        "line": lines[0].removeprefix("lightning_3d: "),
+        "details": lines[1:],
+        "traceback": text,
+    }
 
 
 def send(exception: BaseException, rank: int) -> int:
@@ -52,12 +57,22 @@ def send(exception: BaseException, rank: int) -> int:
 
     record = record_of(exception, rank)
     try:
-        store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=10), wait_for_workers=False)
+        store = TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=10),
+            wait_for_workers=False,
+        )
         store.set(KEY.format(rank=rank), json.dumps(record))
     except Exception:  # noqa: BLE001 -- no launcher to tell: say it here
-        print(record["traceback"], f"lightning_3d: {record['line']}", sep="", file=sys.stderr,
-              flush=True)
+        print(
+            record["traceback"],
+            f"lightning_3d: {record['line']}",
+            sep="",
+            file=sys.stderr,
+            flush=True,
+        )
     return record["code"]
 
 
@@ -77,9 +92,12 @@ def collect(store: Any, world_size: int) -> list[dict[str, Any]]:
 def write_log(run_dir: Path, records: list[dict[str, Any]]) -> Optional[Path]:
     """The records' tracebacks in ``run_dir/ranks.log``, else in a file in the temporary
     directory (the run directory's disk may be the one that is full); ``None`` if neither."""
-    text = "".join(f"=== rank {r['rank']} (exit code {r['code']}): {r['line']}\n"
-                   + "".join(f"{line}\n" for line in r.get("details", [])) + f"{r['traceback']}\n"
-                   for r in records)
+    text = "".join(
+        f"=== rank {r['rank']} (exit code {r['code']}): {r['line']}\n"
+        + "".join(f"{line}\n" for line in r.get("details", []))
+        + f"{r['traceback']}\n"
+        for r in records
+    )
     try:
         path = run_dir / LOG
         with open(path, "a") as log:

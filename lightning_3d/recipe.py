@@ -1,4 +1,4 @@
-"""The recipe: a module and a :class:`~lightning_3d.plan.Plan` in, this rank's part of the
+"""The recipe: a module and a :class:`~lightning_3d.options.Plan` in, this rank's part of the
 parallel model out, in one place and in this order.
 
 1. **Names and ties**, while the model is whole: checkpoints are keyed by the names one process
@@ -42,16 +42,23 @@ from lightning_3d.parallel.pipeline_runtime import PipelineRuntime
 from lightning_3d.parallel.replicas import broadcast_start, tensor_replicas
 from lightning_3d.parallel.stages import plan_stages, split_stages, tied_holders
 from lightning_3d.parallel.tensor import resolve_plan
-from lightning_3d.parallel.tied import TiedGroups, check_tied_styles, find_tied, param_names, record_aliases, retie
+from lightning_3d.parallel.tied import (
+    TiedGroups,
+    check_tied_styles,
+    find_tied,
+    param_names,
+    record_aliases,
+    retie,
+)
 from lightning_3d.parallel.zero import ZeroDataParallel
-from lightning_3d.plan import Plan
-from lightning_3d.plans import build_plan
+from lightning_3d.options import Plan
+from lightning_3d.parallel.plans import build_plan
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.optim import Optimizer
 
-    from lightning_3d.telemetry import Telemetry
+    from lightning_3d.observe.telemetry import Telemetry
 
 
 @dataclass(eq=False)
@@ -66,7 +73,9 @@ class Parallelized:
     runtime: Optional[PipelineRuntime] = None  # the pipeline schedule runner
     tied: Optional[TiedGroups] = None  # tied weights with a copy on several pipeline ranks
     engines: list[ZeroDataParallel] = field(default_factory=list)  # ZeRO 0-2, one per optimizer
-    tp_plan: dict = field(default_factory=dict)  # module name -> the style tensor parallelism gave it
+    tp_plan: dict = field(
+        default_factory=dict
+    )  # module name -> the style tensor parallelism gave it
     _bound: dict[int, ZeroDataParallel] = field(default_factory=dict)  # id(optimizer) -> its engine
 
     @property
@@ -117,11 +126,15 @@ class Parallelized:
                 names[id(owned.param)] = f"ZeRO slice of {members[0]} ... {members[-1]}"
         groups = []
         if self.mesh.get_group(MeshAxis.TENSOR.value).size() > 1:
-            named = [(names.get(id(p), f"<parameter {i}>"), p, p.grad) for i, p in enumerate(params)]
+            named = [
+                (names.get(id(p), f"<parameter {i}>"), p, p.grad) for i, p in enumerate(params)
+            ]
             groups += tensor_replicas(named, self.mesh.get_group(MeshAxis.TENSOR.value))
         if not self.engines:  # ZeRO 0-2 engines hold a tie's gradient in their buckets: values tell
-            groups += [("pipeline stages holding the tie", group, [(names[id(p)], p.grad)])
-                       for p, group, _ in self.tied_copies()]
+            groups += [
+                ("pipeline stages holding the tie", group, [(names[id(p)], p.grad)])
+                for p, group, _ in self.tied_copies()
+            ]
         return groups
 
     def replica_values(self) -> list[tuple[str, Any, list]]:
@@ -132,7 +145,10 @@ class Parallelized:
         if self.mesh.get_group(MeshAxis.TENSOR.value).size() > 1:
             named = [(names[id(p)], p, p) for p in self.module.parameters()]
             groups += tensor_replicas(named, self.mesh.get_group(MeshAxis.TENSOR.value))
-        groups += [("pipeline stages holding the tie", group, [(names[id(p)], p)]) for p, group, _ in self.tied_copies()]
+        groups += [
+            ("pipeline stages holding the tie", group, [(names[id(p)], p)])
+            for p, group, _ in self.tied_copies()
+        ]
         return groups
 
     def count_parameters(self) -> int:
@@ -140,8 +156,12 @@ class Parallelized:
         up; a tied weight once). A collective under a pipeline."""
         import torch.distributed as dist
 
-        copies = sum(p.numel() for p, _, first in self.tied_copies() if not first)  # counted on another stage
-        count = torch.tensor(sum(p.numel() for p in self.module.parameters()) - copies, dtype=torch.int64)
+        copies = sum(
+            p.numel() for p, _, first in self.tied_copies() if not first
+        )  # counted on another stage
+        count = torch.tensor(
+            sum(p.numel() for p in self.module.parameters()) - copies, dtype=torch.int64
+        )
         if self.pp_group is not None:
             dist.all_reduce(count, group=self.pp_group)
         return int(count)
@@ -174,15 +194,26 @@ def check(module: nn.Module, plan: Plan, world_size: int) -> None:
             spec.check()
 
 
-def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torch.device, precision: str = "32-true",
-                accumulation: Callable[[], int] = lambda: 1, scale_loss: Optional[Callable] = None,
-                telemetry: Optional[Telemetry] = None, step: Callable[[str], None] = lambda name: None) -> Parallelized:
+def parallelize(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    plan: Plan,
+    *,
+    device: torch.device,
+    precision: str = "32-true",
+    accumulation: Callable[[], int] = lambda: 1,
+    scale_loss: Optional[Callable] = None,
+    telemetry: Optional[Telemetry] = None,
+    step: Callable[[str], None] = lambda name: None,
+) -> Parallelized:
     """Rewrite ``module`` in place into this rank's part of ``plan`` on ``mesh``; returns the
     record of what was made. ``step(name)`` is told each step as it starts (for error reports)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     layout = plan.layout
-    made = Parallelized(module, mesh, list(module.state_dict()), [n for n, _ in module.named_parameters()])
+    made = Parallelized(
+        module, mesh, list(module.state_dict()), [n for n, _ in module.named_parameters()]
+    )
     ties = find_tied(module)
     record_aliases(module, ties)
     if layout.tensor > 1:  # recognise the architecture while the model is still whole
@@ -193,9 +224,15 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torc
         spec, pp_mesh = pipeline_spec(module), mesh[MeshAxis.PIPELINE.value]
         virtual, split = plan.pp.virtual_stages, plan.pp.split
         made.tied = TiedGroups(mesh, tied_holders(module, spec, pp_mesh.size(), virtual, split))
-        shards = layout.tensor if plan.tp.sequence_parallel else 1  # a stage's input: this share of the sequence
-        made.stages = split_stages(module, spec, pp_mesh.get_local_rank(), pp_mesh.size(), virtual, split, shards)
-    if not has_meta(module) and (layout.tensor > 1 or layout.zero_stage == 3):  # ZeRO 0-2: the engine's buckets
+        shards = (
+            layout.tensor if plan.tp.sequence_parallel else 1
+        )  # a stage's input: this share of the sequence
+        made.stages = split_stages(
+            module, spec, pp_mesh.get_local_rank(), pp_mesh.size(), virtual, split, shards
+        )
+    if not has_meta(module) and (
+        layout.tensor > 1 or layout.zero_stage == 3
+    ):  # ZeRO 0-2: the engine's buckets
         step("the first rank's initial weights")
         # ZeRO 0-2's buckets broadcast over dp themselves: here only what they do not cover.
         axes = (MeshAxis.TENSOR, MeshAxis.DATA) if layout.zero_stage == 3 else (MeshAxis.TENSOR,)
@@ -226,13 +263,22 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torc
     # Built on meta: each parameter filled once, in its final dtype, place and shard. Onto the
     # meta device (the planner's validate=true) only shapes are wanted: nothing to fill.
     if has_meta(module) and device.type != "meta":
-        offloaded = layout.zero_stage == 3 and plan.offload.params  # FSDP2 keeps those shards in CPU memory
+        offloaded = (
+            layout.zero_stage == 3 and plan.offload.params
+        )  # FSDP2 keeps those shards in CPU memory
         materialize(module, torch.device("cpu") if offloaded else device)
     step("the pipeline schedule")
     if spec is not None:
         made.runtime = PipelineRuntime(
-            made.stages, spec, mesh[MeshAxis.PIPELINE.value], plan.pp, device, mesh[MeshAxis.TENSOR.value],
-            accumulation=accumulation, scale_loss=scale_loss, telemetry=telemetry,
+            made.stages,
+            spec,
+            mesh[MeshAxis.PIPELINE.value],
+            plan.pp,
+            device,
+            mesh[MeshAxis.TENSOR.value],
+            accumulation=accumulation,
+            scale_loss=scale_loss,
+            telemetry=telemetry,
         )
     return made
 
@@ -244,15 +290,22 @@ def _publish_logits_sizes(module: nn.Module, resolved: dict, telemetry: Telemetr
 
     def publish(head: nn.Module, inputs: Any, output: Any) -> None:
         if isinstance(output, DTensor):
-            telemetry.publish("logits", local_bytes=output.to_local().numel() * output.element_size(),
-                              dense_bytes=output.numel() * output.element_size())
+            telemetry.publish(
+                "logits",
+                local_bytes=output.to_local().numel() * output.element_size(),
+                dense_bytes=output.numel() * output.element_size(),
+            )
 
     for name, style in resolved.items():
-        if isinstance(style, ColwiseParallel) and not style.use_local_output:  # the loss-parallel head
+        if (
+            isinstance(style, ColwiseParallel) and not style.use_local_output
+        ):  # the loss-parallel head
             module.get_submodule(name).register_forward_hook(publish)
 
 
-def attach_optimizers(parallelized: Parallelized, optimizers: list[Optimizer], plan: Plan) -> list[Optimizer]:
+def attach_optimizers(
+    parallelized: Parallelized, optimizers: list[Optimizer], plan: Plan
+) -> list[Optimizer]:
     """Step 7 of the recipe, once the optimizers exist: ZeRO 0-2 engines rewrite them to step
     their own slices (ZeRO-3's FSDP2 shards need none), then an offload device wraps the sharded
     optimizers in :class:`~lightning_3d.offload.OffloadedAdam` (only this rank's shard of the
@@ -263,18 +316,27 @@ def attach_optimizers(parallelized: Parallelized, optimizers: list[Optimizer], p
         mesh = parallelized.mesh[MeshAxis.DATA.value, MeshAxis.TENSOR.value]
         tied = {id(p): group for p, group, _ in parallelized.tied_copies()}
         for optimizer in optimizers:
-            engine = ZeroDataParallel(mesh, plan.layout.zero_stage, bucket_numel=_bucket_numel(optimizer, plan))
+            engine = ZeroDataParallel(
+                mesh, plan.layout.zero_stage, bucket_numel=_bucket_numel(optimizer, plan)
+            )
             engine.attach(optimizer, tied=tied)
             parallelized.bind(optimizer, engine)
     if plan.offload.device == "none":
         return list(optimizers)
     wrapped = []
     for optimizer in optimizers:
-        offloaded = OffloadedAdam.from_optimizer(optimizer, plan.offload.device, plan.offload.path,
-                                                 plan.offload.chunk_bytes, delay_update=plan.offload.delay_update,
-                                                 direct_io="auto" if plan.offload.direct_io is None else plan.offload.direct_io,
-                                                 overlap=plan.offload.overlap)
-        optimizer._opt_called = True  # its step is now the wrapper's: no "scheduler before step" warning
+        offloaded = OffloadedAdam.from_optimizer(
+            optimizer,
+            plan.offload.device,
+            plan.offload.path,
+            plan.offload.chunk_bytes,
+            delay_update=plan.offload.delay_update,
+            direct_io="auto" if plan.offload.direct_io is None else plan.offload.direct_io,
+            overlap=plan.offload.overlap,
+        )
+        optimizer._opt_called = (
+            True  # its step is now the wrapper's: no "scheduler before step" warning
+        )
         engine = parallelized.engine_for(optimizer)
         if engine is not None:
             parallelized.bind(offloaded, engine)

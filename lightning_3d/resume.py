@@ -5,7 +5,7 @@ every ``checkpoint.every_n_steps`` optimizer steps and at its last step (``train
 through Lightning's ``ModelCheckpoint`` (:class:`PeriodicCheckpoint`), so the strategy writes it
 in ``parallelism.checkpoint_format`` (one file, or a directory of shards under the same name) and
 atomically (the previous ``last.ckpt`` stays whole until the new one replaces it). On SIGTERM /
-SIGINT every rank saves ``<run dir>/preempted.ckpt`` (:mod:`lightning_3d.preemption`). Both are
+SIGINT every rank saves ``<run dir>/preempted.ckpt`` (:mod:`lightning_3d.runtime.preemption`). Both are
 taken right after an optimizer step, so a run resumed from either continues exactly as the
 uninterrupted run would have: weights, optimizer state, LR schedule, loop counters, the data
 loader's position and every rank's RNG states (``trainer.fit(ckpt_path=...)``).
@@ -20,7 +20,7 @@ a new directory, with its own ``last.ckpt``; it may change the layout (``trainer
 ``parallelism.*``) and ``trainer.max_steps``, and should keep everything else.
 
 Resolved in the launching process (:func:`resolve_resume`, called by
-:func:`lightning_3d.app.validate` and pinned by :func:`lightning_3d.app.run`), so a missing file
+:func:`lightning_3d.app.run.validate` and pinned by :func:`lightning_3d.app.run`), so a missing file
 or no earlier checkpoint is one ``error:`` line and exit code 2, and every rank resumes from the
 same file.
 """
@@ -39,8 +39,12 @@ from typing_extensions import override
 
 LAST = "last"
 LAST_NAME = "last.ckpt"
-PREEMPTED = "preempted.ckpt"  # written on SIGTERM / SIGINT by lightning_3d.preemption.StopOnSignal
-FINETUNE_RUNS = "finetune"  # outputs/finetune/...: examples/finetune.py's own run dirs (see conf/finetune.yaml)
+PREEMPTED = (
+    "preempted.ckpt"  # written on SIGTERM / SIGINT by lightning_3d.runtime.preemption.StopOnSignal
+)
+FINETUNE_RUNS = (
+    "finetune"  # outputs/finetune/...: examples/finetune.py's own run dirs (see conf/finetune.yaml)
+)
 RESUMABLE = (LAST_NAME, PREEMPTED)  # what a run leaves to resume from, in its run directory
 OUTPUTS = "outputs"  # the apps' run directories, relative to the working directory (conf/*.yaml)
 
@@ -60,16 +64,26 @@ class PeriodicCheckpoint(ModelCheckpoint):
     """
 
     def __init__(self, dirpath: str | Path, every_n_steps: int) -> None:
-        super().__init__(dirpath=str(dirpath), save_last=True, save_top_k=0, every_n_train_steps=every_n_steps,
-                         enable_version_counter=False, save_on_train_epoch_end=True)
+        super().__init__(
+            dirpath=str(dirpath),
+            save_last=True,
+            save_top_k=0,
+            every_n_train_steps=every_n_steps,
+            enable_version_counter=False,
+            save_on_train_epoch_end=True,
+        )
         self.every_n_steps = every_n_steps
         self.last_path = Path(dirpath) / LAST_NAME
 
     @override
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         step = trainer.global_step
-        if step == trainer.max_steps and step % self.every_n_steps:  # the last step, not saved above
+        if (
+            step == trainer.max_steps and step % self.every_n_steps
+        ):  # the last step, not saved above
             trainer.save_checkpoint(self.last_path)
 
     @override
@@ -80,8 +94,10 @@ class PeriodicCheckpoint(ModelCheckpoint):
 def check_every_n_steps(value: Any) -> None:
     """``checkpoint.every_n_steps``: a whole number >= 1, or ``None`` (no periodic checkpoints)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"checkpoint.every_n_steps={value!r} must be a whole number >= 1, or null for no periodic "
-                         "checkpoints")
+        raise ValueError(
+            f"checkpoint.every_n_steps={value!r} must be a whole number >= 1, or null for no periodic "
+            "checkpoints"
+        )
 
 
 def runs_of(finetune: bool) -> tuple[str, Optional[str]]:
@@ -104,8 +120,13 @@ def newest_checkpoint(runs: Path, skip: Optional[str] = None) -> Optional[Path]:
 
     if not runs.is_dir():
         return None
-    found = [p for name in RESUMABLE for p in runs.glob(f"**/{name}")
-             if (p.is_file() or is_sharded_checkpoint(p)) and (skip is None or p.relative_to(runs).parts[0] != skip)]
+    found = [
+        p
+        for name in RESUMABLE
+        for p in runs.glob(f"**/{name}")
+        if (p.is_file() or is_sharded_checkpoint(p))
+        and (skip is None or p.relative_to(runs).parts[0] != skip)
+    ]
     return max(found, key=_written_at, default=None)
 
 
@@ -121,22 +142,28 @@ def resolve_resume(value: Any, project_dir: str | Path, finetune: bool = False) 
         runs, skip = runs_of(finetune)
         path = newest_checkpoint(Path(project_dir) / runs, skip)
         if path is None:
-            raise ValueError(f"resume=last: no {' or '.join(RESUMABLE)} under {Path(project_dir) / runs}"
-                             f"{f' (outside {runs}/{skip}/)' if skip else ''} to resume from; pass resume=PATH, "
-                             "or start without resume")
+            raise ValueError(
+                f"resume=last: no {' or '.join(RESUMABLE)} under {Path(project_dir) / runs}"
+                f"{f' (outside {runs}/{skip}/)' if skip else ''} to resume from; pass resume=PATH, "
+                "or start without resume"
+            )
         return path.resolve()
     path = Path(str(value)).expanduser()
     path = (path if path.is_absolute() else Path(project_dir) / path).resolve()
     try:
         kind = detect_format(path)
     except FileNotFoundError:
-        raise ValueError(f"resume={value!r}: {path} does not exist (give a last.ckpt or preempted.ckpt file or "
-                         "sharded directory, or resume=last)") from None
+        raise ValueError(
+            f"resume={value!r}: {path} does not exist (give a last.ckpt or preempted.ckpt file or "
+            "sharded directory, or resume=last)"
+        ) from None
     except ValueError as err:
         raise ValueError(f"resume={value!r}: {err}") from None
     if kind == SAFETENSORS:
-        raise ValueError(f"resume={value!r}: {path} holds weights only (safetensors), not a training state to resume; "
-                         "start from its weights with examples/finetune.py finetune.pretrained=PATH")
+        raise ValueError(
+            f"resume={value!r}: {path} holds weights only (safetensors), not a training state to resume; "
+            "start from its weights with examples/finetune.py finetune.pretrained=PATH"
+        )
     return path
 
 
@@ -149,7 +176,9 @@ def check_fits(path: Path, module: Any) -> None:
 
     try:
         if sharded_files.is_sharded_checkpoint(path):
-            entries = sharded_files.tensor_entries(sharded_files.read_metadata(path), sharded_files.MODEL)
+            entries = sharded_files.tensor_entries(
+                sharded_files.read_metadata(path), sharded_files.MODEL
+            )
             saved = {name: tuple(md.size) for name, md in entries.items()}
         else:
             saved = shapes_of(load_lightning_checkpoint(path, mmap=True, verify=None)["state_dict"])
@@ -174,15 +203,19 @@ def check_steps_left(path: Path, max_steps: Any) -> None:
     except ValueError as err:
         raise ValueError(f"resume={path}: {err}") from None
     if "loops" not in entries or "optimizer_states" not in entries:
-        raise ValueError(f"resume={path}: it holds weights only (no optimizer state or loop counters: saved with "
-                         "weights_only=True), not a training state to resume; start from its weights with "
-                         "examples/finetune.py finetune.pretrained=PATH")
+        raise ValueError(
+            f"resume={path}: it holds weights only (no optimizer state or loop counters: saved with "
+            "weights_only=True), not a training state to resume; start from its weights with "
+            "examples/finetune.py finetune.pretrained=PATH"
+        )
     step = entries.get("global_step")
     if not isinstance(max_steps, int) or max_steps < 1:
         return  # -1: the epochs decide; Lightning says when there is nothing left
     if isinstance(step, int) and step >= max_steps:
-        raise ValueError(f"resume={path}: that run is finished (global step {step}, trainer.max_steps={max_steps}): "
-                         f"nothing to train; raise trainer.max_steps above {step} to go on")
+        raise ValueError(
+            f"resume={path}: that run is finished (global step {step}, trainer.max_steps={max_steps}): "
+            f"nothing to train; raise trainer.max_steps above {step} to go on"
+        )
 
 
 def resume_hint(checkpoint: Optional[Path]) -> str:

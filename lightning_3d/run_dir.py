@@ -60,7 +60,14 @@ def _take(lock: Path) -> bool:
     except FileExistsError:
         return False
     with os.fdopen(fd, "w") as f:
-        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}, f)
+        json.dump(
+            {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+            },
+            f,
+        )
     return True
 
 
@@ -73,17 +80,26 @@ def acquire(run_dir: Path) -> None:
         holder = _holder(lock)
         pid, host = holder.get("pid"), holder.get("host")
         if host != socket.gethostname() or not isinstance(pid, int):
-            raise RunDirInUse(f"{run_dir} is in use by another run ({LOCK}: pid {pid} on host {host}, since "
-                             f"{holder.get('since')}); give this run another hydra.run.dir, or delete the lock if "
-                             "you know that run has ended")
+            raise RunDirInUse(
+                f"{run_dir} is in use by another run ({LOCK}: pid {pid} on host {host}, since "
+                f"{holder.get('since')}); give this run another hydra.run.dir, or delete the lock if "
+                "you know that run has ended"
+            )
         if _alive(pid):
-            raise RunDirInUse(f"{run_dir} is in use by another run (pid {pid}, since {holder.get('since')}); give "
-                             "this run another hydra.run.dir, or wait for that one to end")
-        print(f"lightning_3d: {run_dir}: took over the lock of pid {pid}, which is no longer running",
-              file=sys.stderr, flush=True)
+            raise RunDirInUse(
+                f"{run_dir} is in use by another run (pid {pid}, since {holder.get('since')}); give "
+                "this run another hydra.run.dir, or wait for that one to end"
+            )
+        print(
+            f"lightning_3d: {run_dir}: took over the lock of pid {pid}, which is no longer running",
+            file=sys.stderr,
+            flush=True,
+        )
         lock.unlink(missing_ok=True)
-    raise RunDirInUse(f"{run_dir}: another run took its lock at the same moment; give this run another "
-                     "hydra.run.dir")
+    raise RunDirInUse(
+        f"{run_dir}: another run took its lock at the same moment; give this run another "
+        "hydra.run.dir"
+    )
 
 
 def release(run_dir: Path) -> None:
@@ -100,8 +116,10 @@ def check_earlier_run(run_dir: Path, resuming: bool, overwrite: bool) -> None:
     if found and not resuming and not overwrite:
         resumable = next((n for n in ("last.ckpt", "preempted.ckpt") if n in found), None)
         hint = f"resume it with resume={run_dir / resumable}, " if resumable else ""
-        raise RunDirInUse(f"{run_dir} holds an earlier run ({', '.join(found)}): {hint}give this run another "
-                         "hydra.run.dir, or pass overwrite=true to replace it")
+        raise RunDirInUse(
+            f"{run_dir} holds an earlier run ({', '.join(found)}): {hint}give this run another "
+            "hydra.run.dir, or pass overwrite=true to replace it"
+        )
 
 
 @contextmanager

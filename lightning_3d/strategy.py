@@ -28,21 +28,21 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_3d.checkpoint.io import AtomicCheckpointIO
-from lightning_3d.checkpoint.strategy_hooks import CheckpointHooks
-from lightning_3d.collectives import Collectives
-from lightning_3d.failures import LINES_ATTR, REPORTS_ENV, describe_failure
+from lightning_3d.strategy.checkpoint_hooks import CheckpointHooks
+from lightning_3d.strategy.collectives import Collectives
+from lightning_3d.runtime.failures import LINES_ATTR, REPORTS_ENV, describe_failure
 from lightning_3d.layout import Layout, MeshAxis, build_mesh
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.parallel.loss import plain_loss, vocab_parallel_loss
 from lightning_3d.parallel.materialize import to_device_keeping_meta
 from lightning_3d.parallel.replicas import ReplicaCheck, plan_hint
-from lightning_3d.plan import Plan
-from lightning_3d.planner.auto import resolve_for_strategy
-from lightning_3d.precision import distributed_precision, scale_loss
-from lightning_3d.preemption import StopOnSignal
-from lightning_3d.recipe import Parallelized, attach_optimizers, parallelize
-from lightning_3d.telemetry import Telemetry
-from lightning_3d.watchdog import Watchdog, watch_world
+from lightning_3d.options import Plan
+from lightning_3d.strategy.auto import resolve_for_strategy
+from lightning_3d.strategy.precision import distributed_precision, scale_loss
+from lightning_3d.runtime.preemption import StopOnSignal
+from lightning_3d.strategy.recipe import Parallelized, attach_optimizers, parallelize
+from lightning_3d.observe.telemetry import Telemetry
+from lightning_3d.runtime.watchdog import Watchdog, watch_world
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -54,8 +54,8 @@ if TYPE_CHECKING:
 class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     """Pipeline × data × tensor parallelism with ZeRO sharding on the data axis.
 
-    Takes a :class:`~lightning_3d.plan.Plan`, or its options by name (``tensor=2``, ...: the
-    table in :data:`lightning_3d.plan.OPTIONS` and the README). A bad value raises
+    Takes a :class:`~lightning_3d.options.Plan`, or its options by name (``tensor=2``, ...: the
+    table in :data:`lightning_3d.options.OPTIONS` and the README). A bad value raises
     ``ValueError`` here, before any process exists.
 
     Example::
@@ -72,35 +72,64 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     # sharding, straight into its final dtype, device and shard (parallel/materialize.py).
     materializes_meta_modules = True
 
-    def __init__(self, plan: Optional[Plan] = None, *, accelerator: Optional[Any] = None,
-                 parallel_devices: Optional[list[torch.device]] = None, cluster_environment: Optional[Any] = None,
-                 checkpoint_io: Optional[Any] = None, precision_plugin: Optional[Any] = None, **options: Any) -> None:
+    def __init__(
+        self,
+        plan: Optional[Plan] = None,
+        *,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+        **options: Any,
+    ) -> None:
         self.plan = (plan or Plan()).updated(**options)  # checked, even when built by hand
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
             # Atomic files: a save killed half-way leaves the previous checkpoint, not a torn one.
             checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
         )
         self.telemetry = Telemetry()  # RunSummary subscribes (logits sizes, pipeline bubbles)
         self.signals = StopOnSignal()  # a callback: on SIGTERM / SIGINT every rank saves and stops
-        self.parallelized: Optional[Parallelized] = None  # what the recipe made of the module (setup)
+        self.parallelized: Optional[Parallelized] = (
+            None  # what the recipe made of the module (setup)
+        )
         self.num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
         self._sync_grads = True
         self._setting_up: Optional[str] = None  # the setup step under way (for error reports)
-        self.watchdog: Optional[Watchdog] = None  # heartbeats: names a stalled or dead peer (setup_environment)
-        self.planned: Optional[dict[str, Any]] = None  # auto=True: the planner's predictions (RunSummary writes them)
+        self.watchdog: Optional[Watchdog] = (
+            None  # heartbeats: names a stalled or dead peer (setup_environment)
+        )
+        self.planned: Optional[dict[str, Any]] = (
+            None  # auto=True: the planner's predictions (RunSummary writes them)
+        )
         self._replica_steps = 0  # optimizer steps of this run so far (the replica check's clock)
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
         """Register ``"3d"`` and the ZeRO presets in Lightning's ``StrategyRegistry``."""
-        registry.register("3d", cls, description="lightning_3d: data x tensor x pipeline + ZeRO", override=True)
+        registry.register(
+            "3d", cls, description="lightning_3d: data x tensor x pipeline + ZeRO", override=True
+        )
         for stage in (1, 2, 3):
-            registry.register(f"3d_zero{stage}", cls, description=f"lightning_3d with ZeRO stage {stage}",
-                              zero_stage=stage, override=True)
-        registry.register("3d_auto", cls, description="lightning_3d: the planner's layout", auto=True, override=True)
+            registry.register(
+                f"3d_zero{stage}",
+                cls,
+                description=f"lightning_3d with ZeRO stage {stage}",
+                zero_stage=stage,
+                override=True,
+            )
+        registry.register(
+            "3d_auto",
+            cls,
+            description="lightning_3d: the planner's layout",
+            auto=True,
+            override=True,
+        )
 
     @property
     def layout(self) -> Layout:
@@ -118,7 +147,9 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     @property
     def device_mesh(self) -> DeviceMesh:
         if self._device_mesh is None:
-            raise RuntimeError("the device mesh exists only after the processes have started (setup_environment)")
+            raise RuntimeError(
+                "the device mesh exists only after the processes have started (setup_environment)"
+            )
         return self._device_mesh
 
     @property
@@ -155,10 +186,16 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         # Called while the Trainer is constructed: the last moment to reject a bad layout
         # before any process, process group or file exists.
         self.plan = self.plan.resolved(self.num_nodes * self.num_processes)
-        if self.cluster_environment.creates_processes_externally:  # torchrun, srun: Lightning checks only its own launches
-            self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if (
+            self.cluster_environment.creates_processes_externally
+        ):  # torchrun, srun: Lightning checks only its own launches
+            self.cluster_environment.validate_settings(
+                num_devices=self.num_processes, num_nodes=self.num_nodes
+            )
         else:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
 
     @override
     def setup_environment(self) -> None:
@@ -169,18 +206,30 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
             _set_num_threads_if_needed(num_processes=self.num_processes)
         reset_seed()
         if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_global_rank(
+                self.node_rank * self.num_processes + self.local_rank
+            )
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        backend = self.plan.dist.backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self.plan.dist.backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self.plan.dist.timeout, device_id=device_id)
-        if self.plan.auto.enabled:  # the planner's first choice for the world found (lightning_3d/planner/auto.py)
+        _init_dist_connection(
+            self.cluster_environment, backend, timeout=self.plan.dist.timeout, device_id=device_id
+        )
+        if (
+            self.plan.auto.enabled
+        ):  # the planner's first choice for the world found (lightning_3d/strategy/auto.py)
             self.plan = resolve_for_strategy(self)
         self.plan = self.plan.resolved(self.world_size)
         self._device_mesh = build_mesh(self.layout, self.root_device.type)
-        self.watchdog = self.watchdog or watch_world(self.global_rank, self.world_size, self.plan,
-                                                     lambda: self.lightning_module.trainer.global_step)
+        self.watchdog = self.watchdog or watch_world(
+            self.global_rank,
+            self.world_size,
+            self.plan,
+            lambda: self.lightning_module.trainer.global_step,
+        )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -188,24 +237,36 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         self.model_to_device()
         self.model = self.precision_plugin.convert_module(self.model)
         module = self.lightning_module
-        if self.parallelized is None or self.parallelized.module is not module:  # validate() after fit() reuses
+        if (
+            self.parallelized is None or self.parallelized.module is not module
+        ):  # validate() after fit() reuses
             self.parallelized = parallelize(
-                module, self.device_mesh, self.plan, device=self.root_device,
+                module,
+                self.device_mesh,
+                self.plan,
+                device=self.root_device,
                 precision=str(self.precision_plugin.precision),
                 accumulation=lambda: trainer.accumulate_grad_batches,
                 scale_loss=lambda loss: scale_loss(self.precision_plugin, loss),
-                telemetry=self.telemetry, step=lambda name: setattr(self, "_setting_up", name),
+                telemetry=self.telemetry,
+                step=lambda name: setattr(self, "_setting_up", name),
             )
         self._setting_up = "optimizer setup"
         if trainer.state.fn == TrainerFn.FITTING:
-            trainer.callbacks += [] if self.signals in trainer.callbacks else [self.signals]  # SIGTERM: save, stop
+            trainer.callbacks += (
+                [] if self.signals in trainer.callbacks else [self.signals]
+            )  # SIGTERM: save, stop
             self.setup_optimizers(trainer)
             self.optimizers = attach_optimizers(self.parallelized, self.optimizers, self.plan)
         self.setup_precision_plugin()
         # Clipping by the global norm over shards and stages, and a loss-scale overflow on any
         # rank skipping the step on every rank: a subclass of the plugin Lightning chose.
-        self.precision_plugin = distributed_precision(self.precision_plugin, self._norm_scope, self.plan.nonfinite,
-                                                      before_step=self._check_replica_gradients)
+        self.precision_plugin = distributed_precision(
+            self.precision_plugin,
+            self._norm_scope,
+            self.plan.nonfinite,
+            before_step=self._check_replica_gradients,
+        )
         self._setting_up = None
         self.barrier()
 
@@ -215,7 +276,9 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        to_device_keeping_meta(self.model, self.root_device)  # meta: the recipe materialises it in place
+        to_device_keeping_meta(
+            self.model, self.root_device
+        )  # meta: the recipe materialises it in place
 
     @contextmanager
     @override
@@ -238,8 +301,13 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
             if self.pipeline is None:
                 return plain_loss(super().training_step(*args, **kwargs))
             batch_idx = args[1] if len(args) > 1 else 0
-            loss = self.pipeline.train_step(self.lightning_module, args[0], batch_idx, self._before_schedule,
-                                            self.precision_plugin.train_step_context())
+            loss = self.pipeline.train_step(
+                self.lightning_module,
+                args[0],
+                batch_idx,
+                self._before_schedule,
+                self.precision_plugin.train_step_context(),
+            )
             self.lightning_module.log("train_loss", loss, prog_bar=True)
             return loss
 
@@ -260,21 +328,33 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._evaluation_step(super().predict_step, args, kwargs, plain=False)
 
-    def _evaluation_step(self, step: Callable, args: tuple, kwargs: dict, plain: bool = True) -> Any:
+    def _evaluation_step(
+        self, step: Callable, args: tuple, kwargs: dict, plain: bool = True
+    ) -> Any:
         # Under a pipeline, a forward-only schedule runs the batch first and the module's own
         # step then runs on every rank with self(inputs) answering the last stage's outputs.
-        answering = nullcontext() if self.pipeline is None else self.pipeline.answering_forward(
-            self.lightning_module, kwargs.get("batch", args[0] if args else None), self.precision_plugin.forward_context()
+        answering = (
+            nullcontext()
+            if self.pipeline is None
+            else self.pipeline.answering_forward(
+                self.lightning_module,
+                kwargs.get("batch", args[0] if args else None),
+                self.precision_plugin.forward_context(),
+            )
         )
         with self._step_context(), answering:
             output = step(*args, **kwargs)
             return plain_loss(output) if plain else output
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
+    ) -> Tensor:
         if self.pipeline is not None:  # the schedule already ran backward in training_step
             # ZeRO-3: FSDP2 reduced the tied copies' gradients; add them up (ZeRO 0-2 engines do it).
-            self.pipeline.hand_back_grads(self.parallelized.tied_copies() if not self.parallelized.engines else [])
+            self.pipeline.hand_back_grads(
+                self.parallelized.tied_copies() if not self.parallelized.engines else []
+            )
             self.post_backward(closure_loss)
             return closure_loss
         with self._step_context():
@@ -291,8 +371,13 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
             engine.finish_backward()
 
     @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Optional[Any] = None,
-                       **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Any] = None,
+        **kwargs: Any,
+    ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         engine = self.parallelized.engine_for(optimizer)
         if engine is not None:
@@ -313,7 +398,9 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
 
     def _compare_gradients(self, optimizer: Optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        ReplicaCheck(plan_hint(self.parallelized.tp_plan)).compare("gradient", self.parallelized.replica_gradients(params))
+        ReplicaCheck(plan_hint(self.parallelized.tp_plan)).compare(
+            "gradient", self.parallelized.replica_gradients(params)
+        )
 
     def check_replicas(self, values_only: bool = False) -> None:
         """Check that every parameter several ranks replicate (tensor ranks; a tied weight's
@@ -324,11 +411,15 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         if not values_only:
             for optimizer in self.optimizers:
                 self._compare_gradients(optimizer)
-        ReplicaCheck(plan_hint(self.parallelized.tp_plan)).compare("value", self.parallelized.replica_values())
+        ReplicaCheck(plan_hint(self.parallelized.tp_plan)).compare(
+            "value", self.parallelized.replica_values()
+        )
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        message = describe_failure(exception, self.global_rank, self._setting_up, self.lightning_module, self.layout)
+        message = describe_failure(
+            exception, self.global_rank, self._setting_up, self.lightning_module, self.layout
+        )
         named = self.watchdog.failure_line(exception) if self.watchdog is not None else None
         if os.environ.get(REPORTS_ENV):  # the app reports it, in one line for every rank
             # The peer this rank lost, named first: by the watchdog now, or by its thread before.
@@ -349,10 +440,14 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         for engine in self.parallelized.engines if self.parallelized is not None else ():
             engine.detach()
         self.cluster_environment.teardown()
-        for optimizer in self.optimizers:  # offload_delay_update: the last step's weights into the model
+        for (
+            optimizer
+        ) in self.optimizers:  # offload_delay_update: the last step's weights into the model
             if isinstance(optimizer, OffloadedAdam):
                 optimizer.synchronize()
-        _optimizers_to_device([o for o in self.optimizers if not isinstance(o, OffloadedAdam)], torch.device("cpu"))
+        _optimizers_to_device(
+            [o for o in self.optimizers if not isinstance(o, OffloadedAdam)], torch.device("cpu")
+        )
         if self.lightning_module is not None:
             self.lightning_module.cpu()
         self.precision_plugin.teardown()

@@ -17,8 +17,10 @@ import os
 import sys
 from typing import Any, TextIO
 
-NOTICE = ("lightning_3d: {name} was closed by its reader (a pipe into head, say): the run goes on and "
-          "its {name} is discarded\n")
+NOTICE = (
+    "lightning_3d: {name} was closed by its reader (a pipe into head, say): the run goes on and "
+    "its {name} is discarded\n"
+)
 
 
 class ClosedPipeSafe:
@@ -38,7 +40,10 @@ class ClosedPipeSafe:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._stream.fileno())
             os.close(devnull)
-        except (OSError, ValueError):  # no descriptor (a test's capture): the writes are dropped below
+        except (
+            OSError,
+            ValueError,
+        ):  # no descriptor (a test's capture): the writes are dropped below
             pass
         other = self.partner
         if other is not None and not other.closed_by_reader:

@@ -2,7 +2,7 @@
 
 The strategy owns one :class:`Telemetry`; the pieces of the recipe publish events on it (the
 vocab-parallel head its logits' sizes, the pipeline runtime each schedule step's bubble and
-activation peaks) and :class:`~lightning_3d.callbacks.RunSummary` subscribes. Nothing reads
+activation peaks) and :class:`~lightning_3d.observe.summary.RunSummary` subscribes. Nothing reads
 the strategy's or the runtime's internals, and a run nobody observes pays one empty loop.
 
 Events and their fields:
@@ -28,7 +28,9 @@ class Telemetry:
     def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
         """Call ``subscriber(event, fields)`` for every event from now on; returns the unsubscribe."""
         self._subscribers.append(subscriber)
-        return lambda: self._subscribers.remove(subscriber) if subscriber in self._subscribers else None
+        return lambda: (
+            self._subscribers.remove(subscriber) if subscriber in self._subscribers else None
+        )
 
     def publish(self, event: str, **fields: Any) -> None:
         for subscriber in list(self._subscribers):

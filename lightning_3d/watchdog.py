@@ -17,10 +17,10 @@ code 1, so the launcher stops the rest. The thread only sets and reads store key
 collective, no signal handler. When a collective fails, :meth:`Watchdog.silent_peers` names the
 peers that stopped beating, for the strategy's failure line.
 
-In a rank started by :func:`lightning_3d.launch.launch_job` (:data:`LAUNCHER_PID_ENV` names its
+In a rank started by :func:`lightning_3d.app.launch.launch_job` (:data:`LAUNCHER_PID_ENV` names its
 parent), the thread also notices when the launcher has gone (killed outright, so it could not
 stop its ranks) or has been stopped (SIGSTOP, a suspended job: ``T`` in ``/proc``) for
-``timeout_s``, and sends this process SIGTERM: :class:`~lightning_3d.preemption.StopOnSignal`
+``timeout_s``, and sends this process SIGTERM: :class:`~lightning_3d.runtime.preemption.StopOnSignal`
 then stops every unsupervised rank together with a checkpoint instead of letting them train on.
 Ranks started otherwise (a shell that may exit under ``nohup``, torchrun) are left alone.
 
@@ -62,12 +62,16 @@ class Silence:
 
     def describe(self) -> str:
         if self.rank < 0:
-            return (f"the rendezvous store (hosted by the launcher or rank 0) has not answered for "
-                    f"{self.seconds:.0f} s (its host stalled or died)")
+            return (
+                f"the rendezvous store (hosted by the launcher or rank 0) has not answered for "
+                f"{self.seconds:.0f} s (its host stalled or died)"
+            )
         if self.state in FINISHED:
             return f"rank {self.rank} stopped ({self.state}) after step {self.step}"
-        return (f"rank {self.rank} has not made progress for {self.seconds:.0f} s after step {self.step} "
-                "(stalled or dead: no heartbeat)")
+        return (
+            f"rank {self.rank} has not made progress for {self.seconds:.0f} s after step {self.step} "
+            "(stalled or dead: no heartbeat)"
+        )
 
 
 def interval_for(timeout_s: float) -> float:
@@ -108,7 +112,9 @@ def recorded_offload_paths(store: Any, world_size: int) -> set[str]:
     return {store.get(key).decode() for key in keys if store.check([key])}
 
 
-def watch_world(rank: int, world_size: int, plan: Any, progress: Callable[[], int]) -> Optional[Watchdog]:
+def watch_world(
+    rank: int, world_size: int, plan: Any, progress: Callable[[], int]
+) -> Optional[Watchdog]:
     """A started :class:`Watchdog` for this rank of the default group's world, with the plan's
     ``timeout_s``, having recorded the plan's NVMe offload path for the launcher; ``None`` for
     one process or a store that cannot be cloned. ``progress``: this rank's step."""
@@ -130,10 +136,18 @@ class Watchdog:
         watchdog.stop("done")
     """
 
-    def __init__(self, store: Any, rank: int, world_size: int, timeout_s: float,
-                 progress: Callable[[], int] = lambda: 0, grace_s: Optional[float] = None,
-                 exit: Callable[[int], None] = os._exit, launcher: Optional[int] = None,
-                 stop_rank: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        progress: Callable[[], int] = lambda: 0,
+        grace_s: Optional[float] = None,
+        exit: Callable[[int], None] = os._exit,
+        launcher: Optional[int] = None,
+        stop_rank: Optional[Callable[[], None]] = None,
+    ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of size {world_size}")
         if not timeout_s > 0:
@@ -144,7 +158,9 @@ class Watchdog:
         self.progress = progress  # this rank's step, for the messages (read by the thread)
         self.verdict: Optional[str] = None  # the line printed when a peer went silent
         self._exit = exit
-        self._peers = [(rank + i) % world_size for i in range(1, min(world_size, WATCHED_PEERS + 1))]
+        self._peers = [
+            (rank + i) % world_size for i in range(1, min(world_size, WATCHED_PEERS + 1))
+        ]
         self._seen: dict[int, tuple[bytes, float]] = {}  # peer -> (heartbeat, when it last changed)
         self._beats = 0
         if launcher is None:  # the launcher is this rank's parent: launch_job's rank
@@ -161,10 +177,13 @@ class Watchdog:
         """Write the first heartbeat and start the thread (once)."""
         if self._thread is None:
             self._beat("running")
-            self._thread = threading.Thread(target=self._run, name=f"lightning3d-watchdog-rank{self.rank}",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name=f"lightning3d-watchdog-rank{self.rank}", daemon=True
+            )
             self._thread.start()
-            atexit.register(self.stop)  # never leave the thread inside a store call at interpreter exit
+            atexit.register(
+                self.stop
+            )  # never leave the thread inside a store call at interpreter exit
         return self
 
     def stop(self, state: str = "done") -> None:
@@ -176,7 +195,9 @@ class Watchdog:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=STORE_TIMEOUT.total_seconds() + self.interval_s)
         atexit.unregister(self.stop)
-        self._bounded(lambda: self._beat(state))  # the store's host may be gone: nobody left to read it
+        self._bounded(
+            lambda: self._beat(state)
+        )  # the store's host may be gone: nobody left to read it
 
     def silent_peers(self, wait_s: Optional[float] = None) -> list[Silence]:
         """The watched peers that have not beaten for ``wait_s`` (default: one and a half
@@ -194,32 +215,49 @@ class Watchdog:
                 return []
             silent = {p for p in silent if now[p] == before[p] and not _finished(before[p])}
         now = time.monotonic()
-        return [Silence(p, now - self._seen.get(p, (b"", now))[1], *_state_and_step(before[p])) for p in sorted(silent)]
+        return [
+            Silence(p, now - self._seen.get(p, (b"", now))[1], *_state_and_step(before[p]))
+            for p in sorted(silent)
+        ]
 
     def failure_line(self, exception: BaseException) -> Optional[str]:
         """After ``exception``: one line naming the watched peers that stopped beating, if any
         did (else ``None``); then stops the watchdog. Not only after a recognised collective
         failure: gloo words a timed-out collective in several ways ("Application timeout caused
         pair closure"), and a silent peer is worth naming whatever this rank saw."""
-        agreed = getattr(exception, "agreed_stop", False) or not isinstance(exception, Exception)  # Preempted, Ctrl-C
+        agreed = getattr(exception, "agreed_stop", False) or not isinstance(
+            exception, Exception
+        )  # Preempted, Ctrl-C
         try:
-            said = self.verdict is not None or self._stopped.is_set()  # by the thread, or by an earlier call
+            said = (
+                self.verdict is not None or self._stopped.is_set()
+            )  # by the thread, or by an earlier call
             silent = self.silent_peers() if not (said or agreed) else []
         finally:
             self.stop("failed")
         silent = silent if self.verdict is None else []  # the thread said it meanwhile
-        return f"lightning_3d: rank {self.rank}: " + "; ".join(s.describe() for s in silent) if silent else None
+        return (
+            f"lightning_3d: rank {self.rank}: " + "; ".join(s.describe() for s in silent)
+            if silent
+            else None
+        )
 
     def _run(self) -> None:
         answered = time.monotonic()  # the last time the store answered
         while not self._stopped.wait(self.interval_s):
             looked = self._bounded(lambda: (self._beat("running"), self._look())[1])
             if looked is not None:
-                stalled = [s for s in looked if s.seconds > self.timeout_s and s.state not in FINISHED]
+                stalled = [
+                    s for s in looked if s.seconds > self.timeout_s and s.state not in FINISHED
+                ]
                 answered = time.monotonic()
             else:  # the store's host (the launcher, or rank 0) is gone or stopped
                 silent_for = time.monotonic() - answered
-                stalled = [Silence(-1, silent_for, "store", self._progress())] if silent_for > self.timeout_s else []
+                stalled = (
+                    [Silence(-1, silent_for, "store", self._progress())]
+                    if silent_for > self.timeout_s
+                    else []
+                )
             if self._launcher is not None:
                 self._watch_launcher()
             if stalled:
@@ -228,7 +266,9 @@ class Watchdog:
 
     def _beat(self, state: str) -> None:
         self._beats += 1
-        self.store.set(HEARTBEAT_KEY.format(rank=self.rank), f"{self._beats} {self._progress()} {state}")
+        self.store.set(
+            HEARTBEAT_KEY.format(rank=self.rank), f"{self._beats} {self._progress()} {state}"
+        )
 
     def _progress(self) -> int:
         try:
@@ -248,7 +288,10 @@ class Watchdog:
         now = time.monotonic()
         for peer in self._peers:
             self._read(peer)
-        return [Silence(p, now - since, *_state_and_step(value)) for p, (value, since) in list(self._seen.items())]
+        return [
+            Silence(p, now - since, *_state_and_step(value))
+            for p, (value, since) in list(self._seen.items())
+        ]
 
     def _bounded(self, call: Callable[[], Any]) -> Optional[Any]:
         """``call()``'s result, run in a thread of its own and waited on for at most
@@ -264,7 +307,9 @@ class Watchdog:
             except Exception:  # noqa: BLE001 -- the store's host is gone or stopped
                 pass
 
-        self._call = threading.Thread(target=work, name=f"lightning3d-watchdog-store-rank{self.rank}", daemon=True)
+        self._call = threading.Thread(
+            target=work, name=f"lightning3d-watchdog-store-rank{self.rank}", daemon=True
+        )
         self._call.start()
         self._call.join(STORE_TIMEOUT.total_seconds())
         return result[0] if result else None
@@ -283,14 +328,21 @@ class Watchdog:
         else:
             self._launcher_stopped_since = None
             return
-        print(f"lightning_3d: rank {self.rank}: the launcher (pid {self._launcher}) {why}, so nothing supervises "
-              "this rank; stopping it with a checkpoint (SIGTERM)", file=sys.stderr, flush=True)
+        print(
+            f"lightning_3d: rank {self.rank}: the launcher (pid {self._launcher}) {why}, so nothing supervises "
+            "this rank; stopping it with a checkpoint (SIGTERM)",
+            file=sys.stderr,
+            flush=True,
+        )
         self._launcher = None  # once
         self._stop_rank()
 
     def _give_up(self, stalled: list[Silence]) -> None:
-        self.verdict = (f"lightning_3d: rank {self.rank}: " + "; ".join(s.describe() for s in stalled)
-                        + f" (parallelism.timeout_s={self.timeout_s:g}); stopping this rank")
+        self.verdict = (
+            f"lightning_3d: rank {self.rank}: "
+            + "; ".join(s.describe() for s in stalled)
+            + f" (parallelism.timeout_s={self.timeout_s:g}); stopping this rank"
+        )
         print(self.verdict, file=sys.stderr, flush=True)
         self._bounded(lambda: self._beat("failed"))
         # The training thread is most likely blocked in a collective with the silent peer; if it

@@ -27,8 +27,8 @@ from lightning_3d.parallel.activation_checkpoint import (
     is_checkpointed,
     transformer_blocks,
 )
-from lightning_3d.testing.tiny_models import TinyGPT2, TinyLlama
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.tiny_models import TinyGPT2, TinyLlama
+from lightning_3d.harness.world import run_world
 
 B, T = 2, 16
 
@@ -38,12 +38,18 @@ def _gpt(n_layer: int = 4, dropout: float = 0.1) -> GPT:
     return GPT(GPTConfig(n_embd=32, n_head=4, n_layer=n_layer, block_size=T, dropout=dropout))
 
 
-MODELS = {"gpt": _gpt, "llama": lambda: TinyLlama(d=32, n_layer=3), "gpt2": lambda: TinyGPT2(block_size=T, n_layer=3)}
+MODELS = {
+    "gpt": _gpt,
+    "llama": lambda: TinyLlama(d=32, n_layer=3),
+    "gpt2": lambda: TinyGPT2(block_size=T, n_layer=3),
+}
 
 
 def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 256, (B, T), generator=gen), torch.randint(0, 256, (B, T), generator=gen)
+    return torch.randint(0, 256, (B, T), generator=gen), torch.randint(
+        0, 256, (B, T), generator=gen
+    )
 
 
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -53,7 +59,10 @@ def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Ten
     logits = logits.full_tensor() if isinstance(logits, DTensor) else logits  # vocab-parallel head
     loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
     loss.backward()
-    grads = {n: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
+    grads = {
+        n: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        for n, p in model.named_parameters()
+    }
     return loss.detach(), {n: g.clone() for n, g in grads.items()}
 
 
@@ -62,11 +71,18 @@ def _assert_same(a: tuple[torch.Tensor, dict], b: tuple[torch.Tensor, dict]) -> 
 
 
 # ================================================================== options
-@pytest.mark.parametrize("policy, every_n, match", [
-    ("sometimes", 2, r"'sometimes'.*\['none', 'full', 'every_n', 'selective'\]"), ("Full", 2, "'Full'"),
-    ("every_n", 0, "every_n=0"), ("every_n", -3, "every_n=-3"), ("every_n", 1.5, "every_n=1.5"),
-    ("every_n", True, "every_n=True"), ("full", "2", "every_n='2'"),
-])
+@pytest.mark.parametrize(
+    "policy, every_n, match",
+    [
+        ("sometimes", 2, r"'sometimes'.*\['none', 'full', 'every_n', 'selective'\]"),
+        ("Full", 2, "'Full'"),
+        ("every_n", 0, "every_n=0"),
+        ("every_n", -3, "every_n=-3"),
+        ("every_n", 1.5, "every_n=1.5"),
+        ("every_n", True, "every_n=True"),
+        ("full", "2", "every_n='2'"),
+    ],
+)
 def test_bad_options_raise_value_error_naming_them(policy, every_n, match):
     assert ac_options("every_n", 3) == {"policy": "every_n", "every_n": 3}
     with pytest.raises(ValueError, match=match):
@@ -111,17 +127,26 @@ def test_names_and_state_dict_keys_unchanged(arch):
 
 def test_every_n_picks_blocks_by_index_in_their_list():
     model = _gpt(n_layer=5)
-    assert apply_activation_checkpointing(model, "every_n", 2) == ["blocks.0", "blocks.2", "blocks.4"]
+    assert apply_activation_checkpointing(model, "every_n", 2) == [
+        "blocks.0",
+        "blocks.2",
+        "blocks.4",
+    ]
     assert apply_activation_checkpointing(model, "every_n", 3) == ["blocks.0", "blocks.3"]
     assert apply_activation_checkpointing(model, "every_n", 1) == [f"blocks.{i}" for i in range(5)]
-    assert apply_activation_checkpointing(model, "every_n", 2) and "forward" not in model.blocks[1].__dict__
+    assert (
+        apply_activation_checkpointing(model, "every_n", 2)
+        and "forward" not in model.blocks[1].__dict__
+    )
 
 
 @pytest.fixture
 def calls(monkeypatch) -> list:
     """One entry per call of torch.utils.checkpoint.checkpoint made by the module under test."""
     made, real = [], checkpointing.checkpoint
-    monkeypatch.setattr(checkpointing, "checkpoint", lambda *a, **k: made.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        checkpointing, "checkpoint", lambda *a, **k: made.append(1) or real(*a, **k)
+    )
     return made
 
 
@@ -207,7 +232,9 @@ def test_run_summary_meter_counts_what_the_benchmark_counts():
         apply_activation_checkpointing(model, policy)
         blocks = transformer_blocks(model)
         assert [name for name, _ in blocks] == list(expected)
-        assert sum(is_checkpointed(b) for _, b in blocks) == {"none": 0, "every_n": 2}.get(policy, 4)
+        assert sum(is_checkpointed(b) for _, b in blocks) == {"none": 0, "every_n": 2}.get(
+            policy, 4
+        )
         meter = ActivationMeter()
         unwatch = meter.watch(blocks)
         meter.reset(model.parameters())
@@ -215,7 +242,11 @@ def test_run_summary_meter_counts_what_the_benchmark_counts():
             _step(model, x, y)
         unwatch()
         assert meter.block_bytes == expected, policy
-        assert meter.peak >= sum(expected.values()) and meter.live == 0, (policy, meter.peak, meter.live)
+        assert meter.peak >= sum(expected.values()) and meter.live == 0, (
+            policy,
+            meter.peak,
+            meter.live,
+        )
     apply_activation_checkpointing(model, "none")
     assert "forward" not in model.blocks[0].__dict__
 
@@ -243,7 +274,7 @@ def _world_rank(rank: int) -> dict:
 
     from lightning_3d.parallel.fsdp import apply_zero3
     from lightning_3d.parallel.tensor import apply_tensor_parallel
-    from lightning_3d.plans import detect_plan
+    from lightning_3d.parallel.plans import detect_plan
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("axis",))
@@ -268,8 +299,10 @@ def _world_rank(rank: int) -> dict:
 # What _watch_sharding sees in one step: blocks.0's forward, the final norm, and (when blocks.0 is
 # checkpointed: every policy but "none") blocks.0's recompute in backward, with weights gathered.
 EXPECTED_SEEN = {
-    ("fsdp", False): [False, True], ("fsdp", True): [False, True, False],
-    ("tp", False): [True, True], ("tp", True): [True, True, True],
+    ("fsdp", False): [False, True],
+    ("fsdp", True): [False, True, False],
+    ("tp", False): [True, True],
+    ("tp", True): [True, True, True],
 }
 
 

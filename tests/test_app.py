@@ -12,7 +12,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = "examples/train.py"
 # Small and fast: tiny model, a 300 kB corpus, a global batch of 8.
-SMALL = ["model=gpt_tiny", "data.batch_size=8", "data.max_bytes=300000", "trainer.limit_val_batches=2"]
+SMALL = [
+    "model=gpt_tiny",
+    "data.batch_size=8",
+    "data.max_bytes=300000",
+    "trainer.limit_val_batches=2",
+]
 
 
 def _env():
@@ -26,13 +31,23 @@ def _env():
 
 def _start(args):
     return subprocess.Popen(
-        [sys.executable, SCRIPT, *args], cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, SCRIPT, *args],
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
 def _run(args, timeout):
     return subprocess.run(
-        [sys.executable, SCRIPT, *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
+        [sys.executable, SCRIPT, *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -43,15 +58,30 @@ def _describe(proc):
 # ------------------------------------------------------------------ bad input
 # (overrides, exit code, substrings the error must contain)
 BAD = {
-    "tensor_does_not_divide_world": (["parallelism.tensor=2", "trainer.devices=3"], 2, ["tensor(2)", "world size 3"]),
+    "tensor_does_not_divide_world": (
+        ["parallelism.tensor=2", "trainer.devices=3"],
+        2,
+        ["tensor(2)", "world size 3"],
+    ),
     "zero_stage_out_of_range": (["parallelism.zero_stage=7"], 2, ["zero_stage=7", "[0, 1, 2, 3]"]),
     "batch_not_divisible": (["data.batch_size=30", "trainer.devices=4"], 2, ["(30)", "(4)"]),
     "data_zero": (["parallelism.data=0"], 2, ["data=0"]),
     "tensor_does_not_divide_heads": (
-        ["model=gpt_tiny", "model.n_head=3", "model.n_embd=48", "parallelism.tensor=2", "trainer.devices=2"],
-        2, ["heads 3", "tensor=2"],
+        [
+            "model=gpt_tiny",
+            "model.n_head=3",
+            "model.n_embd=48",
+            "parallelism.tensor=2",
+            "trainer.devices=2",
+        ],
+        2,
+        ["heads 3", "tensor=2"],
     ),
-    "unknown_key": (["parallelism.foo=1"], 2, ["parallelism.foo"]),  # Hydra's own error, also one line
+    "unknown_key": (
+        ["parallelism.foo=1"],
+        2,
+        ["parallelism.foo"],
+    ),  # Hydra's own error, also one line
 }
 
 
@@ -66,7 +96,10 @@ def bad_runs(tmp_path_factory):
     try:
         for name, (run_dir, proc) in started.items():
             stdout, stderr = proc.communicate(timeout=180)
-            finished[name] = (run_dir, subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+            finished[name] = (
+                run_dir,
+                subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr),
+            )
     finally:
         for _, proc in started.values():
             if proc.poll() is None:
@@ -142,9 +175,17 @@ def test_cli_real_run_zero2(zero2_run):
     assert len(ranks) == 2
     assert sorted(r["rank"] for r in ranks) == [0, 1]
     for rank in ranks:
-        for key in ("peak_rss_mb", "param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes_per_block"):
+        for key in (
+            "peak_rss_mb",
+            "param_bytes",
+            "grad_bytes",
+            "optimizer_state_bytes",
+            "activation_bytes_per_block",
+        ):
             assert rank[key] > 0, (key, rank)
-        assert rank["blocks_on_rank"] == 2 and rank["checkpointed_blocks"] == 0, rank  # gpt_tiny: 2 blocks
+        assert rank["blocks_on_rank"] == 2 and rank["checkpointed_blocks"] == 0, (
+            rank
+        )  # gpt_tiny: 2 blocks
     # One summary per job: the ranks write into the job directory, rank 0 only.
     assert sorted(p.name for p in tmp_path.glob("**/summary.json")) == ["summary.json"]
 
@@ -153,8 +194,15 @@ def test_cli_full_activation_checkpointing_saves_less_per_block(zero2_run, tmp_p
     """One process with the zero2 run's per-rank batch (4 x 32 tokens), every block checkpointed:
     each block keeps only its input (4 x 32 x n_embd 32 x 4 bytes), far less than without."""
     proc = _run(
-        [*SMALL, "data.batch_size=4", "trainer.devices=1", "trainer.max_steps=1", "trainer.limit_val_batches=0",
-         "parallelism.ac_policy=full", f"hydra.run.dir={tmp_path}"],
+        [
+            *SMALL,
+            "data.batch_size=4",
+            "trainer.devices=1",
+            "trainer.max_steps=1",
+            "trainer.limit_val_batches=0",
+            "parallelism.ac_policy=full",
+            f"hydra.run.dir={tmp_path}",
+        ],
         timeout=180,
     )
     assert proc.returncode == 0, _describe(proc)

@@ -24,13 +24,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_3d.testing.apps import compose_config, start_app, wait_all
+from lightning_3d.harness.apps import compose_config, start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"
 N, M, K = 6, 4, 2
-TINY = ["model=gpt_tiny", "data.batch_size=4", "data.max_bytes=100000", "trainer.limit_val_batches=0",
-        f"model.max_steps={N}"]
+TINY = [
+    "model=gpt_tiny",
+    "data.batch_size=4",
+    "data.max_bytes=100000",
+    "trainer.limit_val_batches=0",
+    f"model.max_steps={N}",
+]
 TIMEOUT = 400
 
 
@@ -62,17 +67,33 @@ def runs(tmp_path_factory):
     finished processes."""
     cwd = {name: tmp_path_factory.mktemp(name) for name in ("a", "b", "no_run")}
     first = {
-        "a": start_app(SCRIPT, [*TINY, "trainer.devices=1", f"trainer.max_steps={N}", "checkpoint.every_n_steps=null"],
-                       cwd["a"]),
-        "b1": start_app(SCRIPT, [*TINY, "trainer.devices=1", f"trainer.max_steps={K}", f"checkpoint.every_n_steps={K}"],
-                        cwd["b"]),
+        "a": start_app(
+            SCRIPT,
+            [*TINY, "trainer.devices=1", f"trainer.max_steps={N}", "checkpoint.every_n_steps=null"],
+            cwd["a"],
+        ),
+        "b1": start_app(
+            SCRIPT,
+            [*TINY, "trainer.devices=1", f"trainer.max_steps={K}", f"checkpoint.every_n_steps={K}"],
+            cwd["b"],
+        ),
         "no_run": start_app(SCRIPT, [*TINY, "trainer.devices=1", "resume=last"], cwd["no_run"]),
     }
     done = wait_all(first, timeout=TIMEOUT)
     assert done["b1"].returncode == 0, _describe(done["b1"])
     for name, steps in (("b2", M), ("b3", N)):
-        done.update(wait_all({name: start_app(SCRIPT, [*TINY, "trainer.devices=1", f"trainer.max_steps={steps}",
-                                                       "resume=last"], cwd["b"])}, timeout=TIMEOUT))
+        done.update(
+            wait_all(
+                {
+                    name: start_app(
+                        SCRIPT,
+                        [*TINY, "trainer.devices=1", f"trainer.max_steps={steps}", "resume=last"],
+                        cwd["b"],
+                    )
+                },
+                timeout=TIMEOUT,
+            )
+        )
         assert done[name].returncode == 0, _describe(done[name])
     return cwd, done
 
@@ -88,7 +109,11 @@ def test_resume_last_continues_exactly_as_the_uninterrupted_run(runs):
         assert f"Restoring states from the checkpoint path at {previous / 'last.ckpt'}" in output
     full = _summary(a_dir)["losses"]
     parts = [_summary(d)["losses"] for d in (b1_dir, b2_dir, b3_dir)]
-    assert [len(p) for p in parts] == [K, M - K, N - M]  # each part trained only its remaining steps
+    assert [len(p) for p in parts] == [
+        K,
+        M - K,
+        N - M,
+    ]  # each part trained only its remaining steps
     assert parts[0] + parts[1] + parts[2] == pytest.approx(full, rel=1e-6, abs=0)
     a, b = _weights(a_dir / "final.ckpt"), _weights(b3_dir / "final.ckpt")
     assert a.keys() == b.keys()
@@ -108,10 +133,21 @@ def test_resume_last_on_two_ranks_continues_the_one_process_run(runs, tmp_path):
     b1_dir = _run_dirs(cwd["b"])[0]
     b1_copy = tmp_path / "outputs" / b1_dir.parent.name / b1_dir.name
     shutil.copytree(b1_dir, b1_copy)
-    proc = wait_all({"b2": start_app(SCRIPT, [*TINY, "trainer.devices=2", f"trainer.max_steps={N}", "resume=last"],
-                                     tmp_path)}, timeout=TIMEOUT)["b2"]
+    proc = wait_all(
+        {
+            "b2": start_app(
+                SCRIPT,
+                [*TINY, "trainer.devices=2", f"trainer.max_steps={N}", "resume=last"],
+                tmp_path,
+            )
+        },
+        timeout=TIMEOUT,
+    )["b2"]
     assert proc.returncode == 0, _describe(proc)
-    assert f"Restoring states from the checkpoint path at {b1_copy / 'last.ckpt'}" in proc.stdout + proc.stderr
+    assert (
+        f"Restoring states from the checkpoint path at {b1_copy / 'last.ckpt'}"
+        in proc.stdout + proc.stderr
+    )
     b2_dir = _run_dirs(tmp_path)[-1]
     resumed = _summary(b2_dir)
     assert resumed["layout"]["world_size"] == 2 and len(resumed["losses"]) == N - K
@@ -130,21 +166,30 @@ def test_resume_last_without_an_earlier_run_is_refused_before_any_rank_starts(ru
     assert "Traceback" not in output and "Initializing distributed" not in output, _describe(proc)
     error_lines = [line for line in output.splitlines() if "error:" in line.lower()]
     assert len(error_lines) == 1, _describe(proc)
-    assert error_lines[0].startswith("error: resume=last: no last.ckpt or preempted.ckpt under"), _describe(proc)
+    assert error_lines[0].startswith("error: resume=last: no last.ckpt or preempted.ckpt under"), (
+        _describe(proc)
+    )
     assert _run_dirs(cwd["no_run"]) == []  # no run directory left behind
 
 
 def test_a_checkpoint_of_another_model_is_refused_before_any_rank_starts(runs):
     """validate() compares the checkpoint's names and shapes with the model built on meta (no
     tensor data read): B1's gpt_tiny checkpoint does not fit n_embd=64."""
-    from lightning_3d.app import validate
+    from lightning_3d.app.run import validate
 
     cwd, _ = runs
     checkpoint = _run_dirs(cwd["b"])[0] / "last.ckpt"
     validate(compose_config("train", *TINY, "trainer.devices=1", f"resume={checkpoint}"))  # fits
-    with pytest.raises(ValueError, match=r"the checkpoint does not match the model: shape mismatch .*"
-                                         r"checkpoint \(32, 32\) vs model \(64, 64\)"):
-        validate(compose_config("train", *TINY, "model.n_embd=64", "trainer.devices=1", f"resume={checkpoint}"))
+    with pytest.raises(
+        ValueError,
+        match=r"the checkpoint does not match the model: shape mismatch .*"
+        r"checkpoint \(32, 32\) vs model \(64, 64\)",
+    ):
+        validate(
+            compose_config(
+                "train", *TINY, "model.n_embd=64", "trainer.devices=1", f"resume={checkpoint}"
+            )
+        )
 
 
 # ------------------------------------------------------------------ in process: what "last" is
@@ -162,14 +207,16 @@ def _touch(path: Path, mtime: float, sharded: bool = False) -> Path:
 
 
 def test_last_is_the_newest_checkpoint_of_the_apps_own_runs(tmp_path):
-    from lightning_3d.resume import newest_checkpoint
+    from lightning_3d.checkpoint.resume import newest_checkpoint
 
     runs = tmp_path / "outputs"
     _touch(runs / "2026-11-30" / "10-00-00" / "last.ckpt", 1000)
     preempted = _touch(runs / "2026-11-30" / "11-00-00" / "preempted.ckpt", 3000)
     _touch(runs / "2026-11-30" / "11-00-00" / "last.ckpt", 2000)
     _touch(runs / "2026-11-30" / "11-00-00" / "final.ckpt", 9000)  # not a resume point
-    _touch(runs / "2026-11-30" / "12-00-00" / "last.ckpt" / "stray.txt", 8000)  # a directory, not a checkpoint
+    _touch(
+        runs / "2026-11-30" / "12-00-00" / "last.ckpt" / "stray.txt", 8000
+    )  # a directory, not a checkpoint
     tuned = _touch(runs / "finetune" / "2026-11-30" / "12-00-00" / "last.ckpt", 5000)
     assert newest_checkpoint(runs, skip="finetune") == preempted
     assert newest_checkpoint(runs / "finetune") == tuned
@@ -182,17 +229,21 @@ def test_resume_values_are_checked_in_the_launching_process(tmp_path, monkeypatc
     """validate() names the value: last with no earlier run, a safetensors export (weights only),
     a directory that is not a checkpoint, the file ``last`` found when it is not a checkpoint.
     (A missing path and +ckpt_path: tests/test_cli_errors.py.)"""
-    from lightning_3d.app import validate
+    from lightning_3d.app.run import validate
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")
     (tmp_path / "plain_dir").mkdir()
-    for value, named in (("last", "resume=last: no last.ckpt or preempted.ckpt under"),
-                         ("model.safetensors", "holds weights only (safetensors)"),
-                         ("plain_dir", "is a directory but not a checkpoint")):
+    for value, named in (
+        ("last", "resume=last: no last.ckpt or preempted.ckpt under"),
+        ("model.safetensors", "holds weights only (safetensors)"),
+        ("plain_dir", "is a directory but not a checkpoint"),
+    ):
         with pytest.raises(ValueError, match=named.replace("(", r"\(").replace(")", r"\)")):
             validate(compose_config("train", "model=gpt_tiny", f"resume={value}"))
-    found = _touch(tmp_path / "outputs" / "2026-11-30" / "10-00-00" / "last.ckpt", 1000)  # not a real checkpoint
+    found = _touch(
+        tmp_path / "outputs" / "2026-11-30" / "10-00-00" / "last.ckpt", 1000
+    )  # not a real checkpoint
     with pytest.raises(ValueError, match=f"resume={found}: .* is neither a Lightning checkpoint"):
         validate(compose_config("train", "model=gpt_tiny", "trainer.devices=1", "resume=last"))
 
@@ -202,12 +253,17 @@ def test_a_stopped_run_names_the_checkpoint_to_resume_from(tmp_path):
     run wrote, else the one it resumed from itself; outside the apps, the Lightning call."""
     from types import SimpleNamespace
 
-    from lightning_3d.resume import resume_hint, written_checkpoint
+    from lightning_3d.checkpoint.resume import resume_hint, written_checkpoint
 
-    trainer = SimpleNamespace(checkpoint_callback=SimpleNamespace(dirpath=str(tmp_path)), default_root_dir="/elsewhere",
-                              ckpt_path=None)
+    trainer = SimpleNamespace(
+        checkpoint_callback=SimpleNamespace(dirpath=str(tmp_path)),
+        default_root_dir="/elsewhere",
+        ckpt_path=None,
+    )
     assert written_checkpoint(trainer) is None and written_checkpoint(None) is None
-    trainer.ckpt_path = "/runs/a/last.ckpt"  # resumed, nothing saved yet: that file is still the newest state
+    trainer.ckpt_path = (
+        "/runs/a/last.ckpt"  # resumed, nothing saved yet: that file is still the newest state
+    )
     assert written_checkpoint(trainer) == Path("/runs/a/last.ckpt")
     _touch(tmp_path / "last.ckpt", 1000)
     preempted = _touch(tmp_path / "preempted.ckpt", 2000)

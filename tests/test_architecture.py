@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import lightning_3d
-from lightning_3d.plan import DEPRECATED, OPTIONS, Plan, hydra_schema, options_table
-from lightning_3d.strategy import ThreeDStrategy
+from lightning_3d.options import DEPRECATED, OPTIONS, Plan, hydra_schema, options_table
+from lightning_3d.strategy.three_d import ThreeDStrategy
 
 PACKAGE = Path(lightning_3d.__file__).parent
 REPO = PACKAGE.parent
@@ -31,7 +31,11 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in modules.items():
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("lightning_3d"):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and (node.module or "").startswith("lightning_3d")
+            ):
                 for alias in node.names:
                     full = f"{node.module}.{alias.name}"
                     deps.add(full if full in modules else node.module)
@@ -75,7 +79,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_import_graph_has_no_cycle():
     graph = import_graph()
-    assert "lightning_3d.recipe" in graph and graph["lightning_3d.strategy"]  # the walk saw the package
+    assert (
+        "lightning_3d.strategy.recipe" in graph and graph["lightning_3d.strategy.three_d"]
+    )  # the walk saw the package
     assert cycles(graph) == []
 
 
@@ -87,7 +93,11 @@ def _private_strategy_reads(source: str) -> list[str]:
     """``<...strategy>._name`` in ``source``: a private member read through a strategy."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
             owner = ast.unparse(node.value)
             if re.search(r"strategy$", owner):
                 found.append(f"{owner}.{node.attr}")
@@ -96,7 +106,11 @@ def _private_strategy_reads(source: str) -> list[str]:
 
 def test_no_module_outside_the_strategy_reads_its_private_members():
     offenders = {}
-    for path in [*PACKAGE.rglob("*.py"), *(REPO / "tests").glob("*.py"), *(REPO / "examples").glob("*.py")]:
+    for path in [
+        *PACKAGE.rglob("*.py"),
+        *(REPO / "tests").glob("*.py"),
+        *(REPO / "examples").glob("*.py"),
+    ]:
         if path == PACKAGE / "strategy.py":
             continue
         reads = _private_strategy_reads(path.read_text())
@@ -109,15 +123,28 @@ def test_no_module_outside_the_strategy_reads_its_private_members():
 def test_the_strategys_mixins_use_only_their_own_private_members():
     # A base class of ThreeDStrategy defined in another module must not reach into the
     # strategy's own private state (self._x defined in strategy.py).
-    own = {n.attr for n in ast.walk(ast.parse((PACKAGE / "strategy.py").read_text()))
-           if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
-           and n.attr.startswith("_") and not n.attr.startswith("__")}
+    own = {
+        n.attr
+        for n in ast.walk(ast.parse((PACKAGE / "strategy.py").read_text()))
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+        and n.attr.startswith("_")
+        and not n.attr.startswith("__")
+    }
     for base in ThreeDStrategy.__mro__[1:]:
         if not base.__module__.startswith("lightning_3d"):
             continue
         tree = ast.parse(inspect.getsource(base))
-        used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-                and n.value.id == "self" and n.attr.startswith("_") and not n.attr.startswith("__")}
+        used = {
+            n.attr
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name)
+            and n.value.id == "self"
+            and n.attr.startswith("_")
+            and not n.attr.startswith("__")
+        }
         assert used & own == set(), f"{base.__qualname__} reads the strategy's {sorted(used & own)}"
 
 
@@ -131,8 +158,10 @@ def test_options_have_one_source_for_names_and_defaults():
         schema = offload if option.hydra_group == "offload" else parallelism
         assert getattr(schema, option.key) == option.default, option.name
     # the strategy takes exactly these names (and the deprecated ones)
-    assert ThreeDStrategy(**{o.name: o.default for o in OPTIONS if o.name != "offload_path"}).plan == \
-        Plan.from_options()
+    assert (
+        ThreeDStrategy(**{o.name: o.default for o in OPTIONS if o.name != "offload_path"}).plan
+        == Plan.from_options()
+    )
     with pytest.raises(ValueError, match="unknown ThreeDStrategy option"):
         ThreeDStrategy(no_such_option=1)
 
@@ -170,22 +199,36 @@ def _functions_of_torch_and_lightning() -> dict[str, object]:
     from torch.distributed.pipelining import PipelineStage, schedules
     from torch.distributed.tensor import DTensor
 
-    owners = {"F": F, "torch": torch, "dist": dist, "Tensor": torch.Tensor, "Module": torch.nn.Module,
-              "GradScaler": torch.amp.GradScaler, "PipelineStage": PipelineStage, "DTensor": DTensor,
-              "LightningModule": pl.LightningModule, "Trainer": pl.Trainer, "Strategy": Strategy,
-              "ParallelStrategy": ParallelStrategy}
+    owners = {
+        "F": F,
+        "torch": torch,
+        "dist": dist,
+        "Tensor": torch.Tensor,
+        "Module": torch.nn.Module,
+        "GradScaler": torch.amp.GradScaler,
+        "PipelineStage": PipelineStage,
+        "DTensor": DTensor,
+        "LightningModule": pl.LightningModule,
+        "Trainer": pl.Trainer,
+        "Strategy": Strategy,
+        "ParallelStrategy": ParallelStrategy,
+    }
     owners.update({f"schedules.{n}": c for n, c in vars(schedules).items() if isinstance(c, type)})
     owners.update({f"precision.{n}": c for n, c in vars(precision).items() if isinstance(c, type)})
     # __slotnames__ is copyreg's cache, filled in by the first pickling of an instance.
-    return {f"{owner}.{name}": value for owner, obj in owners.items() for name, value in list(vars(obj).items())
-            if name != "__slotnames__"}
+    return {
+        f"{owner}.{name}": value
+        for owner, obj in owners.items()
+        for name, value in list(vars(obj).items())
+        if name != "__slotnames__"
+    }
 
 
 def _fit_and_compare(rank: int, runs: list) -> dict:
     import torch.nn.functional as F
 
     from lightning_3d.models.lit_gpt import LitGPT
-    from lightning_3d.testing.runs import fit_gpt
+    from lightning_3d.harness.runs import fit_gpt
 
     cross_entropy = F.cross_entropy
     before = _functions_of_torch_and_lightning()
@@ -193,20 +236,31 @@ def _fit_and_compare(rank: int, runs: list) -> dict:
     losses = [fit_gpt(rank, run)["losses"] for run in runs]
     after = _functions_of_torch_and_lightning()
     return {
-        "changed": sorted(k for k in before.keys() | after.keys() if before.get(k) is not after.get(k)),
-        "model_class_changed": sorted(k for k in model_class if vars(LitGPT).get(k) is not model_class[k]),
+        "changed": sorted(
+            k for k in before.keys() | after.keys() if before.get(k) is not after.get(k)
+        ),
+        "model_class_changed": sorted(
+            k for k in model_class if vars(LitGPT).get(k) is not model_class[k]
+        ),
         "cross_entropy_is_original": F.cross_entropy is cross_entropy,
         "losses": losses,
     }
 
 
 def test_a_tensor_parallel_and_a_pipeline_fit_reassign_nothing_in_torch_or_lightning():
-    from lightning_3d.testing.runs import Run
-    from lightning_3d.testing.world import run_world
+    from lightning_3d.harness.runs import Run
+    from lightning_3d.harness.world import run_world
 
-    runs = [Run(strategy={"tensor": 2}, devices=2, steps=2, validate=True),
-            Run(strategy={"pipeline": 2}, devices=2, steps=2,
-                validate=True, trainer={"precision": "bf16-mixed", "gradient_clip_val": 1.0})]
+    runs = [
+        Run(strategy={"tensor": 2}, devices=2, steps=2, validate=True),
+        Run(
+            strategy={"pipeline": 2},
+            devices=2,
+            steps=2,
+            validate=True,
+            trainer={"precision": "bf16-mixed", "gradient_clip_val": 1.0},
+        ),
+    ]
     for rank in run_world(_fit_and_compare, 2, runs):
         assert rank["cross_entropy_is_original"]
         assert rank["changed"] == [] and rank["model_class_changed"] == []
@@ -215,7 +269,7 @@ def test_a_tensor_parallel_and_a_pipeline_fit_reassign_nothing_in_torch_or_light
 
 def test_a_hand_built_plan_is_checked_by_the_strategy_and_keeps_its_values():
     from lightning_3d.layout import Layout
-    from lightning_3d.plan import PipelineOptions
+    from lightning_3d.options import PipelineOptions
 
     plan = Plan(layout=Layout(pipeline=2), pp=PipelineOptions(schedule="gpipe"))
     strategy = ThreeDStrategy(plan, zero_stage=1)

@@ -9,14 +9,17 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_3d  # noqa: F401  (registers the "3d*" strategies)
 from lightning_3d import ThreeDStrategy
-from lightning_3d.config import ParallelismConfig, build_strategy, world_size_of
+from lightning_3d.app.config import ParallelismConfig, build_strategy, world_size_of
 from lightning_3d.data import TextDataModule
-
 
 
 def _quiet_trainer(**kwargs):
     return L.Trainer(
-        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, **kwargs
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
     )
 
 
@@ -41,7 +44,9 @@ def test_bad_zero_stage(stage):
         ThreeDStrategy(zero_stage=stage)
 
 
-@pytest.mark.parametrize("kwargs, named", [(dict(tensor=0), "tensor=0"), (dict(data=-2), "data=-2")])
+@pytest.mark.parametrize(
+    "kwargs, named", [(dict(tensor=0), "tensor=0"), (dict(data=-2), "data=-2")]
+)
 def test_bad_sizes(kwargs, named):
     with pytest.raises(ValueError, match=named):
         ThreeDStrategy(**kwargs)
@@ -54,15 +59,21 @@ def test_bad_bucket_size(size):
 
 
 def test_bad_checkpoint_format():
-    with pytest.raises(ValueError, match=r"checkpoint_format must be one of \('consolidated', 'sharded'\), got 'dcp'"):
+    with pytest.raises(
+        ValueError,
+        match=r"checkpoint_format must be one of \('consolidated', 'sharded'\), got 'dcp'",
+    ):
         ThreeDStrategy(checkpoint_format="dcp")
 
 
-@pytest.mark.parametrize("kwargs, named", [
-    (dict(offload="cpu", offload_params=True, zero_stage=2), "zero_stage=2 and offload='cpu'"),
-    (dict(offload_params=True, zero_stage=3), "zero_stage=3 and offload='none'"),
-    (dict(offload="cpu", offload_params="yes", zero_stage=3), "offload_params='yes'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        (dict(offload="cpu", offload_params=True, zero_stage=2), "zero_stage=2 and offload='cpu'"),
+        (dict(offload_params=True, zero_stage=3), "zero_stage=3 and offload='none'"),
+        (dict(offload="cpu", offload_params="yes", zero_stage=3), "offload_params='yes'"),
+    ],
+)
 def test_bad_parameter_offload(kwargs, named):
     with pytest.raises(ValueError, match=named):
         ThreeDStrategy(**kwargs)
@@ -79,7 +90,12 @@ def test_good_options_are_kept():
 def test_trainer_rejects_layout_that_does_not_tile_world(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError) as err:
-        L.Trainer(accelerator="cpu", devices=3, strategy=ThreeDStrategy(tensor=2), default_root_dir=tmp_path)
+        L.Trainer(
+            accelerator="cpu",
+            devices=3,
+            strategy=ThreeDStrategy(tensor=2),
+            default_root_dir=tmp_path,
+        )
     message = str(err.value)
     assert "tensor(2)" in message
     assert "world size 3" in message
@@ -90,23 +106,31 @@ def test_trainer_rejects_layout_that_does_not_tile_world(tmp_path, monkeypatch):
 
 def test_trainer_counts_nodes_in_world_size(tmp_path):
     with pytest.raises(ValueError, match=r"tensor\(3\) = 3 does not divide world size 4"):
-        _quiet_trainer(devices=2, num_nodes=2, strategy=ThreeDStrategy(tensor=3), default_root_dir=tmp_path)
+        _quiet_trainer(
+            devices=2, num_nodes=2, strategy=ThreeDStrategy(tensor=3), default_root_dir=tmp_path
+        )
     assert not dist.is_initialized()
 
 
 def test_trainer_rejects_explicit_data_size(tmp_path):
-    with pytest.raises(ValueError, match=r"data\(4\) \* tensor\(1\) = 4 does not equal world size 2"):
+    with pytest.raises(
+        ValueError, match=r"data\(4\) \* tensor\(1\) = 4 does not equal world size 2"
+    ):
         _quiet_trainer(devices=2, strategy=ThreeDStrategy(data=4), default_root_dir=tmp_path)
 
 
 def test_trainer_resolves_layout_at_construction(tmp_path):
-    trainer = _quiet_trainer(devices=2, strategy=ThreeDStrategy(zero_stage=1), default_root_dir=tmp_path)
+    trainer = _quiet_trainer(
+        devices=2, strategy=ThreeDStrategy(zero_stage=1), default_root_dir=tmp_path
+    )
     assert trainer.strategy.layout.data == 2
     assert trainer.strategy.layout.zero_stage == 1
     assert not dist.is_initialized()
 
 
-@pytest.mark.parametrize("name, stage", [("3d", 0), ("3d_zero1", 1), ("3d_zero2", 2), ("3d_zero3", 3)])
+@pytest.mark.parametrize(
+    "name, stage", [("3d", 0), ("3d_zero1", 1), ("3d_zero2", 2), ("3d_zero3", 3)]
+)
 def test_registered_strategy_names(name, stage, tmp_path):
     assert name in StrategyRegistry
     trainer = _quiet_trainer(devices=1, strategy=name, default_root_dir=tmp_path)
@@ -136,17 +160,21 @@ def test_check_batch_zero_dp():
 # ------------------------------------------------------------------ the app's config checks (in process)
 @pytest.fixture
 def compose():
-    from lightning_3d.testing.apps import compose_config
+    from lightning_3d.harness.apps import compose_config
 
     return lambda *overrides: compose_config("train", *overrides)
 
 
 def test_validate_accepts_default_config(compose):
-    from lightning_3d.app import validate
+    from lightning_3d.app.run import validate
 
     validate(compose())  # no exception
-    validate(compose("trainer.devices=4", "parallelism.tensor=2", "data.batch_size=30"))  # 30 % dp(2) == 0
-    validate(compose("trainer.max_steps=-1", "+trainer.max_epochs=1"))  # the epochs decide; the schedule too
+    validate(
+        compose("trainer.devices=4", "parallelism.tensor=2", "data.batch_size=30")
+    )  # 30 % dp(2) == 0
+    validate(
+        compose("trainer.max_steps=-1", "+trainer.max_epochs=1")
+    )  # the epochs decide; the schedule too
 
 
 @pytest.mark.parametrize(
@@ -159,24 +187,54 @@ def test_validate_accepts_default_config(compose):
         (["trainer.devices=auto"], ["'auto'"]),
         (["offload.device=disk"], ["offload='disk'"]),
         (["offload=nvme", "offload.path=/no/such/dir"], ["'/no/such/dir' does not exist"]),
-        (["offload=cpu", "offload.params=true"], ["offload_params=True needs zero_stage=3", "zero_stage=0"]),
+        (
+            ["offload=cpu", "offload.params=true"],
+            ["offload_params=True needs zero_stage=3", "zero_stage=0"],
+        ),
         (["parallelism.ac_policy=half"], ["policy 'half'"]),
         (["parallelism.activation_checkpointing=half"], ["policy 'half'"]),  # the deprecated name
         (["parallelism.checkpoint_format=zip"], ["checkpoint_format", "'zip'"]),
         # the tensor-parallel plan is checked against the model's shapes (built on meta)
-        (["parallelism.tensor=2", "trainer.devices=2", "model.n_head=3", "model.n_embd=48"], ["heads 3", "tensor=2"]),
-        (["parallelism.tensor=2", "trainer.devices=2", "model.vocab_size=255"], ["vocabulary) 255", "tensor=2"]),
-        (["parallelism.tensor=2", "trainer.devices=2", "parallelism.tp_plan={model.nothing.*:colwise}"],
-         ["model.nothing.*", "match no module"]),
-        (["parallelism.tensor=2", "trainer.devices=2", "parallelism.tp_plan={model.blocks.*.attn.wq:diagonal}"],
-         ["unknown parallel style 'diagonal'"]),
+        (
+            ["parallelism.tensor=2", "trainer.devices=2", "model.n_head=3", "model.n_embd=48"],
+            ["heads 3", "tensor=2"],
+        ),
+        (
+            ["parallelism.tensor=2", "trainer.devices=2", "model.vocab_size=255"],
+            ["vocabulary) 255", "tensor=2"],
+        ),
+        (
+            [
+                "parallelism.tensor=2",
+                "trainer.devices=2",
+                "parallelism.tp_plan={model.nothing.*:colwise}",
+            ],
+            ["model.nothing.*", "match no module"],
+        ),
+        (
+            [
+                "parallelism.tensor=2",
+                "trainer.devices=2",
+                "parallelism.tp_plan={model.blocks.*.attn.wq:diagonal}",
+            ],
+            ["unknown parallel style 'diagonal'"],
+        ),
         # the pipeline split is checked against the model (built on meta)
-        (["parallelism=pp2", "parallelism.split=[model.blocks.9]"], ["'model.blocks.9' names no module"]),
+        (
+            ["parallelism=pp2", "parallelism.split=[model.blocks.9]"],
+            ["'model.blocks.9' names no module"],
+        ),
         (["parallelism=pp2", "parallelism.split=zigzag"], ["unknown pipeline split 'zigzag'"]),
-        (["parallelism=pp2", "parallelism.schedule=interleaved_1f1b", "model.n_layer=6"], ["do not divide 6 blocks"]),
+        (
+            ["parallelism=pp2", "parallelism.schedule=interleaved_1f1b", "model.n_layer=6"],
+            ["do not divide 6 blocks"],
+        ),
         # values the ranks used to meet first (a traceback each), or took silently
         (["seed=abc"], ["seed='abc'", "whole number"]),
-        (["offload=nvme", "offload.path="], ["offload path '' is empty"]),  # was: the working directory
+        (
+            ["offload=nvme", "offload.path="],
+            ["offload path '' is empty"],
+        ),  # was: the working directory
         (["seed=1.5"], ["seed=1.5"]),
         (["seed=-1"], ["seed=-1"]),
         (["model.lr=-0.1"], ["lr=-0.1 must be a number > 0"]),
@@ -184,11 +242,14 @@ def test_validate_accepts_default_config(compose):
         (["data.batch_size=2.5"], ["batch_size must be a whole number >= 1, got 2.5"]),
         (["trainer.max_steps=2.5"], ["trainer.max_steps=2.5 must be an integer"]),
         (["+trainer.max_epochs=1.5"], ["trainer.max_epochs=1.5 must be an integer"]),
-        (["model=hf", "model.path=null", "+model.config={model_type:llama}", "model.lr=0"], ["lr=0 must be a number > 0"]),
+        (
+            ["model=hf", "model.path=null", "+model.config={model_type:llama}", "model.lr=0"],
+            ["lr=0 must be a number > 0"],
+        ),
     ],
 )
 def test_validate_rejects(compose, overrides, named):
-    from lightning_3d.app import validate
+    from lightning_3d.app.run import validate
 
     with pytest.raises(ValueError) as err:
         validate(compose(*overrides))
@@ -199,14 +260,17 @@ def test_validate_rejects(compose, overrides, named):
 def test_explicit_tp_plan_from_hydra_builds_the_styles(compose):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from lightning_3d.app import validate
+    from lightning_3d.app.run import validate
 
-    cfg = compose("parallelism.tensor=2", "trainer.devices=2",
-                  "parallelism.tp_plan={model.blocks.*.mlp.fc1:colwise,model.blocks.*.mlp.fc2:rowwise}")
+    cfg = compose(
+        "parallelism.tensor=2",
+        "trainer.devices=2",
+        "parallelism.tp_plan={model.blocks.*.mlp.fc1:colwise,model.blocks.*.mlp.fc2:rowwise}",
+    )
     validate(cfg)  # both patterns match, 512 hidden units split in 2
     strategy = build_strategy(cfg.parallelism)
     assert set(strategy.plan.tp.plan) == {"model.blocks.*.mlp.fc1", "model.blocks.*.mlp.fc2"}
-    from lightning_3d.plans import plan_from_names
+    from lightning_3d.parallel.plans import plan_from_names
 
     styles = plan_from_names(strategy.plan.tp.plan)
     assert isinstance(styles["model.blocks.*.mlp.fc1"], ColwiseParallel)

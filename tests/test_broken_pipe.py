@@ -15,23 +15,39 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.streams import NOTICE, ClosedPipeSafe
-from lightning_3d.testing.apps import app_env
+from lightning_3d.app.streams import NOTICE, ClosedPipeSafe
+from lightning_3d.harness.apps import app_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12
-ARGS = ["model=gpt_tiny", f"trainer.max_steps={STEPS}", "data.max_bytes=100000", "trainer.limit_val_batches=0",
-        "data.batch_size=4"]
+ARGS = [
+    "model=gpt_tiny",
+    f"trainer.max_steps={STEPS}",
+    "data.max_bytes=100000",
+    "trainer.limit_val_batches=0",
+    "data.batch_size=4",
+]
 
 
-@pytest.mark.parametrize("devices, both", [(1, False), (2, True)], ids=["one_process_stdout", "two_ranks_2>&1"])
+@pytest.mark.parametrize(
+    "devices, both", [(1, False), (2, True)], ids=["one_process_stdout", "two_ranks_2>&1"]
+)
 def test_a_reader_that_closes_early_does_not_stop_the_run(tmp_path, devices, both):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "examples/train.py"), *ARGS, f"trainer.devices={devices}",
-         f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=app_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT if both else (tmp_path / "stderr.txt").open("w"), text=True)
+        [
+            sys.executable,
+            str(REPO / "examples/train.py"),
+            *ARGS,
+            f"trainer.devices={devices}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=app_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if both else (tmp_path / "stderr.txt").open("w"),
+        text=True,
+    )
     for _ in range(3):  # what head -3 reads, then it exits
         proc.stdout.readline()
     proc.stdout.close()
@@ -62,8 +78,10 @@ def test_the_wrapper_drops_writes_after_the_pipe_closed(tmp_path):
 
     told = []
     out = ClosedPipeSafe(Closing(), "stdout")
-    out.partner = ClosedPipeSafe(type("Sink", (), {"write": lambda self, t: told.append(t), "flush": lambda self: None})(),
-                                 "stderr")
+    out.partner = ClosedPipeSafe(
+        type("Sink", (), {"write": lambda self, t: told.append(t), "flush": lambda self: None})(),
+        "stderr",
+    )
     assert out.write("a\n") == 2 and out.write("b\n") == 2 and out.write("c\n") == 2
     assert out.closed_by_reader and told == [NOTICE.format(name="stdout")]
     out.flush()

@@ -72,7 +72,7 @@ def _conversation(i):
 
 def _tiny_model(attn):
     from lightning_3d.models.hf import HFCausalLM
-    from lightning_3d.testing.hf_configs import tiny_hf_config
+    from lightning_3d.harness.hf_configs import tiny_hf_config
 
     torch.manual_seed(0)
     return HFCausalLM(
@@ -346,7 +346,7 @@ def test_chat_loader_resumes_mid_epoch(files):
 def _compose(overrides, name="finetune"):
     from hydra import compose, initialize_config_dir
 
-    from lightning_3d.config import register_configs
+    from lightning_3d.app.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -356,7 +356,7 @@ def _compose(overrides, name="finetune"):
 def test_launcher_checks_records_and_refuses_packing_under_pipeline(files, tmp_path):
     """The app's validation (in the launching process) reads the records, and refuses packed
     rows with pipeline > 1 in one line. (Seen failing without the app's data-layout check.)"""
-    from lightning_3d.app import validate
+    from lightning_3d.app.run import validate
 
     base = [
         "model=hf",
@@ -382,7 +382,7 @@ def test_launcher_checks_records_and_refuses_packing_under_pipeline(files, tmp_p
 
 def test_finetune_app_trains_on_chat(files):
     """examples/finetune.py model=hf data=chat: 3 steps in one process, finite losses."""
-    from lightning_3d.testing.apps import start_app, wait_all
+    from lightning_3d.harness.apps import start_app, wait_all
 
     out = files["root"] / "run"
     args = [

@@ -25,19 +25,29 @@ from lightning_3d.checkpoint.checks import inspect_checkpoint, load_lightning_ch
 from lightning_3d.checkpoint.io import AtomicCheckpointIO
 from lightning_3d.checkpoint.pretrained import load_pretrained
 from lightning_3d.models import LitGPT
-from lightning_3d.testing.damage import bump_pickled_int, copy_checkpoint, flip_byte, flip_in_tensor
-from lightning_3d.testing.runs import TINY_MODEL, Run, fit_layout
+from support.damage import bump_pickled_int, copy_checkpoint, flip_byte, flip_in_tensor
+from lightning_3d.harness.runs import TINY_MODEL, Run, fit_layout
 
 SEED = 1234
 DATA = {"max_bytes": 1000, "val_fraction": 0.3}  # 2 steps of 8 per epoch
 WEIGHT = "model.blocks.0.mlp.fc1.weight"  # a weight whose bytes are unique in the file
-LAYOUTS = {"consolidated": {"zero_stage": 2}, "sharded": {"zero_stage": 2, "checkpoint_format": "sharded"}}
+LAYOUTS = {
+    "consolidated": {"zero_stage": 2},
+    "sharded": {"zero_stage": 2, "checkpoint_format": "sharded"},
+}
 
 
 def _run(strategy, save_to=None, resume_from=None, world=2):
     steps, trainer = (4, {}) if resume_from else (-1, {"max_epochs": 1})
-    run = Run(strategy=strategy, steps=steps, seed=SEED, data=DATA, trainer=trainer, save_to=save_to,
-              resume_from=resume_from)
+    run = Run(
+        strategy=strategy,
+        steps=steps,
+        seed=SEED,
+        data=DATA,
+        trainer=trainer,
+        save_to=save_to,
+        resume_from=resume_from,
+    )
     return fit_layout(run, world)
 
 
@@ -58,7 +68,9 @@ def flipped(saved, tmp_path_factory):
     out = {}
     for name in LAYOUTS:
         weight = load_lightning_checkpoint(saved[name])["state_dict"][WEIGHT]
-        copy = copy_checkpoint(saved[name], tmp_path_factory.mktemp(f"flipped_{name}") / "epoch0.ckpt")
+        copy = copy_checkpoint(
+            saved[name], tmp_path_factory.mktemp(f"flipped_{name}") / "epoch0.ckpt"
+        )
         out[name] = copy, flip_in_tensor(copy, weight)
     return out
 
@@ -80,11 +92,16 @@ def test_every_tensor_and_shard_item_has_a_checksum(saved):
     ckpt = torch.load(saved["consolidated"], map_location="cpu", weights_only=True)
     recorded = ckpt[integrity.KEY]["tensors"]
     assert {name for name, _ in integrity.tensors_in(ckpt)} == set(recorded)
-    assert f"state_dict.{WEIGHT}" in recorded and any(n.startswith("optimizer_states.0.state.") for n in recorded)
+    assert f"state_dict.{WEIGHT}" in recorded and any(
+        n.startswith("optimizer_states.0.state.") for n in recorded
+    )
     directory = saved["sharded"]
     items = torch.load(directory / sharded.META_FILE, weights_only=True)[integrity.KEY]["items"]
     assert len(items) == len(sharded.read_metadata(directory).storage_data)
-    assert {item[2] for item in items} == {"__0_0.distcp", "__1_0.distcp"}  # each rank checksummed its own
+    assert {item[2] for item in items} == {
+        "__0_0.distcp",
+        "__1_0.distcp",
+    }  # each rank checksummed its own
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -100,7 +117,9 @@ def test_intact_checkpoint_loads_verified(saved, name, capsys):
 def test_flipped_bytes_are_refused_naming_file_and_tensor(saved, flipped, name, tmp_path, capsys):
     copy, file = flipped[name]
     intact = load_lightning_checkpoint(saved[name])["state_dict"][WEIGHT]
-    damaged = load_lightning_checkpoint(copy, verify=None)["state_dict"][WEIGHT]  # what loaded before
+    damaged = load_lightning_checkpoint(copy, verify=None)["state_dict"][
+        WEIGHT
+    ]  # what loaded before
     assert not torch.equal(damaged, intact)
     message = f"{file}: checksum mismatch in tensor (state_dict.)?{WEIGHT}"
     with pytest.raises(ValueError, match=message):
@@ -120,7 +139,9 @@ def test_flipped_bytes_are_refused_naming_file_and_tensor(saved, flipped, name, 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_resume_from_flipped_bytes_is_refused(flipped, name):
     copy, file = flipped[name]
-    with pytest.raises(RuntimeError, match=f"checksum mismatch in tensor (state_dict.)?{WEIGHT}") as error:
+    with pytest.raises(
+        RuntimeError, match=f"checksum mismatch in tensor (state_dict.)?{WEIGHT}"
+    ) as error:
         _run(LAYOUTS[name], resume_from=str(copy))
     assert str(file) in str(error.value)
 
@@ -129,10 +150,17 @@ def _refused_everywhere(copy: Path, match: str, tmp_path: Path, capsys) -> None:
     """Every one-process reader refuses ``copy`` with ``match``: load, inspect, load_pretrained,
     and the CLI's consolidate / export (one error line, nothing written); export-hf, for
     Hugging Face checkpoints: tests/test_export_hf.py."""
-    for read in (load_lightning_checkpoint, inspect_checkpoint, lambda p: load_pretrained(LitGPT(**TINY_MODEL), p)):
+    for read in (
+        load_lightning_checkpoint,
+        inspect_checkpoint,
+        lambda p: load_pretrained(LitGPT(**TINY_MODEL), p),
+    ):
         with pytest.raises(ValueError, match=match):
             read(copy)
-    for command, out in (("consolidate", tmp_path / "a.safetensors"), ("export", tmp_path / "b.safetensors")):
+    for command, out in (
+        ("consolidate", tmp_path / "a.safetensors"),
+        ("export", tmp_path / "b.safetensors"),
+    ):
         assert re.search(match, _cli_error(capsys, command, copy, out)), command
         assert not out.exists(), command
 
@@ -147,8 +175,12 @@ def test_one_flipped_mantissa_bit_is_refused_by_every_reader(saved, name, tmp_pa
     file = flip_in_tensor(copy, weight, one_bit=True)
     damaged = load_lightning_checkpoint(copy, verify=None)["state_dict"][WEIGHT]
     assert (damaged != weight).sum() == 1 and torch.allclose(damaged, weight, rtol=1e-6, atol=0)
-    _refused_everywhere(copy, f"{re.escape(str(file))}: checksum mismatch in tensor (state_dict.)?{WEIGHT}",
-                        tmp_path, capsys)
+    _refused_everywhere(
+        copy,
+        f"{re.escape(str(file))}: checksum mismatch in tensor (state_dict.)?{WEIGHT}",
+        tmp_path,
+        capsys,
+    )
 
 
 def _optimizer_tensor(path: Path) -> torch.Tensor:
@@ -229,7 +261,9 @@ def _without_checksums(source: Path, target: Path) -> Path:
 
 @pytest.mark.parametrize("name", [*LAYOUTS, "plain"])
 def test_checkpoint_without_checksums_loads_with_a_warning(saved, name, tmp_path, capsys):
-    path = saved[name] if name == "plain" else _without_checksums(saved[name], tmp_path / "old.ckpt")
+    path = (
+        saved[name] if name == "plain" else _without_checksums(saved[name], tmp_path / "old.ckpt")
+    )
     with pytest.warns(UserWarning, match="has no checksums"):
         checkpoint = load_lightning_checkpoint(path)
     assert checkpoint["global_step"] == 2
@@ -246,15 +280,22 @@ def test_slimmed_checkpoint_loads_and_edited_values_are_refused(tmp_path):
     record is refused, saying how to keep a deliberate edit."""
     weights = {"w": torch.arange(4.0)}
     AtomicCheckpointIO().save_checkpoint(
-        {"state_dict": weights, "optimizer_states": [{"state": {0: {"exp_avg": torch.ones(4)}}}]}, tmp_path / "a.ckpt")
+        {"state_dict": weights, "optimizer_states": [{"state": {0: {"exp_avg": torch.ones(4)}}}]},
+        tmp_path / "a.ckpt",
+    )
     checkpoint = torch.load(tmp_path / "a.ckpt", weights_only=True)
     del checkpoint["optimizer_states"]
     torch.save(checkpoint, tmp_path / "slim.ckpt")
-    assert torch.equal(load_lightning_checkpoint(tmp_path / "slim.ckpt")["state_dict"]["w"], weights["w"])
+    assert torch.equal(
+        load_lightning_checkpoint(tmp_path / "slim.ckpt")["state_dict"]["w"], weights["w"]
+    )
     checkpoint["state_dict"]["w"] += 1
     torch.save(checkpoint, tmp_path / "edited.ckpt")
-    with pytest.raises(ValueError, match=r"edited.ckpt: checksum mismatch in tensor state_dict.w .*delete its "
-                                         r"'checksums' entry"):
+    with pytest.raises(
+        ValueError,
+        match=r"edited.ckpt: checksum mismatch in tensor state_dict.w .*delete its "
+        r"'checksums' entry",
+    ):
         load_lightning_checkpoint(tmp_path / "edited.ckpt")
 
 
@@ -270,7 +311,9 @@ def test_exports_never_write_onto_their_input(saved, name, tmp_path, capsys):
     before = _digest(path)
     for command in ("consolidate", "export"):
         assert "is the checkpoint" in _cli_error(capsys, command, path, path, "--force")
-    assert "contains the checkpoint" in _cli_error(capsys, "export-hf", path, path.parent, "--force")
+    assert "contains the checkpoint" in _cli_error(
+        capsys, "export-hf", path, path.parent, "--force"
+    )
     if path.is_dir():
         err = _cli_error(capsys, "consolidate", path, path / "gpt.safetensors", "--force")
         assert "is inside the checkpoint" in err

@@ -10,7 +10,7 @@ from lightning_3d.checkpoint.consolidated import full_model_state
 from lightning_3d.checkpoint.view import StateView, full_state_dict, to_full, to_local_like
 from lightning_3d.parallel.tensor import FUSED_ROWS_ATTR, regroup_fused_rows
 from lightning_3d.parallel.tied import find_tied, record_aliases
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.world import run_world
 
 
 def _fused_linear() -> tuple[nn.Linear, torch.Tensor]:
@@ -43,7 +43,9 @@ def test_to_full_copies_and_passes_non_tensors_through():
     t = torch.arange(6.0).reshape(2, 3)
     full = to_full(t)
     assert torch.equal(full, t) and full.data_ptr() != t.data_ptr()
-    assert to_full(3) == 3 and to_full(torch.tensor(2.0), (3, 2)) == 2.0  # scalars are never regrouped
+    assert (
+        to_full(3) == 3 and to_full(torch.tensor(2.0), (3, 2)) == 2.0
+    )  # scalars are never regrouped
 
 
 def test_a_tied_weight_is_one_entry_under_its_one_process_name():
@@ -68,7 +70,9 @@ def _owned(rank: int) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine.attach(optimizer)
     slices = engine.owned_slices()
-    assert [id(o.param) for o in slices] == [id(p) for p in optimizer.param_groups[0]["params"]]  # what it steps
+    assert [id(o.param) for o in slices] == [
+        id(p) for p in optimizer.param_groups[0]["params"]
+    ]  # what it steps
     out = []
     for owned in slices:
         local = owned.param.to_local()

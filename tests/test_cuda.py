@@ -3,7 +3,7 @@
 Run with ``pytest -m cuda`` on a machine with one GPU (sized for under 5 minutes on an H200, not
 yet measured there; ``bash .ci/gpu tests`` runs it with 4 pytest processes where pytest-xdist is
 installed); without a device every test here is skipped, except the CPU check of the bound. Each run is the reference ``LitGPT`` of
-:func:`lightning_3d.testing.runs.fit_gpt` (tiny, 5 AdamW steps, ``gradient_clip_val=1.0``) in a
+:func:`lightning_3d.harness.runs.fit_gpt` (tiny, 5 AdamW steps, ``gradient_clip_val=1.0``) in a
 child process of its own (``run_world(..., 1)``), as the CPU tests run theirs: no CUDA context
 and no process group in the pytest process.
 
@@ -30,15 +30,19 @@ import traceback
 import pytest
 import torch
 
-from lightning_3d.testing.parity import loss_mismatches
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import loss_mismatches
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (pytest -m cuda on a GPU machine)")
+needs_cuda = pytest.mark.skipif(
+    not CUDA, reason="needs a CUDA device (pytest -m cuda on a GPU machine)"
+)
 
 STEPS, SEED = 5, 1234
-CLIP = {"gradient_clip_val": 1.0}  # NCCL crashed here once with CPU-resident shards (parallel/clip.py)
+CLIP = {
+    "gradient_clip_val": 1.0
+}  # NCCL crashed here once with CPU-resident shards (parallel/clip.py)
 # (loss rtol per step, update rtol over all tensors) per precision; see the module docstring.
 TOLERANCE = {"bf16-mixed": (2e-2, 4e-2), "bf16-true": (3e-2, 4e-2), "32-true": (1e-4, 1e-3)}
 
@@ -52,7 +56,10 @@ CASES = {
     "ac_selective": ({"ac_policy": "selective"}, "bf16-mixed"),
     "offload_cpu": ({"offload": "cpu"}, "bf16-mixed"),
     "offload_nvme": ({"offload": "nvme", "offload_chunk_mb": 0.01}, "bf16-mixed"),  # path: tmp_path
-    "zero3_offload_params": ({"zero_stage": 3, "offload": "cpu", "offload_params": True}, "bf16-mixed"),
+    "zero3_offload_params": (
+        {"zero_stage": 3, "offload": "cpu", "offload_params": True},
+        "bf16-mixed",
+    ),
     "bf16_true": ({"zero_stage": 0}, "bf16-true"),
     "bf16_true_zero3": ({"zero_stage": 3}, "bf16-true"),
     "fp32": ({"zero_stage": 0}, "32-true"),
@@ -62,7 +69,13 @@ CASES = {
 
 
 def gpu_run(strategy: dict | None, precision: str) -> Run:
-    return Run(strategy=strategy, accelerator="gpu", steps=STEPS, seed=SEED, trainer={"precision": precision, **CLIP})
+    return Run(
+        strategy=strategy,
+        accelerator="gpu",
+        steps=STEPS,
+        seed=SEED,
+        trainer={"precision": precision, **CLIP},
+    )
 
 
 def fit_child(run: Run) -> dict:
@@ -88,11 +101,15 @@ def update_error(run: dict, reference: dict) -> float:
 
 def assert_matches_auto(run: dict, reference: dict, precision: str) -> None:
     loss_rtol, update_rtol = TOLERANCE[precision]
-    assert len(run["losses"]) == STEPS and all(math.isfinite(x) for x in run["losses"]), run["losses"]
+    assert len(run["losses"]) == STEPS and all(math.isfinite(x) for x in run["losses"]), run[
+        "losses"
+    ]
     assert set(run["state"]) == set(reference["state"])
     assert loss_mismatches(run["losses"], reference["losses"], loss_rtol) == []
     error = update_error(run, reference)
-    assert error <= update_rtol, f"update differs from Lightning auto's by {error:.2e} (max {update_rtol:.0e})"
+    assert error <= update_rtol, (
+        f"update differs from Lightning auto's by {error:.2e} (max {update_rtol:.0e})"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +140,10 @@ def test_strategy_option_matches_auto_on_one_device(case, auto, tmp_path):
         assert torch.equal(run["initial_state"][name], w0), name
     assert_matches_auto(run, reference, precision)
     rank = run["summary"]["ranks"][0]
-    for trained in (rank, reference["summary"]["ranks"][0]):  # both trained on the device, not the CPU
+    for trained in (
+        rank,
+        reference["summary"]["ranks"][0],
+    ):  # both trained on the device, not the CPU
         assert trained.get("device_peak_mb", 0) > 0, trained
     if options.get("offload_params"):  # every sharded parameter lived in CPU memory
         assert rank["offloaded_param_bytes"] == rank["param_bytes"] > 0
@@ -131,20 +151,33 @@ def test_strategy_option_matches_auto_on_one_device(case, auto, tmp_path):
         assert list(tmp_path.iterdir()) == []  # the private state directory is gone
 
 
-
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("options", [{"offload": "cpu"}, {"zero_stage": 3, "offload": "cpu", "offload_params": True}],
-                         ids=["offload_cpu", "zero3_offload_params"])
+@pytest.mark.parametrize(
+    "options",
+    [{"offload": "cpu"}, {"zero_stage": 3, "offload": "cpu", "offload_params": True}],
+    ids=["offload_cpu", "zero3_offload_params"],
+)
 def test_a_model_built_on_meta_trains_as_the_eager_build(options):
     """``LitGPT(deferred_init=True)`` materialised on the device (or in CPU shards) by the strategy:
     the same initial weights bit for bit, and the same run (at bf16 tolerance) as the eager build."""
     eager = fit_child(gpu_run(options, "bf16-true"))
-    deferred = fit_child(Run(strategy=options, accelerator="gpu", steps=STEPS, seed=SEED, model={"deferred_init": True},
-                             trainer={"precision": "bf16-true", **CLIP}))
+    deferred = fit_child(
+        Run(
+            strategy=options,
+            accelerator="gpu",
+            steps=STEPS,
+            seed=SEED,
+            model={"deferred_init": True},
+            trainer={"precision": "bf16-true", **CLIP},
+        )
+    )
     for name, w0 in eager["initial_state"].items():
         assert torch.equal(deferred["initial_state"][name], w0), name
-    assert_matches_auto(deferred, eager, "bf16-true")  # CUDA's embedding backward is not bit-reproducible
+    assert_matches_auto(
+        deferred, eager, "bf16-true"
+    )  # CUDA's embedding backward is not bit-reproducible
+
 
 def test_update_bound_detects_a_ten_percent_learning_rate_change():
     """The bf16 bound above can fail: on CPU (fp32, in this process, Lightning's plain strategy)
@@ -172,7 +205,9 @@ def _world_of_one(rank: int, device_type: str = "cuda") -> dict:
     cuda = device_type == "cuda"
     if cuda:
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if cuda else "gloo")  # one backend, named: no "cpu:gloo,cuda:nccl" mix
+    dist.init_process_group(
+        "nccl" if cuda else "gloo"
+    )  # one backend, named: no "cpu:gloo,cuda:nccl" mix
     mesh = init_device_mesh(device_type, (1,), mesh_dim_names=("dp",))
     group = mesh.get_group()
     out: dict = {"backend": dist.get_backend(group)}
@@ -196,6 +231,7 @@ def _world_of_one(rank: int, device_type: str = "cuda") -> dict:
             if async_op:
                 work.wait()
             return target
+
         return run
 
     def in_place(op, **kw):
@@ -203,13 +239,16 @@ def _world_of_one(rank: int, device_type: str = "cuda") -> dict:
             y = x.clone()
             op(y, group=group, **kw)
             return y
+
         return run
 
     check("all_reduce", in_place(dist.all_reduce))
     check("broadcast", in_place(dist.broadcast, src=0))
     check("all_gather_into_tensor", into(dist.all_gather_into_tensor, async_op=True))
     check("reduce_scatter_tensor", into(dist.reduce_scatter_tensor, async_op=True))
-    from lightning_3d import compat  # the engine's calls: torch's own where it has them, else a fallback
+    from lightning_3d import (
+        compat,
+    )  # the engine's calls: torch's own where it has them, else a fallback
 
     for name in ("all_gather_single", "reduce_scatter_single"):
         check(name, into(getattr(compat, name), async_op=True))
@@ -230,7 +269,9 @@ def _engine_step(mesh, stage: int):
 
     device = torch.device(mesh.device_type)  # "cuda" here; "cpu" (gloo) to try the check itself
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(device)
+    model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(
+        device
+    )
     plain = copy.deepcopy(model)
     engine = ZeroDataParallel(mesh, stage=stage, bucket_numel=20)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -261,15 +302,35 @@ def test_collective_checks_run_on_gloo():
     so a failure on a GPU is the device's path, not the check."""
     results = run_world(_world_of_one, 1, "cpu")[0]
     assert results.pop("backend") == "gloo"
-    assert results == {name: None for name in ("all_reduce", "broadcast", "all_gather_into_tensor",
-                                               "reduce_scatter_tensor", "all_gather_single", "reduce_scatter_single",
-                                               "zero0", "zero1", "zero2")}
+    assert results == {
+        name: None
+        for name in (
+            "all_reduce",
+            "broadcast",
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+            "all_gather_single",
+            "reduce_scatter_single",
+            "zero0",
+            "zero1",
+            "zero2",
+        )
+    }
 
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("name", ["all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-                                  "all_gather_single", "reduce_scatter_single"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "all_reduce",
+        "broadcast",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "all_gather_single",
+        "reduce_scatter_single",
+    ],
+)
 def test_nccl_collective_on_one_rank(nccl_results, name):
     assert nccl_results["backend"] == "nccl"
     assert nccl_results[name] is None, nccl_results[name]
@@ -300,9 +361,17 @@ def _offload_overlap(rank: int, device: str, delay: bool = False) -> dict:
 
     sizes, steps = (1000, 3000, 517, 1500), 3
     dtypes = (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32)
-    start = [torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dt) for n, dt in zip(sizes, dtypes)]
-    grads = [[torch.randn(n, generator=torch.Generator().manual_seed(100 * s + n)).to(dt)
-              for n, dt in zip(sizes, dtypes)] for s in range(steps)]
+    start = [
+        torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dt)
+        for n, dt in zip(sizes, dtypes)
+    ]
+    grads = [
+        [
+            torch.randn(n, generator=torch.Generator().manual_seed(100 * s + n)).to(dt)
+            for n, dt in zip(sizes, dtypes)
+        ]
+        for s in range(steps)
+    ]
     out: dict = {}
     OffloadedAdam.stage_bytes = 1024  # this child process only
     cuda = device == "cuda"
@@ -310,8 +379,12 @@ def _offload_overlap(rank: int, device: str, delay: bool = False) -> dict:
     OffloadedAdam.prefetch_devices = ("cuda",) if cuda else ("cuda", "cpu")
     for overlap in (True, False):
         params = [torch.nn.Parameter(t.to(device, copy=True)) for t in start]
-        staged = [[g.to(device, copy=True) for g in step] for step in grads]  # on the device before the loop
-        opt = OffloadedAdam(params, lr=1e-2, chunk_bytes=12 * 256, overlap=overlap, delay_update=delay)
+        staged = [
+            [g.to(device, copy=True) for g in step] for step in grads
+        ]  # on the device before the loop
+        opt = OffloadedAdam(
+            params, lr=1e-2, chunk_bytes=12 * 256, overlap=overlap, delay_update=delay
+        )
         sums, seen = [], []
         for s in range(steps):
             if cuda:
@@ -320,10 +393,16 @@ def _offload_overlap(rank: int, device: str, delay: bool = False) -> dict:
                 p.grad = g.clone()  # a kernel on the compute stream, queued behind the sleep
             opt.step()
             for p in params:
-                p.grad.fill_(float("nan"))  # in place, on the compute stream, before the host waits for anything
+                p.grad.fill_(
+                    float("nan")
+                )  # in place, on the compute stream, before the host waits for anything
             opt.zero_grad(set_to_none=True)
-            refill = [torch.full_like(g, float("nan")) for g in staged[s]]  # the freed gradients' memory
-            sums.append(sum(p.float().sum() for p in params).item())  # compute stream, right after the step
+            refill = [
+                torch.full_like(g, float("nan")) for g in staged[s]
+            ]  # the freed gradients' memory
+            sums.append(
+                sum(p.float().sum() for p in params).item()
+            )  # compute stream, right after the step
             seen.append([p.detach().to("cpu", copy=True) for p in params])
             del refill
         opt.synchronize()

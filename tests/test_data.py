@@ -101,7 +101,9 @@ def test_train_val_split_by_bytes():
 
 
 def test_batch_divisibility():
-    with pytest.raises(ValueError, match=r"global batch_size \(6\) is not divisible by data-parallel size \(4\)"):
+    with pytest.raises(
+        ValueError, match=r"global batch_size \(6\) is not divisible by data-parallel size \(4\)"
+    ):
         TextDataModule.check_batch(6, 4)
     assert TextDataModule.check_batch(8, 4) == 2
     with pytest.raises(ValueError, match="not divisible"):

@@ -27,9 +27,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_3d.testing.parity import assert_same_run
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import assert_same_run
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 SEED = 1234
 STEPS = 4
@@ -47,7 +47,11 @@ def ddp_reference():
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_data_parallel_with_dropout_matches_lightnings_ddp(ddp_reference, zero):
-    run = run_world(fit_gpt, 2, Run(strategy={"zero_stage": zero}, devices=2, steps=STEPS, seed=SEED, model=DROPOUT))
+    run = run_world(
+        fit_gpt,
+        2,
+        Run(strategy={"zero_stage": zero}, devices=2, steps=STEPS, seed=SEED, model=DROPOUT),
+    )
     assert_same_run(run[0], ddp_reference, rtol=2e-5, atol=2e-5)
 
 
@@ -55,8 +59,13 @@ def test_data_parallel_with_dropout_matches_lightnings_ddp(ddp_reference, zero):
 def test_a_hugging_face_model_with_dropout_under_data_parallelism_matches_lightnings_ddp(zero):
     """GPT-2 from transformers, every dropout it has at 0.1 (tensor and pipeline cases with
     dropout: tests/test_hf_families.py)."""
-    common = dict(devices=2, steps=STEPS, seed=SEED, arch="hf_gpt2",
-                  model={"hf": {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}})
+    common = dict(
+        devices=2,
+        steps=STEPS,
+        seed=SEED,
+        arch="hf_gpt2",
+        model={"hf": {"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.1}},
+    )
     ddp = run_world(fit_gpt, 2, Run(**common))[0]
     if zero == 1:  # the dropout is on (once is enough)
         assert ddp["losses"] != run_world(fit_gpt, 2, Run(**{**common, "model": None}))[0]["losses"]
@@ -69,7 +78,9 @@ def test_tensor_parallel_with_residual_dropout_matches_one_process():
     one = run_world(fit_gpt, 1, Run(strategy={}, devices=1, steps=STEPS, seed=SEED, model=model))[0]
     plain = run_world(fit_gpt, 1, Run(strategy={}, devices=1, steps=STEPS, seed=SEED))[0]
     assert one["losses"] != plain["losses"]
-    tp = run_world(fit_gpt, 2, Run(strategy={"tensor": 2}, devices=2, steps=STEPS, seed=SEED, model=model))[0]
+    tp = run_world(
+        fit_gpt, 2, Run(strategy={"tensor": 2}, devices=2, steps=STEPS, seed=SEED, model=model)
+    )[0]
     assert_same_run(tp, one, rtol=2e-5, atol=2e-5)
 
 
@@ -81,7 +92,7 @@ def _dropout_seen(rank: int) -> dict:
     from lightning_3d import ThreeDStrategy
     from lightning_3d.data import TextDataModule
     from lightning_3d.models import LitGPT
-    from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL
+    from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL
 
     seen: dict = {}
 
@@ -100,13 +111,23 @@ def _dropout_seen(rank: int) -> dict:
                 # activation may give, is no drop: CI read one as a drop in validation)
                 dropped = bool(((out == 0) & (args[0] != 0)).any())
                 seen.setdefault((phase, name), []).append((module.training, dropped))
+
             return hook
 
     L.seed_everything(SEED, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ThreeDStrategy(pipeline=2, micro_batches=2),
-                        max_steps=2, val_check_interval=2, limit_val_batches=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ThreeDStrategy(pipeline=2, micro_batches=2),
+        max_steps=2,
+        val_check_interval=2,
+        limit_val_batches=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
     trainer.fit(Watched(**{**TINY_MODEL, **DROPOUT}), TextDataModule(seed=SEED, **TINY_DATA))
     return seen
 
@@ -117,11 +138,21 @@ def test_every_pipeline_stage_drops_in_training_and_not_in_validation():
         trained = {name for (phase, name) in seen if phase == "train"}
         assert trained, f"stage {rank} ran no dropout"
         for (phase, name), calls in seen.items():
-            if phase == "train":  # in training mode at every call, and dropping (a call may drop nothing)
-                assert all(training for training, _ in calls) and sum(z for _, z in calls) > len(calls) // 2, \
-                    (rank, name, calls)
+            if (
+                phase == "train"
+            ):  # in training mode at every call, and dropping (a call may drop nothing)
+                assert (
+                    all(training for training, _ in calls)
+                    and sum(z for _, z in calls) > len(calls) // 2
+                ), (rank, name, calls)
             else:
-                assert not any(training or zeroed for training, zeroed in calls), (rank, name, calls)
-        assert {name for (phase, name) in seen if phase == "eval"} == trained, rank  # validation ran them all
+                assert not any(training or zeroed for training, zeroed in calls), (
+                    rank,
+                    name,
+                    calls,
+                )
+        assert {name for (phase, name) in seen if phase == "eval"} == trained, (
+            rank
+        )  # validation ran them all
     names = [set(name for _, name in seen) for seen in stages]
     assert not names[0] & names[1]  # each stage its own blocks' dropout: the split is real

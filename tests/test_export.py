@@ -33,9 +33,18 @@ TINY = {"vocab_size": 256, "block_size": 32, "n_layer": 2, "n_head": 4, "n_embd"
 
 def _fit(root: Path, module: LitGPT, ckpt_path: str | None = None) -> L.Trainer:
     """Plain Lightning, 2 steps, checkpoints in root/ckpts (ModelCheckpoint(save_last=True))."""
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
-                        plugins=[AtomicCheckpointIO()], callbacks=[ModelCheckpoint(root / "ckpts", save_last=True)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+        plugins=[AtomicCheckpointIO()],
+        callbacks=[ModelCheckpoint(root / "ckpts", save_last=True)],
+    )
     datamodule = TextDataModule(corpus="stdlib", block_size=32, batch_size=8, max_bytes=400_000)
     trainer.fit(module, datamodule, ckpt_path=ckpt_path)
     return trainer
@@ -51,7 +60,13 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict:
     batch = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         logits = lit.eval()(batch)
-    return {"root": root, "lit": lit, "ckpt": root / "ckpts" / "last.ckpt", "batch": batch, "logits": logits}
+    return {
+        "root": root,
+        "lit": lit,
+        "ckpt": root / "ckpts" / "last.ckpt",
+        "batch": batch,
+        "logits": logits,
+    }
 
 
 def _same_outputs(module: torch.nn.Module, trained: dict) -> bool:
@@ -84,8 +99,12 @@ def killed_save(trained: dict) -> Iterator[tuple[subprocess.Popen, Path]]:
     """A subprocess that saves last.ckpt, then stalls in the middle of a second save; started
     before the CLI's subprocess so that the two interpreter starts overlap. Killed by the test."""
     target = trained["root"] / "killed" / "ckpts" / "last.ckpt"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVER, str(trained["ckpt"]), str(target)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_SAVER, str(trained["ckpt"]), str(target)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     yield proc, target
     proc.kill()
     proc.communicate()
@@ -95,8 +114,20 @@ def killed_save(trained: dict) -> Iterator[tuple[subprocess.Popen, Path]]:
 def exported(trained: dict, killed_save: tuple) -> Path:
     """The CLI run in a real subprocess (``python -m lightning_3d.checkpoint consolidate``)."""
     out = trained["root"] / "gpt.safetensors"
-    done = subprocess.run([sys.executable, "-m", "lightning_3d.checkpoint", "consolidate", str(trained["ckpt"]),
-                           str(out)], capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_3d.checkpoint",
+            "consolidate",
+            str(trained["ckpt"]),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     n_params = sum(p.numel() for p in trained["lit"].parameters())
     assert f"wrote 20 tensors ({n_params:,} parameters, {out.stat().st_size:,} bytes" in done.stdout
@@ -118,8 +149,13 @@ _TORCH_ONLY_READER = textwrap.dedent("""
 
 
 def test_export_reads_with_torch_and_safetensors_only(trained: dict, exported: Path) -> None:
-    done = subprocess.run([sys.executable, "-c", _TORCH_ONLY_READER, str(exported), str(trained["ckpt"])],
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", _TORCH_ONLY_READER, str(exported), str(trained["ckpt"])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["equal", "20"]
 
@@ -133,40 +169,62 @@ def test_exported_weights_load_into_plain_gpt(trained: dict, exported: Path) -> 
     assert info["num_params"] == sum(p.numel() for p in gpt.parameters())
     assert exported.stat().st_mode & 0o777 != 0o600  # not safetensors' private temp-file mode
     info = inspect_checkpoint(trained["ckpt"])
-    assert (info["format"], info["global_step"], info["has_optimizer_states"]) == ("lightning", 2, True)
+    assert (info["format"], info["global_step"], info["has_optimizer_states"]) == (
+        "lightning",
+        2,
+        True,
+    )
     assert info["shapes"]["model.tok_emb.weight"] == (256, 32)
-    assert not list((trained["root"] / "ckpts").glob(".*"))  # no temp file left by the Trainer's saves
+    assert not list(
+        (trained["root"] / "ckpts").glob(".*")
+    )  # no temp file left by the Trainer's saves
 
 
 def test_load_pretrained_round_trips(trained: dict, exported: Path) -> None:
     torch.manual_seed(5)
     fresh = LitGPT(**TINY)
     assert not _same_outputs(fresh, trained)
-    assert load_pretrained(fresh, exported) == list(fresh.state_dict())  # "tok_emb.weight" -> "model.tok_emb..."
+    assert load_pretrained(fresh, exported) == list(
+        fresh.state_dict()
+    )  # "tok_emb.weight" -> "model.tok_emb..."
     assert _same_outputs(fresh, trained)
     gpt = GPT(trained["lit"].config)  # .ckpt -> plain module: "model." dropped
-    assert load_pretrained(gpt, trained["ckpt"])[0] == "tok_emb.weight" and _same_outputs(gpt, trained)
+    assert load_pretrained(gpt, trained["ckpt"])[0] == "tok_emb.weight" and _same_outputs(
+        gpt, trained
+    )
     explicit = LitGPT(**TINY)
-    assert len(load_pretrained(explicit, trained["ckpt"], prefix="model.")) == 20 and _same_outputs(explicit, trained)
+    assert len(load_pretrained(explicit, trained["ckpt"], prefix="model.")) == 20 and _same_outputs(
+        explicit, trained
+    )
 
 
 # ------------------------------------------------------------------------------ bad input
 def _bad_files(trained: dict, tmp_path: Path, exported: Path) -> dict[Path, str]:
     """bad file → expected message."""
     data, st = trained["ckpt"].read_bytes(), exported.read_bytes()
-    contents = {"truncated.ckpt": data[: len(data) // 2], "truncated.safetensors": st[:-100],
-                "bad_header.safetensors": (5).to_bytes(8, "little") + b"{oops", "empty": b"",
-                "text.txt": b"hello, this is not a checkpoint\n"}
+    contents = {
+        "truncated.ckpt": data[: len(data) // 2],
+        "truncated.safetensors": st[:-100],
+        "bad_header.safetensors": (5).to_bytes(8, "little") + b"{oops",
+        "empty": b"",
+        "text.txt": b"hello, this is not a checkpoint\n",
+    }
     for name, content in contents.items():
         (tmp_path / name).write_bytes(content)
     torch.save({"weights": torch.ones(2)}, tmp_path / "plain.pt")
     torch.save({"state_dict": {}, "hook": print}, tmp_path / "pickled.pt")
-    return {**{tmp_path / name: "corrupted or truncated" for name in contents if name != "text.txt"},
-            tmp_path / "text.txt": "neither a Lightning checkpoint", tmp_path / "plain.pt": "no 'state_dict' entry",
-            tmp_path / "pickled.pt": "refusing to unpickle", tmp_path: "is a directory"}
+    return {
+        **{tmp_path / name: "corrupted or truncated" for name in contents if name != "text.txt"},
+        tmp_path / "text.txt": "neither a Lightning checkpoint",
+        tmp_path / "plain.pt": "no 'state_dict' entry",
+        tmp_path / "pickled.pt": "refusing to unpickle",
+        tmp_path: "is a directory",
+    }
 
 
-def test_bad_files_are_refused_before_loading(trained: dict, exported: Path, tmp_path: Path) -> None:
+def test_bad_files_are_refused_before_loading(
+    trained: dict, exported: Path, tmp_path: Path
+) -> None:
     fresh = LitGPT(**TINY)
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     for path, message in _bad_files(trained, tmp_path, exported).items():
@@ -187,7 +245,9 @@ def test_checkpoint_of_another_model(trained: dict, exported: Path) -> None:
         with pytest.raises(ValueError) as error:
             load_pretrained(other, path)
         text = str(error.value)
-        assert text.startswith(f"{path} does not match the model: missing from the checkpoint (8): model.blocks.2.")
+        assert text.startswith(
+            f"{path} does not match the model: missing from the checkpoint (8): model.blocks.2."
+        )
         assert "model.tok_emb.weight: checkpoint (256, 32) vs model (256, 64)" in text
     assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
     with pytest.raises(ValueError, match="unexpected in the checkpoint \\(1\\): extra"):
@@ -201,13 +261,22 @@ def test_checkpoint_of_another_model(trained: dict, exported: Path) -> None:
         load_pretrained(on_meta, exported)
 
 
-def test_cli_refuses_overwrite_and_reports_errors(trained: dict, exported: Path, tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture) -> None:
-    ckpt, out, other = str(trained["ckpt"]), tmp_path / "w.safetensors", str(tmp_path / "x.safetensors")
+def test_cli_refuses_overwrite_and_reports_errors(
+    trained: dict, exported: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    ckpt, out, other = (
+        str(trained["ckpt"]),
+        tmp_path / "w.safetensors",
+        str(tmp_path / "x.safetensors"),
+    )
     assert cli(["consolidate", ckpt, str(out)]) == 0
     first = out.read_bytes()
     assert cli(["consolidate", ckpt, str(out)]) == 2 and out.read_bytes() == first
-    assert capsys.readouterr().err.strip().endswith("already exists; pass --force (force=True) to overwrite it")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .endswith("already exists; pass --force (force=True) to overwrite it")
+    )
     assert cli(["consolidate", ckpt, str(out), "--force", "--prefix", ""]) == 0
     assert "model.tok_emb.weight" in load_file(out)
     for args, message in [
@@ -245,9 +314,12 @@ def test_kill_during_save_keeps_last_checkpoint(trained: dict, killed_save: tupl
 
     # Lightning's own "last" resolution (ModelCheckpoint(save_last=True) layout) sees the first save only.
     resumed = LitGPT(**TINY)
-    trainer = _fit(target.parent.parent, resumed, ckpt_path="last")  # step 2 = max_steps: restore, no training
+    trainer = _fit(
+        target.parent.parent, resumed, ckpt_path="last"
+    )  # step 2 = max_steps: restore, no training
     resolved = trainer._checkpoint_connector._parse_ckpt_path(
-        TrainerFn.FITTING, "last", model_provided=True, model_connected=True)
+        TrainerFn.FITTING, "last", model_provided=True, model_connected=True
+    )
     assert Path(resolved) == target and trainer.global_step == 2 and _same_outputs(resumed, trained)
 
     AtomicCheckpointIO().save_checkpoint({"state_dict": {}}, target.parent / "next.ckpt")
@@ -276,8 +348,15 @@ def test_atomic_io_refusals_and_failed_save(trained: dict, tmp_path: Path) -> No
 def test_stale_temp_rules(tmp_path: Path) -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale = [f".a.ckpt.tmp-{dead.pid}", f".b.ckpt.tmp-{os.getpid()}"]  # writer gone; ours but older than us
-    kept = [f".c.ckpt.tmp-{os.getpid()}", ".d.ckpt.tmp-1", "e.ckpt"]  # ours in flight; live writer; not a temp
+    stale = [
+        f".a.ckpt.tmp-{dead.pid}",
+        f".b.ckpt.tmp-{os.getpid()}",
+    ]  # writer gone; ours but older than us
+    kept = [
+        f".c.ckpt.tmp-{os.getpid()}",
+        ".d.ckpt.tmp-1",
+        "e.ckpt",
+    ]  # ours in flight; live writer; not a temp
     for name in stale + kept:
         (tmp_path / name).write_bytes(b"x")
     os.utime(tmp_path / stale[1], (0, 0))

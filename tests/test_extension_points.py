@@ -1,6 +1,6 @@
 """The strategy's hooks into torch and Lightning are subclasses and a torch-function mode, not patches.
 
-:func:`lightning_3d.precision.distributed_precision` returns the precision plugin as an instance
+:func:`lightning_3d.strategy.precision.distributed_precision` returns the precision plugin as an instance
 of a subclass of its own type: global-norm clipping, and (16-mixed) a grad scaler whose overflow
 check covers every rank. :func:`lightning_3d.parallel.loss.vocab_parallel_loss` makes
 ``F.cross_entropy`` of vocab-sharded logits return a plain tensor through a torch-function mode.
@@ -25,8 +25,12 @@ from lightning.pytorch.plugins.precision import (
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from lightning_3d.parallel.loss import vocab_parallel_loss
-from lightning_3d.precision import distributed_precision, scale_loss, shared_overflow_scaler
-from lightning_3d.testing.world import run_world
+from lightning_3d.strategy.precision import (
+    distributed_precision,
+    scale_loss,
+    shared_overflow_scaler,
+)
+from lightning_3d.harness.world import run_world
 
 CROSS_ENTROPY = F.cross_entropy
 PLUGIN_CLASSES = (Precision, MixedPrecision, HalfPrecision, DoublePrecision, FSDPPrecision)
@@ -35,17 +39,29 @@ WATCHED = (F, torch.amp.GradScaler, ShardedGradScaler, *PLUGIN_CLASSES)
 
 def _snapshot():
     """Every attribute of the watched modules and classes (warnings' registry aside)."""
-    return {(repr(owner), name): value for owner in WATCHED for name, value in vars(owner).items()
-            if name != "__warningregistry__"}
+    return {
+        (repr(owner), name): value
+        for owner in WATCHED
+        for name, value in vars(owner).items()
+        if name != "__warningregistry__"
+    }
 
 
 def _changed(before):
     after = _snapshot()
-    return sorted(str(k) for k in before.keys() | after.keys() if before.get(k, None) is not after.get(k, None))
+    return sorted(
+        str(k)
+        for k in before.keys() | after.keys()
+        if before.get(k, None) is not after.get(k, None)
+    )
 
 
 def _fp16(init_scale=2.0**16):
-    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=7))
+    return MixedPrecision(
+        "16-mixed",
+        "cpu",
+        scaler=torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=7),
+    )
 
 
 def _step_with_grad(plugin, grad):
@@ -65,8 +81,12 @@ def _clip_grads(rank, clip_at, norm_scope):
     """Rank ``rank``'s part of a 6-element gradient (both ranks: all of it), clipped by ``clip_at``
     through the adapted plugin the way Lightning calls it; returns the clipped gradients."""
     full = torch.arange(1.0, 7.0)
-    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)] if rank is None else [torch.nn.Parameter(torch.zeros(3))]
-    parts = [full[:3], full[3:]] if rank is None else [full[3 * rank:3 * rank + 3]]
+    params = (
+        [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+        if rank is None
+        else [torch.nn.Parameter(torch.zeros(3))]
+    )
+    parts = [full[:3], full[3:]] if rank is None else [full[3 * rank : 3 * rank + 3]]
     for p, g in zip(params, parts):
         p.grad = g.clone()
     plugin = distributed_precision(Precision(), norm_scope)
@@ -75,10 +95,18 @@ def _clip_grads(rank, clip_at, norm_scope):
 
 
 # ---------------------------------------------------------------------------------- one process
-@pytest.mark.parametrize("make", [
-    Precision, _fp16, lambda: MixedPrecision("bf16-mixed", "cpu"), lambda: HalfPrecision("bf16-true"),
-    DoublePrecision, lambda: FSDPPrecision("bf16-mixed"),
-], ids=["32", "16-mixed", "bf16-mixed", "bf16-true", "64", "fsdp"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        Precision,
+        _fp16,
+        lambda: MixedPrecision("bf16-mixed", "cpu"),
+        lambda: HalfPrecision("bf16-true"),
+        DoublePrecision,
+        lambda: FSDPPrecision("bf16-mixed"),
+    ],
+    ids=["32", "16-mixed", "bf16-mixed", "bf16-true", "64", "fsdp"],
+)
 def test_adapted_plugin_subclasses_the_original_and_carries_its_state(make):
     before = _snapshot()
     plugin = make()
@@ -87,7 +115,11 @@ def test_adapted_plugin_subclasses_the_original_and_carries_its_state(make):
     assert type(distributed_precision(make())) is type(adapted)  # one class per plugin type
     assert distributed_precision(adapted) is adapted  # idempotent
     assert "clip_grad_by_norm" not in vars(adapted)  # the class overrides it, not the instance
-    carried = {k: v for k, v in vars(adapted).items() if k not in ("scaler", "_norm_scope", "_nonfinite", "_before_step")}
+    carried = {
+        k: v
+        for k, v in vars(adapted).items()
+        if k not in ("scaler", "_norm_scope", "_nonfinite", "_before_step")
+    }
     assert carried == {k: v for k, v in vars(plugin).items() if k != "scaler"}
     assert adapted.precision == plugin.precision
     scaler = getattr(plugin, "scaler", None)
@@ -184,7 +216,9 @@ def _two_ranks(rank):
         "plain_tensor": type(loss) is torch.Tensor and type(module_loss) is torch.Tensor,
         "logits_sharded": type(logits).__name__ == "DTensor",
         "is_original": inside and F.cross_entropy is CROSS_ENTROPY,
-        "loss": loss.detach(), "want": want.detach(), "module_loss": module_loss.detach(),
+        "loss": loss.detach(),
+        "want": want.detach(),
+        "module_loss": module_loss.detach(),
         "grads": [p.grad.full_tensor() for p in sharded.parameters()],
         "want_grads": [p.grad for p in plain.parameters()],
     }
@@ -219,7 +253,9 @@ def test_vocab_parallel_loss_is_plain_cross_entropy_on_a_tp_mesh(two_ranks):
         torch.testing.assert_close(got["module_loss"], got["want"])
         for g, w in zip(got["grads"], got["want_grads"]):
             torch.testing.assert_close(g, w)
-    assert torch.equal(two_ranks[0]["loss"]["loss"], two_ranks[1]["loss"]["loss"])  # identical per tp rank
+    assert torch.equal(
+        two_ranks[0]["loss"]["loss"], two_ranks[1]["loss"]["loss"]
+    )  # identical per tp rank
 
 
 def test_nothing_in_torch_or_lightning_was_reassigned(two_ranks):

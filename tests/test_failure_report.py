@@ -1,5 +1,5 @@
 """Every failure reaches the user as one ``error:`` line from the launching process, with the exit
-code of its kind (``lightning_3d/exit_codes.py``), no traceback on the terminal (the ranks'
+code of its kind (``lightning_3d/runtime/exit_codes.py``), no traceback on the terminal (the ranks'
 tracebacks go to ``<run dir>/ranks.log``, named in that line).
 
 A full disk and a read-only one are real: small tmpfs mounts (root only; skipped elsewhere).
@@ -24,21 +24,27 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.exit_codes import IO_ERROR, PEER_LOST
-from lightning_3d.testing.apps import start_app, wait_all
+from lightning_3d.runtime.exit_codes import IO_ERROR, PEER_LOST
+from lightning_3d.harness.apps import start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"
-TINY = ["model=gpt_tiny", "data.batch_size=4", "data.max_bytes=100000",
-        "trainer.limit_val_batches=0", "trainer.max_steps=2"]
+TINY = [
+    "model=gpt_tiny",
+    "data.batch_size=4",
+    "data.max_bytes=100000",
+    "trainer.limit_val_batches=0",
+    "trainer.max_steps=2",
+]
 
 
 def _tmpfs(tmp_path: Path, options: str) -> Iterator[Path]:
     """A tmpfs mounted with ``options`` for the test, unmounted after it (skipped unless root)."""
     path = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
     path.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                          capture_output=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}): needs root")
     yield path
@@ -62,13 +68,25 @@ def _one_error(done: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
-@pytest.mark.parametrize("devices, layout", [  # dp2 ~35 s: the fast suite digs without processes
-    pytest.param(2, "sharded", marks=pytest.mark.slow), (1, "consolidated")])
+@pytest.mark.parametrize(
+    "devices, layout",
+    [  # dp2 ~35 s: the fast suite digs without processes
+        pytest.param(2, "sharded", marks=pytest.mark.slow),
+        (1, "consolidated"),
+    ],
+)
 def test_a_save_on_a_full_disk_is_one_line_naming_the_file(disk, tmp_path, devices, layout):
     run_dir = disk / "run"
-    app = start_app(SCRIPT, [*TINY, f"trainer.devices={devices}",
-                             f"parallelism.checkpoint_format={layout}", f"hydra.run.dir={run_dir}"],
-                    tmp_path)
+    app = start_app(
+        SCRIPT,
+        [
+            *TINY,
+            f"trainer.devices={devices}",
+            f"parallelism.checkpoint_format={layout}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        tmp_path,
+    )
     done = wait_all({"app": app}, timeout=300)["app"]
     assert done.returncode == IO_ERROR, done.stderr[-4000:]
     line = _one_error(done)
@@ -89,22 +107,30 @@ def test_a_run_directory_where_hydra_cannot_write_is_named_as_such(read_only, tm
 
 
 @pytest.mark.parametrize("mount", ["disk", "read_only"])
-def test_consolidate_onto_a_full_or_read_only_disk_is_one_line_and_no_file(request, tmp_path,
-                                                                             mount):
+def test_consolidate_onto_a_full_or_read_only_disk_is_one_line_and_no_file(
+    request, tmp_path, mount
+):
     """Before: a ``SafetensorError`` traceback and rc 1 on a full disk; on a read-only one the
     temporary file named, rc 2."""
     import torch
 
     target = request.getfixturevalue(mount)
     if mount == "disk":  # full to the last block: the export's header is refused at once
-        subprocess.run(["dd", "if=/dev/zero", f"of={target / 'filler'}", "bs=4k"],
-                       capture_output=True)
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={target / 'filler'}", "bs=4k"], capture_output=True
+        )
     source = tmp_path / "in.ckpt"
     torch.save({"state_dict": {"model.w": torch.randn(128, 128)}, "global_step": 1}, source)
     before = sorted(p.name for p in target.iterdir())
     output = target / "w.safetensors"
-    command = [sys.executable, "-m", "lightning_3d.checkpoint", "consolidate", str(source),
-               str(output)]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_3d.checkpoint",
+        "consolidate",
+        str(source),
+        str(output),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == IO_ERROR, done.stderr
     line = _one_error(done)
@@ -118,31 +144,46 @@ def _hf_checkpoint(path: Path) -> Path:
     import torch
 
     from lightning_3d.models.hf import HF_CONFIG_KEY, HFCausalLM
-    from lightning_3d.testing.hf_configs import tiny_hf_config
+    from lightning_3d.harness.hf_configs import tiny_hf_config
 
     module = HFCausalLM(config=tiny_hf_config("llama"))
-    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
-                HF_CONFIG_KEY: module.model.config.to_dict(), "global_step": 1}, path)
+    torch.save(
+        {
+            "state_dict": module.state_dict(),
+            "hyper_parameters": dict(module.hparams),
+            HF_CONFIG_KEY: module.model.config.to_dict(),
+            "global_step": 1,
+        },
+        path,
+    )
     return path
 
 
 def _export_hf(source: Path, output: Path, *before: str) -> subprocess.CompletedProcess:
-    command = [*before, sys.executable, "-m", "lightning_3d.checkpoint", "export-hf", str(source),
-               str(output)]
-    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300,
-                          check=False)
+    command = [
+        *before,
+        sys.executable,
+        "-m",
+        "lightning_3d.checkpoint",
+        "export-hf",
+        str(source),
+        str(output),
+    ]
+    return subprocess.run(
+        command, capture_output=True, text=True, cwd=REPO, timeout=300, check=False
+    )
 
 
 @pytest.mark.parametrize("mount", ["disk", "read_only"])
-def test_export_hf_onto_a_full_or_read_only_disk_is_one_line_and_no_file(request, tmp_path,
-                                                                          mount):
+def test_export_hf_onto_a_full_or_read_only_disk_is_one_line_and_no_file(request, tmp_path, mount):
     """Before: exit 3 already, but the line named no path on a full disk, and the temporary
     directory instead of the output on a read-only one."""
     pytest.importorskip("transformers")
     target = request.getfixturevalue(mount)
     if mount == "disk":  # full to the last block
-        subprocess.run(["dd", "if=/dev/zero", f"of={target / 'filler'}", "bs=4k"],
-                       capture_output=True)
+        subprocess.run(
+            ["dd", "if=/dev/zero", f"of={target / 'filler'}", "bs=4k"], capture_output=True
+        )
     source = _hf_checkpoint(tmp_path / "in.ckpt")
     before = sorted(p.name for p in target.iterdir())
     output = target / "hf"
@@ -196,13 +237,14 @@ if os.environ.get("RANK") == "1" and os.environ.get("LIGHTNING3D_LAUNCHER_PID"):
 """
 
 
-def _dp2_where_rank_one(tmp_path: Path, action: str,
-                        *overrides: str) -> tuple[Path, subprocess.CompletedProcess]:
+def _dp2_where_rank_one(
+    tmp_path: Path, action: str, *overrides: str
+) -> tuple[Path, subprocess.CompletedProcess]:
     """The app on two ranks, rank 1 doing ``action`` (a Python statement) at its second step:
     the run directory and the launcher's finished process."""
     import os
 
-    from lightning_3d.testing.apps import app_env
+    from lightning_3d.harness.apps import app_env
 
     hook = tmp_path / "hook"
     hook.mkdir()
@@ -210,10 +252,18 @@ def _dp2_where_rank_one(tmp_path: Path, action: str,
     env = app_env()
     env["PYTHONPATH"] = os.pathsep.join([str(hook), str(REPO), env.get("PYTHONPATH", "")])
     run_dir = tmp_path / "run"
-    command = [sys.executable, str(SCRIPT), *TINY, "trainer.devices=2", "trainer.max_steps=5",
-               *overrides, f"hydra.run.dir={run_dir}"]
-    return run_dir, subprocess.run(command, cwd=tmp_path, env=env, capture_output=True,
-                                   text=True, timeout=300, check=False)
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        *TINY,
+        "trainer.devices=2",
+        "trainer.max_steps=5",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
+    return run_dir, subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
 
 
 def test_a_rank_that_exits_without_a_word_is_named_not_the_peer_that_lost_it(tmp_path):
@@ -253,8 +303,9 @@ def test_a_lost_peer_is_exit_code_4_naming_the_rank_that_stalled(tmp_path):
     the launcher exits 4 (a lost peer: relaunch and resume) with one line naming rank 1. Seen
     failing without the strategy putting the watchdog's verdict first: exit 4, but the line
     said only 'rank 0: a collective failed ... Another rank has probably stopped'."""
-    run_dir, proc = _dp2_where_rank_one(tmp_path, "os.kill(os.getpid(), signal.SIGSTOP)",
-                                        "parallelism.timeout_s=5")
+    run_dir, proc = _dp2_where_rank_one(
+        tmp_path, "os.kill(os.getpid(), signal.SIGSTOP)", "parallelism.timeout_s=5"
+    )
     assert proc.returncode == PEER_LOST, proc.stderr[-4000:]
     line = _one_error(proc)
     assert line.startswith("error: rank 0: rank 1 has not made progress for"), line
@@ -269,21 +320,25 @@ def test_the_launcher_names_a_killed_rank_before_the_peers_that_lost_it(tmp_path
 
     from torch.distributed import HashStore
 
-    from lightning_3d.launch import _reported
-    from lightning_3d.rank_report import KEY, record_of
+    from lightning_3d.app.launch import _reported
+    from lightning_3d.app.rank_report import KEY, record_of
 
     store = HashStore()
     lost = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:9")
     store.set(KEY.format(rank=0), json.dumps(record_of(lost, 0)))
     for first in (PEER_LOST, 128 + signal.SIGKILL):
-        assert _reported(store, str(tmp_path), first, [PEER_LOST, -signal.SIGKILL], set(),
-                         [100, 101]) == 128 + signal.SIGKILL
+        assert (
+            _reported(store, str(tmp_path), first, [PEER_LOST, -signal.SIGKILL], set(), [100, 101])
+            == 128 + signal.SIGKILL
+        )
         line = _one_error(subprocess.CompletedProcess([], 0, "", capsys.readouterr().err))
         assert line.startswith("error: rank 1 (pid 101) was killed by SIGKILL"), line
         assert f"rank(s) 0 failed too (tracebacks: {tmp_path / 'ranks.log'})" in line, line
     assert "Connection closed by peer" in (tmp_path / "ranks.log").read_text()
-    assert _reported(store, str(tmp_path), PEER_LOST, [PEER_LOST, -signal.SIGKILL], {1},
-                     [100, 101]) == PEER_LOST  # killed past its grace, by the launcher
+    assert (
+        _reported(store, str(tmp_path), PEER_LOST, [PEER_LOST, -signal.SIGKILL], {1}, [100, 101])
+        == PEER_LOST
+    )  # killed past its grace, by the launcher
     assert capsys.readouterr().err.startswith("error: rank 0: RuntimeError: [gloo")
 
 
@@ -291,12 +346,16 @@ def test_the_os_error_inside_a_checkpoint_exception_is_found_and_named(tmp_path)
     """No processes: what a sharded save raises on a full disk (torch wraps each rank's error)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from lightning_3d.failures import exit_code_of, naming_path
+    from lightning_3d.runtime.failures import exit_code_of, naming_path
 
     full = OSError(errno.ENOSPC, "No space left on device")  # raised at close: no file named
-    wrapped = CheckpointException("save failed", {1: (RuntimeError("unexpected pos 704 vs 598"),
-                                                      traceback.StackSummary()),
-                                                  0: (full, traceback.StackSummary())})
+    wrapped = CheckpointException(
+        "save failed",
+        {
+            1: (RuntimeError("unexpected pos 704 vs 598"), traceback.StackSummary()),
+            0: (full, traceback.StackSummary()),
+        },
+    )
     assert exit_code_of(wrapped) == IO_ERROR
     with pytest.raises(OSError) as raised:
         with naming_path(tmp_path / "last.ckpt"):

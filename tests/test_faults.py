@@ -11,14 +11,14 @@ from contextlib import contextmanager
 
 import torch
 
-from lightning_3d.launch import hosted_store, local_rank_env
+from lightning_3d.app.launch import hosted_store, local_rank_env
 
 TIMEOUT_S = 30.0  # the strategy's collective timeout in this test
 
 
 def _entry(rank, port, results, root, kill_at, resume):
     os.environ.update(local_rank_env(rank, 2, port, threads=1, agent_store=True))
-    from lightning_3d.testing.faults import fit_until_killed
+    from support.faults import fit_until_killed
 
     try:
         out = fit_until_killed(rank, root, 6, kill_at, timeout_s=TIMEOUT_S, resume=resume)
@@ -33,7 +33,10 @@ def _world(root, kill_at, resume):
     ctx = mp.get_context("spawn")
     with hosted_store() as port:
         results = ctx.Queue()
-        procs = [ctx.Process(target=_entry, args=(r, port, results, root, kill_at, resume)) for r in range(2)]
+        procs = [
+            ctx.Process(target=_entry, args=(r, port, results, root, kill_at, resume))
+            for r in range(2)
+        ]
         try:
             for p in procs:
                 p.start()
@@ -58,7 +61,9 @@ def test_a_killed_rank_stops_the_others_and_last_resumes(tmp_path):
         procs[0].join(timeout=TIMEOUT_S + 30)  # the survivor exits, it does not hang
         assert procs[0].exitcode is not None
     # The last complete checkpoint (ModelCheckpoint runs after the killing callback: step 2's).
-    saved_step = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    saved_step = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=True)[
+        "global_step"
+    ]
     assert saved_step == 2
     with _world(root, kill_at=None, resume=True) as (procs, results):
         try:
@@ -67,4 +72,6 @@ def test_a_killed_rank_stops_the_others_and_last_resumes(tmp_path):
             raise AssertionError("the relaunched world did not finish") from None
     for rank, status, out, _ in outs:
         assert status == "ok", out
-        assert out["global_step"] == 6 and len(out["losses"]) == 6 - saved_step  # only the remaining steps
+        assert (
+            out["global_step"] == 6 and len(out["losses"]) == 6 - saved_step
+        )  # only the remaining steps

@@ -14,17 +14,20 @@ import pytest
 import torch
 
 from lightning_3d.checkpoint.__main__ import main as checkpoint_cli
-from lightning_3d.finetune import resolve_pretrained
-from lightning_3d.testing.apps import start_app, wait_all
+from lightning_3d.app.finetune import resolve_pretrained
+from lightning_3d.harness.apps import start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN, FINETUNE = str(REPO / "examples/train.py"), str(REPO / "examples/finetune.py")
 # Tiny model and corpus, one process; the preset's offload, checkpointing and bf16 stay on.
-SMALL = ["model=gpt_tiny", "trainer.devices=1", "data.batch_size=8", "data.max_bytes=300000",
-         "trainer.limit_val_batches=2"]
+SMALL = [
+    "model=gpt_tiny",
+    "trainer.devices=1",
+    "data.batch_size=8",
+    "data.max_bytes=300000",
+    "trainer.limit_val_batches=2",
+]
 PRETRAIN_STEPS = 30  # enough for the byte statistics: the loss falls from ln(256) = 5.55 to ~3.6
-
-
 
 
 def _describe(proc):
@@ -42,27 +45,77 @@ def runs(tmp_path_factory):
     project, nvme = root / "project", root / "nvme"
     project.mkdir()
     nvme.mkdir()
-    paths = {"root": root, "project": project, "nvme": nvme, "pretrain": project / "outputs/day/pretrain",
-             "run_missing": root / "run_missing", "run_nvme": root / "run_nvme", "run_cpu": root / "run_cpu",
-             "safetensors": root / "gpt.safetensors"}
+    paths = {
+        "root": root,
+        "project": project,
+        "nvme": nvme,
+        "pretrain": project / "outputs/day/pretrain",
+        "run_missing": root / "run_missing",
+        "run_nvme": root / "run_nvme",
+        "run_cpu": root / "run_cpu",
+        "safetensors": root / "gpt.safetensors",
+    }
     # Wave 1: the pretraining run, and a bad input.
-    results = wait_all(timeout=240, procs={
-        "pretrain": start_app(TRAIN, [*SMALL, f"trainer.max_steps={PRETRAIN_STEPS}", f"hydra.run.dir={paths['pretrain']}"],
-                           project),
-        "missing": start_app(FINETUNE, [*SMALL, f"finetune.pretrained={root / 'nope.ckpt'}",
-                                     f"hydra.run.dir={paths['run_missing']}"], project),
-    })
+    results = wait_all(
+        timeout=240,
+        procs={
+            "pretrain": start_app(
+                TRAIN,
+                [
+                    *SMALL,
+                    f"trainer.max_steps={PRETRAIN_STEPS}",
+                    f"hydra.run.dir={paths['pretrain']}",
+                ],
+                project,
+            ),
+            "missing": start_app(
+                FINETUNE,
+                [
+                    *SMALL,
+                    f"finetune.pretrained={root / 'nope.ckpt'}",
+                    f"hydra.run.dir={paths['run_missing']}",
+                ],
+                project,
+            ),
+        },
+    )
     assert results["pretrain"].returncode == 0, _describe(results["pretrain"])
-    assert checkpoint_cli(["consolidate", str(paths["pretrain"] / "final.ckpt"), str(paths["safetensors"])]) == 0
+    assert (
+        checkpoint_cli(
+            ["consolidate", str(paths["pretrain"] / "final.ckpt"), str(paths["safetensors"])]
+        )
+        == 0
+    )
     fine = [*SMALL, "trainer.max_steps=3"]
     # Wave 2: from the pretraining run's final.ckpt (finetune.pretrained=latest, the preset's
     # default: cwd is the project) to NVMe, and from the safetensors export to CPU.
-    results.update(wait_all(timeout=240, procs={
-        "nvme": start_app(FINETUNE, [*fine, "offload=nvme", f"offload.path={nvme}", f"hydra.run.dir={paths['run_nvme']}"],
-                       project),
-        "cpu": start_app(FINETUNE, [*fine, f"finetune.pretrained={paths['safetensors']}", "offload=cpu",
-                                 f"hydra.run.dir={paths['run_cpu']}"], project),
-    }))
+    results.update(
+        wait_all(
+            timeout=240,
+            procs={
+                "nvme": start_app(
+                    FINETUNE,
+                    [
+                        *fine,
+                        "offload=nvme",
+                        f"offload.path={nvme}",
+                        f"hydra.run.dir={paths['run_nvme']}",
+                    ],
+                    project,
+                ),
+                "cpu": start_app(
+                    FINETUNE,
+                    [
+                        *fine,
+                        f"finetune.pretrained={paths['safetensors']}",
+                        "offload=cpu",
+                        f"hydra.run.dir={paths['run_cpu']}",
+                    ],
+                    project,
+                ),
+            },
+        )
+    )
     return results, paths
 
 
@@ -109,7 +162,7 @@ def test_missing_pretrained_is_one_error_line(runs):
 def _compose(overrides):
     from hydra import compose, initialize_config_dir
 
-    from lightning_3d.config import register_configs
+    from lightning_3d.app.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
@@ -118,10 +171,14 @@ def _compose(overrides):
 
 @pytest.mark.parametrize("offload", ["none", "cpu", "nvme"])
 def test_preset_and_offload_overrides(offload):
-    from lightning_3d.config import build_strategy
+    from lightning_3d.app.config import build_strategy
 
     cfg = _compose([f"offload={offload}"])
-    assert cfg.trainer.devices == 1 and cfg.trainer.precision == "bf16-mixed" and cfg.data.corpus == "docs"
+    assert (
+        cfg.trainer.devices == 1
+        and cfg.trainer.precision == "bf16-mixed"
+        and cfg.data.corpus == "docs"
+    )
     assert cfg.finetune.pretrained == "latest"
     strategy = build_strategy(cfg.parallelism, cfg.offload)
     assert strategy.plan.offload.device == offload and strategy.plan.ac.policy == "full"
@@ -132,23 +189,37 @@ def test_bad_pretrained_refused_before_work(runs, case, tmp_path):
     """``damaged``: one flipped mantissa bit in a weight of the pretraining run's final.ckpt is
     refused by the launcher's check (``inspect_checkpoint`` verifies the checksums); safetensors
     files carry no checksums of their own, so only their header is checked."""
-    from lightning_3d.finetune import prepare
-    from lightning_3d.testing.damage import copy_checkpoint, flip_in_tensor
+    from lightning_3d.app.finetune import prepare
+    from support.damage import copy_checkpoint, flip_in_tensor
 
     _, paths = runs
     text = paths["root"] / "not_a_checkpoint.txt"
     text.write_text("hello\n")
     if case == "not_a_checkpoint":
-        cfg, match = _compose(["model=gpt_tiny", f"finetune.pretrained={text}"]), "neither a Lightning checkpoint"
+        cfg, match = (
+            _compose(["model=gpt_tiny", f"finetune.pretrained={text}"]),
+            "neither a Lightning checkpoint",
+        )
     else:  # the tiny model's checkpoint against a wider model, built on meta
-        cfg = _compose(["model=gpt_tiny", "model.n_embd=64", f"finetune.pretrained={paths['pretrain']}/final.ckpt"])
+        cfg = _compose(
+            [
+                "model=gpt_tiny",
+                "model.n_embd=64",
+                f"finetune.pretrained={paths['pretrain']}/final.ckpt",
+            ]
+        )
         match = "does not match the model.*shape mismatch"
     if case == "damaged":
         final = paths["pretrain"] / "final.ckpt"
         copy = copy_checkpoint(final, tmp_path / "final.ckpt")
-        weight = torch.load(final, map_location="cpu", weights_only=True)["state_dict"]["model.blocks.0.mlp.fc1.weight"]
+        weight = torch.load(final, map_location="cpu", weights_only=True)["state_dict"][
+            "model.blocks.0.mlp.fc1.weight"
+        ]
         flip_in_tensor(copy, weight, one_bit=True)
-        cfg, match = _compose(["model=gpt_tiny", f"finetune.pretrained={copy}"]), "checksum mismatch in tensor"
+        cfg, match = (
+            _compose(["model=gpt_tiny", f"finetune.pretrained={copy}"]),
+            "checksum mismatch in tensor",
+        )
     with pytest.raises(ValueError, match=match):
         prepare(cfg, paths["root"])
 

@@ -1,12 +1,12 @@
 """Hugging Face decoder families under every layout reproduce one process (gloo worlds).
 
-The CI set (``lightning_3d.testing.hf_configs.TINY_HF``): each family stands for something the
+The CI set (``lightning_3d.harness.hf_configs.TINY_HF``): each family stands for something the
 layouts must get right — per-head norms (Qwen3), an embedding scaled inside itself with sliding
 windows and soft-capping (Gemma2), fused projections (Phi-3), full-width q/k norms (OLMo2),
 experts (Mixtral), interleaved fused q/k/v and a parallel residual (GPT-NeoX), partial rotary
 (Phi), a family that ships no plan (StableLM). Each layout trains 5 fp32 steps and must give
 the single-process losses and every tensor's update. The whole registry: ``-m slow`` and
-``python -m lightning_3d.testing.hf_matrix``.
+``python -m lightning_3d.harness.hf_matrix``.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from lightning_3d.testing.hf_matrix import LAYOUTS  # noqa: E402  (the whole matrix's layouts)
-from lightning_3d.testing.parity import loss_mismatches, update_mismatches  # noqa: E402
-from lightning_3d.testing.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.testing.world import run_world  # noqa: E402
+from lightning_3d.harness.hf_matrix import LAYOUTS  # noqa: E402  (the whole matrix's layouts)
+from lightning_3d.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
+from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
+from lightning_3d.harness.world import run_world  # noqa: E402
 
 STEPS, SEED = 5, 1234
 TRAINER = {"gradient_clip_val": 0.05}
@@ -31,7 +31,13 @@ def reference():
 
     def get(family, attn):
         if (family, attn) not in cache:
-            run = Run(steps=STEPS, seed=SEED, trainer=TRAINER, arch=f"hf_{family}", model={"attn_implementation": attn})
+            run = Run(
+                steps=STEPS,
+                seed=SEED,
+                trainer=TRAINER,
+                arch=f"hf_{family}",
+                model={"attn_implementation": attn},
+            )
             cache[family, attn] = fit_gpt(0, run)
         return cache[family, attn]
 
@@ -49,10 +55,16 @@ def assert_matches(run: dict, ref: dict) -> None:
 
 # Layouts a family cannot run as one process would, refused before any process starts.
 REFUSED = {
-    ("olmo2", "tp2_sp"): r"Olmo2ForCausalLM: sequence_parallel=True .* model.model.layers.0.self_attn "
-                         r"\(Olmo2Attention\) would see a shard of the sequence",
-    ("mixtral", "tp2_sp"): r"MixtralForCausalLM: sequence_parallel=True .* model.model.layers.0.mlp "
-                           r"\(MixtralSparseMoeBlock\) would see a shard of the sequence",
+    (
+        "olmo2",
+        "tp2_sp",
+    ): r"Olmo2ForCausalLM: sequence_parallel=True .* model.model.layers.0.self_attn "
+    r"\(Olmo2Attention\) would see a shard of the sequence",
+    (
+        "mixtral",
+        "tp2_sp",
+    ): r"MixtralForCausalLM: sequence_parallel=True .* model.model.layers.0.mlp "
+    r"\(MixtralSparseMoeBlock\) would see a shard of the sequence",
 }
 
 
@@ -66,17 +78,24 @@ def test_family_matches_single_process(reference, family, layout):
         import torch
 
         from lightning_3d.models.hf import HFCausalLM
-        from lightning_3d.plan import Plan
-        from lightning_3d.recipe import check
-        from lightning_3d.testing.hf_configs import tiny_hf_config
+        from lightning_3d.options import Plan
+        from lightning_3d.strategy.recipe import check
+        from lightning_3d.harness.hf_configs import tiny_hf_config
 
         with torch.device("meta"):  # as the app's launcher checks it
             module = HFCausalLM(config=tiny_hf_config(family))
         with pytest.raises(ValueError, match=REFUSED[family, layout]):
             check(module, Plan.from_options(**strategy), world_size)
         return
-    run = Run(strategy=strategy, devices=world_size, steps=STEPS, seed=SEED, trainer=TRAINER, arch=f"hf_{family}",
-              model={"attn_implementation": attn})
+    run = Run(
+        strategy=strategy,
+        devices=world_size,
+        steps=STEPS,
+        seed=SEED,
+        trainer=TRAINER,
+        arch=f"hf_{family}",
+        model={"attn_implementation": attn},
+    )
     assert_matches(run_world(fit_gpt, world_size, run)[0], reference(family, attn))
 
 
@@ -84,9 +103,18 @@ SAVES = {"consolidated": {}, "sharded": {"checkpoint_format": "sharded"}}
 
 
 @pytest.mark.parametrize("fmt", list(SAVES))
-@pytest.mark.parametrize("family, strategy", [("qwen2", {"pipeline": 2}), ("gemma2", {"pipeline": 2}),
-                                              ("qwen3", {"tensor": 2}), ("mixtral", {"data": 2, "zero_stage": 3})])
-def test_saved_and_resumed_family_continues_the_single_process_run(tmp_path, reference, family, strategy, fmt):
+@pytest.mark.parametrize(
+    "family, strategy",
+    [
+        ("qwen2", {"pipeline": 2}),
+        ("gemma2", {"pipeline": 2}),
+        ("qwen3", {"tensor": 2}),
+        ("mixtral", {"data": 2, "zero_stage": 3}),
+    ],
+)
+def test_saved_and_resumed_family_continues_the_single_process_run(
+    tmp_path, reference, family, strategy, fmt
+):
     """Saved after 3 steps in the layout, in each checkpoint format, and resumed there: the
     resumed steps and the final weights are the single-process run's. Catches: the tied weight's
     optimizer state merged from both stages (its two equal entries sorted: a crash at the first
@@ -94,22 +122,31 @@ def test_saved_and_resumed_family_continues_the_single_process_run(tmp_path, ref
     attn = "eager" if family == "gemma2" else None
     model = {"attn_implementation": attn}
     layout = {**strategy, **SAVES[fmt]}
-    common = dict(strategy=layout, devices=2, seed=SEED, trainer=TRAINER, arch=f"hf_{family}", model=model)
-    run_world(fit_gpt, 2, Run(steps=3, save_to=str(tmp_path / "run.ckpt"), save_every_n_steps=3, **common))
-    resumed = run_world(fit_gpt, 2, Run(steps=STEPS, resume_from=str(tmp_path / "run-step=3.ckpt"), **common))[0]
+    common = dict(
+        strategy=layout, devices=2, seed=SEED, trainer=TRAINER, arch=f"hf_{family}", model=model
+    )
+    run_world(
+        fit_gpt, 2, Run(steps=3, save_to=str(tmp_path / "run.ckpt"), save_every_n_steps=3, **common)
+    )
+    resumed = run_world(
+        fit_gpt, 2, Run(steps=STEPS, resume_from=str(tmp_path / "run-step=3.ckpt"), **common)
+    )[0]
     straight = reference(family, attn)
     assert_matches(resumed, {**straight, "losses": straight["losses"][3:]})
 
 
-@pytest.mark.parametrize("family, dropout, strategy", [
-    # Dropout on the replicated residual stream draws, on every tensor rank, the mask one
-    # process draws (same seed, same shapes, same order); attention dropout (local heads) is off.
-    ("gpt2", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, {"tensor": 2}),
-    ("phi", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, {"tensor": 2}),
-    # A pipeline's stages draw from their own streams, so masks cannot match one process's;
-    # p=1 on the first stage's embedding dropout is deterministic and still must be applied.
-    ("gpt2", {"embd_pdrop": 1.0}, {"pipeline": 2}),
-])
+@pytest.mark.parametrize(
+    "family, dropout, strategy",
+    [
+        # Dropout on the replicated residual stream draws, on every tensor rank, the mask one
+        # process draws (same seed, same shapes, same order); attention dropout (local heads) is off.
+        ("gpt2", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, {"tensor": 2}),
+        ("phi", {"resid_pdrop": 0.1, "embd_pdrop": 0.1}, {"tensor": 2}),
+        # A pipeline's stages draw from their own streams, so masks cannot match one process's;
+        # p=1 on the first stage's embedding dropout is deterministic and still must be applied.
+        ("gpt2", {"embd_pdrop": 1.0}, {"pipeline": 2}),
+    ],
+)
 def test_dropout_on_matches_single_process(family, dropout, strategy):
     """Dropout on, ranks seeded alike (as every Lightning run seeds them). Catches: a model
     trained in eval mode (transformers' from_pretrained default; here the reference trains with
@@ -123,5 +160,13 @@ def test_dropout_on_matches_single_process(family, dropout, strategy):
     ref = run_world(fit_gpt, 1, Run(**one, model=model))[0]
     plain = run_world(fit_gpt, 1, Run(**one))[0]
     assert ref["losses"] != plain["losses"]  # the dropout is on in the reference
-    run = Run(strategy=strategy, devices=2, steps=STEPS, seed=SEED, trainer=TRAINER, arch=f"hf_{family}", model=model)
+    run = Run(
+        strategy=strategy,
+        devices=2,
+        steps=STEPS,
+        seed=SEED,
+        trainer=TRAINER,
+        arch=f"hf_{family}",
+        model=model,
+    )
     assert_matches(run_world(fit_gpt, 2, run)[0], ref)

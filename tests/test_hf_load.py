@@ -9,10 +9,10 @@ import torch
 pytest.importorskip("transformers")
 
 from lightning_3d.models.hf import HFCausalLM  # noqa: E402
-from lightning_3d.testing.hf_configs import tiny_hf_config  # noqa: E402
-from lightning_3d.testing.parity import loss_mismatches, update_mismatches  # noqa: E402
-from lightning_3d.testing.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.testing.world import run_world  # noqa: E402
+from lightning_3d.harness.hf_configs import tiny_hf_config  # noqa: E402
+from lightning_3d.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
+from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
+from lightning_3d.harness.world import run_world  # noqa: E402
 
 STEPS, SEED = 3, 1234
 LAYOUTS = {
@@ -54,12 +54,31 @@ def _fit_counting_reads(rank: int, run: Run) -> dict:
 def test_deferred_load_matches_one_process_loading_it_whole(directory, layout):
     strategy = LAYOUTS[layout]
     world = 4 if "dp2_tp2" in layout else 2
-    eager = fit_gpt(0, Run(steps=STEPS, seed=SEED, arch="hf_phi3", model={"path": str(directory),
-                                                                         "deferred_init": False}))
-    runs = run_world(_fit_counting_reads, world, Run(strategy=strategy, devices=world, steps=STEPS, seed=SEED,
-                                                     arch="hf_phi3", model={"path": str(directory)}))
+    eager = fit_gpt(
+        0,
+        Run(
+            steps=STEPS,
+            seed=SEED,
+            arch="hf_phi3",
+            model={"path": str(directory), "deferred_init": False},
+        ),
+    )
+    runs = run_world(
+        _fit_counting_reads,
+        world,
+        Run(
+            strategy=strategy,
+            devices=world,
+            steps=STEPS,
+            seed=SEED,
+            arch="hf_phi3",
+            model={"path": str(directory)},
+        ),
+    )
     problems = loss_mismatches(runs[0]["losses"], eager["losses"], rtol=1e-5)
-    problems += update_mismatches(runs[0]["state"], eager["state"], eager["initial_state"], rtol=1e-3)
+    problems += update_mismatches(
+        runs[0]["state"], eager["state"], eager["initial_state"], rtol=1e-3
+    )
     assert not problems, "\n".join(problems)
     total = sum(p.numel() for p in eager["state"].values())  # the tie once
     # Measured: dp2 ZeRO-3 22,672 of 45,352 elements per rank, tp2 22,816 (the norms whole on

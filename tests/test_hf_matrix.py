@@ -1,7 +1,7 @@
 """The whole family matrix: every decoder family of the installed ``transformers`` that ships
-a plan (and GPT-2, StableLM) under every layout of ``lightning_3d.testing.hf_matrix``: none may
+a plan (and GPT-2, StableLM) under every layout of ``lightning_3d.harness.hf_matrix``: none may
 differ from one process or crash; what a layout cannot run is refused. About 20 minutes on 2
-cores: ``pytest -m slow tests/test_hf_matrix.py``, or ``python -m lightning_3d.testing.hf_matrix``
+cores: ``pytest -m slow tests/test_hf_matrix.py``, or ``python -m lightning_3d.harness.hf_matrix``
 for the table (docs/hugging-face.md)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 @pytest.mark.slow
 def test_no_family_differs_from_one_process_under_any_layout(capsys):
-    from lightning_3d.testing.hf_matrix import main
+    from lightning_3d.harness.hf_matrix import main
 
     code = main([])
     table = capsys.readouterr().out
@@ -22,10 +22,12 @@ def test_no_family_differs_from_one_process_under_any_layout(capsys):
 
 
 def test_matrix_cells_name_what_is_wrong():
-    from lightning_3d.testing.hf_matrix import Cell, table
+    from lightning_3d.harness.hf_matrix import Cell, table
 
-    rows = {"a": (None, {"tp2": Cell("ok"), "pp2_eager": Cell("refused", "why")}),
-            "b": ("tiny config not buildable (x)", {})}
+    rows = {
+        "a": (None, {"tp2": Cell("ok"), "pp2_eager": Cell("refused", "why")}),
+        "b": ("tiny config not buildable (x)", {}),
+    }
     text = table(rows, ["tp2", "pp2_eager"])
     assert "| `a` | ok | refused |" in text and "- `a` pp2_eager: refused: why" in text
     assert "- `b`: tiny config not buildable (x)" in text
@@ -35,12 +37,15 @@ def _runs(update: float, start: float = 0.01) -> dict:
     """A run of one tensor that moved by ``update`` from ``start``, in fp64."""
     import torch
 
-    return {"losses": [1.0], "state": {"w": torch.full((4,), start + update, dtype=torch.float64)},
-            "initial_state": {"w": torch.full((4,), start, dtype=torch.float64)}}
+    return {
+        "losses": [1.0],
+        "state": {"w": torch.full((4,), start + update, dtype=torch.float64)},
+        "initial_state": {"w": torch.full((4,), start, dtype=torch.float64)},
+    }
 
 
 def test_an_absolute_floor_passes_rounding_of_a_zero_gradient_not_a_wrong_update():
-    from lightning_3d.testing.hf_matrix import FP64, mismatches
+    from lightning_3d.harness.hf_matrix import FP64, mismatches
 
     zero_gradient = _runs(1e-17)  # an update that is rounding noise, 100 % off relative to 1e-16
     assert mismatches(zero_gradient, _runs(1e-16), (FP64[0], FP64[1], 0.0))
@@ -69,30 +74,40 @@ def test_a_layout_that_differs_in_fp32_is_judged_in_fp64_with_sgd(monkeypatch):
     assert same.state == "ok (fp64)", same
     assert calls == [(True, "32-true"), (False, "64-true"), (True, "64-true")]
     assert hf_matrix.cell("wrong", "tp2", reference).state == "DIFFERS"
-    assert hf_matrix._config("llama", None, "64-true")["optimizer"] == hf_matrix.FP64_OPTIMIZER == "sgd"
+    assert (
+        hf_matrix._config("llama", None, "64-true")["optimizer"]
+        == hf_matrix.FP64_OPTIMIZER
+        == "sgd"
+    )
 
 
-@pytest.mark.parametrize("family", ["falcon_h1", "nemotron_h", "qwen3_next", "granitemoehybrid", "bamba", "dots1"])
+@pytest.mark.parametrize(
+    "family", ["falcon_h1", "nemotron_h", "qwen3_next", "granitemoehybrid", "bamba", "dots1"]
+)
 def test_hybrid_families_get_tiny_state_space_sizes(family):
     """State-space and linear-attention mixers are shrunk too (their defaults are full size, and
     transformers' reference kernels in Python made one world of such a family take minutes)."""
     import torch
     import transformers
 
-    from lightning_3d.testing.hf_configs import tiny_config
+    from lightning_3d.harness.hf_configs import tiny_config
 
     config = transformers.AutoConfig.for_model(**tiny_config(family))
     with torch.device("meta"):
-        count = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+        count = sum(
+            p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters()
+        )
     assert count < 250_000, count
 
 
 def test_rows_saved_and_read_back_rebuild_the_same_table(tmp_path):
     """``--rows``: a run of some families adds to, or replaces in, an earlier run's rows."""
-    from lightning_3d.testing.hf_matrix import Cell, load_rows, save_rows, table
+    from lightning_3d.harness.hf_matrix import Cell, load_rows, save_rows, table
 
-    rows = {"a": (None, {"tp2": Cell("ok", figures=(1e-7, 2e-4)), "pp2_eager": Cell("refused", "why")}),
-            "b": ("tiny config not buildable (x)", {})}
+    rows = {
+        "a": (None, {"tp2": Cell("ok", figures=(1e-7, 2e-4)), "pp2_eager": Cell("refused", "why")}),
+        "b": ("tiny config not buildable (x)", {}),
+    }
     path = str(tmp_path / "rows.json")
     assert load_rows(path) == {}
     save_rows(path, rows)

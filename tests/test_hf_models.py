@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` models under every layout reproduce one process (gloo worlds).
 
-Tiny random configs built here (``lightning_3d.testing.hf_configs``; no downloads): Llama with
+Tiny random configs built here (``lightning_3d.harness.hf_configs``; no downloads): Llama with
 grouped-query attention, Qwen2 with tied input embedding and LM head, GPT-2 (``Conv1D``, fused
 q/k/v, tied). Each layout trains 5 fp32 steps and must give the single-process losses within
 1e-5 and its weights (``assert_same_run``), and every tied weight must still be one tensor:
@@ -20,9 +20,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_3d.testing.parity import loss_mismatches, weight_mismatches  # noqa: E402
-from lightning_3d.testing.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.testing.world import run_world  # noqa: E402
+from lightning_3d.harness.parity import loss_mismatches, weight_mismatches  # noqa: E402
+from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
+from lightning_3d.harness.world import run_world  # noqa: E402
 
 STEPS, SEED = 5, 1234
 TRAINER = {"gradient_clip_val": 0.05}  # always hit: norms must count shards and tied copies once
@@ -45,7 +45,9 @@ def reference():
     def get(family, model=None, trainer=TRAINER):
         key = (family, repr(model), repr(trainer))
         if key not in cache:
-            cache[key] = fit_gpt(0, Run(steps=STEPS, seed=SEED, model=model, trainer=trainer, arch=f"hf_{family}"))
+            cache[key] = fit_gpt(
+                0, Run(steps=STEPS, seed=SEED, model=model, trainer=trainer, arch=f"hf_{family}")
+            )
         return cache[key]
 
     return get
@@ -72,7 +74,10 @@ def assert_ties_hold(world: list[dict]) -> None:
                 per_tie.setdefault(index, []).append(tie)
     for copies in per_tie.values():
         for other in copies[1:]:
-            if other["value"].shape == copies[0]["value"].shape and other["names"] != copies[0]["names"]:
+            if (
+                other["value"].shape == copies[0]["value"].shape
+                and other["names"] != copies[0]["names"]
+            ):
                 torch.testing.assert_close(other["value"], copies[0]["value"], rtol=0, atol=0)
 
 
@@ -80,11 +85,23 @@ def assert_ties_hold(world: list[dict]) -> None:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_model_matches_single_process(reference, family, layout):
     world_size, strategy = LAYOUTS[layout]
-    world = run_world(fit_gpt, world_size, Run(strategy=strategy, devices=world_size, steps=STEPS, seed=SEED,
-                                               trainer=TRAINER, arch=f"hf_{family}"))
+    world = run_world(
+        fit_gpt,
+        world_size,
+        Run(
+            strategy=strategy,
+            devices=world_size,
+            steps=STEPS,
+            seed=SEED,
+            trainer=TRAINER,
+            arch=f"hf_{family}",
+        ),
+    )
     assert_matches(world[0], reference(family))
     assert_ties_hold(world)
-    assert world[0]["summary"]["num_params"] == reference(family)["summary"]["num_params"]  # a tie counted once
+    assert (
+        world[0]["summary"]["num_params"] == reference(family)["summary"]["num_params"]
+    )  # a tie counted once
     tied = family != "llama"
     assert bool(world[0]["ties"]) == tied  # the tie is seen (and only where the config ties)
 
@@ -100,8 +117,18 @@ WITH_MEMORY_FEATURES = {
 @pytest.mark.parametrize("family", list(WITH_MEMORY_FEATURES))
 def test_hf_model_with_checkpointing_and_offload_matches_single_process(reference, family):
     world_size, strategy = WITH_MEMORY_FEATURES[family]
-    world = run_world(fit_gpt, world_size, Run(strategy=strategy, devices=world_size, steps=STEPS, seed=SEED,
-                                               trainer=TRAINER, arch=f"hf_{family}"))
+    world = run_world(
+        fit_gpt,
+        world_size,
+        Run(
+            strategy=strategy,
+            devices=world_size,
+            steps=STEPS,
+            seed=SEED,
+            trainer=TRAINER,
+            arch=f"hf_{family}",
+        ),
+    )
     assert_matches(world[0], reference(family))
     assert_ties_hold(world)
 
@@ -114,7 +141,15 @@ def test_tied_copies_on_two_stages_are_summed_and_counted_once(reference, zero_s
     counted twice in the global norm (every step clipped too hard)."""
     model, trainer = {"optimizer": "sgd", "lr": 0.5}, {"gradient_clip_val": 0.5}
     strategy = {"pipeline": 2, "zero_stage": zero_stage}
-    run = Run(strategy=strategy, devices=2, steps=STEPS, seed=SEED, model=model, trainer=trainer, arch="hf_qwen2")
+    run = Run(
+        strategy=strategy,
+        devices=2,
+        steps=STEPS,
+        seed=SEED,
+        model=model,
+        trainer=trainer,
+        arch="hf_qwen2",
+    )
     world = run_world(fit_gpt, 2, run)
     assert_matches(world[0], reference("qwen2", model, trainer))
     assert_ties_hold(world)
@@ -125,11 +160,34 @@ def test_tied_copies_on_two_stages_are_summed_and_counted_once(reference, zero_s
 def test_tie_survives_a_resume(tmp_path, reference):
     """Saved under tensor=2 (one tied DTensor), resumed under pipeline=2 (one copy per stage):
     the resumed run continues the single-process run, and the tie holds after the load."""
-    run_world(fit_gpt, 2, Run(strategy={"tensor": 2}, devices=2, steps=3, seed=SEED, trainer=TRAINER, arch="hf_qwen2",
-                              save_to=str(tmp_path / "tied.ckpt"), save_every_n_steps=3))
+    run_world(
+        fit_gpt,
+        2,
+        Run(
+            strategy={"tensor": 2},
+            devices=2,
+            steps=3,
+            seed=SEED,
+            trainer=TRAINER,
+            arch="hf_qwen2",
+            save_to=str(tmp_path / "tied.ckpt"),
+            save_every_n_steps=3,
+        ),
+    )
     path = tmp_path / "tied-step=3.ckpt"
-    world = run_world(fit_gpt, 2, Run(strategy={"pipeline": 2}, devices=2, steps=STEPS, seed=SEED, trainer=TRAINER,
-                                      arch="hf_qwen2", resume_from=str(path)))
+    world = run_world(
+        fit_gpt,
+        2,
+        Run(
+            strategy={"pipeline": 2},
+            devices=2,
+            steps=STEPS,
+            seed=SEED,
+            trainer=TRAINER,
+            arch="hf_qwen2",
+            resume_from=str(path),
+        ),
+    )
     assert_ties_hold(world)
     straight = reference("qwen2")
     assert_matches(world[0], {"losses": straight["losses"][3:], "state": straight["state"]})
@@ -141,26 +199,39 @@ def test_tied_weights_sharded_differently_are_refused(capfd):
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.parallel.tensor import resolve_plan
     from lightning_3d.parallel.tied import check_tied_styles, find_tied
-    from lightning_3d.plans import plan_from_names
-    from lightning_3d.testing.hf_configs import tiny_hf_config
+    from lightning_3d.parallel.plans import plan_from_names
+    from lightning_3d.harness.hf_configs import tiny_hf_config
 
     module = HFCausalLM(config=tiny_hf_config("qwen2"))
     ties = find_tied(module)
     assert ties == [("model.model.embed_tokens.weight", "model.lm_head.weight")]
     good = {"*embed_tokens": "vocab", "*lm_head": "head"}
-    check_tied_styles(module, resolve_plan(module, plan_from_names(good), 2), ties)  # both split the vocabulary
+    check_tied_styles(
+        module, resolve_plan(module, plan_from_names(good), 2), ties
+    )  # both split the vocabulary
     plan = {"*embed_tokens": "vocab", "*lm_head": "rowwise"}
     message = r"tied parameters model\.model\.embed_tokens\.weight .*model\.lm_head\.weight .*sharded differently"
-    with pytest.raises(ValueError, match=message):  # without processes, as the app checks before launch
+    with pytest.raises(
+        ValueError, match=message
+    ):  # without processes, as the app checks before launch
         check_tied_styles(module, resolve_plan(module, plan_from_names(plan), 2), ties)
-    with pytest.raises(RuntimeError, match=message):  # and by the strategy on the ranks, before any rewrite
+    with pytest.raises(
+        RuntimeError, match=message
+    ):  # and by the strategy on the ranks, before any rewrite
         run_world(_fit_module_with_plan, 2, plan)
     # Reported as what it is (the step, the exception), not as a lost peer with resume advice.
     err = capfd.readouterr().err
-    assert "rank 0: setting up HFCausalLM for Layout(data=1, tensor=2, pipeline=1, zero_stage=0) failed " \
-           "during tensor parallelism: ValueError: tied parameters" in err
+    assert (
+        "rank 0: setting up HFCausalLM for Layout(data=1, tensor=2, pipeline=1, zero_stage=0) failed "
+        "during tensor parallelism: ValueError: tied parameters" in err
+    )
     assert "a collective failed" not in err and "ckpt_path='last'" not in err
 
 
 def _fit_module_with_plan(rank: int, plan: dict) -> None:
-    fit_gpt(rank, Run(strategy={"tensor": 2, "tp_plan": plan}, devices=2, steps=1, seed=SEED, arch="hf_qwen2"))
+    fit_gpt(
+        rank,
+        Run(
+            strategy={"tensor": 2, "tp_plan": plan}, devices=2, steps=1, seed=SEED, arch="hf_qwen2"
+        ),
+    )

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from lightning_3d.models.hf import IGNORE_INDEX, HFCausalLM  # noqa: E402
-from lightning_3d.testing.hf_configs import TINY_HF, tiny_config, tiny_hf_config  # noqa: E402
+from lightning_3d.harness.hf_configs import TINY_HF, tiny_config, tiny_hf_config  # noqa: E402
 
 
 def test_config_builds_deterministically_and_model_instance_is_kept():
@@ -24,7 +24,9 @@ def test_config_builds_deterministically_and_model_instance_is_kept():
     assert c.model is inner and "model" not in c.hparams
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma2", "mixtral"])  # tied; computed buffers; converted files
+@pytest.mark.parametrize(
+    "family", ["qwen2", "gemma2", "mixtral"]
+)  # tied; computed buffers; converted files
 @pytest.mark.parametrize("deferred", [True, False], ids=["deferred", "eager"])
 def test_path_loads_the_saved_weights_in_training_mode(tmp_path, family, deferred):
     """A directory's weights, read on meta-built model (or loaded whole), equal what was saved;
@@ -36,12 +38,18 @@ def test_path_loads_the_saved_weights_in_training_mode(tmp_path, family, deferre
     loaded = HFCausalLM(path=str(tmp_path), deferred_init=deferred)
     assert loaded.model.training and all(m.training for m in loaded.model.modules())
     ids = torch.randint(3, 256, (2, 16))
-    torch.testing.assert_close(loaded(ids), source(ids), rtol=0, atol=0)  # reads the weights first if deferred
+    torch.testing.assert_close(
+        loaded(ids), source(ids), rtol=0, atol=0
+    )  # reads the weights first if deferred
     for name, value in [*source.model.state_dict().items(), *source.model.named_buffers()]:
-        assert torch.equal(dict([*loaded.model.state_dict().items(), *loaded.model.named_buffers()])[name],
-                           value), name
+        assert torch.equal(
+            dict([*loaded.model.state_dict().items(), *loaded.model.named_buffers()])[name], value
+        ), name
     if source.model.config.tie_word_embeddings:
-        assert loaded.model.get_output_embeddings().weight is loaded.model.get_input_embeddings().weight
+        assert (
+            loaded.model.get_output_embeddings().weight
+            is loaded.model.get_input_embeddings().weight
+        )
 
 
 def test_dict_batch_shifts_labels_and_ignores_padding():
@@ -65,12 +73,18 @@ def test_dict_batch_shifts_labels_and_ignores_padding():
     torch.testing.assert_close(pair_loss, single)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({}, "give exactly one of path= or config="),
-    ({"path": "/nonexistent/model"}, "is not a model directory: it has no config.json"),
-    ({"config": {"hidden_size": 8}}, "config= needs a 'model_type'"),
-    ({"config": tiny_hf_config("llama"), "optimizer": "lion"}, "optimizer must be 'adamw' or 'sgd', got 'lion'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "give exactly one of path= or config="),
+        ({"path": "/nonexistent/model"}, "is not a model directory: it has no config.json"),
+        ({"config": {"hidden_size": 8}}, "config= needs a 'model_type'"),
+        (
+            {"config": tiny_hf_config("llama"), "optimizer": "lion"},
+            "optimizer must be 'adamw' or 'sgd', got 'lion'",
+        ),
+    ],
+)
 def test_bad_arguments_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         HFCausalLM(**kwargs)
@@ -110,13 +124,18 @@ def test_models_a_pipeline_split_would_change_are_refused():
 
     if "dory" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no Dory")
-    from lightning_3d.plan import Plan
-    from lightning_3d.recipe import check
+    from lightning_3d.options import Plan
+    from lightning_3d.strategy.recipe import check
 
     module = HFCausalLM(config=tiny_config("dory"))
-    with pytest.raises(ValueError, match=r"DoryForCausalLM cannot be split into pipeline stages at its layers: "
-                                         r"its forward calls its layers in the order \[0, 1, (2, 3, )?0"):
-        run_in_turn(stages_in_one_process(module, 2), torch.randint(3, 256, (2, 16)))  # at a stage's first forward
+    with pytest.raises(
+        ValueError,
+        match=r"DoryForCausalLM cannot be split into pipeline stages at its layers: "
+        r"its forward calls its layers in the order \[0, 1, (2, 3, )?0",
+    ):
+        run_in_turn(
+            stages_in_one_process(module, 2), torch.randint(3, 256, (2, 16))
+        )  # at a stage's first forward
     with torch.device("meta"):  # and before launch, on a tiny copy of the family, as the app checks
         on_meta = HFCausalLM(config=tiny_config("dory"))
     with pytest.raises(ValueError, match=r"DoryForCausalLM cannot be split into pipeline stages"):
@@ -130,13 +149,16 @@ def test_a_split_the_models_own_code_fails_on_is_refused_naming_the_class():
     class and the failure (it said only "too many values to unpack")."""
     if "deepseek_v4" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no DeepSeek-V4")
-    from lightning_3d.plan import Plan
-    from lightning_3d.recipe import check
+    from lightning_3d.options import Plan
+    from lightning_3d.strategy.recipe import check
 
     with torch.device("meta"):
         on_meta = HFCausalLM(config=tiny_config("deepseek_v4"), attn_implementation="eager")
-    with pytest.raises(ValueError, match=r"DeepseekV4ForCausalLM cannot be split into pipeline stages at its "
-                                         r"layers: on a tiny copy of its family a stage fails \(\w+Error: "):
+    with pytest.raises(
+        ValueError,
+        match=r"DeepseekV4ForCausalLM cannot be split into pipeline stages at its "
+        r"layers: on a tiny copy of its family a stage fails \(\w+Error: ",
+    ):
         check(on_meta, Plan.from_options(pipeline=2), 2)
 
 
@@ -155,11 +177,23 @@ def test_stand_ins_return_what_the_model_unpacks_from_a_layer():
 
 
 def test_encoders_are_refused_and_a_bert_decoder_has_no_block_list():
-    config = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
-    with pytest.raises(ValueError, match=r"BertLMHeadModel is an encoder: its attention \(BertSelfAttention\) "
-                                         r"is not causal"):
+    config = dict(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"BertLMHeadModel is an encoder: its attention \(BertSelfAttention\) "
+        r"is not causal",
+    ):
         HFCausalLM(config={"model_type": "bert", **config})
-    bert = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
-        "bert", is_decoder=True, **config))
-    with pytest.raises(ValueError, match="no pipeline split for BertLMHeadModel: expected one block list"):
+    bert = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model("bert", is_decoder=True, **config)
+    )
+    with pytest.raises(
+        ValueError, match="no pipeline split for BertLMHeadModel: expected one block list"
+    ):
         HFCausalLM(model=bert).pipeline_spec()

@@ -31,10 +31,10 @@ from lightning_3d.parallel.tensor import (  # noqa: E402
     regroup_fused_rows,
     resolve_plan,
 )
-from lightning_3d.plans import detect_plan, plan_from_names  # noqa: E402
-from lightning_3d.testing.parity import assert_same_run, loss_mismatches, update_mismatches  # noqa: E402
-from lightning_3d.testing.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.testing.world import run_world  # noqa: E402
+from lightning_3d.parallel.plans import detect_plan, plan_from_names  # noqa: E402
+from lightning_3d.harness.parity import assert_same_run, loss_mismatches, update_mismatches  # noqa: E402
+from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
+from lightning_3d.harness.world import run_world  # noqa: E402
 
 STEPS, SEED = 5, 1234
 UNTIED = {"tie_word_embeddings": False}
@@ -42,7 +42,7 @@ UNTIED = {"tie_word_embeddings": False}
 
 def _hf(family: str = "gpt2", **overrides):
     from lightning_3d.models.hf import HFCausalLM
-    from lightning_3d.testing.hf_configs import tiny_hf_config
+    from lightning_3d.harness.hf_configs import tiny_hf_config
 
     return HFCausalLM(config=tiny_hf_config(family, **{**UNTIED, **overrides}))
 
@@ -75,7 +75,9 @@ def test_hf_gpt2_plan_splits_conv1d_and_localises_attention_sizes():
     assert resolved[f"{block}.mlp.c_proj"].output_layouts == (Shard(1),)
     assert isinstance(resolved[f"{block}.attn"], LocalSizes)
     assert resolved[f"{block}.attn"].sizes(model.get_submodule(f"{block}.attn")) == {
-        "split_size": 32, "num_heads": 4, "embed_dim": 32,
+        "split_size": 32,
+        "num_heads": 4,
+        "embed_dim": 32,
     }
     assert isinstance(resolved["model.transformer.h.0"], PrepareHiddenStates)
 
@@ -84,9 +86,14 @@ def test_style_names_on_conv1d_get_the_conv1d_styles():
     """``"colwise"`` / ``"rowwise"`` (torch's own classes) on a Conv1D resolve to the subclasses
     that can split it, with the same layouts."""
     model = _hf()
-    plan = plan_from_names({"*.mlp.c_fc": "colwise", "*.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1))})
+    plan = plan_from_names(
+        {"*.mlp.c_fc": "colwise", "*.mlp.c_proj": RowwiseParallel(output_layouts=Shard(1))}
+    )
     resolved = resolve_plan(model, plan, 2)
-    fc, proj = resolved["model.transformer.h.1.mlp.c_fc"], resolved["model.transformer.h.1.mlp.c_proj"]
+    fc, proj = (
+        resolved["model.transformer.h.1.mlp.c_fc"],
+        resolved["model.transformer.h.1.mlp.c_proj"],
+    )
     assert type(fc) is ColwiseConv1DParallel and fc.input_layouts == (Replicate(),)
     assert type(proj) is RowwiseConv1DParallel and proj.output_layouts == (Shard(1),)
     assert type(plan["*.mlp.c_fc"]) is ColwiseParallel  # the plan itself is not changed
@@ -123,23 +130,35 @@ def test_indivisible_vocabulary_and_embedding_width_are_named():
     assert "model.transformer.wte: num_embeddings (vocabulary) 250" in message
     assert "model.lm_head: out_features 250" in message
     assert "wpe" not in message  # embedding_dim 32 splits over 4
-    assert "model.transformer.wpe: embedding_dim 32" in _refusal(model, {"*wpe": ColwiseParallel()}, 3)
+    assert "model.transformer.wpe: embedding_dim 32" in _refusal(
+        model, {"*wpe": ColwiseParallel()}, 3
+    )
 
 
 def test_fused_chunks_must_divide_the_output():
     message = _refusal(_hf(), {"*.mlp.c_fc": FusedColwiseParallel(5)}, 2)  # 128 outputs, 5 chunks
-    assert "model.transformer.h.0.mlp.c_fc: out_features 128 do not split into 5 fused chunks" in message
+    assert (
+        "model.transformer.h.0.mlp.c_fc: out_features 128 do not split into 5 fused chunks"
+        in message
+    )
 
 
 def test_style_on_a_module_type_it_cannot_split_is_named_with_its_class():
     model = _hf()
-    plan = {"*.ln_1": ColwiseParallel(), "*wte": FusedColwiseParallel(3), "*.mlp.c_fc": ColwiseConv1DParallel()}
+    plan = {
+        "*.ln_1": ColwiseParallel(),
+        "*wte": FusedColwiseParallel(3),
+        "*.mlp.c_fc": ColwiseConv1DParallel(),
+    }
     message = _refusal(model, plan, 2)
     assert (
         "model.transformer.h.0.ln_1 is a torch.nn.modules.normalization.LayerNorm, "
         "and ColwiseParallel splits only Linear, Embedding" in message
     )
-    assert "model.transformer.wte is a torch.nn.modules.sparse.Embedding, and FusedColwiseParallel" in message
+    assert (
+        "model.transformer.wte is a torch.nn.modules.sparse.Embedding, and FusedColwiseParallel"
+        in message
+    )
     assert "c_fc" not in message
 
 
@@ -172,10 +191,16 @@ def _values_rank(rank: int) -> dict:
         full = full_state_dict(model)
         load_full_model_state(model, original)  # regrouped again on the way in
         out[sp] = {
-            "original": original, "expected": expected, "logits": logits, "full": full,
-            "local_w": attn.c_attn.weight.to_local().clone(), "local_b": attn.c_attn.bias.to_local().clone(),
-            "fused_attr": getattr(attn.c_attn, FUSED_ROWS_ATTR), "split_size": attn.split_size,
-            "num_heads": attn.num_heads, "after_load": full_state_dict(model),
+            "original": original,
+            "expected": expected,
+            "logits": logits,
+            "full": full,
+            "local_w": attn.c_attn.weight.to_local().clone(),
+            "local_b": attn.c_attn.bias.to_local().clone(),
+            "fused_attr": getattr(attn.c_attn, FUSED_ROWS_ATTR),
+            "split_size": attn.split_size,
+            "num_heads": attn.num_heads,
+            "after_load": full_state_dict(model),
         }
     return out
 
@@ -191,21 +216,37 @@ def test_world_hf_gpt2_conv1d_shards_round_trip_and_forward(values_world, sp):
         out = world[sp]
         original = out["original"]
         for key, value in original.items():
-            assert torch.equal(out["full"][key], value), key  # regrouping undone along Conv1D's dim -1
+            assert torch.equal(out["full"][key], value), (
+                key
+            )  # regrouping undone along Conv1D's dim -1
             assert torch.equal(out["after_load"][key], value), key
         assert out["fused_attr"] == (3, 2, -1)
         assert (out["split_size"], out["num_heads"]) == (16, 2)  # this rank's 2 of 4 heads
-        w = original["model.transformer.h.1.attn.c_attn.weight"]  # (in 32, out 96): q | k | v columns
+        w = original[
+            "model.transformer.h.1.attn.c_attn.weight"
+        ]  # (in 32, out 96): q | k | v columns
         b = original["model.transformer.h.1.attn.c_attn.bias"]
         cols = slice(rank * 16, (rank + 1) * 16)
-        assert torch.equal(out["local_w"], torch.cat([c[:, cols] for c in w.chunk(3, dim=1)], dim=1))
+        assert torch.equal(
+            out["local_w"], torch.cat([c[:, cols] for c in w.chunk(3, dim=1)], dim=1)
+        )
         assert torch.equal(out["local_b"], torch.cat([c[cols] for c in b.chunk(3)]))
         torch.testing.assert_close(out["logits"], out["expected"], atol=1e-5, rtol=0)
 
 
 def _fit(rank: int, strategy: dict | None, devices: int) -> dict:
-    return fit_gpt(rank, Run(strategy=strategy, devices=devices, steps=STEPS, seed=SEED, model={"hf": UNTIED},
-                             trainer={"gradient_clip_val": 0.05}, arch="hf_gpt2"))
+    return fit_gpt(
+        rank,
+        Run(
+            strategy=strategy,
+            devices=devices,
+            steps=STEPS,
+            seed=SEED,
+            model={"hf": UNTIED},
+            trainer={"gradient_clip_val": 0.05},
+            arch="hf_gpt2",
+        ),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +267,7 @@ def test_hf_gpt2_tensor_parallel_matches_single_process(reference, sequence_para
 def _meta_model(family: str):
     import transformers
 
-    from lightning_3d.testing.hf_configs import tiny_config
+    from lightning_3d.harness.hf_configs import tiny_config
 
     options = dict(tiny_config(family))
     config = transformers.AutoConfig.for_model(options.pop("model_type"), **options)
@@ -239,24 +280,29 @@ def test_sequence_parallel_finds_the_final_norm_without_a_pipeline_plan():
     plain norm handed a sequence-sharded DTensor crashed with 'mixed torch.Tensor and DTensor')."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    from lightning_3d.plans.hf import hf_tensor_plan
+    from lightning_3d.parallel.plans.hf import hf_tensor_plan
 
     model = _meta_model("nemotron")
     assert getattr(model.config, "base_model_pp_plan", None) is None
     plan = hf_tensor_plan(model, sequence_parallel=True)
     assert isinstance(plan.get("model.norm"), SequenceParallel)
-    assert all(isinstance(plan.get(f"model.layers.{i}.input_layernorm"), SequenceParallel)
-               for i in range(model.config.num_hidden_layers))
+    assert all(
+        isinstance(plan.get(f"model.layers.{i}.input_layernorm"), SequenceParallel)
+        for i in range(model.config.num_hidden_layers)
+    )
 
 
 def test_sequence_parallel_refuses_a_base_model_that_runs_blocks_in_cycles():
     """HRM-Text runs two block lists in cycles and adds their states between them: a sequence
     shard would meet a whole tensor (a crash at the first step); refused on the meta model."""
-    from lightning_3d.plans.hf import hf_tensor_plan
+    from lightning_3d.parallel.plans.hf import hf_tensor_plan
 
     model = _meta_model("hrm_text")
-    with pytest.raises(ValueError, match=r"HrmTextForCausalLM: sequence_parallel=True .* not one list of blocks "
-                                         r"run in order .*use sequence_parallel=False"):
+    with pytest.raises(
+        ValueError,
+        match=r"HrmTextForCausalLM: sequence_parallel=True .* not one list of blocks "
+        r"run in order .*use sequence_parallel=False",
+    ):
         hf_tensor_plan(model, sequence_parallel=True)
     assert hf_tensor_plan(model, sequence_parallel=False)  # plain tensor parallelism stays possible
 
@@ -265,13 +311,16 @@ def test_sequence_parallel_refuses_a_final_norm_that_also_runs_before_the_blocks
     """NanoChat calls ``model.norm`` on the embedding and again after the last block: as the
     final norm it would shard the sequence before the first block (a crash at the first
     forward, '64 must match 32'); refused on the meta model."""
-    from lightning_3d.plans.hf import hf_tensor_plan
+    from lightning_3d.parallel.plans.hf import hf_tensor_plan
 
     if "nanochat" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no NanoChat")
     model = _meta_model("nanochat")
-    with pytest.raises(ValueError, match=r"NanoChatForCausalLM: sequence_parallel=True .* model.norm runs more "
-                                         r"than once in NanoChatModel's forward"):
+    with pytest.raises(
+        ValueError,
+        match=r"NanoChatForCausalLM: sequence_parallel=True .* model.norm runs more "
+        r"than once in NanoChatModel's forward",
+    ):
         hf_tensor_plan(model, sequence_parallel=True)
     assert hf_tensor_plan(model, sequence_parallel=False)
     hf_tensor_plan(_meta_model("llama"), sequence_parallel=True)  # a final norm run once
@@ -284,30 +333,44 @@ def test_scalar_parameters_between_split_projections_sum_their_gradients():
     replica guard stopped tp2 at the first step). A parameter-free activation gets no entry."""
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.parallel.tensor import ReplicatedGradSum
-    from lightning_3d.plans.hf import hf_tensor_plan
-    from lightning_3d.testing.hf_configs import tiny_config
+    from lightning_3d.parallel.plans.hf import hf_tensor_plan
+    from lightning_3d.harness.hf_configs import tiny_config
 
     if "apertus" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no Apertus")
     with torch.device("meta"):
         apertus = HFCausalLM(config=tiny_config("apertus"))
         llama = HFCausalLM(config=tiny_config("llama"))
-    assert isinstance(hf_tensor_plan(apertus, False)["model.model.layers.*.mlp.act_fn"], ReplicatedGradSum)
+    assert isinstance(
+        hf_tensor_plan(apertus, False)["model.model.layers.*.mlp.act_fn"], ReplicatedGradSum
+    )
     assert not any(k.endswith("act_fn") for k in hf_tensor_plan(llama, False))
     # Per-head q/k norms a family's plan leaves out (Sarvam-MoE) are summed too; a norm over the
     # mixer's split channels (Nemotron-H's gated norm: its weight is split-width) is not.
-    for family, pattern, summed in (("sarvam_moe", "model.model.layers.*.self_attn.q_norm", True),
-                                    ("nemotron_h", "model.model.layers.*.mixer.norm", False)):
+    for family, pattern, summed in (
+        ("sarvam_moe", "model.model.layers.*.self_attn.q_norm", True),
+        ("nemotron_h", "model.model.layers.*.mixer.norm", False),
+    ):
         if family in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
             with torch.device("meta"):
                 plan = hf_tensor_plan(HFCausalLM(config=tiny_config(family)), False)
-            assert isinstance(plan.get(pattern), ReplicatedGradSum) is summed, (family, plan.get(pattern))
+            assert isinstance(plan.get(pattern), ReplicatedGradSum) is summed, (
+                family,
+                plan.get(pattern),
+            )
 
 
 def _fit_family(rank: int, family: str, strategy: dict | None, devices: int) -> dict:
-    from lightning_3d.testing.hf_configs import tiny_config
+    from lightning_3d.harness.hf_configs import tiny_config
 
-    run = Run(strategy=strategy, devices=devices, steps=3, seed=1234, arch="hf", model={"hf": tiny_config(family)})
+    run = Run(
+        strategy=strategy,
+        devices=devices,
+        steps=3,
+        seed=1234,
+        arch="hf",
+        model={"hf": tiny_config(family)},
+    )
     return fit_gpt(rank, run)
 
 
@@ -317,7 +380,12 @@ def test_apertus_tensor_parallel_matches_one_process():
     reference = run_world(_fit_family, 1, "apertus", None, 1)[0]
     world = run_world(_fit_family, 2, "apertus", {"tensor": 2}, 2)
     assert loss_mismatches(world[0]["losses"], reference["losses"], rtol=1e-5) == []
-    assert update_mismatches(world[0]["state"], reference["state"], reference["initial_state"], rtol=1e-3) == []
+    assert (
+        update_mismatches(
+            world[0]["state"], reference["state"], reference["initial_state"], rtol=1e-3
+        )
+        == []
+    )
 
 
 def test_blocks_inside_blocks_are_part_of_their_block():
@@ -337,4 +405,9 @@ def test_blocks_inside_blocks_are_part_of_their_block():
     reference = run_world(_fit_family, 1, "longcat_flash", None, 1)[0]
     world = run_world(_fit_family, 2, "longcat_flash", {"data": 2, "zero_stage": 3}, 2)
     assert loss_mismatches(world[0]["losses"], reference["losses"], rtol=1e-5) == []
-    assert update_mismatches(world[0]["state"], reference["state"], reference["initial_state"], rtol=1e-3) == []
+    assert (
+        update_mismatches(
+            world[0]["state"], reference["state"], reference["initial_state"], rtol=1e-3
+        )
+        == []
+    )

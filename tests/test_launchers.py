@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
-import lightning_3d.launch
-from lightning_3d.launch import launch_job
+import lightning_3d.app.launch
+from lightning_3d.app.launch import launch_job
 
-SCRIPT = r'''
+SCRIPT = r"""
 import json, sys
 import lightning as L
 import lightning_3d
@@ -41,13 +41,15 @@ result["dp_size"] = trainer.strategy.dp_size
 result["zero_stage"] = trainer.strategy.layout.zero_stage
 with open(f"{sys.argv[1]}/rank{trainer.global_rank}.json", "w") as f:
     json.dump(result, f)
-'''
+"""
 
 
 def _run(command, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
-    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
@@ -64,7 +66,9 @@ def test_lightning_launcher_and_torchrun_train_the_same(script, tmp_path):
     for rank in lightning_run:
         assert rank["dp_size"] == 2 and rank["zero_stage"] == 2
         assert rank["rank_mean"] == pytest.approx(0.5)
-    assert lightning_run[0]["train_loss"] != lightning_run[1]["train_loss"]  # different data per rank
+    assert (
+        lightning_run[0]["train_loss"] != lightning_run[1]["train_loss"]
+    )  # different data per rank
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     torchrun_run = _run([*torchrun, str(script), str(tmp_path), "3d_zero2"], tmp_path)
@@ -73,7 +77,7 @@ def test_lightning_launcher_and_torchrun_train_the_same(script, tmp_path):
         assert b["rank_mean"] == pytest.approx(0.5)
 
 
-RANK_SCRIPT = r'''
+RANK_SCRIPT = r"""
 import os, sys
 import torch
 import torch.distributed as dist
@@ -86,7 +90,7 @@ with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.txt"), "w") as f:
 # Exiting with the group alive can abort in gloo's teardown ("terminate called without an
 # active exception", seen once in CI): close it first.
 dist.destroy_process_group()
-'''
+"""
 
 
 def test_launch_job_forms_its_world_when_the_picked_port_is_taken(tmp_path, monkeypatch):
@@ -99,7 +103,7 @@ def test_launch_job_forms_its_world_when_the_picked_port_is_taken(tmp_path, monk
         other_program.bind(("127.0.0.1", 0))
         other_program.listen()
         taken = other_program.getsockname()[1]
-        monkeypatch.setattr(lightning_3d.launch, "free_port", lambda: taken)
+        monkeypatch.setattr(lightning_3d.app.launch, "free_port", lambda: taken)
         assert launch_job(2, str(script), [str(tmp_path)], str(tmp_path), threads=1) == 0
     outs = [(tmp_path / f"rank{r}.txt").read_text().split() for r in range(2)]
     assert [value for value, _ in outs] == ["3.0", "3.0"]

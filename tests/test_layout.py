@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from lightning_3d.layout import MESH_AXES, ZERO_STAGES, Layout, MeshAxis, build_mesh
-from lightning_3d.testing.fake import fake_world
+from lightning_3d.parallel.fake_world import fake_world
 
 
 # ------------------------------------------------------------------ axes
@@ -48,7 +48,9 @@ def test_resolve_auto_data(kwargs, world, expected_data):
 
 
 def test_resolve_example_from_docstring():
-    assert Layout(tensor=2, pipeline=2).resolve(world_size=8) == Layout(data=2, tensor=2, pipeline=2, zero_stage=0)
+    assert Layout(tensor=2, pipeline=2).resolve(world_size=8) == Layout(
+        data=2, tensor=2, pipeline=2, zero_stage=0
+    )
 
 
 def test_resolve_explicit_data():
@@ -62,7 +64,10 @@ def test_resolve_is_idempotent_and_rechecks_world():
     # The strategy resolves twice (at Trainer construction and again in setup_environment).
     resolved = Layout(tensor=2).resolve(8)
     assert resolved.resolve(8) == resolved
-    with pytest.raises(ValueError, match=r"pipeline\(1\) \* data\(4\) \* tensor\(2\) = 8 does not equal world size 6"):
+    with pytest.raises(
+        ValueError,
+        match=r"pipeline\(1\) \* data\(4\) \* tensor\(2\) = 8 does not equal world size 6",
+    ):
         resolved.resolve(6)
 
 
@@ -162,7 +167,12 @@ def test_unresolved_layout_has_no_world_size_or_shape():
 
 
 def test_as_dict():
-    assert Layout(tensor=2).resolve(4).as_dict() == {"data": 2, "tensor": 2, "pipeline": 1, "zero_stage": 0}
+    assert Layout(tensor=2).resolve(4).as_dict() == {
+        "data": 2,
+        "tensor": 2,
+        "pipeline": 1,
+        "zero_stage": 0,
+    }
 
 
 # ------------------------------------------------------------------ build_mesh on a fake 64-rank world
@@ -199,4 +209,3 @@ def test_fake_world_destroys_group_on_error():
             assert dist.get_world_size() == 8
             1 / 0
     assert not dist.is_initialized()
-

@@ -10,8 +10,8 @@ import sys
 
 import torch.distributed as dist
 
-from lightning_3d.testing.fake import _fake_store
-from lightning_3d.testing.leftovers import Leftovers
+from lightning_3d.parallel.fake_world import _fake_store
+from support.leftovers import Leftovers
 
 
 def test_a_process_group_left_initialised_is_seen_and_destroyed():

@@ -14,9 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_3d.models.gpt import GPT, GPTConfig
 from lightning_3d.parallel.materialize import AHEAD, DeferredInit, ParamInit, materialize
 from lightning_3d.parallel.tensor import local_tensor
-from lightning_3d.testing.parity import assert_same_run
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import assert_same_run
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 CONFIG = GPTConfig(vocab_size=300, block_size=37, n_layer=3, n_head=4, n_embd=64, bias=True)
 
@@ -38,10 +38,14 @@ def _deferred(seed: int, dtype: torch.dtype) -> GPT:
 def test_same_initial_weights_bit_for_bit(dtype):
     eager, deferred = _eager(7, dtype), _deferred(7, dtype)
     assert deferred.deferred_init is None  # filled once: a second materialize has nothing to do
-    for (name, a), (other, b) in zip(eager.named_parameters(), deferred.named_parameters(), strict=True):
+    for (name, a), (other, b) in zip(
+        eager.named_parameters(), deferred.named_parameters(), strict=True
+    ):
         assert name == other and b.dtype == dtype and not b.is_meta
         assert torch.equal(a, b), name
-    assert not torch.equal(_deferred(8, dtype).lm_head.weight, deferred.lm_head.weight)  # the seed matters
+    assert not torch.equal(
+        _deferred(8, dtype).lm_head.weight, deferred.lm_head.weight
+    )  # the seed matters
 
 
 def test_unplanned_meta_tensors_are_refused_before_any_work():
@@ -51,9 +55,12 @@ def test_unplanned_meta_tensors_are_refused_before_any_work():
         materialize(model, torch.device("cpu"))
     assert model.tok_emb.weight.is_meta and model.lm_head.weight.is_meta
     holder = torch.nn.Linear(3, 3, bias=False, device="meta")
-    holder.deferred_init = DeferredInit(torch.random.get_rng_state(),
-                                        (ParamInit("weight", (2, 3), lambda t, g: t.zero_()),))
-    with pytest.raises(ValueError, match=r"weight: recorded shape \(2, 3\), the model now has \(3, 3\)"):
+    holder.deferred_init = DeferredInit(
+        torch.random.get_rng_state(), (ParamInit("weight", (2, 3), lambda t, g: t.zero_()),)
+    )
+    with pytest.raises(
+        ValueError, match=r"weight: recorded shape \(2, 3\), the model now has \(3, 3\)"
+    ):
         materialize(holder, torch.device("cpu"))
     assert holder.weight.is_meta
 
@@ -69,8 +76,14 @@ def test_load_from_checkpoint_of_a_deferred_model(tmp_path):
     with torch.no_grad():
         saved.model.lm_head.weight.add_(1.0)  # not what any init gives
     path = tmp_path / "deferred.ckpt"
-    torch.save({"state_dict": saved.state_dict(), "hyper_parameters": dict(saved.hparams),
-                "pytorch-lightning_version": "2.6.6"}, path)
+    torch.save(
+        {
+            "state_dict": saved.state_dict(),
+            "hyper_parameters": dict(saved.hparams),
+            "pytorch-lightning_version": "2.6.6",
+        },
+        path,
+    )
     loaded = LitGPT.load_from_checkpoint(path)
     assert torch.equal(loaded.model.lm_head.weight, saved.model.lm_head.weight)
 
@@ -89,7 +102,9 @@ class LiveBytes(TorchDispatchMode):
             t = local_tensor(t) if isinstance(t, torch.Tensor) else None
             if t is not None and t.dtype == self.dtype and t.device.type == "cpu" and not t.is_meta:
                 storage = t.untyped_storage()
-                self.live.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+                self.live.setdefault(
+                    storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes())
+                )
         self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
         return out
@@ -117,22 +132,30 @@ ZERO3_PARAMS = Run(strategy={"zero_stage": 3, "offload": "cpu", "offload_params"
 def _eager_and_deferred(rank: int, runs: list) -> list:
     """Each run eager, then deferred, in this one process (a world of one); where the recipe
     materialised the deferred model."""
-    import lightning_3d.recipe as recipe
+    import lightning_3d.strategy.recipe as recipe
 
     places = []
     original = recipe.materialize
-    recipe.materialize = lambda module, device: places.append(str(device)) or original(module, device)
+    recipe.materialize = lambda module, device: (
+        places.append(str(device)) or original(module, device)
+    )
     try:
-        return [(fit_gpt(0, run), fit_gpt(0, dataclasses.replace(run, model=DEFERRED)), places[i:])
-                for i, run in enumerate(runs)]
+        return [
+            (fit_gpt(0, run), fit_gpt(0, dataclasses.replace(run, model=DEFERRED)), places[i:])
+            for i, run in enumerate(runs)
+        ]
     finally:
         recipe.materialize = original
 
 
 def test_trainer_same_run_as_eager_build():
     """``offload="cpu"`` at bf16-true, and ZeRO-3 + ``offload_params``: bit for bit the eager run."""
-    for eager, deferred, places in run_world(_eager_and_deferred, 1, [OFFLOAD_CPU, ZERO3_PARAMS])[0]:
-        assert places[:1] == ["cpu"]  # the recipe did it, after sharding (offload_params: FSDP2's CPU shards)
+    for eager, deferred, places in run_world(_eager_and_deferred, 1, [OFFLOAD_CPU, ZERO3_PARAMS])[
+        0
+    ]:
+        assert places[:1] == [
+            "cpu"
+        ]  # the recipe did it, after sharding (offload_params: FSDP2's CPU shards)
         assert len(eager["losses"]) == 2
         assert_same_run(deferred, eager, rtol=0.0, atol=0.0)
 
@@ -147,8 +170,11 @@ def test_other_strategies_get_the_eager_build():
 
 
 @pytest.mark.parametrize("rank", [0, 3])
-@pytest.mark.parametrize("options", [{"zero_stage": 3, "offload": "cpu", "offload_params": True},
-                                     {"zero_stage": 3, "tensor": 2}], ids=["zero3_dp4_offload", "zero3_dp2_tp2"])
+@pytest.mark.parametrize(
+    "options",
+    [{"zero_stage": 3, "offload": "cpu", "offload_params": True}, {"zero_stage": 3, "tensor": 2}],
+    ids=["zero3_dp4_offload", "zero3_dp2_tp2"],
+)
 def test_each_rank_holds_its_shard_of_the_eager_weights(options, rank):
     """The recipe on one rank of a fake world of 4: every parameter's local shard (FSDP2's
     dim-0 shards, tensor-parallel splits inside them) is that rank's part of the eager build's
@@ -157,9 +183,9 @@ def test_each_rank_holds_its_shard_of_the_eager_weights(options, rank):
 
     from lightning_3d.layout import build_mesh
     from lightning_3d.models import LitGPT
-    from lightning_3d.plan import Plan
-    from lightning_3d.recipe import parallelize
-    from lightning_3d.testing.fake import fake_world
+    from lightning_3d.options import Plan
+    from lightning_3d.strategy.recipe import parallelize
+    from lightning_3d.parallel.fake_world import fake_world
 
     hparams = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=64)
     torch.manual_seed(5)
@@ -168,10 +194,20 @@ def test_each_rank_holds_its_shard_of_the_eager_weights(options, rank):
     module = LitGPT(**hparams, deferred_init=True).to(torch.bfloat16)
     plan = Plan().updated(**options).resolved(4)
     with fake_world(rank, 4), LiveBytes(torch.float32) as fp32:
-        parallelize(module, build_mesh(plan.layout, "cpu"), plan, device=torch.device("cpu"), precision="bf16-true")
+        parallelize(
+            module,
+            build_mesh(plan.layout, "cpu"),
+            plan,
+            device=torch.device("cpu"),
+            precision="bf16-true",
+        )
         for name, param in module.named_parameters():
-            expected = distribute_tensor(eager.get_parameter(name).detach(), param.device_mesh, param.placements,
-                                         src_data_rank=None).to_local()
+            expected = distribute_tensor(
+                eager.get_parameter(name).detach(),
+                param.device_mesh,
+                param.placements,
+                src_data_rank=None,
+            ).to_local()
             assert torch.equal(local_tensor(param), expected), name
     largest = max(p.numel() for p in eager.parameters()) * 4
     # The buffers of the parameters in flight, and DTensor's split of a strided shard.
@@ -204,17 +240,21 @@ def test_a_fused_projection_under_tensor_parallelism_gets_its_regrouped_rows():
     from torch.distributed.tensor.parallel import parallelize_module
 
     from lightning_3d.parallel.tensor import FusedColwiseParallel
-    from lightning_3d.testing.fake import fake_world
+    from lightning_3d.parallel.fake_world import fake_world
 
     def fill(t, g):
         t.copy_(torch.arange(t.numel(), dtype=t.dtype).view_as(t))
 
     with fake_world(1, 2):
         holder = torch.nn.Linear(4, 12, bias=False, device="meta")  # 3 chunks (q, k, v) of 4 rows
-        holder.deferred_init = DeferredInit(torch.random.get_rng_state(), (ParamInit("weight", (12, 4), fill),))
+        holder.deferred_init = DeferredInit(
+            torch.random.get_rng_state(), (ParamInit("weight", (12, 4), fill),)
+        )
         parallelize_module(holder, init_device_mesh("cpu", (2,)), FusedColwiseParallel(3))
         assert materialize(holder, torch.device("cpu")) == 1
         local = holder.weight.to_local()
     full = torch.arange(48, dtype=torch.float32).view(12, 4)
-    expected = torch.cat([full[c * 4 + 2: c * 4 + 4] for c in range(3)])  # the second half of each chunk
+    expected = torch.cat(
+        [full[c * 4 + 2 : c * 4 + 4] for c in range(3)]
+    )  # the second half of each chunk
     assert torch.equal(local, expected)

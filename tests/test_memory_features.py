@@ -8,16 +8,26 @@ without the feature (fp32, 5 steps).
 
 import pytest
 
-from lightning_3d.testing.parity import assert_same_run
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import assert_same_run
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 STEPS, SEED, TIGHT = 5, 1234, 1e-6
 
 
 def _run(strategy, world, trainer=None, model=None):
-    return run_world(fit_gpt, world, Run(strategy=strategy, devices=world, steps=STEPS, seed=SEED, model=model,
-                                         trainer=trainer or {}))[0]
+    return run_world(
+        fit_gpt,
+        world,
+        Run(
+            strategy=strategy,
+            devices=world,
+            steps=STEPS,
+            seed=SEED,
+            model=model,
+            trainer=trainer or {},
+        ),
+    )[0]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +53,9 @@ def _offload(device, tmp_path):
 # CI: each offload device at dp2 with ZeRO-1 or ZeRO-2 (the flat-bucket engine's slices), and
 # NVMe under ZeRO-3 (FSDP2's shards); the rest of the matrix runs with -m slow.
 FAST = [("nvme", 2, 1), ("nvme", 2, 3), ("cpu", 2, 2)]
-SLOW = [(d, n, z) for d in ("cpu", "nvme") for n in (1, 2) for z in (1, 2, 3) if (d, n, z) not in FAST]
+SLOW = [
+    (d, n, z) for d in ("cpu", "nvme") for n in (1, 2) for z in (1, 2, 3) if (d, n, z) not in FAST
+]
 
 
 def _case(device, data, stage, baseline, tmp_path):
@@ -52,17 +64,24 @@ def _case(device, data, stage, baseline, tmp_path):
     assert_same_run(run, baseline(layout, data), rtol=TIGHT, atol=TIGHT)
     if device == "nvme":  # only a bounded window of the state was ever in RAM
         rank = run["summary"]["ranks"][0]
-        assert rank["optimizer_state_bytes"] < baseline(layout, data)["summary"]["ranks"][0]["optimizer_state_bytes"]
+        assert (
+            rank["optimizer_state_bytes"]
+            < baseline(layout, data)["summary"]["ranks"][0]["optimizer_state_bytes"]
+        )
         assert list(tmp_path.iterdir()) == []  # the private state directory is gone
 
 
-@pytest.mark.parametrize("device, data, stage", FAST, ids=[f"{d}-data{n}-zero{z}" for d, n, z in FAST])
+@pytest.mark.parametrize(
+    "device, data, stage", FAST, ids=[f"{d}-data{n}-zero{z}" for d, n, z in FAST]
+)
 def test_offload_changes_nothing(device, data, stage, baseline, tmp_path):
     _case(device, data, stage, baseline, tmp_path)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device, data, stage", SLOW, ids=[f"{d}-data{n}-zero{z}" for d, n, z in SLOW])
+@pytest.mark.parametrize(
+    "device, data, stage", SLOW, ids=[f"{d}-data{n}-zero{z}" for d, n, z in SLOW]
+)
 def test_offload_changes_nothing_full_matrix(device, data, stage, baseline, tmp_path):
     _case(device, data, stage, baseline, tmp_path)
 
@@ -82,19 +101,30 @@ def test_zero3_parameter_offload_changes_nothing(baseline):
     assert_same_run(run, baseline(layout, 2), rtol=TIGHT, atol=TIGHT)
     for rank in run["summary"]["ranks"]:  # every sharded parameter was under the offload policy
         assert rank["offloaded_param_bytes"] == rank["param_bytes"] > 0
-    assert all(rank["offloaded_param_bytes"] == 0 for rank in baseline(layout, 2)["summary"]["ranks"])
+    assert all(
+        rank["offloaded_param_bytes"] == 0 for rank in baseline(layout, 2)["summary"]["ranks"]
+    )
 
 
-@pytest.mark.parametrize("strategy, world", [
-    ({"zero_stage": 3, "ac_policy": "full"}, 2),
-    pytest.param({"pipeline": 2, "micro_batches": 2, "ac_policy": "every_n", "ac_every_n": 2},
-                 2, marks=pytest.mark.slow),
-    pytest.param({"tensor": 2, "ac_policy": "selective"}, 2, marks=pytest.mark.slow),
-], ids=["zero3-full", "pp2-every_n", "tp2-selective"])
+@pytest.mark.parametrize(
+    "strategy, world",
+    [
+        ({"zero_stage": 3, "ac_policy": "full"}, 2),
+        pytest.param(
+            {"pipeline": 2, "micro_batches": 2, "ac_policy": "every_n", "ac_every_n": 2},
+            2,
+            marks=pytest.mark.slow,
+        ),
+        pytest.param({"tensor": 2, "ac_policy": "selective"}, 2, marks=pytest.mark.slow),
+    ],
+    ids=["zero3-full", "pp2-every_n", "tp2-selective"],
+)
 def test_activation_checkpointing_changes_nothing(strategy, world):
     model = {"n_layer": 4, "dropout": 0.1}  # recomputed dropout must draw the same masks
     plain = {k: v for k, v in strategy.items() if k not in ("ac_policy", "ac_every_n")}
-    assert_same_run(_run(strategy, world, model=model), _run(plain, world, model=model), rtol=TIGHT, atol=TIGHT)
+    assert_same_run(
+        _run(strategy, world, model=model), _run(plain, world, model=model), rtol=TIGHT, atol=TIGHT
+    )
 
 
 def test_offload_delay_update_reaches_the_optimizer():
@@ -105,7 +135,12 @@ def test_offload_delay_update_reaches_the_optimizer():
 
     with pytest.raises(ValueError, match="offload_delay_update=True needs offload"):
         ThreeDStrategy(offload_delay_update=True)
-    plain, delayed = _run({"offload": "cpu"}, 1), _run({"offload": "cpu", "offload_delay_update": True}, 1)
+    plain, delayed = (
+        _run({"offload": "cpu"}, 1),
+        _run({"offload": "cpu", "offload_delay_update": True}, 1),
+    )
     assert delayed["losses"][0] == pytest.approx(plain["losses"][0], rel=TIGHT)
     assert delayed["losses"][1] != pytest.approx(plain["losses"][1], rel=1e-4)
-    assert all(loss == loss for loss in delayed["losses"])  # finite: no NaN from a half-written weight
+    assert all(
+        loss == loss for loss in delayed["losses"]
+    )  # finite: no NaN from a half-written weight

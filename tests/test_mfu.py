@@ -1,4 +1,4 @@
-"""Model FLOPs per token, device peaks and MFU in ``RunSummary`` (``lightning_3d/flops.py``)."""
+"""Model FLOPs per token, device peaks and MFU in ``RunSummary`` (``lightning_3d/observe/flops.py``)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_3d.callbacks import RunSummary
+from lightning_3d.observe.summary import RunSummary
 from lightning_3d.data import TextDataModule
-from lightning_3d.flops import check_peak_tflops, device_peak, model_flops_per_token, precision_dtype
+from lightning_3d.observe.flops import (
+    check_peak_tflops,
+    device_peak,
+    model_flops_per_token,
+    precision_dtype,
+)
 from lightning_3d.models import LitGPT
 
 V, BLOCK, L, D = 32, 8, 2, 16  # vocab, positions, layers, width of the hand-counted GPT
@@ -73,13 +78,21 @@ def test_layers_of_different_widths_count_their_mean():
 
     class PerLayer(SimpleNamespace):
         def __getattribute__(self, key):
-            if key == "head_dim":  # as transformers' AmbiguousGlobalPerLayerAttributeError, no AttributeError
+            if (
+                key == "head_dim"
+            ):  # as transformers' AmbiguousGlobalPerLayerAttributeError, no AttributeError
                 raise RuntimeError("'head_dim' is a per-layer attribute")
             return super().__getattribute__(key)
 
-    config = PerLayer(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                      per_layer_config=[SimpleNamespace(num_attention_heads=4, head_dim=8),
-                                        SimpleNamespace(num_attention_heads=4, head_dim=24)])
+    config = PerLayer(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        per_layer_config=[
+            SimpleNamespace(num_attention_heads=4, head_dim=8),
+            SimpleNamespace(num_attention_heads=4, head_dim=24),
+        ],
+    )
     module = nn.Linear(1, 1)
     module.config = config
     per_token, _ = model_flops_per_token(module, 1000)
@@ -123,9 +136,15 @@ def test_bad_peak_override_is_a_value_error(bad):
 
 def test_peaks_from_the_table(monkeypatch):
     cuda = torch.device("cuda", 0)
-    names = {"NVIDIA H200": 989.4, "NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.5,
-             "NVIDIA A100-SXM4-80GB": 312.0, "NVIDIA L4": 121.0, "NVIDIA L40S": 362.1,
-             "NVIDIA GeForce RTX 4090": 165.2}
+    names = {
+        "NVIDIA H200": 989.4,
+        "NVIDIA H100 80GB HBM3": 989.4,
+        "NVIDIA H100 PCIe": 756.5,
+        "NVIDIA A100-SXM4-80GB": 312.0,
+        "NVIDIA L4": 121.0,
+        "NVIDIA L40S": 362.1,
+        "NVIDIA GeForce RTX 4090": 165.2,
+    }
     for name, bf16 in names.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         peak = device_peak(cuda, "bf16-mixed")
@@ -133,10 +152,15 @@ def test_peaks_from_the_table(monkeypatch):
         assert peak.source.endswith("bf16 dense")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     assert device_peak(cuda, "32-true").tflops == 19.5  # fp32 matmuls: no tensor cores
-    assert device_peak(cuda, "32-true", override=100.0) == device_peak(cuda, "bf16-mixed", override=100.0)
+    assert device_peak(cuda, "32-true", override=100.0) == device_peak(
+        cuda, "bf16-mixed", override=100.0
+    )
     assert device_peak(cuda, "64-true").tflops is None
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-16GB")
-    assert device_peak(cuda, "16-mixed").tflops == 125.0 and device_peak(cuda, "bf16-mixed").tflops is None
+    assert (
+        device_peak(cuda, "16-mixed").tflops == 125.0
+        and device_peak(cuda, "bf16-mixed").tflops is None
+    )
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
     unknown = device_peak(cuda, "bf16-mixed")
     assert unknown.tflops is None and "Some Future GPU" in unknown.source
@@ -161,11 +185,21 @@ def test_cpu_has_no_peak():
 
 def _fit(tmp_path, peak_tflops):
     torch.manual_seed(0)
-    module = LitGPT(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=16, warmup_steps=1, max_steps=4)
+    module = LitGPT(
+        vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=16, warmup_steps=1, max_steps=4
+    )
     data = TextDataModule(max_bytes=50_000, block_size=16, batch_size=4)
     summary = RunSummary(out_dir=str(tmp_path), warmup_steps=1, peak_tflops=peak_tflops)
-    trainer = lightning.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_checkpointing=False,
-                                enable_progress_bar=False, enable_model_summary=False, callbacks=[summary])
+    trainer = lightning.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[summary],
+    )
     trainer.fit(module, datamodule=data)
     return module, summary, trainer, json.loads((tmp_path / "summary.json").read_text())
 

@@ -38,10 +38,22 @@ def test_too_long_sequence_raises():
 def test_module_names():
     model = GPT(GPTConfig(**SMALL))
     names = dict(model.named_modules())
-    for n in ["tok_emb", "pos_emb", "drop", "blocks", "norm", "lm_head",
-              "blocks.0.attn_norm", "blocks.0.attn.wq", "blocks.0.attn.wk",
-              "blocks.0.attn.wv", "blocks.0.attn.wo", "blocks.0.mlp_norm",
-              "blocks.0.mlp.fc1", "blocks.0.mlp.fc2"]:
+    for n in [
+        "tok_emb",
+        "pos_emb",
+        "drop",
+        "blocks",
+        "norm",
+        "lm_head",
+        "blocks.0.attn_norm",
+        "blocks.0.attn.wq",
+        "blocks.0.attn.wk",
+        "blocks.0.attn.wv",
+        "blocks.0.attn.wo",
+        "blocks.0.mlp_norm",
+        "blocks.0.mlp.fc1",
+        "blocks.0.mlp.fc2",
+    ]:
         assert n in names, n
     assert model.lm_head.bias is None
     assert model.lm_head.weight.data_ptr() != model.tok_emb.weight.data_ptr()
@@ -108,8 +120,15 @@ def test_local_heads_shapes():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(n_embd=30, n_head=4), dict(n_layer=0), dict(vocab_size=-1),
-     dict(block_size=0), dict(n_head=0), dict(mlp_ratio=0), dict(dropout=1.0)],
+    [
+        dict(n_embd=30, n_head=4),
+        dict(n_layer=0),
+        dict(vocab_size=-1),
+        dict(block_size=0),
+        dict(n_head=0),
+        dict(mlp_ratio=0),
+        dict(dropout=1.0),
+    ],
 )
 def test_config_errors(kwargs):
     with pytest.raises(ValueError):
@@ -145,8 +164,13 @@ def test_param_groups():
 
 def _trainer(**kw) -> lightning.Trainer:
     return lightning.Trainer(
-        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, **kw,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
     )
 
 

@@ -14,10 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_3d.nonfinite import NonFiniteError, NonFiniteGuard, NonFiniteOptions, SkipStep
-from lightning_3d.plan import Plan
-from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL
-from lightning_3d.testing.world import run_world
+from lightning_3d.runtime.nonfinite import (
+    NonFiniteError,
+    NonFiniteGuard,
+    NonFiniteOptions,
+    SkipStep,
+)
+from lightning_3d.options import Plan
+from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL
+from lightning_3d.harness.world import run_world
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300.0
@@ -61,7 +66,9 @@ def _fit_with_inf(rank, strategy, bad, steps, model=None, nan_grad=False):
         def on_train_start(self):
             first = dict(self.named_modules()).get("model.blocks.0")
             if nan_grad and first is not None:
-                first.register_forward_hook(lambda mod, args, out: _NanBackward.apply(out) if self._bad() else out)
+                first.register_forward_hook(
+                    lambda mod, args, out: _NanBackward.apply(out) if self._bad() else out
+                )
 
     class Snapshots(Callback):
         def __init__(self):
@@ -73,10 +80,19 @@ def _fit_with_inf(rank, strategy, bad, steps, model=None, nan_grad=False):
     L.seed_everything(1234, verbose=False)
     module = InfAt(**{**TINY_MODEL, **(model or {})})
     snapshots = Snapshots()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ThreeDStrategy(**strategy), max_steps=steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                        callbacks=[snapshots])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ThreeDStrategy(**strategy),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[snapshots],
+    )
     error = None
     try:
         trainer.fit(module, TextDataModule(seed=1234, **TINY_DATA))
@@ -84,8 +100,13 @@ def _fit_with_inf(rank, strategy, bad, steps, model=None, nan_grad=False):
         error = (str(err), err.step)
     optimizer = trainer.strategy.optimizers[0]
     adam_steps = sorted({int(s["step"]) for s in optimizer.state.values() if "step" in s})
-    return {"error": error, "after": snapshots.after, "final": _weights(module), "adam_steps": adam_steps,
-            "skipped": list(trainer.strategy.precision_plugin.nonfinite.skipped)}
+    return {
+        "error": error,
+        "after": snapshots.after,
+        "final": _weights(module),
+        "adam_steps": adam_steps,
+        "skipped": list(trainer.strategy.precision_plugin.nonfinite.skipped),
+    }
 
 
 def _weights(module):
@@ -103,7 +124,9 @@ def test_the_options_are_checked_before_any_work():
     plan = Plan.from_options(nonfinite="skip", max_nonfinite_skips=3)
     assert (plan.nonfinite.action, plan.nonfinite.max_skips) == ("skip", 3)
     assert Plan().nonfinite.action == "stop"
-    with pytest.raises(ValueError, match=r"nonfinite must be one of \('stop', 'skip'\), got 'ignore'"):
+    with pytest.raises(
+        ValueError, match=r"nonfinite must be one of \('stop', 'skip'\), got 'ignore'"
+    ):
         Plan.from_options(nonfinite="ignore")
     with pytest.raises(ValueError, match="max_nonfinite_skips must be a whole number >= 0, got -1"):
         Plan.from_options(max_nonfinite_skips=-1)
@@ -117,16 +140,27 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_before_the_step():
     for rank, run in enumerate(runs):
         assert run["error"] is not None, rank
         message, step = run["error"]
-        assert step == 2 and "global step 2" in message and "rank(s) [1]" in message, (rank, message)
+        assert step == 2 and "global step 2" in message and "rank(s) [1]" in message, (
+            rank,
+            message,
+        )
         assert sorted(run["after"]) == [0, 1, 2], rank  # no step completed after the bad one
         assert _same(run["final"], run["after"][2]), rank
         assert not _same(run["after"][2], run["after"][1]), rank  # the good steps did train
         assert all(torch.isfinite(v).all() for v in run["final"].values()), rank
 
 
-@pytest.mark.parametrize("strategy", [
-    {"zero_stage": 0}, {"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3}, {"pipeline": 2, "micro_batches": 2},
-], ids=["zero0", "zero1", "zero2", "zero3", "pp2"])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        {"zero_stage": 0},
+        {"zero_stage": 1},
+        {"zero_stage": 2},
+        {"zero_stage": 3},
+        {"pipeline": 2, "micro_batches": 2},
+    ],
+    ids=["zero0", "zero1", "zero2", "zero3", "pp2"],
+)
 def test_nan_gradients_under_a_finite_loss_stop_every_rank_before_the_step(strategy):
     """One rank's gradients turn NaN at global step 2 while every loss stays finite (rank 1; under
     pp2 rank 0, the stage holding the first block, while the loss lives on rank 1). Both ranks
@@ -143,10 +177,16 @@ def test_nan_gradients_under_a_finite_loss_stop_every_rank_before_the_step(strat
         assert all(torch.isfinite(v).all() for v in run["final"].values()), rank
 
 
-@pytest.mark.parametrize("bad, max_skips, stops_at", [
-    ({1: (0,), 3: (1,)}, 2, None),
-    pytest.param({1: (0,), 2: (0,)}, 1, 2, marks=pytest.mark.slow),  # the bound alone: test_the_skip_bound
-], ids=["within_bound", "bound_exceeded"])
+@pytest.mark.parametrize(
+    "bad, max_skips, stops_at",
+    [
+        ({1: (0,), 3: (1,)}, 2, None),
+        pytest.param(
+            {1: (0,), 2: (0,)}, 1, 2, marks=pytest.mark.slow
+        ),  # the bound alone: test_the_skip_bound
+    ],
+    ids=["within_bound", "bound_exceeded"],
+)
 def test_skip_mode_drops_the_bad_steps_and_stops_past_the_bound(bad, max_skips, stops_at):
     """A skipped step leaves the weights and the optimizer (Adam's step count, ZeRO-1 slices)
     as they were, on both ranks; once more than max_nonfinite_skips steps were skipped the run
@@ -163,7 +203,10 @@ def test_skip_mode_drops_the_bad_steps_and_stops_past_the_bound(bad, max_skips, 
             assert run["adam_steps"] == [5 - len(bad)], rank
         else:
             message, step = run["error"]
-            assert step == stops_at and f"after 1 skipped step(s) {sorted(bad)[:-1]}" in message, (rank, message)
+            assert step == stops_at and f"after 1 skipped step(s) {sorted(bad)[:-1]}" in message, (
+                rank,
+                message,
+            )
         for step in sorted(after)[1:]:  # the weights after step s moved iff step s - 1 was good
             assert _same(after[step], after[step - 1]) == (step - 1 in bad), (rank, step)
         assert all(torch.isfinite(v).all() for v in run["final"].values()), rank
@@ -177,7 +220,9 @@ def test_the_skip_bound_counts_every_skipped_step_and_names_them():
             guard.check_norm(torch.tensor(float("nan")))
     guard.step = 12
     guard.check_norm(torch.tensor(3.0))  # a finite norm is no skip
-    with pytest.raises(NonFiniteError, match=r"after 2 skipped step\(s\) \[4, 9\] \(max_nonfinite_skips=2\)") as err:
+    with pytest.raises(
+        NonFiniteError, match=r"after 2 skipped step\(s\) \[4, 9\] \(max_nonfinite_skips=2\)"
+    ) as err:
         guard.check_norm(torch.tensor(float("inf")))
     assert err.value.step == 12
     stop = NonFiniteGuard()
@@ -189,9 +234,13 @@ def test_the_skip_bound_counts_every_skipped_step_and_names_them():
 def test_a_diverging_pipeline_stops_both_stages_at_the_same_step():
     """pp2, lr 1e6, no clipping: the loss turns NaN on the last stage, which the pipeline
     broadcasts; both stages stop at the same step with their weights of that step's start."""
-    runs = run_world(_fit_with_inf, 2, {"pipeline": 2, "micro_batches": 2}, {}, 20, {"lr": 1e6}, timeout=TIMEOUT)
+    runs = run_world(
+        _fit_with_inf, 2, {"pipeline": 2, "micro_batches": 2}, {}, 20, {"lr": 1e6}, timeout=TIMEOUT
+    )
     steps = {run["error"][1] for run in runs if run["error"] is not None}
-    assert len(steps) == 1 and all(run["error"] is not None for run in runs), [run["error"] for run in runs]
+    assert len(steps) == 1 and all(run["error"] is not None for run in runs), [
+        run["error"] for run in runs
+    ]
     step = steps.pop()
     for rank, run in enumerate(runs):
         assert "non-finite" in run["error"][0] and step >= 1, (rank, run["error"])
@@ -202,12 +251,20 @@ def test_a_diverging_pipeline_stops_both_stages_at_the_same_step():
 def _fp16_clipped(rank):
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_3d.testing.runs import Run, fit_gpt
+    from lightning_3d.harness.runs import Run, fit_gpt
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**36, backoff_factor=2.0**-8)
     plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
-    return fit_gpt(rank, Run(strategy={"zero_stage": 2}, devices=2, steps=6, model={"optimizer": "sgd", "lr": 0.3},
-                             trainer={"plugins": [plugin], "gradient_clip_val": 1.0}))
+    return fit_gpt(
+        rank,
+        Run(
+            strategy={"zero_stage": 2},
+            devices=2,
+            steps=6,
+            model={"optimizer": "sgd", "lr": 0.3},
+            trainer={"plugins": [plugin], "gradient_clip_val": 1.0},
+        ),
+    )
 
 
 def test_16_mixed_overflow_with_clipping_is_the_scalers_skip_not_an_error():
@@ -222,10 +279,24 @@ def test_16_mixed_overflow_with_clipping_is_the_scalers_skip_not_an_error():
 
 def _app(tmp_path, *overrides):
     return subprocess.run(
-        [sys.executable, "examples/train.py", "model=gpt_tiny", "data.batch_size=8", "data.max_bytes=300000",
-         "trainer.limit_val_batches=0", f"hydra.run.dir={tmp_path}", *overrides],
-        cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT,
-        env={**{k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "examples/train.py",
+            "model=gpt_tiny",
+            "data.batch_size=8",
+            "data.max_bytes=300000",
+            "trainer.limit_val_batches=0",
+            f"hydra.run.dir={tmp_path}",
+            *overrides,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env={
+            **{k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS},
+            "OMP_NUM_THREADS": "1",
+        },
     )
 
 
@@ -239,19 +310,25 @@ def test_the_app_stops_a_diverging_run_with_an_error_and_no_final_checkpoint(tmp
     assert not (tmp_path / "final.ckpt").exists()
 
 
-@pytest.mark.parametrize("overrides, named", [
-    (["trainer.max_steps=0"], "trainer.max_steps=0 trains no step"),
-    (["trainer.max_steps=-2"], "trainer.max_steps=-2 trains no step"),
-    (["parallelism.nonfinite=ignore"], "nonfinite must be one of"),
-    (["parallelism.max_nonfinite_skips=-1"], "max_nonfinite_skips must be a whole number >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["trainer.max_steps=0"], "trainer.max_steps=0 trains no step"),
+        (["trainer.max_steps=-2"], "trainer.max_steps=-2 trains no step"),
+        (["parallelism.nonfinite=ignore"], "nonfinite must be one of"),
+        (
+            ["parallelism.max_nonfinite_skips=-1"],
+            "max_nonfinite_skips must be a whole number >= 0, got -1",
+        ),
+    ],
+)
 def test_the_app_refuses_max_steps_0_and_bad_nonfinite_options_up_front(overrides, named):
     """validate() (the app's exit 2, before any rank starts). Catches the old max_steps=0 run:
     it trained nothing, saved untrained weights and ended in KeyError: 'steps'."""
     from hydra import compose, initialize_config_dir
 
-    from lightning_3d.app import validate
-    from lightning_3d.config import register_configs
+    from lightning_3d.app.run import validate
+    from lightning_3d.app.config import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):

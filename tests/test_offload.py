@@ -29,7 +29,9 @@ def _params(seed: int = 0, dtype: torch.dtype = torch.float32) -> list[nn.Parame
     return [nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in SHAPES]
 
 
-def _build(kind: type, params: list[nn.Parameter], fused: bool | None = None) -> torch.optim.Optimizer:
+def _build(
+    kind: type, params: list[nn.Parameter], fused: bool | None = None
+) -> torch.optim.Optimizer:
     groups = [{"params": params[:2]}, {"params": params[2:], "lr": 3e-3, "weight_decay": 0.05}]
     return kind(groups, lr=1e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1, fused=fused)
 
@@ -88,7 +90,9 @@ def test_matches_torch_with_groups_weight_decay_and_scheduler(kind, device, sche
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_bf16_params_keep_an_fp32_master(device, tmp_path):
     params = _params(dtype=torch.bfloat16)
-    ref = _build(torch.optim.AdamW, [nn.Parameter(p.detach().float()) for p in params], fused=True)  # bit-exact
+    ref = _build(
+        torch.optim.AdamW, [nn.Parameter(p.detach().float()) for p in params], fused=True
+    )  # bit-exact
     ref_params = [p for g in ref.param_groups for p in g["params"]]
     opt = _offloaded(torch.optim.AdamW, params, device, tmp_path)
     for step in range(4):
@@ -106,8 +110,14 @@ def test_dtensor_params(tmp_path):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        ref_params, params = _params(), [nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])) for p in _params()]
-        ref, opt = _build(torch.optim.AdamW, ref_params), _offloaded(torch.optim.AdamW, params, "nvme", tmp_path)
+        ref_params, params = (
+            _params(),
+            [nn.Parameter(distribute_tensor(p, mesh, [Shard(0)])) for p in _params()],
+        )
+        ref, opt = (
+            _build(torch.optim.AdamW, ref_params),
+            _offloaded(torch.optim.AdamW, params, "nvme", tmp_path),
+        )
         for step in range(3):
             _set_grads(ref_params, _grads(step, params))
             for p, g in zip(params, _grads(step, params)):
@@ -132,7 +142,9 @@ def test_grad_none_is_skipped_and_zero_grad_works(tmp_path):
     assert opt.state[params[0]]["step"].item() == 1.0
     opt.zero_grad()
     assert params[0].grad is None
-    opt.param_groups[0]["params"] = [nn.Parameter(torch.zeros(3))]  # e.g. ZeRO attached after wrapping
+    opt.param_groups[0]["params"] = [
+        nn.Parameter(torch.zeros(3))
+    ]  # e.g. ZeRO attached after wrapping
     with pytest.raises(ValueError, match="param_groups changed"):
         opt.step()
     opt.close()
@@ -194,9 +206,17 @@ def test_plain_adamw_checkpoints_load_both_ways(tmp_path):
         group["fused"] = True
     for opt, ps in [(plain, plain_params), (loaded, params), (back, back_params)]:
         _run(opt, ps, range(3, 5))
-    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(plain_params, params, back_params))
-    wrapped = _offloaded(torch.optim.AdamW, plain_params, "cpu", tmp_path, plain)  # imports existing state
-    assert all(torch.equal(wrapped.state[p]["exp_avg_sq"], plain.state[p]["exp_avg_sq"]) for p in plain_params)
+    assert all(
+        torch.equal(a, b) and torch.equal(a, c)
+        for a, b, c in zip(plain_params, params, back_params)
+    )
+    wrapped = _offloaded(
+        torch.optim.AdamW, plain_params, "cpu", tmp_path, plain
+    )  # imports existing state
+    assert all(
+        torch.equal(wrapped.state[p]["exp_avg_sq"], plain.state[p]["exp_avg_sq"])
+        for p in plain_params
+    )
     loaded.close(), wrapped.close()
 
 
@@ -209,7 +229,9 @@ def test_nvme_keeps_only_a_window_of_chunks_in_ram(tmp_path):
         opt.step()
     assert opt.offloaded_state_bytes == 130_000 * 8
     assert 0 < opt.resident_state_bytes_peak <= 3 * 4096
-    assert os.path.getsize(opt._store.file_path) == opt._store.file_bytes >= opt.offloaded_state_bytes  # direct I/O pads segments to 4 KiB
+    assert (
+        os.path.getsize(opt._store.file_path) == opt._store.file_bytes >= opt.offloaded_state_bytes
+    )  # direct I/O pads segments to 4 KiB
     opt.close()
 
 
@@ -249,14 +271,31 @@ def test_files_are_private_and_removed_on_close_and_gc(tmp_path):
 @pytest.mark.parametrize(
     "make, kwargs, match",
     [
-        *[((lambda f=f: torch.optim.Adam(_params(), **{f: True})), {"device": "nvme", "path": "tmp"}, f"{f}=True")
-          for f in ("amsgrad", "maximize", "capturable", "differentiable")],
-        (lambda: torch.optim.SGD(_params(), lr=0.1), {"device": "nvme", "path": "tmp"},
-         r"torch.optim.Adam and torch.optim.AdamW, got torch.optim.sgd.SGD"),
+        *[
+            (
+                (lambda f=f: torch.optim.Adam(_params(), **{f: True})),
+                {"device": "nvme", "path": "tmp"},
+                f"{f}=True",
+            )
+            for f in ("amsgrad", "maximize", "capturable", "differentiable")
+        ],
+        (
+            lambda: torch.optim.SGD(_params(), lr=0.1),
+            {"device": "nvme", "path": "tmp"},
+            r"torch.optim.Adam and torch.optim.AdamW, got torch.optim.sgd.SGD",
+        ),
         (lambda: torch.optim.AdamW(_params()), {"device": "gpu", "path": "tmp"}, "one of"),
         (lambda: torch.optim.AdamW(_params()), {"device": "nvme"}, "path=None"),
-        (lambda: torch.optim.AdamW(_params()), {"device": "nvme", "path": "tmp", "chunk_bytes": 8}, "chunk_bytes"),
-        (lambda: torch.optim.AdamW(_params()), {"device": "nvme", "path": "tmp", "window": 1}, "window"),
+        (
+            lambda: torch.optim.AdamW(_params()),
+            {"device": "nvme", "path": "tmp", "chunk_bytes": 8},
+            "chunk_bytes",
+        ),
+        (
+            lambda: torch.optim.AdamW(_params()),
+            {"device": "nvme", "path": "tmp", "window": 1},
+            "window",
+        ),
     ],
 )
 def test_bad_options(make, kwargs, match, tmp_path):
@@ -285,7 +324,9 @@ def test_bad_paths(tmp_path, monkeypatch):
 def test_not_enough_space_names_both_numbers(tmp_path, monkeypatch):
     needed = sum(torch.Size(s).numel() for s in SHAPES) * 8  # exp_avg + exp_avg_sq, fp32
     usage = offload_paths.shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(offload_paths.shutil, "disk_usage", lambda p: usage._replace(free=needed - 1))
+    monkeypatch.setattr(
+        offload_paths.shutil, "disk_usage", lambda p: usage._replace(free=needed - 1)
+    )
     with pytest.raises(ValueError, match=f"{needed - 1} bytes free.*needs {needed} bytes") as info:
         OffloadedAdam.from_optimizer(torch.optim.AdamW(_params()), device="nvme", path=tmp_path)
     assert str(tmp_path) in str(info.value)

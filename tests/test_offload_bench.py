@@ -11,9 +11,27 @@ import pytest
 
 @pytest.mark.slow  # four worker processes importing torch: a minute or more on two busy cores
 def test_bench_reports_params_per_second_against_fused_adamw(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "lightning_3d.bench.offload", "--numel", "48000", "--rounds", "2",
-                          "--chunk-mb", "1", "--threads", "1", "--path", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning_3d.bench.offload",
+            "--numel",
+            "48000",
+            "--rounds",
+            "2",
+            "--chunk-mb",
+            "1",
+            "--threads",
+            "1",
+            "--path",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
     table = [line for line in out.splitlines() if re.match(r"\| (none|fused|cpu|nvme) \|", line)]
     rows = {line.split("|")[1].strip(): line for line in table}
     assert list(rows) == ["none", "fused", "cpu", "nvme"]

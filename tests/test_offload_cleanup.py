@@ -38,9 +38,11 @@ def test_a_killed_processs_offload_directory_is_removed_on_the_next_start(tmp_pa
 
 
 def test_a_sigkilled_run_leaves_a_directory_that_the_next_one_cleans(tmp_path):
-    code = ("import os, signal, sys; from lightning_3d.offload.paths import PrivateDirectory; "
-            "d = PrivateDirectory(sys.argv[1]); d.create_file('optimizer_state.bin', 1024); "
-            "os.kill(os.getpid(), signal.SIGKILL)")
+    code = (
+        "import os, signal, sys; from lightning_3d.offload.paths import PrivateDirectory; "
+        "d = PrivateDirectory(sys.argv[1]); d.create_file('optimizer_state.bin', 1024); "
+        "os.kill(os.getpid(), signal.SIGKILL)"
+    )
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False)
     left = [p for p in tmp_path.iterdir() if p.name.startswith(DIR_PREFIX)]
     assert len(left) == 1 and (left[0] / "optimizer_state.bin").exists()  # SIGKILL: no clean-up

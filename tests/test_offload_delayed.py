@@ -29,8 +29,15 @@ def _reference(dtype: torch.dtype) -> tuple[torch.optim.Optimizer, list[nn.Param
 
 def _offloaded(delay: bool, device: str, tmp_path, dtype: torch.dtype = torch.float32):
     params = _params(dtype)
-    opt = OffloadedAdam(params, lr=1e-2, weight_decay=0.1, device=device, chunk_bytes=CHUNK,
-                        path=tmp_path if device == "nvme" else None, delay_update=delay)
+    opt = OffloadedAdam(
+        params,
+        lr=1e-2,
+        weight_decay=0.1,
+        device=device,
+        chunk_bytes=CHUNK,
+        path=tmp_path if device == "nvme" else None,
+        delay_update=delay,
+    )
     return opt, params
 
 
@@ -49,7 +56,9 @@ def test_off_is_exact(device, tmp_path):
     opt.close()
 
 
-@pytest.mark.parametrize("device, dtype", [("cpu", torch.float32), ("nvme", torch.float32), ("cpu", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "device, dtype", [("cpu", torch.float32), ("nvme", torch.float32), ("cpu", torch.bfloat16)]
+)
 def test_on_lags_one_update_and_synchronize_catches_up(device, dtype, tmp_path):
     ref, ref_params = _reference(dtype)
     opt, params = _offloaded(True, device, tmp_path, dtype)
@@ -60,12 +69,16 @@ def test_on_lags_one_update_and_synchronize_catches_up(device, dtype, tmp_path):
         opt.step(), ref.step()
         history.append([r.detach().clone() for r in ref_params])
         for p in params:
-            p.grad.fill_(float("nan"))  # the update in flight works on its own copy of the gradients
+            p.grad.fill_(
+                float("nan")
+            )  # the update in flight works on its own copy of the gradients
         # The parameters hold the update before last: the one this step() waited for.
         assert all(torch.equal(p, h.to(dtype)) for p, h in zip(params, history[-2]))
     assert not torch.equal(params[0], history[-1][0].to(dtype))
     for p, r in zip(params, ref_params):  # the state is a full update ahead of the parameters
-        assert torch.equal(opt.state[p]["master"], r.detach())  # fp32 CPU parameters get a master too
+        assert torch.equal(
+            opt.state[p]["master"], r.detach()
+        )  # fp32 CPU parameters get a master too
         assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[r]["exp_avg_sq"])
     opt.synchronize()
     assert all(torch.equal(p, r.detach().to(dtype)) for p, r in zip(params, ref_params))
@@ -87,7 +100,9 @@ def test_state_dict_round_trip_keeps_the_trajectory(tmp_path):
             saved = first.state_dict()
             resumed_params = [nn.Parameter(p.detach().clone()) for p in first_params]
             first.close()
-            resumed = OffloadedAdam(resumed_params, lr=1e-2, weight_decay=0.1, chunk_bytes=CHUNK, delay_update=True)
+            resumed = OffloadedAdam(
+                resumed_params, lr=1e-2, weight_decay=0.1, chunk_bytes=CHUNK, delay_update=True
+            )
             resumed.load_state_dict(saved)
     for step in range(3, 5):
         for p, g in zip(resumed_params, _grads(step)):

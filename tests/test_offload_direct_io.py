@@ -43,7 +43,9 @@ def direct_dir(tmp_path):
         with tempfile.TemporaryDirectory(dir="/var/tmp") as path:
             yield path
         return
-    pytest.skip(f"neither {tmp_path} nor /var/tmp accepts O_DIRECT (tmpfs before Linux 6.6, or not Linux)")
+    pytest.skip(
+        f"neither {tmp_path} nor /var/tmp accepts O_DIRECT (tmpfs before Linux 6.6, or not Linux)"
+    )
 
 
 def _fill_and_step(store: FileChunkStore) -> list[torch.Tensor]:
@@ -62,23 +64,31 @@ def _file_segments(store: FileChunkStore) -> list[torch.Tensor]:
     """Each segment as the file holds it, read through an ordinary (buffered) descriptor."""
     with open(store.file_path, "rb") as f:
         raw = f.read()
-    return [torch.frombuffer(bytearray(raw[o : o + 4 * n]), dtype=torch.float32)
-            for o, n in zip(store.file_offsets, store.segment_numels)]
+    return [
+        torch.frombuffer(bytearray(raw[o : o + 4 * n]), dtype=torch.float32)
+        for o, n in zip(store.file_offsets, store.segment_numels)
+    ]
 
 
 def test_direct_and_buffered_store_the_same_bits(direct_dir, tmp_path):
     direct = FileChunkStore(direct_dir, ODD, direct_io=True)
     buffered = FileChunkStore(tmp_path, ODD, direct_io=False)
     assert direct.direct_io and not buffered.direct_io
-    assert direct.directory._fds == [direct._fd]  # the buffered descriptor it was created with is closed
+    assert direct.directory._fds == [
+        direct._fd
+    ]  # the buffered descriptor it was created with is closed
     got_direct, got_buffered = _fill_and_step(direct), _fill_and_step(buffered)
     assert [t.numel() for t in got_direct] == ODD
     assert all(torch.equal(a, b) for a, b in zip(got_direct, got_buffered))
     # what the file holds at the recorded offsets is what read() returns, in both layouts
     assert all(torch.equal(a, b) for a, b in zip(_file_segments(direct), got_direct))
     assert all(torch.equal(a, b) for a, b in zip(_file_segments(buffered), got_buffered))
-    assert os.path.getsize(buffered.file_path) == buffered.nbytes == 4 * sum(ODD)  # buffered: packed
-    assert os.path.getsize(direct.file_path) == direct.file_bytes == DIRECT_IO_ALIGNMENT * 9  # 1025: 2 blocks, 3001: 3
+    assert (
+        os.path.getsize(buffered.file_path) == buffered.nbytes == 4 * sum(ODD)
+    )  # buffered: packed
+    assert (
+        os.path.getsize(direct.file_path) == direct.file_bytes == DIRECT_IO_ALIGNMENT * 9
+    )  # 1025: 2 blocks, 3001: 3
     direct.close(), buffered.close()
 
 
@@ -89,6 +99,7 @@ def test_direct_io_aligns_every_offset_length_and_buffer(direct_dir, monkeypatch
         def io(fd, view, offset):
             calls.append((np.frombuffer(view, dtype=np.uint8).ctypes.data, len(view), offset))
             return real(fd, view, offset)
+
         return io
 
     monkeypatch.setattr(storage, "_read_exact", recorder(storage._read_exact))
@@ -96,10 +107,16 @@ def test_direct_io_aligns_every_offset_length_and_buffer(direct_dir, monkeypatch
     store = FileChunkStore(direct_dir, ODD, window=3, direct_io=True)
     got = _fill_and_step(store)
     assert len(calls) == 2 + len(ODD) * (1 + 2 * 2 + 1)  # probe; write(), two streams, read()
-    assert all(a % DIRECT_IO_ALIGNMENT == 0 and n % DIRECT_IO_ALIGNMENT == 0 and o % DIRECT_IO_ALIGNMENT == 0
-               for a, n, o in calls), [c for c in calls if any(x % DIRECT_IO_ALIGNMENT for x in c)]
+    assert all(
+        a % DIRECT_IO_ALIGNMENT == 0
+        and n % DIRECT_IO_ALIGNMENT == 0
+        and o % DIRECT_IO_ALIGNMENT == 0
+        for a, n, o in calls
+    ), [c for c in calls if any(x % DIRECT_IO_ALIGNMENT for x in c)]
     assert sorted({o for _, _, o in calls}) == store.file_offsets
-    assert store.resident_state_bytes_peak == 3 * 3 * DIRECT_IO_ALIGNMENT  # 3 buffers of 3001 padded
+    assert (
+        store.resident_state_bytes_peak == 3 * 3 * DIRECT_IO_ALIGNMENT
+    )  # 3 buffers of 3001 padded
     assert [t.numel() for t in got] == ODD
     store.close()
 
@@ -115,12 +132,16 @@ def test_refused_open_falls_back_to_buffered_io(tmp_path, monkeypatch, caplog):
     assert not store.direct_io and store.alignment == 4
     assert [r.getMessage() for r in caplog.records if "O_DIRECT" in r.getMessage()] == [
         f"offload path {str(tmp_path)!r} refuses O_DIRECT ([Errno 22] Invalid argument): "
-        "optimizer state goes through the page cache"]
+        "optimizer state goes through the page cache"
+    ]
     assert os.path.getsize(store.file_path) == store.nbytes  # the packed layout, no padding
     assert all(torch.equal(a, b) for a, b in zip(_fill_and_step(store), _fill_and_step(reference)))
     store.close(), reference.close()
-    with pytest.raises(ValueError, match=rf"direct_io=True, but the file system of offload path '{tmp_path}' "
-                                         r"refuses O_DIRECT: \[Errno 22\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"direct_io=True, but the file system of offload path '{tmp_path}' "
+        r"refuses O_DIRECT: \[Errno 22\]",
+    ):
         FileChunkStore(tmp_path, ODD, direct_io=True)
     assert os.listdir(tmp_path) == []  # nothing left behind
 
@@ -149,7 +170,9 @@ def _adam_run(path, direct_io, monkeypatch) -> tuple[list[torch.Tensor], dict]:
     monkeypatch.setattr(offload_optimizer, "FileChunkStore", forced)
     gen = torch.Generator().manual_seed(1)
     params = [nn.Parameter(torch.randn(n, generator=gen)) for n in (1000, 333, 77, 4099)]
-    opt = OffloadedAdam(params, lr=1e-2, device="nvme", path=path, chunk_bytes=1000)  # 120-element chunks
+    opt = OffloadedAdam(
+        params, lr=1e-2, device="nvme", path=path, chunk_bytes=1000
+    )  # 120-element chunks
     assert opt._store.direct_io is direct_io
     for _ in range(3):
         for p in params:
@@ -160,7 +183,9 @@ def _adam_run(path, direct_io, monkeypatch) -> tuple[list[torch.Tensor], dict]:
     return [p.detach().clone() for p in params], state
 
 
-def test_offloaded_adam_steps_identically_with_direct_io_on_and_off(direct_dir, tmp_path, monkeypatch):
+def test_offloaded_adam_steps_identically_with_direct_io_on_and_off(
+    direct_dir, tmp_path, monkeypatch
+):
     on_params, on_state = _adam_run(direct_dir, True, monkeypatch)
     off_params, off_state = _adam_run(tmp_path, False, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(on_params, off_params))
@@ -189,7 +214,9 @@ def test_every_free_buffer_reads_ahead(tmp_path, direct_io, window):
         for ahead in range(1, window):  # window - 1 reads land while this chunk is computed
             if index + ahead < 6:
                 assert loaded[index + ahead].wait(5), (index, ahead)
-        assert not any(e.is_set() for e in loaded[index + window :])  # no buffer is overwritten early
+        assert not any(
+            e.is_set() for e in loaded[index + window :]
+        )  # no buffer is overwritten early
     assert [store.read(i)[0].item() for i in range(6)] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     store.close()
 
@@ -203,7 +230,9 @@ def test_window_of_two_still_streams_correctly(tmp_path):
 
 def test_bad_direct_io_value_and_repeated_indices_are_refused(tmp_path):
     for bad in ("yes", 1, None):
-        with pytest.raises(ValueError, match=rf"direct_io must be 'auto', True or False, got {bad!r}"):
+        with pytest.raises(
+            ValueError, match=rf"direct_io must be 'auto', True or False, got {bad!r}"
+        ):
             FileChunkStore(tmp_path, ODD, direct_io=bad)
     assert os.listdir(tmp_path) == []  # refused before anything was created
     store = FileChunkStore(tmp_path, ODD)
@@ -212,12 +241,11 @@ def test_bad_direct_io_value_and_repeated_indices_are_refused(tmp_path):
     store.close()
 
 
-
 @pytest.mark.parametrize("value, mode", [(None, "auto"), (False, False)])
 def test_the_strategy_option_reaches_the_nvme_store(value, mode, tmp_path, monkeypatch):
     """``offload_direct_io`` (Hydra ``offload.direct_io``) through the plan and the recipe to the
     store of a one-process fit: ``None`` is the store's "auto"."""
-    from lightning_3d.testing.runs import Run, fit_gpt
+    from lightning_3d.harness.runs import Run, fit_gpt
 
     seen = []
     real = storage.FileChunkStore.__init__
@@ -227,8 +255,15 @@ def test_the_strategy_option_reaches_the_nvme_store(value, mode, tmp_path, monke
         real(self, *args, **kwargs)
 
     monkeypatch.setattr(storage.FileChunkStore, "__init__", spy)
-    options = {"offload": "nvme", "offload_path": str(tmp_path), "offload_chunk_mb": 0.01, "offload_direct_io": value}
-    with mock.patch.dict(os.environ):  # the in-process fit sets MASTER_PORT: later apps must not inherit it
+    options = {
+        "offload": "nvme",
+        "offload_path": str(tmp_path),
+        "offload_chunk_mb": 0.01,
+        "offload_direct_io": value,
+    }
+    with mock.patch.dict(
+        os.environ
+    ):  # the in-process fit sets MASTER_PORT: later apps must not inherit it
         try:
             result = fit_gpt(0, Run(strategy=options, devices=1, steps=1))
         finally:

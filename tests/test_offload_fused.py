@@ -32,7 +32,9 @@ def _grads(step: int, params: list) -> list:
     return grads
 
 
-def _run(opt: torch.optim.Optimizer, params: list, steps: int, dtype: torch.dtype, scheduler: bool) -> None:
+def _run(
+    opt: torch.optim.Optimizer, params: list, steps: int, dtype: torch.dtype, scheduler: bool
+) -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.7**s) if scheduler else None
     for step in range(steps):
         for p, g in zip(params, _grads(step, params)):
@@ -47,8 +49,12 @@ def _run(opt: torch.optim.Optimizer, params: list, steps: int, dtype: torch.dtyp
 def test_bit_exact_with_fused_torch_and_close_to_unfused(kind, device, tmp_path):
     fused_params, plain_params, params = _params(), _params(), _params()
     fused, plain = _build(kind, fused_params, fused=True), _build(kind, plain_params)
-    opt = OffloadedAdam.from_optimizer(_build(kind, params), device=device,
-                                       path=tmp_path if device == "nvme" else None, chunk_bytes=TINY_CHUNK)
+    opt = OffloadedAdam.from_optimizer(
+        _build(kind, params),
+        device=device,
+        path=tmp_path if device == "nvme" else None,
+        chunk_bytes=TINY_CHUNK,
+    )
     for o, ps in [(fused, fused_params), (plain, plain_params), (opt, params)]:
         _run(o, ps, 5, torch.float32, scheduler=True)
     assert not torch.equal(params[0], _params()[0])
@@ -56,7 +62,9 @@ def test_bit_exact_with_fused_torch_and_close_to_unfused(kind, device, tmp_path)
         assert torch.equal(p, f)  # element-wise kernel: chunking and batching change no bit
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[p][key], fused.state[f][key])
-        torch.testing.assert_close(p, u, rtol=1e-6, atol=1e-7)  # torch's default path: rounding only
+        torch.testing.assert_close(
+            p, u, rtol=1e-6, atol=1e-7
+        )  # torch's default path: rounding only
     opt.close()
 
 
@@ -79,8 +87,11 @@ def test_bf16_params_step_fp32_masters_exactly(tmp_path):
 def test_cpu_store_steps_each_group_and_step_count_in_one_call(monkeypatch):
     calls = []
     kernel = torch._fused_adamw_
-    monkeypatch.setattr(torch, "_fused_adamw_", lambda params, *a, **k: (calls.append(len(params)),
-                                                                       kernel(params, *a, **k)))
+    monkeypatch.setattr(
+        torch,
+        "_fused_adamw_",
+        lambda params, *a, **k: (calls.append(len(params)), kernel(params, *a, **k)),
+    )
     params = _params()
     opt = OffloadedAdam.from_optimizer(_build(torch.optim.AdamW, params), chunk_bytes=TINY_CHUNK)
     chunks = [len(slot.chunks) for slot in opt._slots]
@@ -108,7 +119,14 @@ def test_grad_buffer_overflow_flushes_and_changes_nothing():
             for k, (master, exp_avg, exp_avg_sq) in enumerate(state):
                 for part in range(0, n, 250):  # 250-element chunks of the 1000-element tensors
                     cut = slice(part, part + 250)
-                    batch.add(hyper, step, master[cut], grads[2 * (step - 1) + k][cut], exp_avg[cut], exp_avg_sq[cut])
+                    batch.add(
+                        hyper,
+                        step,
+                        master[cut],
+                        grads[2 * (step - 1) + k][cut],
+                        exp_avg[cut],
+                        exp_avg_sq[cut],
+                    )
             batch.flush()
         results.append(state)
     for small, large in zip(*results):
@@ -119,7 +137,10 @@ def test_grad_buffer_overflow_flushes_and_changes_nothing():
 
 
 def test_chunks_are_cut_at_cache_line_multiples():
-    params = [nn.Parameter(torch.zeros(1000)), nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16))]
+    params = [
+        nn.Parameter(torch.zeros(1000)),
+        nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16)),
+    ]
     _, chunks = plan_chunks([{"params": params}], chunk_bytes=1000)
     # 1000 // 8 = 125 -> 112 elements of 2 fp32 fields; 1000 // 12 = 83 -> 80 of 3 (bf16: own master)
     assert [c.numel for c in chunks if c.slot == 0] == [112] * 8 + [104]

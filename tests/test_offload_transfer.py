@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from lightning_3d.offload import OffloadedAdam
-from lightning_3d.offload.transfer import GradientPrefetcher, GradientSnapshot, WeightUploader, _groups
+from lightning_3d.offload.transfer import (
+    GradientPrefetcher,
+    GradientSnapshot,
+    WeightUploader,
+    _groups,
+)
 
 
 def test_groups_are_consecutive_runs_that_fit():
@@ -38,8 +43,16 @@ def test_prefetched_gradients_are_the_gradients_in_every_turn_of_the_buffers():
 def test_mixed_slices_get_a_lane_each_and_come_back_whole():
     """A bf16 model's fp32 norms next to its bf16 matrices: one lane per dtype, each read in order."""
     g = torch.Generator().manual_seed(1)
-    slices = [torch.randn(n, generator=g).to(dtype) for n, dtype in
-              ((5, torch.bfloat16), (3, torch.float32), (7, torch.bfloat16), (4, torch.float32), (6, torch.bfloat16))]
+    slices = [
+        torch.randn(n, generator=g).to(dtype)
+        for n, dtype in (
+            (5, torch.bfloat16),
+            (3, torch.float32),
+            (7, torch.bfloat16),
+            (4, torch.float32),
+            (6, torch.bfloat16),
+        )
+    ]
     fetch = GradientPrefetcher(slices, stage_bytes=16)
     assert [len(groups) for groups in fetch.groups] == [3, 2]  # bf16: 8 a buffer; fp32: 4
     for i, s in enumerate(slices):
@@ -55,7 +68,9 @@ def test_a_buffer_is_refilled_only_after_the_reader_is_told():
     never before the first two groups (both buffers still fresh)."""
     slices = [torch.full((4,), float(i)) for i in range(5)]  # fp32, a group each (16-byte buffers)
     calls = []
-    fetch = GradientPrefetcher(slices, stage_bytes=16, before_reuse=lambda: calls.append(len(calls)))
+    fetch = GradientPrefetcher(
+        slices, stage_bytes=16, before_reuse=lambda: calls.append(len(calls))
+    )
     held = []
     for i in range(5):
         held.append(fetch.get(i))
@@ -70,15 +85,22 @@ def test_a_snapshot_is_an_owned_copy_in_the_gradients_dtype_in_buffers_kept_betw
     grads = {0: torch.randn(7, 3).to(torch.bfloat16), 2: torch.randn(5)}
     first, ready = snapshot.take(grads)
     ready()
-    assert {k: (v.dtype, v.shape) for k, v in first.items()} == {0: (torch.bfloat16, (21,)), 2: (torch.float32, (5,))}
+    assert {k: (v.dtype, v.shape) for k, v in first.items()} == {
+        0: (torch.bfloat16, (21,)),
+        2: (torch.float32, (5,)),
+    }
     assert all(torch.equal(first[k], g.reshape(-1)) for k, g in grads.items())
     kept = {k: v.data_ptr() for k, v in first.items()}
     for g in grads.values():
         g.fill_(float("nan"))  # the caller reuses its gradients: the copy does not change
     assert all(not v.isnan().any() for v in first.values())
     second, _ = snapshot.take({0: torch.ones(21, dtype=torch.bfloat16), 2: torch.ones(6)})
-    assert second[0].data_ptr() == kept[0] and torch.equal(second[0], torch.ones(21, dtype=torch.bfloat16))
-    assert second[2].numel() == 6 and torch.equal(second[2], torch.ones(6))  # a new size: a new buffer
+    assert second[0].data_ptr() == kept[0] and torch.equal(
+        second[0], torch.ones(21, dtype=torch.bfloat16)
+    )
+    assert second[2].numel() == 6 and torch.equal(
+        second[2], torch.ones(6)
+    )  # a new size: a new buffer
 
 
 def test_uploader_on_a_cpu_copies_and_casts():
@@ -98,15 +120,20 @@ def test_overlap_is_checked_and_off_gives_the_same_step():
         p = torch.nn.Parameter(torch.randn(300, dtype=torch.bfloat16))
         opt = OffloadedAdam([p], lr=1e-2, chunk_bytes=12 * 64, overlap=overlap)
         for step in range(3):
-            p.grad = torch.randn(300, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(step))
+            p.grad = torch.randn(
+                300, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(step)
+            )
             opt.step()
         results.append(p.detach().clone())
         opt.close()
     assert torch.equal(*results)
 
 
-@pytest.mark.parametrize("dtypes", [(torch.float32,) * 3, (torch.bfloat16, torch.float32, torch.bfloat16)],
-                         ids=["fp32", "bf16+fp32"])
+@pytest.mark.parametrize(
+    "dtypes",
+    [(torch.float32,) * 3, (torch.bfloat16, torch.float32, torch.bfloat16)],
+    ids=["fp32", "bf16+fp32"],
+)
 def test_prefetched_steps_equal_fused_adamw(monkeypatch, dtypes):
     """The prefetching path of ``OffloadedAdam`` driven on the CPU (its synchronous lane), with
     staging buffers so small that they turn many times in one step: the weights equal
@@ -119,10 +146,14 @@ def test_prefetched_steps_equal_fused_adamw(monkeypatch, dtypes):
     start = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in sizes]
     params = [torch.nn.Parameter(t.to(dtype, copy=True)) for t, dtype in zip(start, dtypes)]
     opt = OffloadedAdam(params, lr=1e-2, chunk_bytes=12 * 64)
-    masters = [torch.nn.Parameter(t.to(dtype).float().clone()) for t, dtype in zip(start, dtypes)]  # no alias
+    masters = [
+        torch.nn.Parameter(t.to(dtype).float().clone()) for t, dtype in zip(start, dtypes)
+    ]  # no alias
     reference = torch.optim.AdamW(masters, lr=1e-2, fused=True)
     for step in range(3):
-        grads = [torch.randn(n, generator=torch.Generator().manual_seed(10 * step + n)) for n in sizes]
+        grads = [
+            torch.randn(n, generator=torch.Generator().manual_seed(10 * step + n)) for n in sizes
+        ]
         for p, m, g in zip(params, masters, grads):
             p.grad, m.grad = g.to(p.dtype, copy=True), g.to(p.dtype).float().clone()
         opt.step()

@@ -9,15 +9,21 @@ them per step is what a CPU can check of the GPU's overhead; timings belong to
 
 import collections
 
-from lightning_3d.testing.parity import assert_same_run
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import assert_same_run
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 STEPS = 6
 TRAINER = {"gradient_clip_val": 1.0}  # the benchmark's setting: the norm is computed every step
 READS = ("item", "tolist", "__bool__", "__float__", "__int__")
-COLLECTIVES = ("all_reduce", "barrier", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "all_to_all_single")
+COLLECTIVES = (
+    "all_reduce",
+    "barrier",
+    "broadcast",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+)
 
 
 def _counted_fit(rank, run):
@@ -59,7 +65,7 @@ def _counted_fit(rank, run):
 
     torch.tensor = tensor
 
-    from lightning_3d.callbacks import RunSummary
+    from lightning_3d.observe.summary import RunSummary
 
     start = RunSummary.on_train_batch_start
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from lightning_3d.parallel.pipeline import stage_blocks, stage_ids
-from lightning_3d.testing.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.testing.runs import Run, fit_gpt, fit_gpt_ranks
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
+from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks
+from lightning_3d.harness.world import run_world
 
 STEPS, SEED = 5, 1234
 SGD = {"n_layer": 4, "optimizer": "sgd", "lr": 0.3}
@@ -40,8 +40,11 @@ def reference():
 
 def _pipeline_run(strategy, world, model, trainer):
     """Every rank's result (``rank_state``: the rank's own parameters)."""
-    return run_world(fit_gpt_ranks, world, Run(strategy=strategy, devices=world, steps=STEPS, seed=SEED, model=model,
-                                               trainer=trainer))
+    return run_world(
+        fit_gpt_ranks,
+        world,
+        Run(strategy=strategy, devices=world, steps=STEPS, seed=SEED, model=model, trainer=trainer),
+    )
 
 
 def _assert_every_rank(runs, reference):
@@ -124,7 +127,9 @@ def test_bubble_counts_waiting_for_another_stage_as_idle(schedule):
     stage, whose own chunks take milliseconds, waits for at least 0.4 s of a step and must read
     mostly idle; the last stage, busy sleeping, must read less idle than the first."""
     strategy = {"pipeline": 2, "schedule": schedule, "micro_batches": 4}
-    runs = run_world(_fit_with_a_slow_head, 2, Run(strategy=strategy, devices=2, steps=3, seed=SEED, model=SGD))
+    runs = run_world(
+        _fit_with_a_slow_head, 2, Run(strategy=strategy, devices=2, steps=3, seed=SEED, model=SGD)
+    )
     first, last = (rank["bubble_fraction"] for rank in runs[0]["summary"]["ranks"])
     assert first > 0.5, (first, last)
     assert last < first, (first, last)
@@ -133,7 +138,10 @@ def test_bubble_counts_waiting_for_another_stage_as_idle(schedule):
 def test_1f1b_holds_fewer_activations_than_gpipe(case_runs):
     """Measured in the runs: micro-batches between their forward and backward, and bytes of
     activations saved for backward, at their peak in a step (m = 4 micro-batches, p = 2)."""
-    gpipe, one_f_one_b = case_runs("gpipe")[0]["summary"]["ranks"], case_runs("1f1b")[0]["summary"]["ranks"]
+    gpipe, one_f_one_b = (
+        case_runs("gpipe")[0]["summary"]["ranks"],
+        case_runs("1f1b")[0]["summary"]["ranks"],
+    )
     assert [r["in_flight_peak"] for r in gpipe] == [4, 4]
     assert [r["in_flight_peak"] for r in one_f_one_b] == [2, 1]  # rank r: p - r
     for g, f in zip(gpipe, one_f_one_b):
@@ -177,17 +185,24 @@ def evaluated():
     return get
 
 
-@pytest.mark.parametrize("strategy, world, model", [
-    ({"pipeline": 2, "micro_batches": 2}, 2, ADAM),
-    ({"pipeline": 2, "tensor": 2, "micro_batches": 2, "schedule": "interleaved_1f1b"}, 4, SGD),
-], ids=["pp2", "pp2_tp2_interleaved"])
+@pytest.mark.parametrize(
+    "strategy, world, model",
+    [
+        ({"pipeline": 2, "micro_batches": 2}, 2, ADAM),
+        ({"pipeline": 2, "tensor": 2, "micro_batches": 2, "schedule": "interleaved_1f1b"}, 4, SGD),
+    ],
+    ids=["pp2", "pp2_tp2_interleaved"],
+)
 def test_validate_test_predict_run_forward_only_schedules(evaluated, strategy, world, model):
     """The module's own steps and metrics (val_loss/val_ppl, test_loss/test_ppl, predictions)
     equal one process's, on every rank; with tensor 2 the shared outputs are vocab-sharded.
     The 2 training steps before are compared too: with SGD under pipeline x tensor, CI's
     training parity of that layout (every rank's own, tensor-gathered parameters)."""
-    runs = run_world(fit_gpt_ranks, world, Run(strategy=strategy, devices=world, steps=2, seed=SEED, model=model,
-                                               validate=True))
+    runs = run_world(
+        fit_gpt_ranks,
+        world,
+        Run(strategy=strategy, devices=world, steps=2, seed=SEED, model=model, validate=True),
+    )
     evaluated = evaluated(model)
     if model is SGD:  # Adam's first steps amplify last-bit differences of near-zero gradients
         _assert_every_rank(runs, evaluated)
@@ -219,7 +234,10 @@ def test_looped_stage_placement():
     [
         ({"pipeline": 2, "schedule": "zigzag"}, "unknown pipeline schedule 'zigzag'"),
         ({"pipeline": 2, "micro_batches": 0}, "micro_batches=0"),
-        ({"pipeline": 2, "schedule": "1f1b", "virtual_stages": 2}, "virtual_stages=2 needs an interleaved"),
+        (
+            {"pipeline": 2, "schedule": "1f1b", "virtual_stages": 2},
+            "virtual_stages=2 needs an interleaved",
+        ),
         ({"pipeline": 2, "virtual_stages": 0, "schedule": "interleaved_1f1b"}, "virtual_stages=0"),
     ],
 )
@@ -241,8 +259,11 @@ def _bad_split(rank, strategy, model):
 @pytest.mark.parametrize(
     "strategy, model, message",
     [
-        ({"pipeline": 2, "micro_batches": 4, "schedule": "interleaved_1f1b"}, {"n_layer": 2},
-         "4 pipeline stages for 2 blocks"),
+        (
+            {"pipeline": 2, "micro_batches": 4, "schedule": "interleaved_1f1b"},
+            {"n_layer": 2},
+            "4 pipeline stages for 2 blocks",
+        ),
         ({"pipeline": 2, "micro_batches": 3}, {"n_layer": 2}, "not divisible by micro_batches=3"),
     ],
     ids=["more_stages_than_blocks", "micro_batches_do_not_divide_batch"],
@@ -266,14 +287,19 @@ def test_balanced_split_minimises_the_heaviest_stage():
     assert [list(r) for r in balanced_blocks([1, 1, 1, 1], 2)] == [[0, 1], [2, 3]]
     assert [list(r) for r in balanced_blocks([5, 1, 1, 1], 2)] == [[0], [1, 2, 3]]
     # A heavy head on the last stage pushes blocks to the first.
-    assert [list(r) for r in balanced_blocks([1] * 6, 2, first_cost=0, last_cost=4)] == [[0, 1, 2, 3, 4], [5]]
+    assert [list(r) for r in balanced_blocks([1] * 6, 2, first_cost=0, last_cost=4)] == [
+        [0, 1, 2, 3, 4],
+        [5],
+    ]
     assert [len(r) for r in balanced_blocks([2, 3, 1, 4, 2, 2], 3)] == [2, 2, 2]
 
 
 def test_split_by_parameters_counts_embedding_and_head():
     from lightning_3d.parallel.stages import plan_stages
 
-    model = _meta_gpt(vocab_size=4096)  # embedding and head of 4096 x 32 each outweigh a block (12k)
+    model = _meta_gpt(
+        vocab_size=4096
+    )  # embedding and head of 4096 x 32 each outweigh a block (12k)
     runs = plan_stages(model, model.pipeline_spec(), 3, "params")
     assert [len(r) for r in runs] == [1, 4, 1]
     assert [len(r) for r in plan_stages(model, model.pipeline_spec(), 3, "uniform")] == [2, 2, 2]
@@ -287,12 +313,21 @@ def test_explicit_split_points():
     assert [list(r) for r in runs] == [[0], [1, 2, 3, 4], [5]]
 
 
-@pytest.mark.parametrize("points, message", [
-    (["model.blocks.9"], "'model.blocks.9' names no module in the model; blocks are 'model.blocks'"),
-    (["model.lm_head"], "'model.lm_head' is not a block of 'model.blocks'"),
-    (["model.blocks.0"], "must be increasing blocks after model.blocks.0"),
-    (["model.blocks.1", "model.blocks.2"], "2 split point(s) ['model.blocks.1', 'model.blocks.2'] for 2 pipeline"),
-])
+@pytest.mark.parametrize(
+    "points, message",
+    [
+        (
+            ["model.blocks.9"],
+            "'model.blocks.9' names no module in the model; blocks are 'model.blocks'",
+        ),
+        (["model.lm_head"], "'model.lm_head' is not a block of 'model.blocks'"),
+        (["model.blocks.0"], "must be increasing blocks after model.blocks.0"),
+        (
+            ["model.blocks.1", "model.blocks.2"],
+            "2 split point(s) ['model.blocks.1', 'model.blocks.2'] for 2 pipeline",
+        ),
+    ],
+)
 def test_bad_split_points(points, message):
     from lightning_3d.parallel.stages import plan_stages
 
@@ -301,11 +336,14 @@ def test_bad_split_points(points, message):
         plan_stages(model, model.pipeline_spec(), 2, points)
 
 
-@pytest.mark.parametrize("split, message", [
-    ("zigzag", "unknown pipeline split 'zigzag'"),
-    (3, "pipeline split 3 must be one of"),
-    (["model.blocks.1", "model.blocks.2"], "2 split point(s)"),
-])
+@pytest.mark.parametrize(
+    "split, message",
+    [
+        ("zigzag", "unknown pipeline split 'zigzag'"),
+        (3, "pipeline split 3 must be one of"),
+        (["model.blocks.1", "model.blocks.2"], "2 split point(s)"),
+    ],
+)
 def test_bad_split_option_is_refused_by_the_strategy(split, message):
     from lightning_3d import ThreeDStrategy
 
@@ -317,10 +355,21 @@ def test_virtual_stages_must_divide_the_blocks():
     from lightning_3d.parallel.stages import plan_stages
 
     model = _meta_gpt()  # 6 blocks
-    with pytest.raises(ValueError, match=r"4 pipeline stages \(2 ranks x virtual_stages=2\) do not divide 6 blocks"):
+    with pytest.raises(
+        ValueError, match=r"4 pipeline stages \(2 ranks x virtual_stages=2\) do not divide 6 blocks"
+    ):
         plan_stages(model, model.pipeline_spec(), 4, "uniform", virtual=2)
-    assert [len(r) for r in plan_stages(model, model.pipeline_spec(), 4, "params", virtual=2)] == [1, 2, 2, 1]
-    assert [len(r) for r in plan_stages(model, model.pipeline_spec(), 3, "uniform", virtual=1)] == [2, 2, 2]
+    assert [len(r) for r in plan_stages(model, model.pipeline_spec(), 4, "params", virtual=2)] == [
+        1,
+        2,
+        2,
+        1,
+    ]
+    assert [len(r) for r in plan_stages(model, model.pipeline_spec(), 3, "uniform", virtual=1)] == [
+        2,
+        2,
+        2,
+    ]
 
 
 def test_tied_weights_across_stages_are_held_by_the_first_and_last_ranks():
@@ -333,8 +382,9 @@ def test_tied_weights_across_stages_are_held_by_the_first_and_last_ranks():
     model.model.lm_head.weight = model.model.tok_emb.weight  # GPT-2-style tying
     assert tied_holders(model, model.pipeline_spec(), 2, 1) == {"model.tok_emb.weight": [0, 1]}
     # Interleaved: stage 0 on rank 0, the last stage (5) on rank 5 mod 3 = 2.
-    assert tied_holders(model, model.pipeline_spec(), 3, 2, "params") == {"model.tok_emb.weight": [0, 2]}
-
+    assert tied_holders(model, model.pipeline_spec(), 3, 2, "params") == {
+        "model.tok_emb.weight": [0, 2]
+    }
 
 
 def test_an_fp64_run_reports_fp64_losses(reference):
@@ -343,8 +393,15 @@ def test_an_fp64_run_reports_fp64_losses(reference):
     1e-15 read as 1e-7 apart (the family matrix tells rounding from a wrong model in fp64)."""
     trainer = {"precision": "64-true"}
     one = reference(SGD, trainer)
-    runs = run_world(fit_gpt, 2, Run(strategy={"pipeline": 2}, devices=2, steps=STEPS, seed=SEED, model=SGD,
-                                     trainer=trainer))
+    runs = run_world(
+        fit_gpt,
+        2,
+        Run(
+            strategy={"pipeline": 2}, devices=2, steps=STEPS, seed=SEED, model=SGD, trainer=trainer
+        ),
+    )
     for got, want in zip(runs[0]["losses"], one["losses"]):
         assert got == pytest.approx(want, rel=1e-12, abs=0.0)
-    assert any(float(torch.tensor(x, dtype=torch.float32)) != x for x in one["losses"])  # not fp32 values
+    assert any(
+        float(torch.tensor(x, dtype=torch.float32)) != x for x in one["losses"]
+    )  # not fp32 values

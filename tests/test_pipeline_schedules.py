@@ -1,20 +1,24 @@
 """The orders PyTorch's schedules actually run, as the strategy builds them — without processes.
 
-Each rank is traced alone in a fake world (``lightning_3d.testing.schedule_trace``); the ranks'
+Each rank is traced alone in a fake world (``support.schedule_trace``); the ranks'
 traces are then replayed together against the pipeline's data dependencies, with forward cost 1
 and backward cost 2.
 """
 
 import pytest
 
-from lightning_3d.testing.schedule_trace import in_flight_peak, simulate, trace_rank
+from support.schedule_trace import in_flight_peak, simulate, trace_rank
 
 VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
 
 
 def _orders(schedule, pp, m):
-    return {rank: trace_rank(schedule, pp_size=pp, virtual=VIRTUAL[schedule], micro_batches=m, rank=rank)
-            for rank in range(pp)}
+    return {
+        rank: trace_rank(
+            schedule, pp_size=pp, virtual=VIRTUAL[schedule], micro_batches=m, rank=rank
+        )
+        for rank in range(pp)
+    }
 
 
 @pytest.mark.parametrize("schedule", list(VIRTUAL))
@@ -57,6 +61,9 @@ def test_1f1b_keeps_at_most_p_micro_batches_in_flight(pp, m):
 
 
 def test_a_deadlocking_order_is_caught():
-    orders = {0: [("F", 0, 0), ("B", 0, 0)], 1: [("B", 1, 0), ("F", 1, 0)]}  # backward before forward
+    orders = {
+        0: [("F", 0, 0), ("B", 0, 0)],
+        1: [("B", 1, 0), ("F", 1, 0)],
+    }  # backward before forward
     with pytest.raises(RuntimeError, match="deadlocks"):
         simulate(orders)

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_3d.memory import zero_formula_bytes
-from lightning_3d.plan import Plan
+from lightning_3d.observe.memory import zero_formula_bytes
+from lightning_3d.options import Plan
 from lightning_3d.planner import Choice, Cluster, PlannerOptions, model_facts, plan_layouts
-from lightning_3d.planner.calibration import compare, run_layout, tiny_facts
-from lightning_3d.testing.world import run_world
-from lightning_3d.planner.layouts import LAYOUTS, choice_of
+from lightning_3d.calibration.memory import compare, run_layout, tiny_facts
+from lightning_3d.harness.world import run_world
+from lightning_3d.calibration.layouts import LAYOUTS, choice_of
 from lightning_3d.planner.memory import model_state, stage_parts
-from lightning_3d.testing.runs import TINY_DATA
+from lightning_3d.harness.runs import TINY_DATA
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = TINY_DATA["batch_size"]
@@ -34,7 +34,9 @@ def facts():
 
 
 def test_cluster_names_bad_values():
-    with pytest.raises(ValueError, match=r"cluster\.nodes=0 must be a positive integer.*device_memory_gb=-1"):
+    with pytest.raises(
+        ValueError, match=r"cluster\.nodes=0 must be a positive integer.*device_memory_gb=-1"
+    ):
         Cluster(nodes=0, device_memory_gb=-1)
     with pytest.raises(ValueError, match=r"unknown cluster key\(s\) \['gpus'\]"):
         Cluster.from_mapping({"gpus": 8})
@@ -49,7 +51,7 @@ def test_options_name_bad_values():
 def test_facts_count_the_model(facts):
     """Parameters from the meta model (each once), the tp-split share from the GPT plan."""
     from lightning_3d.models import LitGPT
-    from lightning_3d.testing.runs import TINY_MODEL
+    from lightning_3d.harness.runs import TINY_MODEL
 
     with torch.device("meta"):
         module = LitGPT(**TINY_MODEL)
@@ -57,7 +59,9 @@ def test_facts_count_the_model(facts):
     block = facts.blocks[0]
     d = TINY_MODEL["n_embd"]
     assert block.split == 12 * d * d  # q, k, v, o and the MLP's two 4d linears; norms replicated
-    assert facts.first.split == TINY_MODEL["vocab_size"] * d  # vocab-parallel token embedding, not positions
+    assert (
+        facts.first.split == TINY_MODEL["vocab_size"] * d
+    )  # vocab-parallel token embedding, not positions
     assert facts.last.split == TINY_MODEL["vocab_size"] * d  # the head; the final norm replicated
 
 
@@ -65,21 +69,22 @@ def test_facts_count_the_model(facts):
 @pytest.mark.parametrize("data", [1, 2, 8])
 def test_memory_is_the_zero_formula(facts, stage, data):
     """fp32 Adam on one stage without tensor parallelism is exactly the paper's 16Ψ / 8Ψ+8Ψ/N / ..."""
-    (part, _), = stage_parts(facts, 1)
+    ((part, _),) = stage_parts(facts, 1)
     params, grads, optimizer, host, _ = model_state(facts, Choice(data, 1, 1, stage), part)
     assert host == 0
-    assert math.isclose(params + grads + optimizer, zero_formula_bytes(facts.num_params, stage, data), rel_tol=1e-12)
+    assert math.isclose(
+        params + grads + optimizer, zero_formula_bytes(facts.num_params, stage, data), rel_tol=1e-12
+    )
 
 
 def test_tensor_and_pipeline_split_the_model_state(facts):
-    (whole, _), = stage_parts(facts, 1)
+    ((whole, _),) = stage_parts(facts, 1)
     params, *_ = model_state(facts, Choice(1, 2, 1), whole)
     assert params == 4 * (whole.params - whole.split / 2)
     stages = stage_parts(facts, 2)
     assert sum(part.params for part, _ in stages) == facts.num_params  # no tied weights in the GPT
     assert [blocks for _, blocks in stages] == [1, 1]
     assert stages[0][0].params == facts.first.params + facts.blocks[0].params
-
 
 
 @pytest.mark.parametrize("rows, data", [(36, 5), (7, 5), (3, 8), (256, 8), (1, 2)])
@@ -94,26 +99,43 @@ def test_zero3_shards_are_torch_chunks_of_dim_0(rows, data, dim):
     local = weight.chunk(2, dim=dim)[0] if dim >= 0 else weight
     chunks = [c.numel() for c in local.chunk(data, dim=0)]
     chunks += [0] * (data - len(chunks))  # torch.chunk returns fewer chunks when dim 0 is short
-    part = Part(weight.numel(), weight.numel() if dim >= 0 else 0, weight.numel(), (((rows, weight.numel(), dim), 1),))
+    part = Part(
+        weight.numel(),
+        weight.numel() if dim >= 0 else 0,
+        weight.numel(),
+        (((rows, weight.numel(), dim), 1),),
+    )
     assert [part.sharded(2, data, r) for r in range(data)] == chunks
     three = part + part + part  # a model's blocks: shapes counted, not listed
-    assert three.tensors == (((rows, weight.numel(), dim), 3),) and three.sharded(2, data) == 3 * chunks[0]
-    assert (three - part - part - part).tensors == () and Part(6, 0, 6).sharded(2, 3) == 2  # counts alone: even
+    assert (
+        three.tensors == (((rows, weight.numel(), dim), 3),)
+        and three.sharded(2, data) == 3 * chunks[0]
+    )
+    assert (three - part - part - part).tensors == () and Part(6, 0, 6).sharded(
+        2, 3
+    ) == 2  # counts alone: even
+
 
 def test_offload_moves_optimizer_state_to_the_host(facts):
     """fp32 parameters on the device: moments and a separate master (12 B); ZeRO-3's shards in
     host memory (``+params``) are their own master: 8 B of state, 4 + 4 of shard and gradient."""
-    (part, _), = stage_parts(facts, 1)
+    ((part, _),) = stage_parts(facts, 1)
     _, _, device_optim, host, disk = model_state(facts, Choice(2, 1, 1, 1, offload="cpu"), part)
     assert device_optim == 0 and host == 12 * facts.num_params / 2 and disk == 0
     params, grads, _, host3, _ = model_state(facts, Choice(2, 1, 1, 3, offload="cpu+params"), part)
     assert params == grads == 0 and host3 == 16 * facts.num_params / 2
 
 
-@pytest.mark.parametrize("dtype, device, on_host", [
-    (torch.float32, "cpu", True), (torch.bfloat16, "cpu", True), (torch.float32, "meta", False),
-    (torch.bfloat16, "meta", False),
-], ids=["fp32_host", "bf16_host", "fp32_device", "bf16_device"])
+@pytest.mark.parametrize(
+    "dtype, device, on_host",
+    [
+        (torch.float32, "cpu", True),
+        (torch.bfloat16, "cpu", True),
+        (torch.float32, "meta", False),
+        (torch.bfloat16, "meta", False),
+    ],
+    ids=["fp32_host", "bf16_host", "fp32_device", "bf16_device"],
+)
 def test_the_offloaded_state_term_is_what_the_store_keeps(dtype, device, on_host):
     """The planner's bytes per parameter against the store's own layout (``plan_chunks``, what
     ``OffloadedAdam`` allocates): 8 B for an fp32 host parameter, 12 B with a separate master
@@ -126,14 +148,19 @@ def test_the_offloaded_state_term_is_what_the_store_keeps(dtype, device, on_host
     param = torch.nn.Parameter(torch.zeros(1000, dtype=dtype, device=device))
     slots, chunks = plan_chunks([{"params": [param]}], chunk_bytes=1 << 16)
     stored = sum(c.numel for c in chunks) * ELEMENT_BYTES * slots[0].fields
-    assert offloaded_state_bytes(param.element_size(), params_on_host=on_host) * param.numel() == stored
+    assert (
+        offloaded_state_bytes(param.element_size(), params_on_host=on_host) * param.numel()
+        == stored
+    )
 
 
 def test_the_store_of_a_delayed_update_keeps_a_master_for_every_parameter():
     """Not modelled by the planner (see ``offloaded_state_bytes``): 12 B even for fp32 host parameters."""
     from lightning_3d.offload.storage import ELEMENT_BYTES, plan_chunks
 
-    slots, chunks = plan_chunks([{"params": [torch.nn.Parameter(torch.zeros(1000))]}], 1 << 16, always_separate=True)
+    slots, chunks = plan_chunks(
+        [{"params": [torch.nn.Parameter(torch.zeros(1000))]}], 1 << 16, always_separate=True
+    )
     assert sum(c.numel for c in chunks) * ELEMENT_BYTES * slots[0].fields == 12 * 1000
 
 
@@ -141,8 +168,12 @@ def test_calibration_single_process(facts):
     """Predicted model-state and activation bytes of a real one-process run within 10%."""
     strategy, world = LAYOUTS["single"]
     rows = compare(facts, choice_of(strategy, world, BATCH), run_layout("single"))
-    assert {row["key"] for row in rows} == {"param_bytes", "grad_bytes", "optimizer_state_bytes",
-                                            "activation_bytes_per_block"}
+    assert {row["key"] for row in rows} == {
+        "param_bytes",
+        "grad_bytes",
+        "optimizer_state_bytes",
+        "activation_bytes_per_block",
+    }
     for row in rows:
         assert abs(row["ratio"] - 1) < 0.10, row
 
@@ -162,7 +193,9 @@ def test_calibration_every_rank(facts, layout):
 def test_activations_follow_the_policies(facts):
     """Measured per block: checkpointing keeps less, tensor parallelism splits part of it."""
     seq = facts.seq_len
-    none, selective, full = (facts.activation(p, 1).bytes_per_sample(seq) for p in ("none", "selective", "full"))
+    none, selective, full = (
+        facts.activation(p, 1).bytes_per_sample(seq) for p in ("none", "selective", "full")
+    )
     assert full < selective < none
     assert full == seq * facts.d_model * 4  # a fully checkpointed block keeps its fp32 input
     split = facts.activation("none", 2).bytes_per_sample(seq)
@@ -170,14 +203,19 @@ def test_activations_follow_the_policies(facts):
 
 
 def test_more_memory_fits_more(facts):
-    small, large = (Cluster(nodes=1, devices_per_node=4, device_memory_gb=gb, host_memory_gb=1) for gb in (0.0012, 1))
+    small, large = (
+        Cluster(nodes=1, devices_per_node=4, device_memory_gb=gb, host_memory_gb=1)
+        for gb in (0.0012, 1)
+    )
     options = PlannerOptions(reserve_gb=0, offloads=("none",))
     few = plan_layouts(facts, small, options)
     many = plan_layouts(facts, large, options)
     fits = lambda cands: {c.choice for c in cands if c.fits}  # noqa: E731
     assert fits(few) and fits(few) < fits(many)
     memory = [c for c in few if c.kind == "device memory"]
-    assert memory and all(" per rank > 0.0012 GB" in c.reason and c.memory.total > 0.0012e9 for c in memory)
+    assert memory and all(
+        " per rank > 0.0012 GB" in c.reason and c.memory.total > 0.0012e9 for c in memory
+    )
     tokens = [c.tokens_per_s for c in many if c.fits]
     assert tokens == sorted(tokens, reverse=True)
     for c in many[:5]:  # what the planner proposes, the strategy accepts
@@ -189,7 +227,9 @@ def test_tensor_parallelism_stays_inside_a_node(facts):
     cands = plan_layouts(facts, cluster, PlannerOptions(reserve_gb=0))
     crossing = [c for c in cands if c.choice.tensor == 4]
     assert len(crossing) == 1 and crossing[0].kind == "tensor > devices per node"
-    assert crossing[0].reason == "tp=4 > 2 devices per node (tensor parallelism is kept inside a node)"
+    assert (
+        crossing[0].reason == "tp=4 > 2 devices per node (tensor parallelism is kept inside a node)"
+    )
     assert all(c.choice.tensor <= 2 for c in cands if c.fits)
 
 
@@ -198,22 +238,27 @@ def test_the_models_own_check_rejects_with_its_message():
     from functools import partial
 
     from lightning_3d.models import LitGPT
-    from lightning_3d.recipe import check
+    from lightning_3d.strategy.recipe import check
 
     with torch.device("meta"):
         module = LitGPT(vocab_size=255, block_size=16, n_layer=2, n_head=2, n_embd=16)
     facts = model_facts(module, precision="32-true", tp_sizes=(1, 2), policies=("none",))
-    cands = plan_layouts(facts, Cluster(nodes=1, devices_per_node=2, device_memory_gb=1),
-                         PlannerOptions(ac_policies=("none",), reserve_gb=0), check=partial(check, module))
+    cands = plan_layouts(
+        facts,
+        Cluster(nodes=1, devices_per_node=2, device_memory_gb=1),
+        PlannerOptions(ac_policies=("none",), reserve_gb=0),
+        check=partial(check, module),
+    )
     refused = [c for c in cands if c.choice.tensor == 2]
-    assert refused and all(c.kind == "plan check" and "tensor=2 does not divide the model" in c.reason
-                           for c in refused)
+    assert refused and all(
+        c.kind == "plan check" and "tensor=2 does not divide the model" in c.reason for c in refused
+    )
     assert any(c.fits for c in cands)
 
 
 def _plan_app(*overrides):
     from lightning_3d.planner.__main__ import plan
-    from lightning_3d.testing.apps import compose_config
+    from lightning_3d.harness.apps import compose_config
 
     return plan(compose_config("plan", "model=gpt_tiny", *overrides))
 
@@ -224,11 +269,14 @@ def test_app_prints_a_ranked_table(capsys):
     assert "| 1 | 1×1×1 |" in out and "first choice: ThreeDStrategy(" in out
 
 
-@pytest.mark.parametrize("override, said", [
-    ("cluster.devices_per_node=0", "cluster.devices_per_node=0 must be a positive integer"),
-    ("planner.precision=fp8", "precision='fp8' must be one of"),
-    ("cluster.device_memory_gb=0.00001", "the least memory any layout needs is"),
-])
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("cluster.devices_per_node=0", "cluster.devices_per_node=0 must be a positive integer"),
+        ("planner.precision=fp8", "precision='fp8' must be one of"),
+        ("cluster.device_memory_gb=0.00001", "the least memory any layout needs is"),
+    ],
+)
 def test_app_bad_input_is_one_error_line(capsys, override, said):
     assert _plan_app("planner.reserve_gb=0", override) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -237,8 +285,13 @@ def test_app_bad_input_is_one_error_line(capsys, override, said):
 
 def test_cli_exit_code_2():
     """The real entry point: a bad value is one error line and exit code 2."""
-    done = subprocess.run([sys.executable, "-m", "lightning_3d.planner", "model=gpt_tiny", "cluster.nodes=0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_3d.planner", "model=gpt_tiny", "cluster.nodes=0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == ["error: cluster.nodes=0 must be a positive integer"]
 
@@ -252,12 +305,16 @@ def test_step_time_terms(facts):
     options = PlannerOptions(overlap=0.0)
     piped = step_time(facts, Choice(1, 1, 2, micro_batches=4, batch_per_rank=8), node, options)
     assert math.isclose(piped.bubble, piped.compute / 4)
-    plain, full = (step_time(facts, Choice(2, 1, 1, ac_policy=ac, batch_per_rank=4), node, options)
-                   for ac in ("none", "full"))
+    plain, full = (
+        step_time(facts, Choice(2, 1, 1, ac_policy=ac, batch_per_rank=4), node, options)
+        for ac in ("none", "full")
+    )
     assert full.compute > plain.compute and plain.bubble == 0
     two_nodes = Cluster(nodes=2, devices_per_node=8, device_memory_gb=80, inter_node_gbps=10)
-    inside, across = (step_time(facts, Choice(16, 1, 1, batch_per_rank=1), cluster, options)
-                      for cluster in (node, two_nodes))
+    inside, across = (
+        step_time(facts, Choice(16, 1, 1, batch_per_rank=1), cluster, options)
+        for cluster in (node, two_nodes)
+    )
     assert across.comm > inside.comm > 0
 
 
@@ -270,14 +327,16 @@ def _gathered_blocks_at_once(rank: int) -> int:
     from lightning_3d import ThreeDStrategy
     from lightning_3d.data import TextDataModule
     from lightning_3d.models import LitGPT
-    from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL
+    from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL
 
     alive, most = set(), [0]
     unshard, reshard = fsdp_group.FSDPParamGroup.unshard, fsdp_group.FSDPParamGroup.reshard
 
     def counted_unshard(group, *args, **kwargs):
         out = unshard(group, *args, **kwargs)
-        if (group._all_gather_result is not None or group.is_unsharded) and ".blocks." in f".{group._module_fqn}":
+        if (
+            group._all_gather_result is not None or group.is_unsharded
+        ) and ".blocks." in f".{group._module_fqn}":
             alive.add(group._module_fqn)
             most[0] = max(most[0], len(alive))
         return out
@@ -288,11 +347,23 @@ def _gathered_blocks_at_once(rank: int) -> int:
             alive.discard(group._module_fqn)
         return out
 
-    fsdp_group.FSDPParamGroup.unshard, fsdp_group.FSDPParamGroup.reshard = counted_unshard, counted_reshard
+    fsdp_group.FSDPParamGroup.unshard, fsdp_group.FSDPParamGroup.reshard = (
+        counted_unshard,
+        counted_reshard,
+    )
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=ThreeDStrategy(zero_stage=3), max_steps=2,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=ThreeDStrategy(zero_stage=3),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     trainer.fit(LitGPT(**{**TINY_MODEL, "n_layer": 4}), TextDataModule(seed=0, **TINY_DATA))
     return most[0]
 

@@ -1,4 +1,4 @@
-"""``auto=True`` / ``parallelism=auto`` (lightning_3d.planner.auto): the planner's first choice for
+"""``auto=True`` / ``parallelism=auto`` (lightning_3d.strategy.auto): the planner's first choice for
 the world found, the options given with it as constraints, and real 2-rank CPU runs that train
 the chosen layout (the strategy through ``run_world``, and the Hydra app)."""
 
@@ -14,13 +14,21 @@ import pytest
 import torch
 
 from lightning_3d import ThreeDStrategy
-from lightning_3d.plan import Plan
+from lightning_3d.options import Plan
 from lightning_3d.planner import Cluster, PlannerOptions, model_facts, plan_layouts
-from lightning_3d.planner.auto import (CPU_OPTIONS, choose, constraints, found_cluster, host_memory_gb, planned,
-                                       planned_figures, record_planned)
-from lightning_3d.recipe import check
-from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL, Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.strategy.auto import (
+    CPU_OPTIONS,
+    choose,
+    constraints,
+    found_cluster,
+    host_memory_gb,
+    planned,
+    planned_figures,
+    record_planned,
+)
+from lightning_3d.strategy.recipe import check
+from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL, Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH, SEQ = TINY_DATA["batch_size"], TINY_DATA["block_size"]
@@ -38,9 +46,16 @@ def module():
 
 
 def _first(module, cluster, **options):
-    facts = model_facts(module, seq_len=SEQ, precision="32-true", tp_sizes=(1, 2, 4), name="LitGPT",
-                        policies=tuple(dict.fromkeys(("none", *options.get("ac_policies", ("none", "selective",
-                                                                                               "full"))))))
+    facts = model_facts(
+        module,
+        seq_len=SEQ,
+        precision="32-true",
+        tp_sizes=(1, 2, 4),
+        name="LitGPT",
+        policies=tuple(
+            dict.fromkeys(("none", *options.get("ac_policies", ("none", "selective", "full"))))
+        ),
+    )
     opts = PlannerOptions(batch_size=BATCH, seq_len=SEQ, precision="32-true", **options)
     return plan_layouts(facts, cluster, opts, check=functools.partial(check, module))
 
@@ -49,46 +64,82 @@ def test_the_choice_is_the_planners_first(module):
     best = choose(module, TIGHT, Plan.from_options(auto=True), batch_size=BATCH, seq_len=SEQ)
     first = _first(module, TIGHT)[0]
     assert first.fits and best.choice == first.choice
-    assert best.choice.zero_stage > 0 or best.choice.tensor > 1  # the replica does not fit: it shards
+    assert (
+        best.choice.zero_stage > 0 or best.choice.tensor > 1
+    )  # the replica does not fit: it shards
     assert best.memory.total == first.memory.total and best.tokens_per_s == first.tokens_per_s
     plan = planned(Plan.from_options(auto=True, bucket_size_mb=5.0), best.choice)
     assert not plan.auto.enabled and plan.zero.bucket_size_mb == 5.0  # other options pass through
-    assert (plan.layout.data, plan.layout.tensor, plan.layout.pipeline, plan.layout.zero_stage) == \
-        (best.choice.data, best.choice.tensor, best.choice.pipeline, best.choice.zero_stage)
+    assert (plan.layout.data, plan.layout.tensor, plan.layout.pipeline, plan.layout.zero_stage) == (
+        best.choice.data,
+        best.choice.tensor,
+        best.choice.pipeline,
+        best.choice.zero_stage,
+    )
 
 
 def test_options_given_with_auto_constrain_the_choice(module):
     # zero_stage / ac_policy narrow the planner's enumeration: still its first choice, of those
-    best = choose(module, TIGHT, Plan.from_options(auto=True, zero_stage=3, ac_policy="full"),
-                  batch_size=BATCH, seq_len=SEQ)
+    best = choose(
+        module,
+        TIGHT,
+        Plan.from_options(auto=True, zero_stage=3, ac_policy="full"),
+        batch_size=BATCH,
+        seq_len=SEQ,
+    )
     assert best.choice == _first(module, TIGHT, zero_stages=(3,), ac_policies=("full",))[0].choice
     # sizes keep only layouts of that size
-    best = choose(module, TIGHT, Plan.from_options(auto=True, pipeline=2), batch_size=BATCH, seq_len=SEQ)
+    best = choose(
+        module, TIGHT, Plan.from_options(auto=True, pipeline=2), batch_size=BATCH, seq_len=SEQ
+    )
     assert best.choice.pipeline == 2
     # the loader's batch is fixed: without a pipeline, micro-batches = accumulate_grad_batches
-    best = choose(module, TIGHT, Plan.from_options(auto=True, data=4), batch_size=2 * BATCH, seq_len=SEQ,
-                  accumulate=2)
+    best = choose(
+        module,
+        TIGHT,
+        Plan.from_options(auto=True, data=4),
+        batch_size=2 * BATCH,
+        seq_len=SEQ,
+        accumulate=2,
+    )
     assert (best.choice.data, best.choice.micro_batches) == (4, 2)
     # a constraint no fitting layout meets: one sentence naming it and what the planner would run
-    with pytest.raises(ValueError, match=r"no fitting layout of 4 ranks has pipeline=2, micro_batches=3.*first choice"):
-        choose(module, TIGHT, Plan.from_options(auto=True, pipeline=2, micro_batches=3), batch_size=BATCH, seq_len=SEQ)
+    with pytest.raises(
+        ValueError,
+        match=r"no fitting layout of 4 ranks has pipeline=2, micro_batches=3.*first choice",
+    ):
+        choose(
+            module,
+            TIGHT,
+            Plan.from_options(auto=True, pipeline=2, micro_batches=3),
+            batch_size=BATCH,
+            seq_len=SEQ,
+        )
 
 
 def test_values_the_planner_cannot_plan_are_refused_when_built(tmp_path):
     # NVMe is planned where the run names its drive (and only then)
-    assert constraints(Plan.from_options(auto=True, offload="nvme", offload_path=str(tmp_path)),
-                       "cuda").planner["offloads"] == ("nvme", "nvme+params")
-    assert not any(o.startswith("nvme") for o in constraints(Plan.from_options(auto=True), "cuda").planner["offloads"])
-    assert constraints(Plan.from_options(auto=True, tensor=2, sequence_parallel=True, schedule="zero_bubble",
-                                         virtual_stages=2)).sizes == {"tensor": 2, "sequence_parallel": True}
+    assert constraints(
+        Plan.from_options(auto=True, offload="nvme", offload_path=str(tmp_path)), "cuda"
+    ).planner["offloads"] == ("nvme", "nvme+params")
+    assert not any(
+        o.startswith("nvme")
+        for o in constraints(Plan.from_options(auto=True), "cuda").planner["offloads"]
+    )
+    assert constraints(
+        Plan.from_options(
+            auto=True, tensor=2, sequence_parallel=True, schedule="zero_bubble", virtual_stages=2
+        )
+    ).sizes == {"tensor": 2, "sequence_parallel": True}
     with pytest.raises(ValueError, match=r"auto=True cannot plan ac_policy='every_n'"):
         ThreeDStrategy(auto=True, ac_policy="every_n")
     with pytest.raises(ValueError, match=r"auto='yes' must be True or False"):
         ThreeDStrategy(auto="yes")
     # CPU ranks share the host: offload is not enumerated unless asked for
     assert constraints(Plan.from_options(auto=True), "cpu").planner["offloads"] == ("none",)
-    assert constraints(Plan.from_options(auto=True, zero_stage=3, offload="cpu", offload_params=True),
-                       "cpu").planner == {"zero_stages": (3,), "offloads": ("cpu+params",)}
+    assert constraints(
+        Plan.from_options(auto=True, zero_stage=3, offload="cpu", offload_params=True), "cpu"
+    ).planner == {"zero_stages": (3,), "offloads": ("cpu+params",)}
 
 
 def test_the_cpu_cluster_is_the_host_shared_by_its_ranks():
@@ -102,12 +153,27 @@ def test_the_predictions_are_recorded_as_json_next_to_the_measured(module, tmp_p
     adds them to a written summary.json, keeping what was measured."""
     best = choose(module, TIGHT, Plan.from_options(auto=True), batch_size=BATCH, seq_len=SEQ)
     figures = json.loads(json.dumps(planned_figures(best, TIGHT)))
-    assert Plan.from_options(**{k: v for k, v in figures["layout"].items() if k not in ("micro_batches",
-                                                                                      "batch_per_rank")})
-    assert (figures["layout"]["zero_stage"], figures["layout"]["tensor"]) == (best.choice.zero_stage,
-                                                                               best.choice.tensor)
+    assert Plan.from_options(
+        **{
+            k: v
+            for k, v in figures["layout"].items()
+            if k not in ("micro_batches", "batch_per_rank")
+        }
+    )
+    assert (figures["layout"]["zero_stage"], figures["layout"]["tensor"]) == (
+        best.choice.zero_stage,
+        best.choice.tensor,
+    )
     mem, time = figures["memory_bytes"], figures["step_time_s"]
-    for key in ("params", "grads", "optimizer", "activations", "buffers", "host", "total"):  # the candidate's own
+    for key in (
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "buffers",
+        "host",
+        "total",
+    ):  # the candidate's own
         assert mem[key] == pytest.approx(getattr(best.memory, key)), key
     for key in ("compute", "comm", "bubble", "offload", "optimizer", "total"):
         assert time[key] == pytest.approx(getattr(best.time, key)), key
@@ -127,34 +193,70 @@ def test_a_two_rank_auto_run_trains_the_chosen_layout(module, capfd):
     the planner here, for the cluster found), every rank trains it, rank 0 logs it once."""
     out = run_world(fit_gpt, 2, Run(strategy={"auto": True, "zero_stage": 2}, devices=2, steps=3))
     cluster = found_cluster(2, 1, "cpu")
-    best = choose(module, cluster, Plan.from_options(auto=True, zero_stage=2), batch_size=BATCH, seq_len=SEQ,
-                  device_type="cpu")
-    assert best.choice == _first(module, cluster, zero_stages=(2,), offloads=("none",), **CPU_OPTIONS)[0].choice
+    best = choose(
+        module,
+        cluster,
+        Plan.from_options(auto=True, zero_stage=2),
+        batch_size=BATCH,
+        seq_len=SEQ,
+        device_type="cpu",
+    )
+    assert (
+        best.choice
+        == _first(module, cluster, zero_stages=(2,), offloads=("none",), **CPU_OPTIONS)[0].choice
+    )
     expected = json.loads(json.dumps(planned_figures(best, cluster)))
     for rank in out:
         # the predictions, next to the measured figures (RunSummary reads the strategy's planned)
         assert rank["summary"]["planned"]["layout"] == expected["layout"]
         assert rank["summary"]["planned"]["step_time_s"] == pytest.approx(expected["step_time_s"])
         layout = rank["summary"]["layout"]
-        assert (layout["data"], layout["tensor"], layout["pipeline"], layout["zero_stage"]) == \
-            (best.choice.data, best.choice.tensor, best.choice.pipeline, 2)
+        assert (layout["data"], layout["tensor"], layout["pipeline"], layout["zero_stage"]) == (
+            best.choice.data,
+            best.choice.tensor,
+            best.choice.pipeline,
+            2,
+        )
         assert len(rank["losses"]) == 3 and rank["losses"][-1] < rank["losses"][0]
-    logged = re.findall(r"auto: dp=(\d+) x tp=(\d+) x pp=(\d+), ZeRO stage (\d+).*tokens/s", capfd.readouterr().err)
-    assert logged == [tuple(str(v) for v in (best.choice.data, best.choice.tensor, best.choice.pipeline, 2))]
+    logged = re.findall(
+        r"auto: dp=(\d+) x tp=(\d+) x pp=(\d+), ZeRO stage (\d+).*tokens/s", capfd.readouterr().err
+    )
+    assert logged == [
+        tuple(str(v) for v in (best.choice.data, best.choice.tensor, best.choice.pipeline, 2))
+    ]
 
 
 def test_the_app_runs_parallelism_auto(tmp_path):
     """``python examples/train.py parallelism=auto``: chosen in the launching process, logged once,
     and the ranks train it (summary.json names the layout and carries the prediction)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_PROCID")}
-    args = ["parallelism=auto", "parallelism.zero_stage=1", "model=gpt_tiny", f"data.batch_size={BATCH}",
-            "data.max_bytes=300000", "trainer.limit_val_batches=0", "trainer.max_steps=3",
-            "checkpoint.every_n_steps=null",
-            f"hydra.run.dir={tmp_path}"]
-    proc = subprocess.run([sys.executable, str(REPO / "examples/train.py"), *args], cwd=tmp_path,
-                          env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_PROCID")
+    }
+    args = [
+        "parallelism=auto",
+        "parallelism.zero_stage=1",
+        "model=gpt_tiny",
+        f"data.batch_size={BATCH}",
+        "data.max_bytes=300000",
+        "trainer.limit_val_batches=0",
+        "trainer.max_steps=3",
+        "checkpoint.every_n_steps=null",
+        f"hydra.run.dir={tmp_path}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples/train.py"), *args],
+        cwd=tmp_path,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = re.findall(r"auto: dp=(\d+) x tp=(\d+) x pp=(\d+), ZeRO stage (\d+)", proc.stdout + proc.stderr)
+    lines = re.findall(
+        r"auto: dp=(\d+) x tp=(\d+) x pp=(\d+), ZeRO stage (\d+)", proc.stdout + proc.stderr
+    )
     assert len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     layout = summary["layout"]

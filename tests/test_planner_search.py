@@ -3,7 +3,7 @@ schedules, sequence parallelism and NVMe offload — their memory and time terms
 layout is built as predicted (fake world, one process).
 
 Plain unit tests on a 4-block tiny GPT; the sequence-parallel activation bytes are measured in a
-fake world (and equal a real gloo run's meter: ``python -m lightning_3d.planner.calibration
+fake world (and equal a real gloo run's meter: ``python -m lightning_3d.calibration.memory
 --layouts tp2_sp``, and the ``-m slow`` calibration test in test_planner.py).
 """
 
@@ -18,7 +18,7 @@ from lightning_3d.planner.choice import Choice
 from lightning_3d.planner.memory import NVME_RESIDENT_BYTES, model_state, rank_memory, stage_parts
 from lightning_3d.planner.schedule import bubble_share, in_flight_chunks, messages
 from lightning_3d.planner.timing import step_time
-from lightning_3d.planner.validate import rank_kinds, validate_layout
+from lightning_3d.calibration.validate import rank_kinds, validate_layout
 
 TINY = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32)
 
@@ -34,8 +34,14 @@ def _tiny():
 def facts():
     from lightning_3d.planner.facts import model_facts
 
-    return model_facts(_tiny(), precision="bf16-mixed", tp_sizes=(1, 2), policies=("none", "full"), name="tiny",
-                       sequence_parallel=True)
+    return model_facts(
+        _tiny(),
+        precision="bf16-mixed",
+        tp_sizes=(1, 2),
+        policies=("none", "full"),
+        name="tiny",
+        sequence_parallel=True,
+    )
 
 
 def _alive_peak(order, freed_by):
@@ -48,19 +54,20 @@ def _alive_peak(order, freed_by):
 
 
 def test_in_flight_chunks_are_what_torchs_own_op_order_keeps():
-    """Replayed from the ops torch's schedules run on each rank (lightning_3d.testing.schedule_trace):
+    """Replayed from the ops torch's schedules run on each rank (support.schedule_trace):
     interleaved 1F1B frees a chunk's activations at its backward; zero-bubble only at its weight
     backward (the input backward retains the graph), which rank r runs r micro-batches late, so
     every rank peaks where rank 0 does."""
-    from lightning_3d.testing.schedule_trace import trace_rank
+    from support.schedule_trace import trace_rank
 
     for schedule, freed_by in (("interleaved_1f1b", "B"), ("zero_bubble", "W")):
         for p in (2, 4):
             for m in (p, 2 * p):
                 for rank in range(p):
                     order = trace_rank(schedule, p, 2, m, rank)
-                    assert in_flight_chunks(schedule, p, m, rank, 2) == _alive_peak(order, freed_by), \
-                        (schedule, p, m, rank)
+                    assert in_flight_chunks(schedule, p, m, rank, 2) == _alive_peak(
+                        order, freed_by
+                    ), (schedule, p, m, rank)
     assert in_flight_chunks("1f1b", 4, 8, 0) == 4 and in_flight_chunks("1f1b", 4, 8, 3) == 1
     assert in_flight_chunks("gpipe", 4, 8, 3) == 8 and in_flight_chunks("1f1b", 1, 8, 0) == 1
 
@@ -80,7 +87,10 @@ def test_interleaved_ranks_hold_their_virtual_stages(facts):
     plain, interleaved = stage_parts(facts, 2), stage_parts(facts, 2, 2)
     assert [b for _, b in interleaved] == [2, 2]
     assert sum(p.params for p, _ in interleaved) == sum(p.params for p, _ in plain)
-    assert interleaved[0][0].params == facts.first.params + facts.blocks[0].params + facts.blocks[2].params
+    assert (
+        interleaved[0][0].params
+        == facts.first.params + facts.blocks[0].params + facts.blocks[2].params
+    )
     kinds = rank_kinds(Choice(1, 1, 2, virtual_stages=2), facts.n_layer)
     assert [k.stage for k in kinds] == [0, 1] and "2 blocks + embeddings" in kinds[0].label
 
@@ -89,8 +99,10 @@ def test_schedules_trade_memory_for_bubble(facts):
     """At equal micro-batches: interleaving keeps more in flight on rank 0 and idles less; zero-bubble
     idles least."""
     base = dict(data=1, tensor=1, pipeline=2, micro_batches=4, batch_per_rank=8)
-    choices = {s: Choice(**base, schedule=s, virtual_stages=1 if s == "1f1b" else 2)
-               for s in ("1f1b", "interleaved_1f1b", "zero_bubble")}
+    choices = {
+        s: Choice(**base, schedule=s, virtual_stages=1 if s == "1f1b" else 2)
+        for s in ("1f1b", "interleaved_1f1b", "zero_bubble")
+    }
     cluster, options = Cluster(nodes=1, devices_per_node=2), PlannerOptions()
     act = {s: rank_memory(facts, c, options).activations for s, c in choices.items()}
     bubble = {s: step_time(facts, c, cluster, options).bubble for s, c in choices.items()}
@@ -99,30 +111,47 @@ def test_schedules_trade_memory_for_bubble(facts):
 
 
 def test_the_search_enumerates_schedules_sequence_parallelism_and_nvme(facts):
-    cands = plan_layouts(facts, Cluster(nodes=1, devices_per_node=4),
-                         PlannerOptions(offloads=("none", "nvme"), max_micro_batches=4))
+    cands = plan_layouts(
+        facts,
+        Cluster(nodes=1, devices_per_node=4),
+        PlannerOptions(offloads=("none", "nvme"), max_micro_batches=4),
+    )
     fitting = [c.choice for c in cands if c.fits]
-    assert {c.schedule for c in fitting if c.pipeline > 1} == {"1f1b", "gpipe", "interleaved_1f1b", "zero_bubble"}
+    assert {c.schedule for c in fitting if c.pipeline > 1} == {
+        "1f1b",
+        "gpipe",
+        "interleaved_1f1b",
+        "zero_bubble",
+    }
     assert {c.virtual_stages for c in fitting if c.schedule == "zero_bubble"} == {2}
-    assert any(c.sequence_parallel for c in fitting) and not any(c.sequence_parallel for c in fitting if c.tensor == 1)
+    assert any(c.sequence_parallel for c in fitting) and not any(
+        c.sequence_parallel for c in fitting if c.tensor == 1
+    )
     assert any(c.offload == "nvme" for c in fitting)
     # pp 4 × v 2 = 8 stages for 4 blocks: not enumerated.
     assert not any(c.pipeline == 4 and c.virtual_stages > 1 for c in fitting)
     # Fewer micro-batches than stages: 1F1B refuses them, the interleaved bubble is not modelled there.
-    assert all(c.micro_batches >= c.pipeline for c in fitting if c.pipeline > 1 and c.schedule != "gpipe")
+    assert all(
+        c.micro_batches >= c.pipeline for c in fitting if c.pipeline > 1 and c.schedule != "gpipe"
+    )
     assert any(c.micro_batches < c.pipeline for c in fitting if c.schedule == "gpipe")
 
 
 def test_the_model_check_is_asked_again_for_sequence_parallelism(facts):
     """A model whose check refuses only the sequence-parallel plan: those layouts are refused by
     the check itself, not taken from the verdict on the same sizes without it."""
+
     def check(plan, world):
         if plan.tp.sequence_parallel:
             raise ValueError("this model cannot be sequence-parallel")
 
-    cands = plan_layouts(facts, Cluster(nodes=1, devices_per_node=2), PlannerOptions(offloads=("none",)), check=check)
+    cands = plan_layouts(
+        facts, Cluster(nodes=1, devices_per_node=2), PlannerOptions(offloads=("none",)), check=check
+    )
     sp = [c for c in cands if c.choice.sequence_parallel]
-    assert sp and all(c.kind == "plan check" and "cannot be sequence-parallel" in c.reason for c in sp)
+    assert sp and all(
+        c.kind == "plan check" and "cannot be sequence-parallel" in c.reason for c in sp
+    )
     assert any(c.fits and c.choice.tensor == 2 for c in cands)
 
 
@@ -131,31 +160,51 @@ def test_zero3_parameter_offload_gathers_blocks_on_the_device_whatever_holds_ada
     whether Adam's state is in RAM or on the drive."""
     from lightning_3d.planner.memory import buffer_bytes
 
-    cpu, nvme = (buffer_bytes(facts, Choice(1, 1, 1, 3, offload=o), PlannerOptions()) for o in ("cpu+params", "nvme+params"))
+    cpu, nvme = (
+        buffer_bytes(facts, Choice(1, 1, 1, 3, offload=o), PlannerOptions())
+        for o in ("cpu+params", "nvme+params")
+    )
     assert nvme == cpu > buffer_bytes(facts, Choice(1, 1, 1, 3, offload="cpu"), PlannerOptions())
 
 
 def test_sequence_parallelism_keeps_less_in_the_same_time(facts):
-    tp2, sp = Choice(1, 2, 1, batch_per_rank=8), Choice(1, 2, 1, batch_per_rank=8, sequence_parallel=True)
+    tp2, sp = (
+        Choice(1, 2, 1, batch_per_rank=8),
+        Choice(1, 2, 1, batch_per_rank=8, sequence_parallel=True),
+    )
     options, cluster = PlannerOptions(), Cluster(nodes=1, devices_per_node=2)
-    assert rank_memory(facts, sp, options).activations < rank_memory(facts, tp2, options).activations
-    assert step_time(facts, sp, cluster, options).total == step_time(facts, tp2, cluster, options).total
+    assert (
+        rank_memory(facts, sp, options).activations < rank_memory(facts, tp2, options).activations
+    )
+    assert (
+        step_time(facts, sp, cluster, options).total
+        == step_time(facts, tp2, cluster, options).total
+    )
     assert sp.options()["sequence_parallel"] is True and "sequence_parallel" not in tp2.options()
 
 
 def test_nvme_keeps_adams_state_on_the_drive(facts):
-    (part, _), = stage_parts(facts, 1)
+    ((part, _),) = stage_parts(facts, 1)
     cpu = model_state(facts, Choice(2, 1, 1, 1, offload="cpu"), part)
     nvme = model_state(facts, Choice(2, 1, 1, 1, offload="nvme"), part)
     assert nvme[2] == cpu[2] == 0  # no optimizer state on the device
-    assert nvme[4] == cpu[3] and nvme[3] == NVME_RESIDENT_BYTES  # the state on the drive, a window in RAM
+    assert (
+        nvme[4] == cpu[3] and nvme[3] == NVME_RESIDENT_BYTES
+    )  # the state on the drive, a window in RAM
     params = model_state(facts, Choice(2, 1, 1, 3, offload="nvme+params"), part)
     assert params[0] == params[1] == 0 and params[3] > NVME_RESIDENT_BYTES  # shards in RAM
     assert Choice(2, 1, 1, 3, offload="nvme+params").options() | {} == {
-        **Choice(2, 1, 1, 3).options(), "offload": "nvme", "offload_params": True}
+        **Choice(2, 1, 1, 3).options(),
+        "offload": "nvme",
+        "offload_params": True,
+    }
     cluster, options = Cluster(nodes=1, devices_per_node=2), PlannerOptions()
-    nvme_time = step_time(facts, Choice(2, 1, 1, 1, offload="nvme", batch_per_rank=4), cluster, options).offload
-    cpu_time = step_time(facts, Choice(2, 1, 1, 1, offload="cpu", batch_per_rank=4), cluster, options).offload
+    nvme_time = step_time(
+        facts, Choice(2, 1, 1, 1, offload="nvme", batch_per_rank=4), cluster, options
+    ).offload
+    cpu_time = step_time(
+        facts, Choice(2, 1, 1, 1, offload="cpu", batch_per_rank=4), cluster, options
+    ).offload
     assert nvme_time > cpu_time > 0
 
 
@@ -168,7 +217,9 @@ def test_a_host_too_small_for_cpu_offload_plans_nvme_and_a_full_drive_refuses_it
     with torch.device("meta"):
         module = LitGPT(**{**TINY, "n_layer": 2, "n_embd": 768})
     wide = model_facts(module, precision="bf16-mixed", policies=("none",))
-    options = PlannerOptions(reserve_gb=0, offloads=("cpu", "nvme"), zero_stages=(0,), ac_policies=("none",))
+    options = PlannerOptions(
+        reserve_gb=0, offloads=("cpu", "nvme"), zero_stages=(0,), ac_policies=("none",)
+    )
     tight = dict(nodes=1, devices_per_node=1, device_memory_gb=1, host_memory_gb=0.08)
     cands = plan_layouts(wide, Cluster(**tight), options)
     assert cands[0].fits and cands[0].choice.offload == "nvme"
@@ -183,11 +234,25 @@ def test_interleaved_micro_batches_must_fill_torchs_rounds():
     assert pipeline_options(3, 15, "interleaved_1f1b", None)["virtual_stages"] == 2
 
 
-@pytest.mark.parametrize("choice", [
-    Choice(data=2, tensor=2, pipeline=2, zero_stage=1, micro_batches=2, schedule="interleaved_1f1b",
-           batch_per_rank=2, virtual_stages=2),
-    Choice(data=2, tensor=2, pipeline=1, zero_stage=3, batch_per_rank=2, sequence_parallel=True),
-], ids=["interleaved", "sequence_parallel"])
+@pytest.mark.parametrize(
+    "choice",
+    [
+        Choice(
+            data=2,
+            tensor=2,
+            pipeline=2,
+            zero_stage=1,
+            micro_batches=2,
+            schedule="interleaved_1f1b",
+            batch_per_rank=2,
+            virtual_stages=2,
+        ),
+        Choice(
+            data=2, tensor=2, pipeline=1, zero_stage=3, batch_per_rank=2, sequence_parallel=True
+        ),
+    ],
+    ids=["interleaved", "sequence_parallel"],
+)
 def test_interleaved_and_sequence_parallel_layouts_are_built_as_predicted(facts, choice):
     """Each rank kind built at world 8 in a fake world: its own stages' parameters, placements and
     bytes as the planner predicts."""
@@ -203,17 +268,27 @@ def test_the_fake_world_measurement_equals_the_local_shape_copy(facts):
     from lightning_3d.parallel.activation_checkpoint import transformer_blocks
     from lightning_3d.parallel.tensor import resolve_plan
     from lightning_3d.planner.activations import measure_sequence_parallel
-    from lightning_3d.plans import build_plan
+    from lightning_3d.parallel.plans import build_plan
 
     module = _tiny()
     name, block = transformer_blocks(module)[0]
     plan = resolve_plan(module, build_plan(module, None, False), 2)
-    own = {k[len(name) + 1:]: v for k, v in plan.items() if k.startswith(name + ".")}
-    fake = measure_sequence_parallel((name, block), own, forward=None, d_model=facts.d_model, seq_len=facts.seq_len,
-                                     act_bytes=2, policies=("none", "full"), tp=2)
+    own = {k[len(name) + 1 :]: v for k, v in plan.items() if k.startswith(name + ".")}
+    fake = measure_sequence_parallel(
+        (name, block),
+        own,
+        forward=None,
+        d_model=facts.d_model,
+        seq_len=facts.seq_len,
+        act_bytes=2,
+        policies=("none", "full"),
+        tp=2,
+    )
     for policy in ("none", "full"):
         assert fake[(policy, 2, "sp")].points == facts.activation(policy, 2).points
-    assert facts.activation("none", 2, True).bytes_per_sample(32) < facts.activation("none", 2).bytes_per_sample(32)
+    assert facts.activation("none", 2, True).bytes_per_sample(32) < facts.activation(
+        "none", 2
+    ).bytes_per_sample(32)
 
 
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
@@ -225,7 +300,11 @@ def test_the_forward_alone_counts_what_a_backward_would_free(policy):
 
     block = _materialize(transformer_blocks(_tiny())[0][1], torch.float32)
     call = lambda b, x: b(x)  # noqa: E731
-    assert _measure(block, call, 32, 32, policy) == _measure(block, call, 32, 32, policy, backward=True) > 0
+    assert (
+        _measure(block, call, 32, 32, policy)
+        == _measure(block, call, 32, 32, policy, backward=True)
+        > 0
+    )
 
 
 def test_a_block_that_cannot_run_alone_leaves_its_sequence_parallel_layouts_unmeasured():
@@ -235,12 +314,13 @@ def test_a_block_that_cannot_run_alone_leaves_its_sequence_parallel_layouts_unme
     pytest.importorskip("transformers")
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.planner.search import plan_candidates
-    from lightning_3d.testing.hf_configs import tiny_hf_config
+    from lightning_3d.harness.hf_configs import tiny_hf_config
 
     with torch.device("meta"):
         module = HFCausalLM(config=tiny_hf_config("llama"))
-    facts, cands = plan_candidates(module, Cluster(nodes=1, devices_per_node=2),
-                                   PlannerOptions(offloads=("none",), seq_len=16))
+    facts, cands = plan_candidates(
+        module, Cluster(nodes=1, devices_per_node=2), PlannerOptions(offloads=("none",), seq_len=16)
+    )
     assert not any(len(key) > 2 for key in facts.activations)  # no sequence-parallel fit
     sp = [c for c in cands if c.choice.sequence_parallel]
     assert sp and all(c.kind == "activations not measured" for c in sp)

@@ -1,4 +1,4 @@
-"""``python -m lightning_3d.plan validate=true``: the planner's choice built at its full world size in
+"""``python -m lightning_3d.planner validate=true``: the planner's choice built at its full world size in
 one process (fake process group, ``meta`` tensors) and held against the prediction.
 
 Fake world, one process: a 64-rank dp × tp × pp layout of the tiny GPT under ZeRO 1 and 3 passes
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_3d.planner.choice import Choice
-from lightning_3d.planner.validate import rank_kinds, validate_layout
+from lightning_3d.calibration.validate import rank_kinds, validate_layout
 
 TINY = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32)
 
@@ -31,12 +31,14 @@ def _tiny():
 def tiny_facts():
     from lightning_3d.planner.facts import model_facts
 
-    return model_facts(_tiny(), precision="bf16-mixed", tp_sizes=(1, 2), policies=("none", "full"), name="tiny")
+    return model_facts(
+        _tiny(), precision="bf16-mixed", tp_sizes=(1, 2), policies=("none", "full"), name="tiny"
+    )
 
 
 def _app(*overrides: str) -> int:
     from lightning_3d.planner.__main__ import plan
-    from lightning_3d.testing.apps import compose_config
+    from lightning_3d.harness.apps import compose_config
 
     return plan(compose_config("plan", *overrides))
 
@@ -52,12 +54,23 @@ def test_rank_kinds_one_per_stage_kind_at_both_corners():
 
 @pytest.mark.parametrize("zero, policy", [(1, "none"), (3, "full")])
 def test_app_validates_a_64_rank_layout(capsys, zero, policy):
-    code = _app("model=gpt_tiny", "cluster.nodes=8", "layout.tensor=4", "layout.pipeline=2",
-                f"planner.zero_stages=[{zero}]", "planner.offloads=[none]", f"planner.ac_policies=[{policy}]",
-                "validate=true")
+    code = _app(
+        "model=gpt_tiny",
+        "cluster.nodes=8",
+        "layout.tensor=4",
+        "layout.pipeline=2",
+        f"planner.zero_stages=[{zero}]",
+        "planner.offloads=[none]",
+        f"planner.ac_policies=[{policy}]",
+        "validate=true",
+    )
     out = capsys.readouterr().out
     assert code == 0, out
-    assert f"dp=8 tp=4 pp=2 zero={zero}" in out and f"ac={policy}" in out and "built at 64 ranks" in out
+    assert (
+        f"dp=8 tp=4 pp=2 zero={zero}" in out
+        and f"ac={policy}" in out
+        and "built at 64 ranks" in out
+    )
     rows = [line for line in out.splitlines() if line.startswith("| ") and "bytes |" in line]
     assert len(rows) == 2 * 2 * 3  # two stage kinds x two corners x three quantities
     assert {line.split("|")[1].strip() for line in rows} == {"0", "31", "32", "63"}
@@ -66,11 +79,13 @@ def test_app_validates_a_64_rank_layout(capsys, zero, policy):
 
 
 def test_a_wrong_memory_model_is_caught(monkeypatch, capsys, tiny_facts):
-    import lightning_3d.planner.calibration as calibration
+    import lightning_3d.calibration.memory as calibration
 
     honest = calibration.model_state
 
-    def inflated(facts, choice, part, *rank):  # a memory model that forgets ZeRO's sharding of the optimizer state
+    def inflated(
+        facts, choice, part, *rank
+    ):  # a memory model that forgets ZeRO's sharding of the optimizer state
         params, grads, optimizer, host, disk = honest(facts, choice, part, *rank)
         return params, grads, optimizer * choice.data, host, disk
 
@@ -81,9 +96,17 @@ def test_a_wrong_memory_model_is_caught(monkeypatch, capsys, tiny_facts):
     assert problems and all("optimizer_state_bytes" in p for p in problems)
     ratio = float(problems[0].split("ratio ")[1].split(",")[0])
     assert ratio == pytest.approx(4, abs=0.02)  # Adam's scalar step counters: a few bytes
-    code = _app("model=gpt_tiny", "cluster.nodes=2", "cluster.devices_per_node=8", "layout.tensor=2",
-                "layout.pipeline=2", "planner.zero_stages=[1]", "planner.offloads=[none]",
-                "planner.ac_policies=[none]", "validate=true")
+    code = _app(
+        "model=gpt_tiny",
+        "cluster.nodes=2",
+        "cluster.devices_per_node=8",
+        "layout.tensor=2",
+        "layout.pipeline=2",
+        "planner.zero_stages=[1]",
+        "planner.offloads=[none]",
+        "planner.ac_policies=[none]",
+        "validate=true",
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: validation failed:"), err
 
@@ -91,7 +114,7 @@ def test_a_wrong_memory_model_is_caught(monkeypatch, capsys, tiny_facts):
 def test_a_memory_model_that_under_predicts_is_caught(monkeypatch, tiny_facts):
     """The dangerous direction: a model that predicts too little plans layouts that do not fit.
     Broken variant caught (seen failing): ``Row.off`` flagging only ``ratio > 1 + TOLERANCE``."""
-    import lightning_3d.planner.calibration as calibration
+    import lightning_3d.calibration.memory as calibration
 
     honest = calibration.model_state
 
@@ -111,21 +134,32 @@ def test_a_misread_tensor_plan_is_caught(monkeypatch, tiny_facts):
     import lightning_3d.planner.facts as facts_module
 
     choice = Choice(data=2, tensor=2, pipeline=1, zero_stage=3)
-    monkeypatch.setattr(facts_module, "split_dims", lambda module: ({}, set()))  # "TP splits nothing"
+    monkeypatch.setattr(
+        facts_module, "split_dims", lambda module: ({}, set())
+    )  # "TP splits nothing"
     problems = validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
-    assert any("is not split by the plan but placed" in p and "attn.wq.weight" in p for p in problems), problems
+    assert any(
+        "is not split by the plan but placed" in p and "attn.wq.weight" in p for p in problems
+    ), problems
 
 
 def test_activations_measured_on_other_shapes_are_caught(monkeypatch, tiny_facts):
     import lightning_3d.planner.activations as activations
 
-    choice = Choice(data=2, tensor=2, pipeline=2, zero_stage=1, micro_batches=2, batch_per_rank=2, ac_policy="full")
+    choice = Choice(
+        data=2,
+        tensor=2,
+        pipeline=2,
+        zero_stage=1,
+        micro_batches=2,
+        batch_per_rank=2,
+        ac_policy="full",
+    )
     assert not validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
     # A planner that measured the block at full width, as if tensor parallelism split nothing in it.
     monkeypatch.setattr(activations, "local_block", lambda block, prefix, split, columns, tp: block)
     problems = validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
     assert problems and all("activation bytes were measured on" in p for p in problems), problems
-
 
 
 @pytest.mark.parametrize("tensor", [1, 2])
@@ -140,7 +174,9 @@ def test_zero3_chunks_of_small_dims_are_predicted_on_every_rank(tensor):
         with torch.device("meta"):
             return LitGPT(vocab_size=250, block_size=16, n_layer=2, n_head=4, n_embd=36)
 
-    facts = model_facts(narrow(), precision="bf16-mixed", tp_sizes=(tensor,), policies=("none",), name="narrow")
+    facts = model_facts(
+        narrow(), precision="bf16-mixed", tp_sizes=(tensor,), policies=("none",), name="narrow"
+    )
     choice = Choice(data=5, tensor=tensor, pipeline=1, zero_stage=3)
     v = validate_layout(narrow, facts, choice, "bf16-mixed")
     assert not v.problems, v.problems
@@ -148,25 +184,44 @@ def test_zero3_chunks_of_small_dims_are_predicted_on_every_rank(tensor):
     for dp_rank in (0, 4):
         for quantity in ("param_bytes", "grad_bytes"):
             assert rows[dp_rank, quantity].predicted == rows[dp_rank, quantity].built
-        optimizer = rows[dp_rank, "optimizer_state_bytes"]  # and Adam's fp32 step counter per parameter
+        optimizer = rows[
+            dp_rank, "optimizer_state_bytes"
+        ]  # and Adam's fp32 step counter per parameter
         assert optimizer.built - optimizer.predicted == 4 * len(list(narrow().parameters()))
-    assert rows[4, "param_bytes"].built < 0.9 * rows[0, "param_bytes"].built  # the chunks really differ
+    assert (
+        rows[4, "param_bytes"].built < 0.9 * rows[0, "param_bytes"].built
+    )  # the chunks really differ
+
 
 def test_offload_is_refused_before_building(tiny_facts):
     with pytest.raises(ValueError, match=r"offload='cpu'.*planner.offloads=\[none\]"):
-        validate_layout(_tiny, tiny_facts, Choice(data=2, tensor=1, pipeline=1, zero_stage=1, offload="cpu"),
-                        "bf16-mixed")
+        validate_layout(
+            _tiny,
+            tiny_facts,
+            Choice(data=2, tensor=1, pipeline=1, zero_stage=1, offload="cpu"),
+            "bf16-mixed",
+        )
 
 
 @pytest.mark.slow
 def test_70b_at_1024_ranks(capsys):
     start = time.perf_counter()
-    code = _app("model=gpt_70b", "cluster=128_nodes_8x80gb", "layout.tensor=8", "layout.pipeline=8",
-                "planner.zero_stages=[1]", "planner.offloads=[none]", "validate=true", "top=3")
+    code = _app(
+        "model=gpt_70b",
+        "cluster=128_nodes_8x80gb",
+        "layout.tensor=8",
+        "layout.pipeline=8",
+        "planner.zero_stages=[1]",
+        "planner.offloads=[none]",
+        "validate=true",
+        "top=3",
+    )
     seconds = time.perf_counter() - start
     out = capsys.readouterr().out
     assert code == 0, out
     assert "built at 1,024 ranks" in out and "every rank kind matches" in out
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     with capsys.disabled():
-        print(f"\n70B at 1,024 ranks: plan + validate {seconds:.1f} s in-process; pytest's peak RSS {rss:.2f} GB")
+        print(
+            f"\n70B at 1,024 ranks: plan + validate {seconds:.1f} s in-process; pytest's peak RSS {rss:.2f} GB"
+        )

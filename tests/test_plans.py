@@ -28,10 +28,10 @@ from lightning_3d.parallel.tensor import (
     regroup_fused_rows,
     resolve_plan,
 )
-from lightning_3d.plans import BUILTIN, build_plan, detect_plan, plan_from_names
-from lightning_3d.testing.fake import fake_world
-from lightning_3d.testing.tiny_models import LitTinyLM, TinyGPT2, TinyLlama
-from lightning_3d.testing.world import run_world
+from lightning_3d.parallel.plans import BUILTIN, build_plan, detect_plan, plan_from_names
+from lightning_3d.parallel.fake_world import fake_world
+from lightning_3d.harness.tiny_models import LitTinyLM, TinyGPT2, TinyLlama
+from lightning_3d.harness.world import run_world
 
 
 def _gpt(**kw) -> GPT:
@@ -169,7 +169,8 @@ def test_resolve_plan_vocabulary_not_divisible():
 # ================================================================== plain unit: plan_from_names
 def test_plan_from_names_maps_each_style_name():
     plan = plan_from_names(
-        {"a": "colwise", "b": "rowwise", "c": "sequence", "d": "vocab", "e": "head"}, sequence_parallel=False
+        {"a": "colwise", "b": "rowwise", "c": "sequence", "d": "vocab", "e": "head"},
+        sequence_parallel=False,
     )
     assert type(plan["a"]) is ColwiseParallel and plan["a"].input_layouts == (Replicate(),)
     assert type(plan["b"]) is RowwiseParallel and plan["b"].output_layouts == (Replicate(),)
@@ -264,10 +265,16 @@ def test_fake_world_gpt_placements_and_local_shapes(tp):
         assert _placement(p) == (Shard(1),) and _local(p) == (d, hidden // tp)
         for norm in ("attn_norm", "mlp_norm"):
             assert not isinstance(params[f"blocks.{i}.{norm}.weight"], DTensor)
-    assert _placement(params["tok_emb.weight"]) == (Shard(0),) and _local(params["tok_emb.weight"]) == (vocab // tp, d)
-    assert _placement(params["lm_head.weight"]) == (Shard(0),) and _local(params["lm_head.weight"]) == (vocab // tp, d)
+    assert _placement(params["tok_emb.weight"]) == (Shard(0),) and _local(
+        params["tok_emb.weight"]
+    ) == (vocab // tp, d)
+    assert _placement(params["lm_head.weight"]) == (Shard(0),) and _local(
+        params["lm_head.weight"]
+    ) == (vocab // tp, d)
     for name in ("norm.weight", "pos_emb.weight"):
-        assert not isinstance(params[name], DTensor) and _local(params[name]) == tuple(params[name].shape)
+        assert not isinstance(params[name], DTensor) and _local(params[name]) == tuple(
+            params[name].shape
+        )
     # Global shapes are the dense ones.
     assert tuple(params["blocks.0.mlp.fc2.weight"].shape) == (d, hidden)
 
@@ -278,7 +285,8 @@ def test_fake_world_sequence_parallel_norms_are_replicated_dtensors(tp):
     params = _apply_in_fake_world(lit, tp, sequence_parallel=True)
     norms = [n for n in params if "norm" in n]
     assert sorted(norms) == sorted(
-        ["model.norm.weight"] + [f"model.blocks.{i}.{n}.weight" for i in range(2) for n in ("attn_norm", "mlp_norm")]
+        ["model.norm.weight"]
+        + [f"model.blocks.{i}.{n}.weight" for i in range(2) for n in ("attn_norm", "mlp_norm")]
     )
     for name in norms:
         assert isinstance(params[name], DTensor) and params[name].placements == (Replicate(),)
@@ -296,8 +304,14 @@ def test_fake_world_bare_gpt_sequence_parallel():
 def test_named_plan_with_sequence_parallel_is_refused():
     """Style names cannot say where the residual stream becomes sequence-sharded: refused."""
     names = {
-        "*tok_emb": "vocab", "*.attn.wq": "colwise", "*.attn.wk": "colwise", "*.attn.wv": "colwise",
-        "*.mlp.fc1": "colwise", "*.attn.wo": "rowwise", "*.mlp.fc2": "rowwise", "*lm_head": "head",
+        "*tok_emb": "vocab",
+        "*.attn.wq": "colwise",
+        "*.attn.wk": "colwise",
+        "*.attn.wv": "colwise",
+        "*.mlp.fc1": "colwise",
+        "*.attn.wo": "rowwise",
+        "*.mlp.fc2": "rowwise",
+        "*lm_head": "head",
     }
     lit = LitGPT(n_layer=1, n_head=4, n_embd=32, block_size=16)
     with pytest.raises(ValueError, match="sequence_parallel=True with style names"):
@@ -366,7 +380,9 @@ def test_world_gpt2_fused_qkv_round_trip_and_local_rows(values_world):
         assert out["fused_attr"] == (3, 2)
         w = original["transformer.h.1.attn.c_attn.weight"]
         b = original["transformer.h.1.attn.c_attn.bias"]
-        rows = slice(r * 16, (r + 1) * 16)  # this rank's 2 of 4 heads (head_dim 8) in each of q, k, v
+        rows = slice(
+            r * 16, (r + 1) * 16
+        )  # this rank's 2 of 4 heads (head_dim 8) in each of q, k, v
         assert torch.equal(out["local_w"], torch.cat([c[rows] for c in w.chunk(3)]))
         assert torch.equal(out["local_b"], torch.cat([c[rows] for c in b.chunk(3)]))
         torch.testing.assert_close(out["logits"], out["expected"], atol=1e-5, rtol=1e-5)
@@ -412,8 +428,14 @@ def _strategy_bad_heads_rank(rank: int) -> str | None:
     data = DataLoader(TensorDataset(x, x.roll(-1, 1)), batch_size=2)
     model = LitGPT(n_layer=1, n_head=3, n_embd=48, block_size=16, max_steps=1)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=ThreeDStrategy(tensor=2), max_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=2,
+        strategy=ThreeDStrategy(tensor=2),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     try:
         trainer.fit(model, train_dataloaders=data)

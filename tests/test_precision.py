@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
-from lightning_3d.testing.parity import update_mismatches
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import update_mismatches
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 SEED = 1234
 SGD = {"optimizer": "sgd", "lr": 0.3}
@@ -51,15 +51,29 @@ def bf16_sgd():
 
 
 def _bf16(rank, strategy, devices):
-    return fit_gpt(rank, Run(strategy=strategy, devices=devices, steps=BF16_STEPS, seed=SEED, model=SGD,
-                             trainer={"precision": "bf16-mixed"}, rank_state=True))
+    return fit_gpt(
+        rank,
+        Run(
+            strategy=strategy,
+            devices=devices,
+            steps=BF16_STEPS,
+            seed=SEED,
+            model=SGD,
+            trainer={"precision": "bf16-mixed"},
+            rank_state=True,
+        ),
+    )
 
 
-@pytest.mark.parametrize("strategy, world", [
-    ({"zero_stage": 1}, 2),
-    pytest.param({"zero_stage": 3}, 2, marks=pytest.mark.slow),
-    pytest.param({"pipeline": 2, "micro_batches": 2}, 2, marks=pytest.mark.slow),
-], ids=["zero1_dp2", "zero3_dp2", "pp2"])
+@pytest.mark.parametrize(
+    "strategy, world",
+    [
+        ({"zero_stage": 1}, 2),
+        pytest.param({"zero_stage": 3}, 2, marks=pytest.mark.slow),
+        pytest.param({"pipeline": 2, "micro_batches": 2}, 2, marks=pytest.mark.slow),
+    ],
+    ids=["zero1_dp2", "zero3_dp2", "pp2"],
+)
 def test_bf16_mixed_matches_one_process_and_keeps_fp32_masters(fp32_sgd, bf16_sgd, strategy, world):
     """Catches: a ZeRO-1 engine that never reduces gradients (each rank steps its slice with its
     own gradient), and one that skips the 1/N average (SGD's update doubles: 100% error); both
@@ -95,8 +109,18 @@ def _fp16(rank, strategy, devices):
     # Lightning maps precision="16-mixed" to bf16 on CPU; the fp16 plugin is passed explicitly.
     scaler = torch.amp.GradScaler("cpu", init_scale=FP16_INIT, backoff_factor=FP16_BACKOFF)
     plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
-    return fit_gpt(rank, Run(strategy=strategy, devices=devices, steps=FP16_STEPS, seed=SEED, model=SGD,
-                             trainer={"plugins": [plugin]}, rank_state=True))
+    return fit_gpt(
+        rank,
+        Run(
+            strategy=strategy,
+            devices=devices,
+            steps=FP16_STEPS,
+            seed=SEED,
+            model=SGD,
+            trainer={"plugins": [plugin]},
+            rank_state=True,
+        ),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +128,9 @@ def fp16_single():
     return _fp16(0, None, 1)
 
 
-@pytest.mark.parametrize("strategy", [{"zero_stage": 2}, {"pipeline": 2, "micro_batches": 2}], ids=["zero2", "pp2"])
+@pytest.mark.parametrize(
+    "strategy", [{"zero_stage": 2}, {"pipeline": 2, "micro_batches": 2}], ids=["zero2", "pp2"]
+)
 def test_16_mixed_skips_overflowing_steps_on_every_rank_and_trains(fp16_single, strategy):
     """The first 3 steps overflow and are skipped (the scale backs off 3 times), the other 5
     train: every rank's weights moved, and equal one process's within fp16 rounding.
@@ -130,12 +156,14 @@ def _overflow_on_rank_0_only(rank):
     import torch.distributed as dist
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_3d.precision import distributed_precision
+    from lightning_3d.strategy.precision import distributed_precision
 
     dist.init_process_group("gloo")
     try:
         # The plugin as ThreeDStrategy.setup adapts it: its scaler's unscale_ shares the check.
-        plugin = distributed_precision(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
+        plugin = distributed_precision(
+            MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+        )
         scaler = plugin.scaler
         weight = torch.nn.Parameter(torch.ones(3))
         optimizer = torch.optim.SGD([weight], lr=0.1)

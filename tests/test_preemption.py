@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from lightning_3d.testing.faults import fit_until_killed
-from lightning_3d.testing.world import run_world
+from support.faults import fit_until_killed
+from lightning_3d.harness.world import run_world
 
 STEPS, STOP_AT = 4, 2
 
@@ -21,10 +21,17 @@ def uninterrupted(tmp_path_factory):
     return run_world(fit_until_killed, 2, str(tmp_path_factory.mktemp("full")), STEPS, None)
 
 
-@pytest.mark.parametrize("signum,victim", [
-    (signal.SIGTERM, 1), pytest.param(signal.SIGINT, 0, marks=pytest.mark.slow),
-], ids=["sigterm_rank1", "sigint_rank0"])
-def test_a_signal_to_one_rank_stops_every_rank_with_a_checkpoint_that_resumes(tmp_path, uninterrupted, signum, victim):
+@pytest.mark.parametrize(
+    "signum,victim",
+    [
+        (signal.SIGTERM, 1),
+        pytest.param(signal.SIGINT, 0, marks=pytest.mark.slow),
+    ],
+    ids=["sigterm_rank1", "sigint_rank0"],
+)
+def test_a_signal_to_one_rank_stops_every_rank_with_a_checkpoint_that_resumes(
+    tmp_path, uninterrupted, signum, victim
+):
     root = str(tmp_path)
     start = time.monotonic()
     stopped = run_world(fit_until_killed, 2, root, STEPS, STOP_AT, victim, 30.0, False, signum)
@@ -43,6 +50,8 @@ def test_a_signal_to_one_rank_stops_every_rank_with_a_checkpoint_that_resumes(tm
 
 
 def test_a_one_process_run_stops_on_sigterm_with_a_checkpoint(tmp_path):
-    (out,) = run_world(fit_until_killed, 1, str(tmp_path), STEPS, STOP_AT, 0, 30.0, False, signal.SIGTERM, 1)
+    (out,) = run_world(
+        fit_until_killed, 1, str(tmp_path), STEPS, STOP_AT, 0, 30.0, False, signal.SIGTERM, 1
+    )
     assert out["global_step"] == STOP_AT and "SIGTERM received here" in out["preempted"]
     assert (tmp_path / "preempted.ckpt").is_file()

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_3d.testing.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.testing.runs import Run, fit_gpt, fit_gpt_ranks
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
+from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks
+from lightning_3d.harness.world import run_world
 
 LAYOUTS = {
     "dp2_zero0": {"zero_stage": 0},
@@ -41,13 +41,17 @@ def reference():
 
 
 def test_ranks_build_different_weights_when_seeded_by_rank():
-    runs = run_world(fit_gpt, 2, Run(strategy={"zero_stage": 1}, devices=2, steps=1, rank_seeds=True))
+    runs = run_world(
+        fit_gpt, 2, Run(strategy={"zero_stage": 1}, devices=2, steps=1, rank_seeds=True)
+    )
     first, second = (run["initial_state"] for run in runs)
     assert any(not first[name].equal(second[name]) for name in first)  # the variation is real
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_rank_zero_initial_weights_become_every_ranks(layout, reference):
-    runs = run_world(fit_gpt_ranks, 2, Run(strategy=LAYOUTS[layout], devices=2, steps=4, rank_seeds=True))
+    runs = run_world(
+        fit_gpt_ranks, 2, Run(strategy=LAYOUTS[layout], devices=2, steps=4, rank_seeds=True)
+    )
     assert_same_run(runs[0], reference, rtol=2e-5, atol=2e-5)
     assert rank_state_mismatches(runs, reference, rtol=2e-5, atol=2e-5) == []

@@ -9,16 +9,22 @@ import pytest
 import torch
 
 from lightning_3d.parallel.replicas import fingerprint, replicated_over
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 transformers = pytest.importorskip("transformers")
 
 # Qwen3's plan as a user would write it by module names, forgetting the per-head norms.
 QWEN3_WITHOUT_NORM_SUMS = {
-    "*embed_tokens": "vocab", "*.self_attn.q_proj": "colwise", "*.self_attn.k_proj": "colwise",
-    "*.self_attn.v_proj": "colwise", "*.self_attn.o_proj": "rowwise", "*.mlp.gate_proj": "colwise",
-    "*.mlp.up_proj": "colwise", "*.mlp.down_proj": "rowwise", "*lm_head": "head",
+    "*embed_tokens": "vocab",
+    "*.self_attn.q_proj": "colwise",
+    "*.self_attn.k_proj": "colwise",
+    "*.self_attn.v_proj": "colwise",
+    "*.self_attn.o_proj": "rowwise",
+    "*.mlp.gate_proj": "colwise",
+    "*.mlp.up_proj": "colwise",
+    "*.mlp.down_proj": "rowwise",
+    "*lm_head": "head",
 }
 
 
@@ -42,14 +48,26 @@ def test_a_per_head_norm_without_its_gradient_sum_stops_the_run(capfd):
     with pytest.raises(RuntimeError) as failed:
         run_world(_qwen3_tp2, 2, QWEN3_WITHOUT_NORM_SUMS, "first")
     text = str(failed.value)
-    assert "ReplicaMismatch" in text and "the gradient of model.model.layers.0.self_attn.q_norm.weight, " \
-        "model.model.layers.0.self_attn.k_norm.weight" in text and "differs across the tensor ranks" in text
+    assert (
+        "ReplicaMismatch" in text
+        and "the gradient of model.model.layers.0.self_attn.q_norm.weight, "
+        "model.model.layers.0.self_attn.k_norm.weight"
+        in text
+        and "differs across the tensor ranks" in text
+    )
     assert "No tensor-parallel plan entry splits them" in text
-    assert "tp_plan={'model.model.layers.*.self_attn.q_norm': 'replicated_with_grad_allreduce', " \
+    assert (
+        "tp_plan={'model.model.layers.*.self_attn.q_norm': 'replicated_with_grad_allreduce', "
         "'model.model.layers.*.self_attn.k_norm': 'replicated_with_grad_allreduce', ...}" in text
-    fixed = {**QWEN3_WITHOUT_NORM_SUMS, "*.self_attn.q_norm": "replicated_with_grad_allreduce",
-             "*.self_attn.k_norm": "replicated_with_grad_allreduce"}
-    assert len(run_world(_qwen3_tp2, 2, fixed, "first")[0]["losses"]) == 2  # the advice, taken, works
+    )
+    fixed = {
+        **QWEN3_WITHOUT_NORM_SUMS,
+        "*.self_attn.q_norm": "replicated_with_grad_allreduce",
+        "*.self_attn.k_norm": "replicated_with_grad_allreduce",
+    }
+    assert (
+        len(run_world(_qwen3_tp2, 2, fixed, "first")[0]["losses"]) == 2
+    )  # the advice, taken, works
     unguarded = run_world(_qwen3_tp2, 2, QWEN3_WITHOUT_NORM_SUMS, "off")  # silently another model
     assert len(unguarded[0]["losses"]) == 2
 
@@ -63,7 +81,13 @@ def _tied_pipeline_unsummed(rank: int, zero_stage: int) -> dict:
     ZeroDataParallel._sum_tied = lambda self: None
     original = PipelineRuntime.hand_back_grads
     PipelineRuntime.hand_back_grads = lambda self, tied_copies=(): original(self, ())
-    run = Run(strategy={"pipeline": 2, "zero_stage": zero_stage}, devices=2, steps=2, seed=1234, arch="hf_qwen2")
+    run = Run(
+        strategy={"pipeline": 2, "zero_stage": zero_stage},
+        devices=2,
+        steps=2,
+        seed=1234,
+        arch="hf_qwen2",
+    )
     return fit_gpt(rank, run)
 
 
@@ -84,11 +108,15 @@ def test_replicated_over_reads_the_layout():
 
 @pytest.mark.parametrize("value", ["sometimes", 0, -3, 2.5, True])
 def test_replica_check_values_are_checked_before_any_process(value):
-    from lightning_3d.plan import Plan
+    from lightning_3d.options import Plan
 
-    with pytest.raises(ValueError, match=r"replica_check=.* must be 'first', 'off' or a positive number of steps"):
+    with pytest.raises(
+        ValueError, match=r"replica_check=.* must be 'first', 'off' or a positive number of steps"
+    ):
         Plan.from_options(replica_check=value)
-    assert Plan.from_options(replica_check=50).replicas.due(100) and not Plan.from_options().replicas.due(1)
+    assert Plan.from_options(replica_check=50).replicas.due(
+        100
+    ) and not Plan.from_options().replicas.due(1)
 
 
 def _checked_on_demand(rank: int) -> dict:

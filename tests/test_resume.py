@@ -16,8 +16,8 @@ import torch
 
 from lightning_3d.checkpoint.checks import load_lightning_checkpoint
 from lightning_3d.data.resumable import ResumableDataLoader, ResumableDistributedSampler
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 SEED = 1234
 K = 3
@@ -31,11 +31,14 @@ ACROSS_EPOCHS = {"max_bytes": 1600, "val_fraction": 0.2}
 
 # ------------------------------------------------------------------ the loader alone
 
+
 def _loader(dataset, dp_size=1, dp_rank=0, batch_size=4, num_workers=0):
-    sampler = ResumableDistributedSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=7,
-                                          drop_last=True)
-    return ResumableDataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True,
-                               num_workers=num_workers)
+    sampler = ResumableDistributedSampler(
+        dataset, num_replicas=dp_size, rank=dp_rank, shuffle=True, seed=7, drop_last=True
+    )
+    return ResumableDataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, drop_last=True, num_workers=num_workers
+    )
 
 
 def _epochs(loader, epochs):
@@ -66,7 +69,9 @@ def test_loader_resumes_where_it_stopped(consumed):
     assert taken + rest == full
 
 
-@pytest.mark.parametrize("cuts", [(3, 2), (1, 1, 1), (4, 3)], ids=["3+2", "1+1+1", "4+3_into_epoch_1"])
+@pytest.mark.parametrize(
+    "cuts", [(3, 2), (1, 1, 1), (4, 3)], ids=["3+2", "1+1+1", "4+3_into_epoch_1"]
+)
 def test_a_resumed_loader_saves_its_position_from_the_epochs_start(cuts):
     """Resumed, then saved and resumed again: each part's position counts from the epoch's start,
     not from where that part began. Broken variant caught: ``ResumableDataLoader`` counting
@@ -107,7 +112,9 @@ def test_loader_state_is_global_and_moves_between_dp_sizes():
     reference = _epochs(_loader(dataset, batch_size=8), [0])
     assert [b.tolist() for b in single] == reference[3:]  # steps 4.. of the global order
 
-    with pytest.raises(ValueError, match="dataset of 64 samples shuffled with seed 7; this loader has 40 samples"):
+    with pytest.raises(
+        ValueError, match="dataset of 64 samples shuffled with seed 7; this loader has 40 samples"
+    ):
         _loader(list(range(40)), batch_size=8).load_state_dict(states[0])
 
 
@@ -119,14 +126,27 @@ def test_loader_counts_batches_handed_out_not_indices_prefetched_by_workers():
     assert loader.state_dict()["samples"] == 12
     resumed = _loader(dataset, batch_size=4, num_workers=1)
     resumed.load_state_dict(loader.state_dict())
-    assert taken + [b.tolist() for b in resumed] == [b.tolist() for b in _loader(dataset, batch_size=4)]
+    assert taken + [b.tolist() for b in resumed] == [
+        b.tolist() for b in _loader(dataset, batch_size=4)
+    ]
 
 
 # ------------------------------------------------------------------ Trainer runs
 
+
 def _fit(world, strategy, steps, data, save_to=None, resume_from=None, trainer=None):
-    run = Run(strategy=strategy, devices=world, steps=steps, seed=SEED, model=MODEL, data=data, trainer=trainer,
-              resume_from=resume_from, save_to=save_to, save_every_n_steps=1 if save_to else None)
+    run = Run(
+        strategy=strategy,
+        devices=world,
+        steps=steps,
+        seed=SEED,
+        model=MODEL,
+        data=data,
+        trainer=trainer,
+        resume_from=resume_from,
+        save_to=save_to,
+        save_every_n_steps=1 if save_to else None,
+    )
     if world == 1 and strategy is None:  # Lightning's own strategy: no process group is left behind
         return fit_gpt(0, run)
     return run_world(fit_gpt, world, run)[0]
@@ -135,7 +155,9 @@ def _fit(world, strategy, steps, data, save_to=None, resume_from=None, trainer=N
 def _save_first(tmp_path: Path, world, strategy, data, stop=K, trainer=None):
     first = _fit(world, strategy, stop, data, save_to=str(tmp_path / "run.ckpt"), trainer=trainer)
     ckpt = tmp_path / f"run-step={stop}.ckpt"
-    assert ckpt.exists(), sorted(p.name for p in tmp_path.iterdir())  # a file, or a sharded directory
+    assert ckpt.exists(), sorted(
+        p.name for p in tmp_path.iterdir()
+    )  # a file, or a sharded directory
     return first, ckpt
 
 
@@ -147,8 +169,12 @@ def _stop_and_resume(tmp_path: Path, world, strategy, data, stop=K, trainer=None
 
 def _assert_exact(straight, first, second):
     assert len(first["losses"]) + len(second["losses"]) == 2 * K
-    torch.testing.assert_close(torch.tensor(first["losses"] + second["losses"]),
-                               torch.tensor(straight["losses"]), rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(first["losses"] + second["losses"]),
+        torch.tensor(straight["losses"]),
+        rtol=0,
+        atol=1e-6,
+    )
     assert straight["state"].keys() == second["state"].keys()
     for name, value in straight["state"].items():
         torch.testing.assert_close(second["state"][name], value, rtol=0, atol=1e-6, msg=name)
@@ -196,7 +222,9 @@ def test_resume_equals_uninterrupted_dp2_zero3(tmp_path):
     straight = _fit(2, strategy, 2 * K, ACROSS_EPOCHS)
     first, second, ckpt = _stop_and_resume(tmp_path, 2, strategy, ACROSS_EPOCHS)
     _assert_exact(straight, first, second)
-    assert len(ckpt["callbacks"]["RNGStateCheckpoint"]["ranks"]) == 2  # every rank's states, in rank 0's file
+    assert (
+        len(ckpt["callbacks"]["RNGStateCheckpoint"]["ranks"]) == 2
+    )  # every rank's states, in rank 0's file
 
 
 SHARDED = {"checkpoint_format": "sharded"}
@@ -204,8 +232,16 @@ LAYOUTS = {  # name: (strategy, world)
     "sharded_zero3_dp2": ({**SHARDED, "zero_stage": 3}, 2),
     "sharded_tp2_zero1": ({**SHARDED, "tensor": 2, "zero_stage": 1}, 2),
     "sharded_pp2": ({**SHARDED, "pipeline": 2, "micro_batches": 2}, 2),
-    "sharded_nvme_zero2_dp2": ({**SHARDED, "zero_stage": 2, "offload": "nvme", "offload_path": "/tmp",
-                                "offload_chunk_mb": 0.01}, 2),
+    "sharded_nvme_zero2_dp2": (
+        {
+            **SHARDED,
+            "zero_stage": 2,
+            "offload": "nvme",
+            "offload_path": "/tmp",
+            "offload_chunk_mb": 0.01,
+        },
+        2,
+    ),
     "consolidated_tp2_sp": ({"tensor": 2, "sequence_parallel": True}, 2),
     "consolidated_pp2_dp2": ({"pipeline": 2, "micro_batches": 2, "zero_stage": 1}, 4),
 }
@@ -216,9 +252,13 @@ LAYOUTS = {  # name: (strategy, world)
 FAST_LAYOUTS = ("sharded_pp2", "consolidated_tp2_sp")
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=() if name in FAST_LAYOUTS else pytest.mark.slow) for name in LAYOUTS
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=() if name in FAST_LAYOUTS else pytest.mark.slow)
+        for name in LAYOUTS
+    ],
+)
 def test_resume_equals_uninterrupted_in_every_layout(tmp_path, name):
     strategy, world = LAYOUTS[name]
     straight = _fit(world, strategy, 2 * K, ACROSS_EPOCHS)
@@ -229,15 +269,21 @@ def test_resume_equals_uninterrupted_in_every_layout(tmp_path, name):
 
 BF16_OFFLOAD = {  # name: (strategy, world)
     "consolidated_cpu": ({"offload": "cpu"}, 1),
-    "consolidated_nvme_zero2_dp2": ({"zero_stage": 2, "offload": "nvme", "offload_path": "/tmp",
-                                     "offload_chunk_mb": 0.01}, 2),
+    "consolidated_nvme_zero2_dp2": (
+        {"zero_stage": 2, "offload": "nvme", "offload_path": "/tmp", "offload_chunk_mb": 0.01},
+        2,
+    ),
     "sharded_cpu_zero1_dp2": ({**SHARDED, "zero_stage": 1, "offload": "cpu"}, 2),
 }
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=() if name == "consolidated_cpu" else pytest.mark.slow) for name in BF16_OFFLOAD
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=() if name == "consolidated_cpu" else pytest.mark.slow)
+        for name in BF16_OFFLOAD
+    ],
+)
 def test_resume_keeps_the_fp32_master_weights_of_bf16_parameters(tmp_path, name):
     """bf16-true parameters with offload: the optimizer steps fp32 master weights that the bf16
     weights only round. Resuming must restore those masters (and the fp32 moments) as saved; cast
@@ -245,7 +291,9 @@ def test_resume_keeps_the_fp32_master_weights_of_bf16_parameters(tmp_path, name)
     strategy, world = BF16_OFFLOAD[name]
     trainer = {"precision": "bf16-true"}
     straight = _fit(world, strategy, 2 * K, ACROSS_EPOCHS, trainer=trainer)
-    first, second, ckpt = _stop_and_resume(tmp_path, world, strategy, ACROSS_EPOCHS, trainer=trainer)
+    first, second, ckpt = _stop_and_resume(
+        tmp_path, world, strategy, ACROSS_EPOCHS, trainer=trainer
+    )
     _assert_exact(straight, first, second)
     masters = [s["master"] for s in ckpt["optimizer_states"][0]["state"].values() if "master" in s]
     assert masters and all(m.dtype == torch.float32 for m in masters)

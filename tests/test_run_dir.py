@@ -1,5 +1,5 @@
 """A run directory belongs to one run at a time, and an earlier run in it is not overwritten
-(``lightning_3d/run_dir.py``); resuming a finished run is refused (``resume.check_steps_left``).
+(``lightning_3d/app/run_dir.py``); resuming a finished run is refused (``resume.check_steps_left``).
 
 Before: a fresh run and a ``resume=last`` given the same ``hydra.run.dir`` at once both exited 0,
 one ``summary.json`` survived and the earlier run's ``last.ckpt`` and ``final.ckpt`` were
@@ -20,13 +20,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_3d.resume import check_steps_left
-from lightning_3d.run_dir import LOCK, RunDirInUse, hold
-from lightning_3d.testing.apps import start_app, wait_all
+from lightning_3d.checkpoint.resume import check_steps_left
+from lightning_3d.app.run_dir import LOCK, RunDirInUse, hold
+from lightning_3d.harness.apps import start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["model=gpt_tiny", "trainer.devices=1", "trainer.max_steps=3", "data.max_bytes=100000",
-        "trainer.limit_val_batches=0", "data.batch_size=4"]
+TINY = [
+    "model=gpt_tiny",
+    "trainer.devices=1",
+    "trainer.max_steps=3",
+    "data.max_bytes=100000",
+    "trainer.limit_val_batches=0",
+    "data.batch_size=4",
+]
 
 
 def _dead_pid() -> int:
@@ -37,14 +43,18 @@ def _dead_pid() -> int:
 
 def test_two_runs_given_one_directory_at_once_one_is_refused(tmp_path):
     run_dir = tmp_path / "run"
-    procs = {name: start_app(REPO / "examples/train.py", [*TINY, f"hydra.run.dir={run_dir}"], tmp_path)
-             for name in ("a", "b")}
+    procs = {
+        name: start_app(REPO / "examples/train.py", [*TINY, f"hydra.run.dir={run_dir}"], tmp_path)
+        for name in ("a", "b")
+    }
     done = wait_all(procs, timeout=300)
     codes = sorted(p.returncode for p in done.values())
     assert codes == [0, 2], {n: (p.returncode, p.stderr[-2000:]) for n, p in done.items()}
     refused = next(p for p in done.values() if p.returncode == 2)
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and str(run_dir) in errors[0] and "Traceback" not in refused.stderr, refused.stderr
+    assert len(errors) == 1 and str(run_dir) in errors[0] and "Traceback" not in refused.stderr, (
+        refused.stderr
+    )
     assert "in use by another run" in errors[0] or "holds an earlier run" in errors[0]
     assert len(json.loads((run_dir / "summary.json").read_text())["losses"]) == 3
     assert not (run_dir / LOCK).exists()  # released at the end
@@ -65,23 +75,33 @@ def test_an_earlier_run_is_kept_unless_resumed_or_overwritten(tmp_path):
 def test_a_live_holder_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, capsys):
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        (tmp_path / LOCK).write_text(json.dumps({"pid": live.pid, "host": socket.gethostname(), "since": "then"}))
-        with pytest.raises(RunDirInUse, match=f"in use by another run \\(pid {live.pid}, since then\\)"):
+        (tmp_path / LOCK).write_text(
+            json.dumps({"pid": live.pid, "host": socket.gethostname(), "since": "then"})
+        )
+        with pytest.raises(
+            RunDirInUse, match=f"in use by another run \\(pid {live.pid}, since then\\)"
+        ):
             with hold(tmp_path):
                 pass
     finally:
         live.kill()
         live.wait()
     dead = _dead_pid()
-    (tmp_path / LOCK).write_text(json.dumps({"pid": dead, "host": socket.gethostname(), "since": "then"}))
+    (tmp_path / LOCK).write_text(
+        json.dumps({"pid": dead, "host": socket.gethostname(), "since": "then"})
+    )
     stale_save = tmp_path / f".last.ckpt.tmp-{dead}"
     stale_save.mkdir()  # the shards of a save killed part-way
     with hold(tmp_path):
         assert json.loads((tmp_path / LOCK).read_text())["pid"] == os.getpid()
-    assert f"took over the lock of pid {dead}, which is no longer running" in capsys.readouterr().err
+    assert (
+        f"took over the lock of pid {dead}, which is no longer running" in capsys.readouterr().err
+    )
     assert not stale_save.exists() and not (tmp_path / LOCK).exists()
     (tmp_path / LOCK).write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "then"}))
-    with pytest.raises(RunDirInUse, match="pid 1 on host elsewhere"):  # cannot tell: refused, the lock named
+    with pytest.raises(
+        RunDirInUse, match="pid 1 on host elsewhere"
+    ):  # cannot tell: refused, the lock named
         with hold(tmp_path):
             pass
 
@@ -91,8 +111,18 @@ def test_resuming_a_finished_run_is_refused_unless_max_steps_was_raised(tmp_path
     torch.save({"state_dict": {"w": torch.zeros(2)}, "global_step": 3}, path)
     with pytest.raises(ValueError, match=r"holds weights only .*finetune.pretrained=PATH"):
         check_steps_left(path, 4)  # a weights-only checkpoint: nothing to resume
-    torch.save({"state_dict": {"w": torch.zeros(2)}, "global_step": 3, "loops": {}, "optimizer_states": []}, path)
-    with pytest.raises(ValueError, match=r"that run is finished \(global step 3, trainer.max_steps=3\)"):
+    torch.save(
+        {
+            "state_dict": {"w": torch.zeros(2)},
+            "global_step": 3,
+            "loops": {},
+            "optimizer_states": [],
+        },
+        path,
+    )
+    with pytest.raises(
+        ValueError, match=r"that run is finished \(global step 3, trainer.max_steps=3\)"
+    ):
         check_steps_left(path, 3)
     check_steps_left(path, 4)
     check_steps_left(path, -1)  # the epochs decide
@@ -101,13 +131,20 @@ def test_resuming_a_finished_run_is_refused_unless_max_steps_was_raised(tmp_path
 def test_the_app_refuses_to_resume_a_finished_run_before_launch(tmp_path):
     from hydra.utils import instantiate
 
-    from lightning_3d.app import validate
-    from lightning_3d.testing.apps import compose_config
+    from lightning_3d.app.run import validate
+    from lightning_3d.harness.apps import compose_config
 
     cfg = compose_config("train", "model=gpt_tiny", "trainer.max_steps=3")
     path = tmp_path / "last.ckpt"
-    torch.save({"state_dict": instantiate(cfg.model).state_dict(), "global_step": 3, "loops": {},
-                "optimizer_states": []}, path)
+    torch.save(
+        {
+            "state_dict": instantiate(cfg.model).state_dict(),
+            "global_step": 3,
+            "loops": {},
+            "optimizer_states": [],
+        },
+        path,
+    )
     with pytest.raises(ValueError, match="that run is finished"):
         validate(compose_config("train", "model=gpt_tiny", "trainer.max_steps=3", f"resume={path}"))
     validate(compose_config("train", "model=gpt_tiny", "trainer.max_steps=4", f"resume={path}"))
@@ -122,9 +159,14 @@ def test_a_sharded_checkpoint_without_a_whole_meta_file_is_refused_before_launch
     directory.mkdir()
     (directory / ".metadata").write_bytes(b"")  # enough to be taken for a sharded checkpoint
     if damage == "truncated":
-        torch.save({"format": "lightning_3d.sharded/1", "global_step": 3, "loops": {}}, directory / sharded.META_FILE)
+        torch.save(
+            {"format": "lightning_3d.sharded/1", "global_step": 3, "loops": {}},
+            directory / sharded.META_FILE,
+        )
         data = (directory / sharded.META_FILE).read_bytes()
         (directory / sharded.META_FILE).write_bytes(data[: len(data) // 2])
-    match = "no meta.pt" if damage == "missing" else "meta.pt: corrupted or truncated checkpoint file"
+    match = (
+        "no meta.pt" if damage == "missing" else "meta.pt: corrupted or truncated checkpoint file"
+    )
     with pytest.raises(ValueError, match=f"resume={directory}: .*{match}"):
         check_steps_left(directory, 5)

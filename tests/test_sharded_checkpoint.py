@@ -23,9 +23,9 @@ from lightning_3d.checkpoint import sharded
 from lightning_3d.checkpoint.checks import inspect_checkpoint, load_lightning_checkpoint
 from lightning_3d.checkpoint.export import export_safetensors
 from lightning_3d.checkpoint.io import remove_stale_temps
-from lightning_3d.testing.parity import assert_same_run, checkpoint_tensors, weight_mismatches
-from lightning_3d.testing.runs import Run, fit_gpt, fit_layout
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.parity import assert_same_run, checkpoint_tensors, weight_mismatches
+from lightning_3d.harness.runs import Run, fit_gpt, fit_layout
+from lightning_3d.harness.world import run_world
 
 SEED = 1234
 DATA = {"max_bytes": 1000, "val_fraction": 0.3}  # 21 training windows: 2 steps of 8 per epoch
@@ -39,14 +39,31 @@ LAYOUTS = {
     "zero2_dp2": ({**SHARDED, "zero_stage": 2}, 2),
     "zero3_dp2": ({**SHARDED, "zero_stage": 3}, 2),
     "tp2": ({**SHARDED, "tensor": 2}, 2),
-    "tp2_sp_zero2": ({**SHARDED, "tensor": 2, "sequence_parallel": True, "zero_stage": 2, "data": 1}, 2),
+    "tp2_sp_zero2": (
+        {**SHARDED, "tensor": 2, "sequence_parallel": True, "zero_stage": 2, "data": 1},
+        2,
+    ),
     "pp2": ({**SHARDED, "pipeline": 2, "micro_batches": 2}, 2),
-    "nvme_zero1_dp2": ({**SHARDED, "zero_stage": 1, "offload": "nvme", "offload_path": "/tmp",
-                        "offload_chunk_mb": 0.01}, 2),
-    "3d_2x2x2": ({**SHARDED, "data": 2, "tensor": 2, "pipeline": 2, "micro_batches": 2, "zero_stage": 1}, 8),
+    "nvme_zero1_dp2": (
+        {
+            **SHARDED,
+            "zero_stage": 1,
+            "offload": "nvme",
+            "offload_path": "/tmp",
+            "offload_chunk_mb": 0.01,
+        },
+        2,
+    ),
+    "3d_2x2x2": (
+        {**SHARDED, "data": 2, "tensor": 2, "pipeline": 2, "micro_batches": 2, "zero_stage": 1},
+        8,
+    ),
     "tp4": ({**SHARDED, "tensor": 4}, 4),
     # beyond dp2 in CI: 4 ranks, each writing the ZeRO-2 slices of its own pipeline stage
-    "pp2_dp2_zero2": ({**SHARDED, "pipeline": 2, "data": 2, "micro_batches": 2, "zero_stage": 2}, 4),
+    "pp2_dp2_zero2": (
+        {**SHARDED, "pipeline": 2, "data": 2, "micro_batches": 2, "zero_stage": 2},
+        4,
+    ),
 }
 FAST = ("zero2_dp2", "zero3_dp2", "tp2", "pp2", "pp2_dp2_zero2")
 
@@ -54,11 +71,18 @@ FAST = ("zero2_dp2", "zero3_dp2", "tp2", "pp2", "pp2_dp2_zero2")
 def _run(layout, resume_from=None, save_to=None, arch="gpt", model=None):
     strategy, world = LAYOUTS[layout]
     steps, trainer = (4, TRAINER) if resume_from else (-1, {**TRAINER, "max_epochs": 1})
-    run = Run(strategy=strategy, steps=steps, seed=SEED, model=model, data=DATA, trainer=trainer, arch=arch,
-              resume_from=resume_from, save_to=save_to)
+    run = Run(
+        strategy=strategy,
+        steps=steps,
+        seed=SEED,
+        model=model,
+        data=DATA,
+        trainer=trainer,
+        arch=arch,
+        resume_from=resume_from,
+        save_to=save_to,
+    )
     return fit_layout(run, world)
-
-
 
 
 @pytest.fixture(scope="module")
@@ -81,14 +105,26 @@ def _assert_equals_reference(path: Path, reference_path: Path) -> None:
     ckpt = load_lightning_checkpoint(path)  # the sharded directory, read in this process
     assert ckpt["global_step"] == reference["global_step"] == 2
     assert ckpt["lr_schedulers"] == reference["lr_schedulers"]
-    assert ckpt["optimizer_states"][0]["param_groups"] == reference["optimizer_states"][0]["param_groups"]
-    assert weight_mismatches(checkpoint_tensors(ckpt), checkpoint_tensors(reference), rtol=1e-5, atol=3e-5) == []
+    assert (
+        ckpt["optimizer_states"][0]["param_groups"]
+        == reference["optimizer_states"][0]["param_groups"]
+    )
+    assert (
+        weight_mismatches(
+            checkpoint_tensors(ckpt), checkpoint_tensors(reference), rtol=1e-5, atol=3e-5
+        )
+        == []
+    )
 
 
-@pytest.mark.parametrize("layout", [
-    pytest.param(name, marks=() if name in FAST else pytest.mark.slow)
-    for name in LAYOUTS if name != "single"
-])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param(name, marks=() if name in FAST else pytest.mark.slow)
+        for name in LAYOUTS
+        if name != "single"
+    ],
+)
 def test_sharded_checkpoint_equals_the_single_process_one(saved, layout):
     path = saved(layout)
     assert sharded.is_sharded_checkpoint(path) and inspect_checkpoint(path)["format"] == "sharded"
@@ -114,9 +150,15 @@ def test_fused_qkv_under_tensor_parallel(saved, layout):
 
 
 RESUMES = [
-    ("zero2_dp2", "pp2"), ("zero3_dp2", "one_process"), ("tp2", "zero1_dp2"), ("one_process", "zero3_dp2"),
-    ("pp2", "tp2_sp_zero2"), ("nvme_zero1_dp2", "nvme_zero1_dp2"), ("zero1_dp2", "tp2"),
-    ("3d_2x2x2", "one_process"), ("3d_2x2x2", "tp4"),  # 8 processes -> 1, and -> 1 x 4 x 1
+    ("zero2_dp2", "pp2"),
+    ("zero3_dp2", "one_process"),
+    ("tp2", "zero1_dp2"),
+    ("one_process", "zero3_dp2"),
+    ("pp2", "tp2_sp_zero2"),
+    ("nvme_zero1_dp2", "nvme_zero1_dp2"),
+    ("zero1_dp2", "tp2"),
+    ("3d_2x2x2", "one_process"),
+    ("3d_2x2x2", "tp4"),  # 8 processes -> 1, and -> 1 x 4 x 1
 ]
 SLOW_RESUMES = set(RESUMES[4:])
 
@@ -126,10 +168,16 @@ def reference_resume(saved):
     return _run("single", resume_from=str(saved("single")))
 
 
-@pytest.mark.parametrize("source,target", [
-    pytest.param(a, b, marks=pytest.mark.slow if (a, b) in SLOW_RESUMES else (), id=f"{a}->{b}") for a, b in RESUMES
-])
-def test_resume_in_another_layout_matches_a_single_process_resume(saved, reference_resume, source, target):
+@pytest.mark.parametrize(
+    "source,target",
+    [
+        pytest.param(a, b, marks=pytest.mark.slow if (a, b) in SLOW_RESUMES else (), id=f"{a}->{b}")
+        for a, b in RESUMES
+    ],
+)
+def test_resume_in_another_layout_matches_a_single_process_resume(
+    saved, reference_resume, source, target
+):
     resumed = _run(target, resume_from=str(saved(source)))
     assert len(resumed["losses"]) == 2
     # atol as for the checkpoints above: Adam divides by sqrt(v), so where a gradient is tiny a
@@ -145,7 +193,10 @@ def test_export_of_a_sharded_checkpoint(saved, tmp_path):
     reference = torch.load(saved("single"), map_location="cpu", weights_only=True)["state_dict"]
     exported = load_file(str(result.path))
     assert sorted(exported) == sorted(name.removeprefix("model.") for name in reference)
-    assert all(torch.allclose(exported[n.removeprefix("model.")], t, atol=3e-5) for n, t in reference.items())
+    assert all(
+        torch.allclose(exported[n.removeprefix("model.")], t, atol=3e-5)
+        for n, t in reference.items()
+    )
 
 
 def test_checkpoint_of_another_model_is_refused(saved):
@@ -154,8 +205,19 @@ def test_checkpoint_of_another_model_is_refused(saved):
 
 
 def _resume_wider(rank, path):
-    return fit_gpt(rank, Run(strategy=SHARDED, devices=1, steps=4, seed=SEED, model={"n_embd": 64}, data=DATA,
-                             trainer=TRAINER, resume_from=path))
+    return fit_gpt(
+        rank,
+        Run(
+            strategy=SHARDED,
+            devices=1,
+            steps=4,
+            seed=SEED,
+            model={"n_embd": 64},
+            data=DATA,
+            trainer=TRAINER,
+            resume_from=path,
+        ),
+    )
 
 
 def test_bad_sharded_directories(saved, tmp_path):
@@ -171,7 +233,10 @@ def test_bad_sharded_directories(saved, tmp_path):
     truncated = copy("truncated.ckpt")
     shard = truncated / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-    with pytest.raises(ValueError, match=r"__1_0.distcp: corrupted or truncated shard \(\d+ bytes, the metadata needs"):
+    with pytest.raises(
+        ValueError,
+        match=r"__1_0.distcp: corrupted or truncated shard \(\d+ bytes, the metadata needs",
+    ):
         load_lightning_checkpoint(truncated)
     missing = copy("missing.ckpt")
     (missing / "__0_0.distcp").unlink()
@@ -219,8 +284,12 @@ _KILLED_SAVER = textwrap.dedent("""
 
 def test_kill_during_sharded_save_keeps_the_previous_checkpoint(tmp_path):
     target = tmp_path / "ckpts" / "last.ckpt"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVER, str(target), str(tmp_path / "store")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_SAVER, str(target), str(tmp_path / "store")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "first saved", proc.stderr.read()
         temp, deadline = target.parent / f".last.ckpt.tmp-{proc.pid}", time.monotonic() + 60

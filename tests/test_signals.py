@@ -18,12 +18,20 @@ import pytest
 from torch.distributed import HashStore
 
 from lightning_3d.offload.paths import DIR_PREFIX
-from lightning_3d.testing.apps import app_env
-from lightning_3d.watchdog import STORE_TIMEOUT, Watchdog
+from lightning_3d.harness.apps import app_env
+from lightning_3d.runtime.watchdog import STORE_TIMEOUT, Watchdog
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_RUN = ["model=gpt_tiny", "parallelism.data=2", "offload=nvme", "trainer.max_steps=100000", "data.max_bytes=300000",
-            "data.batch_size=8", "trainer.limit_val_batches=1", "trainer.val_check_interval=1000"]
+TINY_RUN = [
+    "model=gpt_tiny",
+    "parallelism.data=2",
+    "offload=nvme",
+    "trainer.max_steps=100000",
+    "data.max_bytes=300000",
+    "data.batch_size=8",
+    "trainer.limit_val_batches=1",
+    "trainer.val_check_interval=1000",
+]
 
 
 def _children(pid: int) -> list[int]:
@@ -62,9 +70,19 @@ class App:
         self.stderr_path = tmp_path / "stderr.txt"
         with open(tmp_path / "stdout.txt", "w") as out, open(self.stderr_path, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "examples" / "train.py"), *TINY_RUN, *overrides,
-                 f"offload.path={self.offload}", f"hydra.run.dir={self.run_dir}"],
-                cwd=tmp_path, env=app_env(), stdout=out, stderr=err)
+                [
+                    sys.executable,
+                    str(ROOT / "examples" / "train.py"),
+                    *TINY_RUN,
+                    *overrides,
+                    f"offload.path={self.offload}",
+                    f"hydra.run.dir={self.run_dir}",
+                ],
+                cwd=tmp_path,
+                env=app_env(),
+                stdout=out,
+                stderr=err,
+            )
         self.ranks: list[int] = []
 
     def __enter__(self) -> App:
@@ -94,7 +112,9 @@ class App:
             if len(self.ranks) == 2 and len({s.parent for s in written}) == 2:
                 return self.ranks
             time.sleep(0.2)
-        raise AssertionError(f"the ranks did not start training in {timeout} s: {self.stderr[-3000:]}")
+        raise AssertionError(
+            f"the ranks did not start training in {timeout} s: {self.stderr[-3000:]}"
+        )
 
     def wait(self, timeout: float) -> float:
         """Seconds until the launcher exited (fails past ``timeout``)."""
@@ -104,7 +124,9 @@ class App:
 
     def assert_nothing_left(self) -> None:
         time.sleep(0.5)  # a rank killed last is reaped by the launcher before it exits
-        assert [pid for pid in self.ranks if _alive(pid)] == [], "rank processes outlived the launcher"
+        assert [pid for pid in self.ranks if _alive(pid)] == [], (
+            "rank processes outlived the launcher"
+        )
         assert _offload_dirs(self.offload) == [], "offload files left behind"
 
 
@@ -150,7 +172,9 @@ class _Exits(Exception):
 
 def _watchdogs(timeout_s: float, exits: list[int]) -> list[Watchdog]:
     store = HashStore()  # in this process: the store API without a process group
-    return [Watchdog(store, rank, 2, timeout_s, grace_s=0.2, exit=exits.append) for rank in range(2)]
+    return [
+        Watchdog(store, rank, 2, timeout_s, grace_s=0.2, exit=exits.append) for rank in range(2)
+    ]
 
 
 def test_the_watchdog_names_a_silent_peer_and_ends_its_rank():
@@ -162,7 +186,9 @@ def test_the_watchdog_names_a_silent_peer_and_ends_its_rank():
     while not exits and time.monotonic() < deadline:
         time.sleep(0.1)
     assert exits == [1]
-    assert alive.verdict is not None and "rank 1 has not made progress for" in alive.verdict, alive.verdict
+    assert alive.verdict is not None and "rank 1 has not made progress for" in alive.verdict, (
+        alive.verdict
+    )
     assert "timeout_s=1" in alive.verdict
     alive.stop()
 
@@ -187,11 +213,15 @@ def test_after_a_failed_collective_the_silent_peer_is_named():
     dead._beat("running")
     line = alive.failure_line(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
     assert line is not None and "rank 1 has not made progress" in line, line
-    assert alive.failure_line(ValueError("this rank's own bug")) is None  # stopped already: said once
+    assert (
+        alive.failure_line(ValueError("this rank's own bug")) is None
+    )  # stopped already: said once
     alive, dead = _watchdogs(5.0, exits)
     alive.start()
     dead._beat("running")
-    assert alive.failure_line(KeyboardInterrupt()) is None  # an interrupt, not a peer's doing: no wait
+    assert (
+        alive.failure_line(KeyboardInterrupt()) is None
+    )  # an interrupt, not a peer's doing: no wait
     assert exits == []
 
 
@@ -216,7 +246,11 @@ def test_the_launcher_removes_only_its_ranks_offload_directories(tmp_path):
 
     host = socket.gethostname()
     ours = [tmp_path / f"{DIR_PREFIX}{host}-{pid}-x1" for pid in (101, 102)]
-    others = [tmp_path / f"{DIR_PREFIX}{host}-1010-x2", tmp_path / f"{DIR_PREFIX}elsewhere-101-x3", tmp_path / "data"]
+    others = [
+        tmp_path / f"{DIR_PREFIX}{host}-1010-x2",
+        tmp_path / f"{DIR_PREFIX}elsewhere-101-x3",
+        tmp_path / "data",
+    ]
     for directory in ours + others:
         directory.mkdir()
         (directory / "optimizer_state.bin").write_bytes(b"x")
@@ -228,19 +262,23 @@ def test_the_launcher_removes_only_its_ranks_offload_directories(tmp_path):
 def _slow_ranks(count: int) -> list[subprocess.Popen]:
     """Processes that, like ranks finishing their step before they save, ignore SIGINT."""
     code = "import signal, sys, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print(1, flush=True); time.sleep(60)"
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for _ in range(count)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for _ in range(count)
+    ]
     for proc in procs:
         proc.stdout.readline()  # the handler is set
     return procs
 
 
-@pytest.mark.parametrize("signals, at_once", [(1, False), (2, True)], ids=["one_ctrl_c", "double_ctrl_c"])
+@pytest.mark.parametrize(
+    "signals, at_once", [(1, False), (2, True)], ids=["one_ctrl_c", "double_ctrl_c"]
+)
 def test_a_second_sigint_received_before_the_launcher_acted_stops_at_once(signals, at_once):
     """Two SIGINTs closer together than the launcher's poll (a quick double Ctrl-C) are two: the
     ranks are killed at once, not after the grace. One SIGINT keeps the grace. Broken variant
     caught (seen failing): ``_end`` counting the signals received when it starts as handled (the
     second one was then never seen: the ranks ran their whole grace)."""
-    from lightning_3d.launch import _watch
+    from lightning_3d.app.launch import _watch
 
     procs = _slow_ranks(2)
     try:
@@ -273,7 +311,9 @@ def test_a_store_that_never_answers_is_silence_not_a_blocked_watchdog():
     exits: list[int] = []
     store = _HangingStore()
     watchdog = Watchdog(store, 0, 2, timeout_s=1.0, grace_s=0.2, exit=exits.append, launcher=None)
-    watchdog._thread = threading.Thread(target=watchdog._run, daemon=True)  # start() beats first, which hangs
+    watchdog._thread = threading.Thread(
+        target=watchdog._run, daemon=True
+    )  # start() beats first, which hangs
     started = time.monotonic()
     watchdog._thread.start()
     watchdog._thread.join(timeout=20)
@@ -290,8 +330,15 @@ def test_ranks_of_a_stopped_launcher_are_stopped_within_the_timeout():
     launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     stops: list[float] = []
     try:
-        watchdog = Watchdog(HashStore(), 0, 1, timeout_s=1.0, grace_s=0.2, launcher=launcher.pid,
-                            stop_rank=lambda: stops.append(time.monotonic()))
+        watchdog = Watchdog(
+            HashStore(),
+            0,
+            1,
+            timeout_s=1.0,
+            grace_s=0.2,
+            launcher=launcher.pid,
+            stop_rank=lambda: stops.append(time.monotonic()),
+        )
         watchdog.start()
         time.sleep(1.5)
         assert stops == [], "stopped the rank while the launcher ran"

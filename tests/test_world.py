@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-import lightning_3d.launch
-import lightning_3d.testing.world
-from lightning_3d.launch import free_port, local_rank_env
-from lightning_3d.testing.world import run_world
+import lightning_3d.app.launch
+import lightning_3d.harness.world
+from lightning_3d.app.launch import free_port, local_rank_env
+from lightning_3d.harness.world import run_world
 
 WORLD_TIMEOUT_S = 90.0  # a broken rendezvous fails, or times out, well before this
 PG_TIMEOUT = timedelta(seconds=30)
@@ -42,7 +42,9 @@ def _all_reduce(rank, tag, meet=None, everyone=0):
             time.sleep(0.05)
     t = torch.tensor([100.0 * tag + rank + 1])
     dist.all_reduce(t)
-    env = {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     return t.item(), env
 
 
@@ -52,8 +54,8 @@ def _expected(tag, world_size):
 
 def _pick(monkeypatch, port):
     """Make the port picker return ``port``, wherever a launcher looks it up."""
-    monkeypatch.setattr(lightning_3d.launch, "free_port", lambda: port)
-    monkeypatch.setattr(lightning_3d.testing.world, "free_port", lambda: port, raising=False)
+    monkeypatch.setattr(lightning_3d.app.launch, "free_port", lambda: port)
+    monkeypatch.setattr(lightning_3d.harness.world, "free_port", lambda: port, raising=False)
 
 
 # Each rank imports Lightning (~8 s of CPU on the 2-core CI machine), hence small worlds.
@@ -79,9 +81,14 @@ def test_concurrent_worlds_handed_the_same_port(monkeypatch, tmp_path):
     for tag, size in sizes.items():
         assert len(results[tag]) == size
         for rank, (value, env) in enumerate(results[tag]):
-            assert value == _expected(tag, size)  # each world reduced its own ranks' values, no others
+            assert value == _expected(
+                tag, size
+            )  # each world reduced its own ranks' values, no others
             assert env["RANK"] == env["LOCAL_RANK"] == str(rank) and env["WORLD_SIZE"] == str(size)
-            assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == results[tag][0][1]["MASTER_PORT"]
+            assert (
+                env["MASTER_ADDR"] == "127.0.0.1"
+                and env["MASTER_PORT"] == results[tag][0][1]["MASTER_PORT"]
+            )
         ports.add(results[tag][0][1]["MASTER_PORT"])
     assert len(ports) == len(sizes)  # one store per world
 
@@ -98,7 +105,7 @@ def test_a_world_forms_when_the_picked_port_is_taken(monkeypatch):
 
 
 def test_the_store_lives_exactly_as_long_as_the_block():
-    with lightning_3d.launch.hosted_store() as port:
+    with lightning_3d.app.launch.hosted_store() as port:
         socket.create_connection(("127.0.0.1", port), timeout=5).close()  # something listens on it
     with pytest.raises(OSError):  # and nothing once the world is gone
         socket.create_connection(("127.0.0.1", port), timeout=5).close()
@@ -106,7 +113,9 @@ def test_the_store_lives_exactly_as_long_as_the_block():
 
 def test_rank_env_says_who_hosts_the_store():
     assert local_rank_env(1, 2, 1234, 1, agent_store=True)["TORCHELASTIC_USE_AGENT_STORE"] == "True"
-    assert local_rank_env(1, 2, 1234, 1)["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0 starts it
+    assert (
+        local_rank_env(1, 2, 1234, 1)["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+    )  # rank 0 starts it
 
 
 def _fail_like_a_world(rank, kind):
@@ -161,11 +170,15 @@ def _where_am_i(rank):
 def test_forked_ranks_take_the_callers_environment_and_directory(monkeypatch, tmp_path):
     """A fork server started earlier (by an earlier world) holds an older environment; a rank
     must see the caller's as it is now, as a spawned one would."""
-    run_world(_where_am_i, 1, timeout=WORLD_TIMEOUT_S, start_method="forkserver")  # the server is up
+    run_world(
+        _where_am_i, 1, timeout=WORLD_TIMEOUT_S, start_method="forkserver"
+    )  # the server is up
     monkeypatch.setenv("LIGHTNING3D_TEST_MARK", "now")
     monkeypatch.chdir(tmp_path)
     for method in ("forkserver", "spawn"):
-        [(mark, cwd, threads)] = run_world(_where_am_i, 1, timeout=WORLD_TIMEOUT_S, start_method=method)
+        [(mark, cwd, threads)] = run_world(
+            _where_am_i, 1, timeout=WORLD_TIMEOUT_S, start_method=method
+        )
         assert (mark, Path(cwd), threads) == ("now", tmp_path, 1), method
 
 
@@ -181,7 +194,9 @@ def _speak_and_leave_a_mark(rank, mark):
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_ranks_write_where_the_caller_writes_and_run_their_exit_handlers(capfd, tmp_path, method):
     saved = [os.dup(1), os.dup(2)]
-    with open(tmp_path / "elsewhere", "w") as elsewhere:  # a fork server (if none yet) started writing there
+    with open(
+        tmp_path / "elsewhere", "w"
+    ) as elsewhere:  # a fork server (if none yet) started writing there
         os.dup2(elsewhere.fileno(), 1)
         os.dup2(elsewhere.fileno(), 2)
         try:
@@ -191,7 +206,13 @@ def test_ranks_write_where_the_caller_writes_and_run_their_exit_handlers(capfd, 
                 os.dup2(old, fd)
                 os.close(old)
     capfd.readouterr()
-    run_world(_speak_and_leave_a_mark, 2, str(tmp_path / "exited"), timeout=WORLD_TIMEOUT_S, start_method=method)
+    run_world(
+        _speak_and_leave_a_mark,
+        2,
+        str(tmp_path / "exited"),
+        timeout=WORLD_TIMEOUT_S,
+        start_method=method,
+    )
     out, err = capfd.readouterr()
     for rank in range(2):
         assert f"rank {rank} to stdout" in out and f"rank {rank} to stderr" in err
@@ -199,5 +220,7 @@ def test_ranks_write_where_the_caller_writes_and_run_their_exit_handlers(capfd, 
 
 
 def test_an_unknown_start_method_is_refused():
-    with pytest.raises(ValueError, match="start_method must be one of \\('spawn', 'forkserver'\\), got 'fork'"):
+    with pytest.raises(
+        ValueError, match="start_method must be one of \\('spawn', 'forkserver'\\), got 'fork'"
+    ):
         run_world(_where_am_i, 1, start_method="fork")

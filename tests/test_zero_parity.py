@@ -13,10 +13,10 @@ import math
 
 import pytest
 
-from lightning_3d.memory import zero_formula_bytes
-from lightning_3d.testing.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.testing.runs import Run, fit_gpt, fit_gpt_ranks
-from lightning_3d.testing.world import run_world
+from lightning_3d.observe.memory import zero_formula_bytes
+from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
+from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks
+from lightning_3d.harness.world import run_world
 
 STEPS = 5
 SEED = 1234
@@ -24,7 +24,11 @@ SGD = {"optimizer": "sgd", "lr": 0.3}
 SETUPS = {  # name: (data, model options, trainer options)
     "dp2_adamw_clip": (2, None, {"gradient_clip_val": 0.05}),
     "dp4_sgd_accumulate": (4, SGD, {"accumulate_grad_batches": 2}),
-    "dp4_adamw_accumulate_clip": (4, None, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
+    "dp4_adamw_accumulate_clip": (
+        4,
+        None,
+        {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
+    ),
 }
 FAST = ("dp2_adamw_clip", "dp4_sgd_accumulate")
 
@@ -40,8 +44,14 @@ def runs():
             if stage is None:  # the single-process reference, Lightning's own strategy
                 cache[key] = [fit_gpt(0, Run(steps=STEPS, seed=SEED, model=model, trainer=trainer))]
             else:
-                run = Run(strategy={"zero_stage": stage}, devices=data, steps=STEPS, seed=SEED, model=model,
-                          trainer=trainer)
+                run = Run(
+                    strategy={"zero_stage": stage},
+                    devices=data,
+                    steps=STEPS,
+                    seed=SEED,
+                    model=model,
+                    trainer=trainer,
+                )
                 cache[key] = run_world(fit_gpt_ranks, data, run)
         return cache[key]
 
@@ -79,9 +89,17 @@ def test_zero_memory_follows_the_paper(runs, setup, stage):
     adam = model is None
     world = runs(setup, stage)
     psi = world[0]["summary"]["num_params"]
-    full = {"param_bytes": 4 * psi, "grad_bytes": 4 * psi, "optimizer_state_bytes": (8 if adam else 4) * psi}
-    sharded = {0: (), 1: ("optimizer_state_bytes",), 2: ("optimizer_state_bytes", "grad_bytes"),
-               3: ("optimizer_state_bytes", "grad_bytes", "param_bytes")}[stage]
+    full = {
+        "param_bytes": 4 * psi,
+        "grad_bytes": 4 * psi,
+        "optimizer_state_bytes": (8 if adam else 4) * psi,
+    }
+    sharded = {
+        0: (),
+        1: ("optimizer_state_bytes",),
+        2: ("optimizer_state_bytes", "grad_bytes"),
+        3: ("optimizer_state_bytes", "grad_bytes", "param_bytes"),
+    }[stage]
     expected = {key: value / data if key in sharded else value for key, value in full.items()}
     for rank in world[0]["summary"]["ranks"]:
         for key, value in expected.items():
@@ -96,7 +114,10 @@ def test_zero_memory_follows_the_paper(runs, setup, stage):
 def test_parity_check_detects_a_one_percent_learning_rate_change(runs):
     """The comparison used above is sharp enough to see a small real difference."""
     reference = runs("dp2_adamw_clip", None)[0]
-    perturbed = fit_gpt(0, Run(steps=STEPS, seed=SEED, model={"lr": 3e-3 * 1.01}, trainer=SETUPS["dp2_adamw_clip"][2]))
+    perturbed = fit_gpt(
+        0,
+        Run(steps=STEPS, seed=SEED, model={"lr": 3e-3 * 1.01}, trainer=SETUPS["dp2_adamw_clip"][2]),
+    )
     with pytest.raises(AssertionError, match="relative error"):
         assert_same_run(perturbed, reference)
 
@@ -123,7 +144,9 @@ def _engine_slices(rank: int) -> dict:
     for stage in (1, 2):
         for scatter in ("all_to_all", "reduce_scatter"):
             model, loss = model_and_loss()
-            engine = ZeroDataParallel(mesh, stage=stage, bucket_numel=20, scatter=scatter)  # 3 buckets, padded
+            engine = ZeroDataParallel(
+                mesh, stage=stage, bucket_numel=20, scatter=scatter
+            )  # 3 buckets, padded
             assert engine._scatter_by_all_to_all == (scatter == "all_to_all")
             engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
             engine.prepare_backward(sync=True)
@@ -156,7 +179,9 @@ def test_both_reduce_scatter_paths_give_each_rank_the_mean_of_its_slice():
         for stage in (1, 2):
             for scatter in ("all_to_all", "reduce_scatter"):
                 for got, expected in zip(rank_out[stage, scatter], rank_out["expected"]):
-                    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7, msg=f"{stage} {scatter}")
+                    torch.testing.assert_close(
+                        got, expected, rtol=1e-6, atol=1e-7, msg=f"{stage} {scatter}"
+                    )
 
 
 def test_unknown_scatter_mode_is_refused():

@@ -44,22 +44,32 @@ def default_config() -> Any:
     """The packaged defaults, read through the package's resources (works from a wheel or a zip)."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.create(importlib.resources.files("lightning_3d.bench").joinpath(DEFAULT_CONFIG).read_text())
+    return OmegaConf.create(
+        importlib.resources.files("lightning_3d.bench").joinpath(DEFAULT_CONFIG).read_text()
+    )
 
 
 def load_config(argv: list[str] | None) -> tuple[dict[str, Any], list[str]]:
     """Defaults from the YAML file, then --quick, then flags and key=value overrides."""
     from omegaconf import OmegaConf
 
-    parser = argparse.ArgumentParser(prog="python -m lightning_3d.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help=f"YAML of defaults (default: the packaged {DEFAULT_CONFIG})")
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_3d.bench", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--config", help=f"YAML of defaults (default: the packaged {DEFAULT_CONFIG})"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, 1 repeat")
     parser.add_argument("--rows", nargs="+", help=f"subset of rows: {', '.join(compare.ROWS)}")
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--outdir")
-    parser.add_argument("--accelerator", choices=["cpu"], default="cpu",
-                        help="cpu (these rows); gpu: the one-device rows, see lightning_3d.bench.one_device")
+    parser.add_argument(
+        "--accelerator",
+        choices=["cpu"],
+        default="cpu",
+        help="cpu (these rows); gpu: the one-device rows, see lightning_3d.bench.one_device",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.n_embd=128")
     args = parser.parse_args(argv)
     if args.config is None:
@@ -77,7 +87,10 @@ def load_config(argv: list[str] | None) -> tuple[dict[str, Any], list[str]]:
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(args.overrides))
     flags = {"rows": args.rows, "repeats": args.repeats, "steps": args.steps, "outdir": args.outdir}
     cfg = OmegaConf.merge(cfg, {k: v for k, v in flags.items() if v is not None})
-    return OmegaConf.to_container(cfg, resolve=True), sys.argv if argv is None else ["<argv>", *argv]
+    return OmegaConf.to_container(cfg, resolve=True), sys.argv if argv is None else [
+        "<argv>",
+        *argv,
+    ]
 
 
 def header(cfg: dict[str, Any], command: list[str]) -> list[str]:
@@ -85,8 +98,18 @@ def header(cfg: dict[str, Any], command: list[str]) -> list[str]:
     import lightning
     import torch
 
-    mem_kb = next((int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
-                   if line.startswith("MemTotal")), 0) if Path("/proc/meminfo").exists() else 0
+    mem_kb = (
+        next(
+            (
+                int(line.split()[1])
+                for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal")
+            ),
+            0,
+        )
+        if Path("/proc/meminfo").exists()
+        else 0
+    )
     versions = f"torch {torch.__version__}, lightning {lightning.__version__}"
     if compare.deepspeed_available():
         from importlib.metadata import version
@@ -121,9 +144,17 @@ def chart(records: list[dict[str, Any]], path: str) -> bool:
     left.barh(names, [r.get("vs_ddp") or 0 for r in done], color="tab:blue")
     left.axvline(1.0, color="k", lw=0.8)
     left.set_xlabel("tokens/s relative to Lightning ddp (same world size)")
-    right.barh(names, [r["state_bytes"] / 2**20 for r in done], color="tab:orange", label="measured")
-    right.scatter([r["state_formula_bytes"] / 2**20 for r in done], names, color="k", marker="|", s=200,
-                  label="ZeRO formula")
+    right.barh(
+        names, [r["state_bytes"] / 2**20 for r in done], color="tab:orange", label="measured"
+    )
+    right.scatter(
+        [r["state_formula_bytes"] / 2**20 for r in done],
+        names,
+        color="k",
+        marker="|",
+        s=200,
+        label="ZeRO formula",
+    )
     right.set_xlabel("model-state MB per rank (largest rank)")
     right.legend(loc="lower right")
     for axis in (left, right):
@@ -155,8 +186,18 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     out = Path(cfg["outdir"])
     out.mkdir(parents=True, exist_ok=True)
     misses = compare.target_misses(records)
-    text = "\n".join([*header(cfg, command), "", compare.table(records), "", LEGEND, "",
-                      "Targets missed:" if misses else "Targets: all met.", *[f"- {m}" for m in misses]])
+    text = "\n".join(
+        [
+            *header(cfg, command),
+            "",
+            compare.table(records),
+            "",
+            LEGEND,
+            "",
+            "Targets missed:" if misses else "Targets: all met.",
+            *[f"- {m}" for m in misses],
+        ]
+    )
     print(text)
     (out / "bench.md").write_text(text + "\n")
     raw_figures = {"config": cfg, "records": records, "errors": raw["errors"]}

@@ -49,7 +49,9 @@ def _step_seconds(model: GPT, x: torch.Tensor, y: torch.Tensor) -> tuple[float, 
     """(wall, CPU) seconds of one training step's forward + backward (gradients dropped first)."""
     model.zero_grad(set_to_none=True)
     wall, cpu = time.perf_counter(), time.process_time()
-    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())  # logits (B, T, vocab) -> (B*T, vocab)
+    loss = F.cross_entropy(
+        model(x).flatten(0, 1), y.flatten()
+    )  # logits (B, T, vocab) -> (B*T, vocab)
     loss.backward()
     return time.perf_counter() - wall, time.process_time() - cpu
 
@@ -71,15 +73,18 @@ def measure(repeats: int, steps: int) -> dict[str, dict]:
         for p in POLICIES
     }
     for repeat in range(repeats):
-        order = POLICIES[repeat % len(POLICIES):] + POLICIES[: repeat % len(POLICIES)]
+        order = POLICIES[repeat % len(POLICIES) :] + POLICIES[: repeat % len(POLICIES)]
         for policy in order:
             apply_activation_checkpointing(model, policy, EVERY_N)
             _step_seconds(model, x, y)  # warm-up: allocator and kernels after the switch
             walls, cpus = zip(*(_step_seconds(model, x, y) for _ in range(steps)))
             results[policy]["wall"].append(statistics.median(walls))
             results[policy]["cpu"].append(statistics.median(cpus))
-        print(f"  repeat {repeat + 1}/{repeats} (CPU ms): "
-              + "  ".join(f"{p} {results[p]['cpu'][-1] * 1e3:.0f}" for p in POLICIES), flush=True)
+        print(
+            f"  repeat {repeat + 1}/{repeats} (CPU ms): "
+            + "  ".join(f"{p} {results[p]['cpu'][-1] * 1e3:.0f}" for p in POLICIES),
+            flush=True,
+        )
     apply_activation_checkpointing(model, "none")
     return results
 
@@ -98,7 +103,8 @@ def figures(results: dict[str, dict]) -> dict[str, dict[str, Any]]:
             "checkpointed_blocks": r["blocks"],
             "saved_bytes_per_block": r["bytes"],
             "saved_bytes_per_block_median": statistics.median(r["bytes"].values()),
-            "saved_bytes_per_block_mean": total / len(r["bytes"]),  # what RunSummary reports for a run
+            "saved_bytes_per_block_mean": total
+            / len(r["bytes"]),  # what RunSummary reports for a run
             "saved_bytes_all_blocks": total,
             "saved_bytes_vs_none": total / base_bytes,
             "step_cpu_s_median": cpu,
@@ -114,8 +120,10 @@ def figures(results: dict[str, dict]) -> dict[str, dict[str, Any]]:
 def table(results: dict[str, dict]) -> str:
     """The markdown table: bytes against ``none`` and step time against ``none``."""
     lines = [
-        ("| policy | checkpointed blocks | saved bytes/block (median) | saved bytes, all blocks | bytes vs none "
-         "| fwd+bwd CPU time (median) | CPU time vs none | wall time vs none |"),
+        (
+            "| policy | checkpointed blocks | saved bytes/block (median) | saved bytes, all blocks | bytes vs none "
+            "| fwd+bwd CPU time (median) | CPU time vs none | wall time vs none |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
     for policy, f in figures(results).items():
@@ -140,7 +148,7 @@ def summary(results: dict[str, dict], args: argparse.Namespace) -> dict[str, Any
         "repeats": args.repeats,
         "steps": args.steps,
         "saved_bytes": "storages created inside each block and alive when the forward returns "
-                       "(parameters, buffers and outputs excluded): what backward will need",
+        "(parameters, buffers and outputs excluded): what backward will need",
         "step_time": "one forward + cross-entropy + backward; median over steps, then over interleaved repeats",
         "policies": figures(results),
     }
@@ -150,10 +158,19 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per policy per repeat")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads (1: steadier on a shared machine)")
-    parser.add_argument("--quick", action="store_true", help="1 repeat of 1 timed step (a smoke run)")
-    parser.add_argument("--out", "--outdir", dest="out", default=str(DEFAULT_OUT),
-                        help=f"directory for summary.json (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="intra-op threads (1: steadier on a shared machine)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="1 repeat of 1 timed step (a smoke run)"
+    )
+    parser.add_argument(
+        "--out",
+        "--outdir",
+        dest="out",
+        default=str(DEFAULT_OUT),
+        help=f"directory for summary.json (default {DEFAULT_OUT})",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.steps = 1, 1
@@ -161,9 +178,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     results = measure(args.repeats, args.steps)
     print()
     print(table(results))
-    print(f"\nGPT {CONFIG}, batch {BATCH} x {CONFIG['block_size']} tokens, fp32, {args.threads} thread(s); "
-          f"every_n={EVERY_N}; {args.repeats} interleaved repeats of {args.steps} timed steps. Saved bytes exclude "
-          "parameters and what lives outside the blocks (embeddings, head, logits).")
+    print(
+        f"\nGPT {CONFIG}, batch {BATCH} x {CONFIG['block_size']} tokens, fp32, {args.threads} thread(s); "
+        f"every_n={EVERY_N}; {args.repeats} interleaved repeats of {args.steps} timed steps. Saved bytes exclude "
+        "parameters and what lives outside the blocks (embeddings, head, logits)."
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary(results, args), indent=2))

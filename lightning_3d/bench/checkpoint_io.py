@@ -39,7 +39,13 @@ from lightning_3d.models import LitGPT
 def build_checkpoint(n_layer: int, n_embd: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """A Lightning-format consolidated checkpoint of LitGPT after one AdamW step, and the
     model's constructor arguments."""
-    kwargs = {"vocab_size": 256, "block_size": 128, "n_layer": n_layer, "n_head": n_embd // 64, "n_embd": n_embd}
+    kwargs = {
+        "vocab_size": 256,
+        "block_size": 128,
+        "n_layer": n_layer,
+        "n_head": n_embd // 64,
+        "n_embd": n_embd,
+    }
     torch.manual_seed(0)
     lit = LitGPT(**kwargs)
     opt = torch.optim.AdamW(lit.parameters(), lr=1e-4)
@@ -67,7 +73,9 @@ def median_seconds(action: Callable[[int], None], repeats: int) -> float:
     return statistics.median(times)
 
 
-def run(n_layer: int, n_embd: int, repeats: int, directory: Path) -> tuple[list[tuple[str, int, float]], int]:
+def run(
+    n_layer: int, n_embd: int, repeats: int, directory: Path
+) -> tuple[list[tuple[str, int, float]], int]:
     """Rows of (operation, bytes of the file involved, median seconds), and the parameter count."""
     from lightning.fabric.plugins.io import TorchCheckpointIO
     from safetensors.torch import load_file
@@ -111,12 +119,15 @@ def table(rows: list[tuple[str, int, float]], params: int, repeats: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse flags, run the measurements in a temporary directory, print the table."""
-    parser = argparse.ArgumentParser(prog="python -m lightning_3d.bench.checkpoint_io",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_3d.bench.checkpoint_io", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--n-layer", type=int, default=7)
     parser.add_argument("--n-embd", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="where to write the files (default: a temporary directory)")
+    parser.add_argument(
+        "--dir", default=None, help="where to write the files (default: a temporary directory)"
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.n_layer < 1 or args.n_embd < 64 or args.n_embd % 64:
         parser.error(f"need repeats >= 1, n_layer >= 1, n_embd a multiple of 64; got {vars(args)}")

@@ -43,8 +43,9 @@ def _written_by(path: Path, rank: int, fmt: str) -> int:
     return (own.stat().st_size if own.exists() else 0) + extra
 
 
-def measure(rank: int, world: int, zero_stage: int, n_layer: int, n_embd: int, repeats: int,
-            directory: str) -> dict[str, Any]:
+def measure(
+    rank: int, world: int, zero_stage: int, n_layer: int, n_embd: int, repeats: int, directory: str
+) -> dict[str, Any]:
     """One rank's medians per format: save seconds, load seconds, bytes written."""
     import lightning as L
     import torch.distributed as dist
@@ -53,11 +54,21 @@ def measure(rank: int, world: int, zero_stage: int, n_layer: int, n_embd: int, r
     from lightning_3d.models import LitGPT
 
     L.seed_everything(0, verbose=False)
-    model = LitGPT(vocab_size=256, block_size=128, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd)
+    model = LitGPT(
+        vocab_size=256, block_size=128, n_layer=n_layer, n_head=n_embd // 64, n_embd=n_embd
+    )
     strategy = ThreeDStrategy(zero_stage=zero_stage)
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=directory)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=directory,
+    )
     trainer.fit(model, train_dataloaders=_random_tokens(256, 128, 1, 2 * world))
     params = strategy.parallelized.count_parameters()
     times: dict[str, dict[str, list[float]]] = {f: {"save": [], "load": []} for f in FORMATS}
@@ -68,7 +79,9 @@ def measure(rank: int, world: int, zero_stage: int, n_layer: int, n_embd: int, r
             path = Path(directory) / f"{fmt}.ckpt"
             dist.barrier()
             start = time.perf_counter()
-            trainer.save_checkpoint(path, weights_only=False)  # ends with a barrier: every rank has finished
+            trainer.save_checkpoint(
+                path, weights_only=False
+            )  # ends with a barrier: every rank has finished
             times[fmt]["save"].append(time.perf_counter() - start)
             written[fmt] = _written_by(path, rank, fmt)
             dist.barrier()
@@ -78,8 +91,11 @@ def measure(rank: int, world: int, zero_stage: int, n_layer: int, n_embd: int, r
             strategy.load_optimizer_state_dict(checkpoint)
             dist.barrier()
             times[fmt]["load"].append(time.perf_counter() - start)
-    return {"params": params, "written": written,
-            "median": {f: {k: statistics.median(v) for k, v in t.items()} for f, t in times.items()}}
+    return {
+        "params": params,
+        "written": written,
+        "median": {f: {k: statistics.median(v) for k, v in t.items()} for f, t in times.items()},
+    }
 
 
 def table(results: list[dict[str, Any]], world: int, zero_stage: int, repeats: int) -> str:
@@ -94,29 +110,53 @@ def table(results: list[dict[str, Any]], world: int, zero_stage: int, repeats: i
         save = max(r["median"][fmt]["save"] for r in results)
         load = max(r["median"][fmt]["load"] for r in results)
         per_rank = [r["written"][fmt] / 1e6 for r in results]
-        lines.append(f"| {fmt} | {save:.2f} | {load:.2f} | {' / '.join(f'{b:.0f}' for b in per_rank)} | "
-                     f"{sum(per_rank):.0f} |")
+        lines.append(
+            f"| {fmt} | {save:.2f} | {load:.2f} | {' / '.join(f'{b:.0f}' for b in per_rank)} | "
+            f"{sum(per_rank):.0f} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lightning_3d.testing.world import run_world
+    from lightning_3d.harness.world import run_world
 
-    parser = argparse.ArgumentParser(prog="python -m lightning_3d.bench.checkpoint_sharded",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_3d.bench.checkpoint_sharded", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--zero-stage", type=int, default=3)
     parser.add_argument("--n-layer", type=int, default=7)
     parser.add_argument("--n-embd", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temporary directory)")
+    parser.add_argument(
+        "--dir",
+        default=None,
+        help="where to write the checkpoints (default: a temporary directory)",
+    )
     args = parser.parse_args(argv)
-    if args.world < 1 or args.repeats < 1 or args.n_layer < 1 or args.n_embd < 64 or args.n_embd % 64:
-        parser.error(f"need world >= 1, repeats >= 1, n_layer >= 1, n_embd a multiple of 64; got {vars(args)}")
+    if (
+        args.world < 1
+        or args.repeats < 1
+        or args.n_layer < 1
+        or args.n_embd < 64
+        or args.n_embd % 64
+    ):
+        parser.error(
+            f"need world >= 1, repeats >= 1, n_layer >= 1, n_embd a multiple of 64; got {vars(args)}"
+        )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        results = run_world(measure, args.world, args.world, args.zero_stage, args.n_layer, args.n_embd,
-                            args.repeats, tmp, timeout=3600)
+        results = run_world(
+            measure,
+            args.world,
+            args.world,
+            args.zero_stage,
+            args.n_layer,
+            args.n_embd,
+            args.repeats,
+            tmp,
+            timeout=3600,
+        )
     print(table(results, args.world, args.zero_stage, args.repeats))
 
 

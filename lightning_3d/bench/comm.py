@@ -149,7 +149,9 @@ def _sent(kind: str, payload: int, n: int) -> float:
     return float(payload) if kind == "send" else 0.0
 
 
-def _wrap(counter: CommCounter, prefix: str, name: str, fn: Callable, arg: str, kind: str) -> Callable:
+def _wrap(
+    counter: CommCounter, prefix: str, name: str, fn: Callable, arg: str, kind: str
+) -> Callable:
     signature = inspect.signature(fn)
     functional = prefix == "funcol"
 
@@ -198,7 +200,9 @@ def count_collectives() -> Iterator[CommCounter]:
             setattr(module, name, original)
 
 
-def counting_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def counting_allreduce_hook(
+    state: Any, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook equal to DDP's default (mean all-reduce), made through ``dist.all_reduce``.
 
     Calling the Python function (patched or not) instead of the C++ reducer's built-in path lets
@@ -211,5 +215,6 @@ def counting_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.future
 
 
 # DDP checks the annotations as objects; ``from __future__ import annotations`` made them strings.
-counting_allreduce_hook.__annotations__.update(bucket=dist.GradBucket, state=Any,
-                                               **{"return": torch.futures.Future[torch.Tensor]})
+counting_allreduce_hook.__annotations__.update(
+    bucket=dist.GradBucket, state=Any, **{"return": torch.futures.Future[torch.Tensor]}
+)

@@ -6,7 +6,7 @@ every row alike, and each row reports the median of its repeats' tokens/s.
 
 Theory per row (E = 4 bytes per fp32 element, Ψ parameters, N data-parallel ranks):
 
-- model state per rank: :func:`lightning_3d.memory.zero_formula_bytes` at the row's ZeRO stage,
+- model state per rank: :func:`lightning_3d.observe.memory.zero_formula_bytes` at the row's ZeRO stage,
   with Ψ_rank (the rank's pipeline stage or tensor slice) for pipeline and tensor rows;
 - bytes sent per rank per step (ring algorithm): data-parallel all-reduce, or ZeRO-1/2
   reduce-scatter + all-gather: 2(N-1)/N·EΨ; ZeRO-3 (gather for forward, again for backward,
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from lightning_3d.bench import cell
-from lightning_3d.memory import zero_formula_bytes
+from lightning_3d.observe.memory import zero_formula_bytes
 
 E = 4  # bytes per fp32 element
 
@@ -87,13 +87,19 @@ def check_settings(cfg: dict[str, Any]) -> None:
         row = ROWS[name]
         per_dp = batch // row.dp
         if batch % row.dp or (row.pipeline > 1 and per_dp % m):
-            raise ValueError(f"row {name}: global batch_size ({batch}) must split over data ({row.dp})"
-                             + (f" and then micro_batches ({m})" if row.pipeline > 1 else ""))
+            raise ValueError(
+                f"row {name}: global batch_size ({batch}) must split over data ({row.dp})"
+                + (f" and then micro_batches ({m})" if row.pipeline > 1 else "")
+            )
         if row.pipeline > model["n_layer"]:
-            raise ValueError(f"row {name}: pipeline ({row.pipeline}) exceeds n_layer ({model['n_layer']})")
+            raise ValueError(
+                f"row {name}: pipeline ({row.pipeline}) exceeds n_layer ({model['n_layer']})"
+            )
         if model["n_head"] % row.tensor or model["n_embd"] % row.tensor:
-            raise ValueError(f"row {name}: tensor ({row.tensor}) must divide n_head ({model['n_head']}) "
-                             f"and n_embd ({model['n_embd']})")
+            raise ValueError(
+                f"row {name}: tensor ({row.tensor}) must divide n_head ({model['n_head']}) "
+                f"and n_embd ({model['n_embd']})"
+            )
 
 
 def deepspeed_available() -> bool:
@@ -121,22 +127,36 @@ def row_spec(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
     options = dict(row.options)
     if row.pipeline > 1 and row.engine == "lightning":
         options["micro_batches"] = cfg["micro_batches"]
-    data = {**cfg["data"], "block_size": cfg["model"]["block_size"]}  # windows as long as the model's T
+    data = {
+        **cfg["data"],
+        "block_size": cfg["model"]["block_size"],
+    }  # windows as long as the model's T
     keys = ("steps", "warmup_steps", "comm_skip", "micro_batches", "seed")
-    return {"kind": row.kind, "options": options, "world": row.world, "model": dict(cfg["model"]), "data": data,
-            **{k: cfg[k] for k in keys}}
+    return {
+        "kind": row.kind,
+        "options": options,
+        "world": row.world,
+        "model": dict(cfg["model"]),
+        "data": data,
+        **{k: cfg[k] for k in keys},
+    }
 
 
 def run_row(name: str, cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """One run of a row on fresh processes; the per-rank results."""
     from lightning_3d.bench.peers import fit_deepspeed, fit_lightning
-    from lightning_3d.testing.world import run_world
+    from lightning_3d.harness.world import run_world
 
     row = ROWS[name]
     fn: Callable = fit_lightning if row.engine == "lightning" else fit_deepspeed
     # Spawned, never forked from a warm server: the rows compare peak RSS, which a fork would inherit.
-    return run_world(fn, row.world, row_spec(name, cfg), timeout=float(cfg.get("timeout_s", 900)),
-                     start_method="spawn")
+    return run_world(
+        fn,
+        row.world,
+        row_spec(name, cfg),
+        timeout=float(cfg.get("timeout_s", 900)),
+        start_method="spawn",
+    )
 
 
 def run_all(cfg: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -151,8 +171,11 @@ def run_all(cfg: dict[str, Any], log: Callable[[str], None] = print) -> dict[str
                 skipped[name] = "skipped: `import deepspeed` fails (pip install deepspeed)"
     active = [r for r in rows if r not in skipped]
     runs: dict[str, list[list[dict[str, Any]]]] = {r: [] for r in active}
-    env = {"MALLOC_MMAP_THRESHOLD_": str(cfg["malloc_mmap_threshold"]), "DS_ACCELERATOR": "cpu",
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        "MALLOC_MMAP_THRESHOLD_": str(cfg["malloc_mmap_threshold"]),
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+    }
     with rank_environment(env):
         for repeat in range(cfg["repeats"]):
             for name in active:
@@ -167,7 +190,11 @@ def run_all(cfg: dict[str, Any], log: Callable[[str], None] = print) -> dict[str
                     continue
                 tps = runs[name][-1][0]["summary"]["tokens_per_s"]
                 log(f"[repeat {repeat + 1}/{cfg['repeats']}] {name}: {tps:.0f} tokens/s")
-    return {"runs": {k: v for k, v in runs.items() if k not in skipped}, "skipped": skipped, "errors": errors}
+    return {
+        "runs": {k: v for k, v in runs.items() if k not in skipped},
+        "skipped": skipped,
+        "errors": errors,
+    }
 
 
 def _rank_info(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -176,11 +203,22 @@ def _rank_info(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, res in enumerate(results):
         ranks = res["summary"]["ranks"]
         mine = ranks[i] if len(ranks) == len(results) else ranks[0]
-        state = mine.get("state_bytes", mine.get("param_bytes", 0) + mine.get("grad_bytes", 0)
-                         + mine.get("optimizer_state_bytes", 0))
-        out.append({"peak_rss_mb": mine["peak_rss_mb"], "state_bytes": state, "psi_rank": res["psi_rank"],
-                    "bubble_fraction": mine.get("bubble_fraction"), "sent_bytes": res["comm"]["sent_bytes"],
-                    "comm_ops": res["comm"]["ops"]})
+        state = mine.get(
+            "state_bytes",
+            mine.get("param_bytes", 0)
+            + mine.get("grad_bytes", 0)
+            + mine.get("optimizer_state_bytes", 0),
+        )
+        out.append(
+            {
+                "peak_rss_mb": mine["peak_rss_mb"],
+                "state_bytes": state,
+                "psi_rank": res["psi_rank"],
+                "bubble_fraction": mine.get("bubble_fraction"),
+                "sent_bytes": res["comm"]["sent_bytes"],
+                "comm_ops": res["comm"]["ops"],
+            }
+        )
     return out
 
 
@@ -225,18 +263,30 @@ def summarize(cfg: dict[str, Any], raw: dict[str, Any]) -> list[dict[str, Any]]:
         worst = max(range(len(ranks)), key=lambda i: ranks[i]["state_bytes"])
         bubbles = [r["bubble_fraction"] for r in ranks if r["bubble_fraction"] is not None]
         m, p = cfg["micro_batches"], row.pipeline
-        records.append({
-            "row": name, "engine": row.engine, "world": row.world, "num_params": psi,
-            "tokens_per_s_runs": [rep[0]["summary"]["tokens_per_s"] for rep in repeats],
-            "tokens_per_s": statistics.median(rep[0]["summary"]["tokens_per_s"] for rep in repeats),
-            "peak_rss_mb": statistics.median(max(x["peak_rss_mb"] for x in _rank_info(rep)) for rep in repeats),
-            "state_bytes": ranks[worst]["state_bytes"], "state_formula_bytes": per_rank[worst]["state_bytes"],
-            "sent_bytes": statistics.mean(r["sent_bytes"] for r in ranks),
-            "sent_theory_bytes": statistics.mean(t["sent_bytes"] for t in per_rank),
-            "bubble_fraction": statistics.mean(bubbles) if bubbles else None,
-            "bubble_ideal": (p - 1) / (m + p - 1) if p > 1 and row.engine == "lightning" else None,
-            "ranks": ranks,
-        })
+        records.append(
+            {
+                "row": name,
+                "engine": row.engine,
+                "world": row.world,
+                "num_params": psi,
+                "tokens_per_s_runs": [rep[0]["summary"]["tokens_per_s"] for rep in repeats],
+                "tokens_per_s": statistics.median(
+                    rep[0]["summary"]["tokens_per_s"] for rep in repeats
+                ),
+                "peak_rss_mb": statistics.median(
+                    max(x["peak_rss_mb"] for x in _rank_info(rep)) for rep in repeats
+                ),
+                "state_bytes": ranks[worst]["state_bytes"],
+                "state_formula_bytes": per_rank[worst]["state_bytes"],
+                "sent_bytes": statistics.mean(r["sent_bytes"] for r in ranks),
+                "sent_theory_bytes": statistics.mean(t["sent_bytes"] for t in per_rank),
+                "bubble_fraction": statistics.mean(bubbles) if bubbles else None,
+                "bubble_ideal": (p - 1) / (m + p - 1)
+                if p > 1 and row.engine == "lightning"
+                else None,
+                "ranks": ranks,
+            }
+        )
     by_name = {r["row"]: r for r in records}
     for rec in records:
         base = by_name.get(BASELINE.get(rec.get("world", 0), ""), {})
@@ -250,7 +300,9 @@ def formula(name: str) -> str:
     row = ROWS[name]
     psi = "Ψ_rank" if row.pipeline > 1 or row.tensor > 1 else "Ψ"
     state = f"ZeRO-{row.zero_stage}({psi}, N={row.dp})"
-    dp = {0: "AR 2(N-1)/N", 3: "AG+AG+RS 3(N-1)/N"}.get(row.zero_stage, "RS+AG 2(N-1)/N") + f"·E{psi}"
+    dp = {0: "AR 2(N-1)/N", 3: "AG+AG+RS 3(N-1)/N"}.get(
+        row.zero_stage, "RS+AG 2(N-1)/N"
+    ) + f"·E{psi}"
     if row.tensor > 1:
         return f"{state}; (4L+2)·2(t-1)/t·E·BTC"
     if row.pipeline > 1:
@@ -261,8 +313,11 @@ def formula(name: str) -> str:
 def table(records: list[dict[str, Any]]) -> str:
     """The markdown table: one line per row, skipped rows with their note."""
     mb = 2**20
-    lines = ["| row | world | tokens/s | x ddp | peak RSS MB | state MB/rank | formula MB | state/formula | "
-             "sent MB/rank/step | theory MB | sent/theory | bubble | ideal bubble | formulas |", "|---" * 14 + "|"]
+    lines = [
+        "| row | world | tokens/s | x ddp | peak RSS MB | state MB/rank | formula MB | state/formula | "
+        "sent MB/rank/step | theory MB | sent/theory | bubble | ideal bubble | formulas |",
+        "|---" * 14 + "|",
+    ]
     for r in records:
         if "note" in r:
             lines.append(f"| {r['row']} | {r['note']} |" + " |" * 12)
@@ -272,7 +327,8 @@ def table(records: list[dict[str, Any]]) -> str:
             f"{r['peak_rss_mb']:.0f} | {r['state_bytes'] / mb:.2f} | {r['state_formula_bytes'] / mb:.2f} | "
             f"{r['state_bytes'] / r['state_formula_bytes']:.3f} | {r['sent_bytes'] / mb:.2f} | "
             f"{r['sent_theory_bytes'] / mb:.2f} | {r['sent_bytes'] / max(r['sent_theory_bytes'], 1):.3f} | "
-            f"{cell(r['bubble_fraction'], '.3f')} | {cell(r['bubble_ideal'], '.3f')} | {formula(r['row'])} |")
+            f"{cell(r['bubble_fraction'], '.3f')} | {cell(r['bubble_ideal'], '.3f')} | {formula(r['row'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -290,8 +346,12 @@ def target_misses(records: list[dict[str, Any]]) -> list[str]:
     for r in by.values():
         memory = r["state_bytes"] / r["state_formula_bytes"]
         if abs(memory - 1) > 0.10:
-            misses.append(f"{r['row']}: model state {memory:.3f}x the ZeRO formula (target within 10%)")
+            misses.append(
+                f"{r['row']}: model state {memory:.3f}x the ZeRO formula (target within 10%)"
+            )
         if r["sent_theory_bytes"] > 0 and abs(r["sent_bytes"] / r["sent_theory_bytes"] - 1) > 0.10:
-            misses.append(f"{r['row']}: bytes sent {r['sent_bytes'] / r['sent_theory_bytes']:.3f}x theory "
-                          "(target within 10%)")
+            misses.append(
+                f"{r['row']}: bytes sent {r['sent_bytes'] / r['sent_theory_bytes']:.3f}x theory "
+                "(target within 10%)"
+            )
     return misses

@@ -69,8 +69,8 @@ def load_on_rank(rank: int, directory: str, layout: dict, deferred: bool) -> dic
     from lightning_3d.layout import build_mesh
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.parallel.tensor import local_tensor
-    from lightning_3d.plan import Plan
-    from lightning_3d.recipe import parallelize
+    from lightning_3d.options import Plan
+    from lightning_3d.strategy.recipe import parallelize
 
     torch.set_num_threads(1)
     plan = Plan.from_options(**layout).resolved(2)
@@ -79,10 +79,16 @@ def load_on_rank(rank: int, directory: str, layout: dict, deferred: bool) -> dic
     with AnonymousPeak() as anon:
         module = HFCausalLM(path=directory, deferred_init=deferred)
         parallelize(module, mesh, plan, device=torch.device("cpu"))
-    shard = sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in module.parameters())
+    shard = sum(
+        local_tensor(p).numel() * local_tensor(p).element_size() for p in module.parameters()
+    )
     largest = max(p.numel() for p in module.parameters()) * 4
-    return {"peak_mb": _rss_mb() - before, "anon_mb": anon.peak - anon_before, "shard_mb": shard / 2**20,
-            "largest_mb": largest / 2**20}
+    return {
+        "peak_mb": _rss_mb() - before,
+        "anon_mb": anon.peak - anon_before,
+        "shard_mb": shard / 2**20,
+        "largest_mb": largest / 2**20,
+    }
 
 
 def save_directory(directory: str, hidden: int, layers: int) -> int:
@@ -90,11 +96,20 @@ def save_directory(directory: str, hidden: int, layers: int) -> int:
     import torch
     import transformers
 
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=int(hidden * 2.6875),
-                                      num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=8,
-                                      tie_word_embeddings=False, torch_dtype="bfloat16")
+    config = transformers.LlamaConfig(
+        vocab_size=32000,
+        hidden_size=hidden,
+        intermediate_size=int(hidden * 2.6875),
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
     with torch.device("meta"):
-        count = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+        count = sum(
+            p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters()
+        )
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(directory)
     del model
@@ -102,7 +117,7 @@ def save_directory(directory: str, hidden: int, layers: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from lightning_3d.testing.world import run_world
+    from lightning_3d.harness.world import run_world
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=2048)
@@ -113,18 +128,28 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as directory:
         count = save_directory(directory, args.hidden, args.layers)
-        size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)) / 2**30
-        print(f"Llama-shaped, {count / 1e6:.0f} M parameters, {size:.2f} GB of bf16 safetensors; rank 0 of 2.\n")
-        print("| layout | load | peak anonymous memory (MB) | peak RSS (MB) | own shard, fp32 (MB) | "
-              "largest tensor, fp32 (MB) | anonymous peak / (shard + largest) |")
+        size = (
+            sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)) / 2**30
+        )
+        print(
+            f"Llama-shaped, {count / 1e6:.0f} M parameters, {size:.2f} GB of bf16 safetensors; rank 0 of 2.\n"
+        )
+        print(
+            "| layout | load | peak anonymous memory (MB) | peak RSS (MB) | own shard, fp32 (MB) | "
+            "largest tensor, fp32 (MB) | anonymous peak / (shard + largest) |"
+        )
         print("|---|---|---|---|---|---|---|")
         for name in args.layouts:
             for deferred in (True, False):
-                row = run_world(load_on_rank, 2, directory, LAYOUTS[name], deferred, start_method="spawn")[0]
+                row = run_world(
+                    load_on_rank, 2, directory, LAYOUTS[name], deferred, start_method="spawn"
+                )[0]
                 ratio = row["anon_mb"] / (row["shard_mb"] + row["largest_mb"])
-                print(f"| {name} | {'deferred' if deferred else 'whole (from_pretrained)'} | {row['anon_mb']:.0f} | "
-                      f"{row['peak_mb']:.0f} | {row['shard_mb']:.0f} | {row['largest_mb']:.0f} | {ratio:.2f} |",
-                      flush=True)
+                print(
+                    f"| {name} | {'deferred' if deferred else 'whole (from_pretrained)'} | {row['anon_mb']:.0f} | "
+                    f"{row['peak_mb']:.0f} | {row['shard_mb']:.0f} | {row['largest_mb']:.0f} | {ratio:.2f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -85,8 +85,9 @@ def _pair_worker(args: argparse.Namespace) -> None:
 
     params = _params(args)
     fused = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=True)
-    offloaded = OffloadedAdam.from_optimizer(torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01),
-                                             chunk_bytes=args.chunk_mb * 2**20)
+    offloaded = OffloadedAdam.from_optimizer(
+        torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01), chunk_bytes=args.chunk_mb * 2**20
+    )
     fused.step(), offloaded.step()  # the first steps create the state: not timed
     print("ready", flush=True)
     pairs = [("fused_s", fused), ("cpu_s", offloaded)]
@@ -109,18 +110,21 @@ def _worker(args: argparse.Namespace) -> None:
     """One variant in its own process: set up, then one timed step per ``step`` line on stdin."""
     import torch
 
-    from lightning_3d.memory import peak_rss_mb
+    from lightning_3d.observe.memory import peak_rss_mb
     from lightning_3d.offload import OffloadedAdam
 
     params = _params(args)
     rss_before = peak_rss_mb()  # parameters + gradients + interpreter
     cached_before = _cached_bytes()
-    opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, fused=args.worker == "fused" or None)
+    opt = torch.optim.AdamW(
+        params, lr=1e-4, weight_decay=0.01, fused=args.worker == "fused" or None
+    )
     if args.worker in ("cpu", "nvme"):
         path = args.path if args.worker == "nvme" else None
         io = {"direct_io": DIRECT_IO[args.direct_io]} if args.worker == "nvme" else {}
-        opt = OffloadedAdam.from_optimizer(opt, device=args.worker, path=path, chunk_bytes=args.chunk_mb * 2**20,
-                                           **io)
+        opt = OffloadedAdam.from_optimizer(
+            opt, device=args.worker, path=path, chunk_bytes=args.chunk_mb * 2**20, **io
+        )
     opt.step()  # the first step creates the state: not timed
     print("ready", flush=True)
     steps, storage_before = 0, _storage_bytes()
@@ -137,18 +141,44 @@ def _worker(args: argparse.Namespace) -> None:
     direct = getattr(getattr(opt, "_store", None), "direct_io", None)
     if isinstance(opt, OffloadedAdam):
         opt.close()
-    print(json.dumps({"peak_rss_mb": peak_rss_mb(), "rss_before_mb": rss_before,
-                      "resident_state_mb": resident / 2**20, "direct_io": direct,
-                      "page_cache_added_mb": cache_added / 2**20, "read_mb_per_step": read / 2**20 / max(steps, 1),
-                      "written_mb_per_step": written / 2**20 / max(steps, 1)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "peak_rss_mb": peak_rss_mb(),
+                "rss_before_mb": rss_before,
+                "resident_state_mb": resident / 2**20,
+                "direct_io": direct,
+                "page_cache_added_mb": cache_added / 2**20,
+                "read_mb_per_step": read / 2**20 / max(steps, 1),
+                "written_mb_per_step": written / 2**20 / max(steps, 1),
+            }
+        ),
+        flush=True,
+    )
 
 
 def _start_worker(variant: str, args: argparse.Namespace) -> subprocess.Popen:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", OMP_NUM_THREADS=str(args.threads))
-    command = [sys.executable, "-m", "lightning_3d.bench.offload", "--worker", variant, "--numel", str(args.numel),
-               "--chunk-mb", str(args.chunk_mb), "--threads", str(args.threads), "--path", args.path,
-               "--direct-io", args.direct_io]
-    return subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_3d.bench.offload",
+        "--worker",
+        variant,
+        "--numel",
+        str(args.numel),
+        "--chunk-mb",
+        str(args.chunk_mb),
+        "--threads",
+        str(args.threads),
+        "--path",
+        args.path,
+        "--direct-io",
+        args.direct_io,
+    ]
+    return subprocess.Popen(
+        command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
 
 def _ask(worker: subprocess.Popen, line: str) -> str:
@@ -163,13 +193,25 @@ def _ask(worker: subprocess.Popen, line: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=50_000_000)
-    parser.add_argument("--rounds", type=int, default=5, help="timed steps per variant, interleaved")
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="timed steps per variant, interleaved"
+    )
     parser.add_argument("--chunk-mb", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                        help="intra-op threads of every variant (default: all usable cores)")
-    parser.add_argument("--path", default=tempfile.gettempdir(), help="directory for the nvme variant")
-    parser.add_argument("--direct-io", choices=tuple(DIRECT_IO), default="auto",
-                        help="nvme variant: O_DIRECT on, off, or where the file system allows it (auto)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="intra-op threads of every variant (default: all usable cores)",
+    )
+    parser.add_argument(
+        "--path", default=tempfile.gettempdir(), help="directory for the nvme variant"
+    )
+    parser.add_argument(
+        "--direct-io",
+        choices=tuple(DIRECT_IO),
+        default="auto",
+        help="nvme variant: O_DIRECT on, off, or where the file system allows it (auto)",
+    )
     parser.add_argument("--worker", choices=(*VARIANTS, PAIR), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     for name in ("numel", "rounds", "chunk_mb", "threads"):
@@ -200,36 +242,54 @@ def main(argv: list[str] | None = None) -> None:
     step_s = {v: statistics.median(r["step_s"] for r in rows[:-1]) for v, rows in results.items()}
     best_s = {v: min(r["step_s"] for r in rows[:-1]) for v, rows in results.items()}
     med = {v: {**rows[-1], "step_s": step_s[v], "best_s": best_s[v]} for v, rows in results.items()}
-    print(f"\n{args.numel:,} fp32 parameters, AdamW step only; {args.threads} intra-op thread(s), "
-          f"chunk {args.chunk_mb} MiB, MALLOC_MMAP_THRESHOLD_=1048576; median of {args.rounds} interleaved "
-          f"steps each; nvme path {args.path}")
-    print("| offload | step s | vs none | M params/s | params/s vs fused | best M params/s | peak RSS MB "
-          "| RSS before optimizer MB | RSS added MB | state in RAM MB |")
+    print(
+        f"\n{args.numel:,} fp32 parameters, AdamW step only; {args.threads} intra-op thread(s), "
+        f"chunk {args.chunk_mb} MiB, MALLOC_MMAP_THRESHOLD_=1048576; median of {args.rounds} interleaved "
+        f"steps each; nvme path {args.path}"
+    )
+    print(
+        "| offload | step s | vs none | M params/s | params/s vs fused | best M params/s | peak RSS MB "
+        "| RSS before optimizer MB | RSS added MB | state in RAM MB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for variant, row in med.items():
-        print(f"| {variant} | {row['step_s']:.3f} | {row['step_s'] / med['none']['step_s']:.2f}x | "
-              f"{args.numel / row['step_s'] / 1e6:.1f} | {med['fused']['step_s'] / row['step_s']:.2f}x | "
-              f"{args.numel / row['best_s'] / 1e6:.1f} | "
-              f"{row['peak_rss_mb']:.0f} | {row['rss_before_mb']:.0f} | "
-              f"{row['peak_rss_mb'] - row['rss_before_mb']:.0f} | {row['resident_state_mb']:.0f} |")
+        print(
+            f"| {variant} | {row['step_s']:.3f} | {row['step_s'] / med['none']['step_s']:.2f}x | "
+            f"{args.numel / row['step_s'] / 1e6:.1f} | {med['fused']['step_s'] / row['step_s']:.2f}x | "
+            f"{args.numel / row['best_s'] / 1e6:.1f} | "
+            f"{row['peak_rss_mb']:.0f} | {row['rss_before_mb']:.0f} | "
+            f"{row['peak_rss_mb'] - row['rss_before_mb']:.0f} | {row['resident_state_mb']:.0f} |"
+        )
     nvme = med["nvme"]
     mode = {True: "on (O_DIRECT)", False: "off (page cache)"}.get(nvme["direct_io"], "?")
-    print(f"\nnvme: direct I/O {mode} (--direct-io {args.direct_io}); page cache grew "
-          f"{nvme['page_cache_added_mb']:.0f} MB over its run (/proc/meminfo Cached, system-wide); storage "
-          f"reads {nvme['read_mb_per_step']:.0f} MB and writes {nvme['written_mb_per_step']:.0f} MB per step "
-          f"(/proc/self/io)")
+    print(
+        f"\nnvme: direct I/O {mode} (--direct-io {args.direct_io}); page cache grew "
+        f"{nvme['page_cache_added_mb']:.0f} MB over its run (/proc/meminfo Cached, system-wide); storage "
+        f"reads {nvme['read_mb_per_step']:.0f} MB and writes {nvme['written_mb_per_step']:.0f} MB per step "
+        f"(/proc/self/io)"
+    )
     state_mb = 8 * args.numel / 2**20
     fused_s, cpu_s = (statistics.median(r[key] for r in pairs) for key in ("fused_s", "cpu_s"))
-    print(f"\nSame tensors, one process, {args.threads} thread(s), median of {len(pairs)} interleaved pairs: "
-          f"torch.optim.AdamW(fused=True) {args.numel / fused_s / 1e6:.1f} M params/s, "
-          f"OffloadedAdam(device='cpu') {args.numel / cpu_s / 1e6:.1f} M params/s")
-    print(f"OffloadedAdam(device='cpu') vs torch.optim.AdamW(fused=True): {fused_s / cpu_s:.2f}x params/s "
-          f"(target >= 0.9x; the table's separate processes: {med['fused']['step_s'] / med['cpu']['step_s']:.2f}x)")
+    print(
+        f"\nSame tensors, one process, {args.threads} thread(s), median of {len(pairs)} interleaved pairs: "
+        f"torch.optim.AdamW(fused=True) {args.numel / fused_s / 1e6:.1f} M params/s, "
+        f"OffloadedAdam(device='cpu') {args.numel / cpu_s / 1e6:.1f} M params/s"
+    )
+    print(
+        f"OffloadedAdam(device='cpu') vs torch.optim.AdamW(fused=True): {fused_s / cpu_s:.2f}x params/s "
+        f"(target >= 0.9x; the table's separate processes: {med['fused']['step_s'] / med['cpu']['step_s']:.2f}x)"
+    )
     # CPU seconds (all threads) barely count time spent preempted by other processes' load.
-    fused_cpu, cpu_cpu = (statistics.median(r[key] for r in pairs) for key in ("cpu_fused_s", "cpu_cpu_s"))
-    print(f"by CPU time per step (less sensitive to other load): fused {fused_cpu:.3f} s, OffloadedAdam "
-          f"{cpu_cpu:.3f} s, {fused_cpu / cpu_cpu:.2f}x")
-    print(f"(total {time.perf_counter() - start:.0f} s; state = exp_avg + exp_avg_sq = {state_mb:.0f} MB)")
+    fused_cpu, cpu_cpu = (
+        statistics.median(r[key] for r in pairs) for key in ("cpu_fused_s", "cpu_cpu_s")
+    )
+    print(
+        f"by CPU time per step (less sensitive to other load): fused {fused_cpu:.3f} s, OffloadedAdam "
+        f"{cpu_cpu:.3f} s, {fused_cpu / cpu_cpu:.2f}x"
+    )
+    print(
+        f"(total {time.perf_counter() - start:.0f} s; state = exp_avg + exp_avg_sq = {state_mb:.0f} MB)"
+    )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_3d.bench.comm import CommCounter, count_collectives, counting_allreduce_hook
-from lightning_3d.memory import peak_rss_mb
+from lightning_3d.observe.memory import peak_rss_mb
 from lightning_3d.models import LitGPT
 from lightning_3d.models.gpt import Block
 
@@ -61,10 +61,16 @@ class CPUFSDPStrategy(FSDPStrategy):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         wrapped = FullyShardedDataParallel(
-            model, cpu_offload=self.cpu_offload, mixed_precision=self.mixed_precision_config,
-            sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"), **self.kwargs,
+            model,
+            cpu_offload=self.cpu_offload,
+            mixed_precision=self.mixed_precision_config,
+            sharding_strategy=self.sharding_strategy,
+            device_id=torch.device("cpu"),
+            **self.kwargs,
         )
-        self.kwargs.pop("auto_wrap_policy", None)  # used above; Lightning would warn that it is ignored
+        self.kwargs.pop(
+            "auto_wrap_policy", None
+        )  # used above; Lightning would warn that it is ignored
         return super()._setup_model(wrapped)
 
 
@@ -95,7 +101,9 @@ class CommWindow(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.psi_rank = local_param_elements(pl_module)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int
+    ) -> None:
         if self.before is None and trainer.global_step >= self.skip:
             self.before, self.first_step = self.counter.snapshot(), trainer.global_step
 
@@ -107,8 +115,10 @@ class CommWindow(Callback):
 def per_step(delta: dict[str, tuple[int, int, float]], steps: int) -> dict[str, Any]:
     """Per-op (calls, payload, sent) totals divided by the number of counted steps."""
     steps = max(steps, 1)
-    ops = {k: {"calls": c / steps, "payload_bytes": p / steps, "sent_bytes": s / steps}
-           for k, (c, p, s) in delta.items()}
+    ops = {
+        k: {"calls": c / steps, "payload_bytes": p / steps, "sent_bytes": s / steps}
+        for k, (c, p, s) in delta.items()
+    }
     return {"steps": steps, "ops": ops, "sent_bytes": sum(o["sent_bytes"] for o in ops.values())}
 
 
@@ -130,7 +140,9 @@ def build_strategy(kind: str, options: dict[str, Any], world: int) -> Any:
     if kind == "ddp":
         return CountingDDPStrategy()
     if kind == "fsdp":
-        return CPUFSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD", use_orig_params=True)
+        return CPUFSDPStrategy(
+            auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD", use_orig_params=True
+        )
     if kind == "mp":
         return ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     raise ValueError(f"unknown Lightning row kind {kind!r}; expected one of 3d, ddp, fsdp, mp")
@@ -138,7 +150,7 @@ def build_strategy(kind: str, options: dict[str, Any], world: int) -> Any:
 
 def fit_lightning(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Train ``spec["steps"]`` steps under a Lightning strategy; see the module docstring."""
-    from lightning_3d.callbacks import RunSummary
+    from lightning_3d.observe.summary import RunSummary
     from lightning_3d.data import TextDataModule
 
     L.seed_everything(spec["seed"], verbose=False)
@@ -150,11 +162,19 @@ def fit_lightning(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         summary = RunSummary(warmup_steps=spec["warmup_steps"])
         with tempfile.TemporaryDirectory() as root:
             trainer = L.Trainer(
-                accelerator="cpu", devices=spec["world"], num_nodes=1,
+                accelerator="cpu",
+                devices=spec["world"],
+                num_nodes=1,
                 strategy=build_strategy(spec["kind"], spec["options"], spec["world"]),
-                max_steps=spec["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
-                callbacks=[window, summary], default_root_dir=root,
+                max_steps=spec["steps"],
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                limit_val_batches=0,
+                callbacks=[window, summary],
+                default_root_dir=root,
             )
             trainer.fit(module, datamodule)
     return {"summary": summary.summary, "comm": window.result, "psi_rank": window.psi_rank}
@@ -186,17 +206,24 @@ def _lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def deepspeed_config(options: dict[str, Any], global_batch: int, micro_batch: int, lr: float) -> dict[str, Any]:
+def deepspeed_config(
+    options: dict[str, Any], global_batch: int, micro_batch: int, lr: float
+) -> dict[str, Any]:
     """DeepSpeed's JSON config for a row: fp32, AdamW, the row's ZeRO stage and offload."""
     config: dict[str, Any] = {
-        "train_batch_size": global_batch, "train_micro_batch_size_per_gpu": micro_batch,
-        "steps_per_print": 10**9, "zero_allow_untested_optimizer": True,
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
         "zero_optimization": {"stage": options.get("zero_stage", 0)},
     }
     if options.get("offload"):
         # DeepSpeed's own CPU Adam (a compiled op) is what optimizer offload runs.
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.1}}
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": lr, "betas": [0.9, 0.95], "weight_decay": 0.1},
+        }
     return config
 
 
@@ -209,8 +236,11 @@ def _tensor_bytes(root: Any, seen: set[int], depth: int = 0) -> int:
     """
     if isinstance(root, torch.Tensor):
         storage = root.untyped_storage()
-        extra = sum(_tensor_bytes(t, seen, depth) for t in (root.grad, getattr(root, "ds_tensor", None))
-                    if t is not None)
+        extra = sum(
+            _tensor_bytes(t, seen, depth)
+            for t in (root.grad, getattr(root, "ds_tensor", None))
+            if t is not None
+        )
         if storage.data_ptr() in seen or storage.nbytes() == 0:
             return extra
         seen.add(storage.data_ptr())
@@ -222,9 +252,14 @@ def _tensor_bytes(root: Any, seen: set[int], depth: int = 0) -> int:
     if isinstance(root, (list, tuple, set)):
         return sum(_tensor_bytes(v, seen, depth + 1) for v in root)
     module_name = type(root).__module__
-    if hasattr(root, "__dict__") and (module_name.startswith("deepspeed") or module_name.startswith("torch.optim")):
-        return sum(_tensor_bytes(v, seen, depth + 1) for k, v in vars(root).items()
-                   if "ipg" not in k.lower() and "bucket" not in k.lower())
+    if hasattr(root, "__dict__") and (
+        module_name.startswith("deepspeed") or module_name.startswith("torch.optim")
+    ):
+        return sum(
+            _tensor_bytes(v, seen, depth + 1)
+            for k, v in vars(root).items()
+            if "ipg" not in k.lower() and "bucket" not in k.lower()
+        )
     return 0
 
 
@@ -248,14 +283,23 @@ def fit_deepspeed(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         model: nn.Module = lit.model
         if stages > 1:
             gpt = lit.model
-            model = PipelineModule([_Embed(gpt), *gpt.blocks, _Head(gpt)], num_stages=stages, loss_fn=_lm_loss,
-                                   partition_method="uniform")
+            model = PipelineModule(
+                [_Embed(gpt), *gpt.blocks, _Head(gpt)],
+                num_stages=stages,
+                loss_fn=_lm_loss,
+                partition_method="uniform",
+            )
         config = deepspeed_config(options, global_batch, micro, lit.hparams.lr)
         optimizer = None
         if not options.get("offload"):
-            groups = lit.configure_optimizers()["optimizer"].param_groups  # LitGPT's AdamW and its groups
-            optimizer = torch.optim.AdamW([{k: v for k, v in g.items() if k != "initial_lr"} for g in groups],
-                                          lr=lit.hparams.lr, betas=(0.9, 0.95))
+            groups = lit.configure_optimizers()[
+                "optimizer"
+            ].param_groups  # LitGPT's AdamW and its groups
+            optimizer = torch.optim.AdamW(
+                [{k: v for k, v in g.items() if k != "initial_lr"} for g in groups],
+                lr=lit.hparams.lr,
+                betas=(0.9, 0.95),
+            )
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         data = TextDataModule(seed=spec["seed"], **{**spec["data"], "batch_size": micro * dp})
         data.setup_for(dp, engine.global_rank // stages if stages > 1 else rank)
@@ -272,14 +316,18 @@ def fit_deepspeed(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
                 loss = _lm_loss(engine(x), y)
                 engine.backward(loss)
                 if step == 1 or steps == 1:
-                    memory = _tensor_bytes([list(engine.module.parameters()), engine.optimizer], set())
+                    memory = _tensor_bytes(
+                        [list(engine.module.parameters()), engine.optimizer], set()
+                    )
                 engine.step()
             times.append(time.perf_counter() - t0)
         comm = per_step(counter.since(before or {}), steps - spec["comm_skip"])
         if stages > 1:
             memory = _tensor_bytes([list(engine.module.parameters()), engine.optimizer], set())
-        psi_rank = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
-    steady = times[spec["warmup_steps"]:] or times
+        psi_rank = sum(
+            p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters()
+        )
+    steady = times[spec["warmup_steps"] :] or times
     summary = {
         "tokens_per_s": global_batch * spec["model"]["block_size"] / statistics.median(steady),
         "num_params": num_params,

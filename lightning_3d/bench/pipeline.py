@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 MODEL = dict(n_embd=256, n_layer=4, n_head=8, block_size=128, warmup_steps=2)
 
@@ -29,26 +29,43 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")  # inherited by the spawned ranks
     p = 2
-    print("| schedule | m | bubble (measured) | ideal (p-1)/(m+p-1) | tokens/s | activations MB, rank 0 / 1 "
-          "| in flight, rank 0 / 1 | peak RSS MB (max rank) |")
+    print(
+        "| schedule | m | bubble (measured) | ideal (p-1)/(m+p-1) | tokens/s | activations MB, rank 0 / 1 "
+        "| in flight, rank 0 / 1 | peak RSS MB (max rank) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for m in args.micro_batches:
         data = dict(block_size=128, batch_size=m * 2, max_bytes=2_000_000)
         for schedule in args.schedules:
             strategy = {"pipeline": p, "schedule": schedule, "micro_batches": m}
-            runs = run_world(fit_gpt, p, Run(strategy=strategy, devices=p, steps=args.steps, seed=1234, model=MODEL,
-                                             data=data))
+            runs = run_world(
+                fit_gpt,
+                p,
+                Run(
+                    strategy=strategy,
+                    devices=p,
+                    steps=args.steps,
+                    seed=1234,
+                    model=MODEL,
+                    data=data,
+                ),
+            )
             ranks = runs[0]["summary"]["ranks"]
             bubble = sum(r["bubble_fraction"] for r in ranks) / len(ranks)
             ideal = (p - 1) / (m + p - 1)
             rss = max(r["peak_rss_mb"] for r in ranks)
             acts = " / ".join(f"{r['activation_peak_bytes'] / 2**20:.1f}" for r in ranks)
             flight = " / ".join(str(r["in_flight_peak"]) for r in ranks)
-            print(f"| {schedule} | {m} | {bubble:.3f} | {ideal:.3f} | {runs[0]['summary']['tokens_per_s']:.0f} | "
-                  f"{acts} | {flight} | {rss:.0f} |", flush=True)
-    print(f"\npipeline={p}, micro-batches of 2 samples x 128 tokens, {args.steps} steps per row; "
-          "interleaved uses 2 virtual stages per rank (its ideal bubble is (p-1)/(2m+p-1);\n"
-          "its in-flight counts are stage chunks of half the blocks).")
+            print(
+                f"| {schedule} | {m} | {bubble:.3f} | {ideal:.3f} | {runs[0]['summary']['tokens_per_s']:.0f} | "
+                f"{acts} | {flight} | {rss:.0f} |",
+                flush=True,
+            )
+    print(
+        f"\npipeline={p}, micro-batches of 2 samples x 128 tokens, {args.steps} steps per row; "
+        "interleaved uses 2 virtual stages per rank (its ideal bubble is (p-1)/(2m+p-1);\n"
+        "its in-flight counts are stage chunks of half the blocks)."
+    )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import statistics
 
 import torch
 
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 MODEL = dict(n_embd=256, n_layer=4, n_head=8, block_size=128, warmup_steps=2)
 DATA = dict(block_size=128, batch_size=16, max_bytes=2_000_000)
@@ -30,22 +30,50 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     single, tp2 = [], []
     for _ in range(args.repeats):
-        one = fit_gpt(0, Run(strategy={"tensor": 1}, devices=1, steps=args.steps, seed=1234, model=MODEL, data=DATA))
+        one = fit_gpt(
+            0,
+            Run(
+                strategy={"tensor": 1},
+                devices=1,
+                steps=args.steps,
+                seed=1234,
+                model=MODEL,
+                data=DATA,
+            ),
+        )
         single.append(one["summary"]["tokens_per_s"])
-        two = run_world(fit_gpt, 2, Run(strategy={"tensor": 2}, devices=2, steps=args.steps, seed=1234, model=MODEL,
-                                        data=DATA))
+        two = run_world(
+            fit_gpt,
+            2,
+            Run(
+                strategy={"tensor": 2},
+                devices=2,
+                steps=args.steps,
+                seed=1234,
+                model=MODEL,
+                data=DATA,
+            ),
+        )
         tp2.append(two[0]["summary"]["tokens_per_s"])
         print(f"  1 process: {single[-1]:8.0f} tok/s   tensor=2: {tp2[-1]:8.0f} tok/s", flush=True)
     a, b = statistics.median(single), statistics.median(tp2)
     one_rank, two_rank = one["summary"]["ranks"][0], two[0]["summary"]["ranks"][0]
-    print("\n| layout | processes | tokens/s (median) | ratio | param bytes/rank | split-layer bytes/rank | logits bytes/rank |")
+    print(
+        "\n| layout | processes | tokens/s (median) | ratio | param bytes/rank | split-layer bytes/rank | logits bytes/rank |"
+    )
     print("|---|---|---|---|---|---|---|")
-    print(f"| tensor=1 | 1 | {a:.0f} | 1.00 | {one_rank['param_bytes']:,} | {two_rank['tp_split_dense_bytes']:,} | "
-          f"{two_rank['logits_dense_bytes']:,} |")
-    print(f"| tensor=2 | 2 | {b:.0f} | {b / a:.2f} | {two_rank['param_bytes']:,} | {two_rank['tp_split_param_bytes']:,} | "
-          f"{two_rank['logits_bytes']:,} |")
-    print(f"\nΨ = {one['summary']['num_params']:,}; global batch {DATA['batch_size']} x {DATA['block_size']} tokens; "
-          f"{args.repeats} interleaved repeats of {args.steps} steps.")
+    print(
+        f"| tensor=1 | 1 | {a:.0f} | 1.00 | {one_rank['param_bytes']:,} | {two_rank['tp_split_dense_bytes']:,} | "
+        f"{two_rank['logits_dense_bytes']:,} |"
+    )
+    print(
+        f"| tensor=2 | 2 | {b:.0f} | {b / a:.2f} | {two_rank['param_bytes']:,} | {two_rank['tp_split_param_bytes']:,} | "
+        f"{two_rank['logits_bytes']:,} |"
+    )
+    print(
+        f"\nΨ = {one['summary']['num_params']:,}; global batch {DATA['batch_size']} x {DATA['block_size']} tokens; "
+        f"{args.repeats} interleaved repeats of {args.steps} steps."
+    )
 
 
 if __name__ == "__main__":

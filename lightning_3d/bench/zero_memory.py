@@ -4,7 +4,7 @@
 
 Trains the reference GPT for two fp32 AdamW steps per layout on gloo worlds and prints, for
 rank 0, the bytes of parameters, gradients and optimizer state resident at the end of backward
-(counted from the tensors: see ``lightning_3d.memory``) and their ratio to the formula
+(counted from the tensors: see ``lightning_3d.observe.memory``) and their ratio to the formula
 (stage 0: 16Ψ, 1: 8Ψ + 8Ψ/N, 2: 4Ψ + 12Ψ/N, 3: 16Ψ/N). Peak RSS is printed too, measured with
 ``MALLOC_MMAP_THRESHOLD_=1048576`` so freed large tensors go back to the OS.
 """
@@ -14,15 +14,23 @@ from __future__ import annotations
 import argparse
 import os
 
-from lightning_3d.memory import zero_formula_bytes
-from lightning_3d.testing.runs import Run, fit_gpt
-from lightning_3d.testing.world import run_world
+from lightning_3d.observe.memory import zero_formula_bytes
+from lightning_3d.harness.runs import Run, fit_gpt
+from lightning_3d.harness.world import run_world
 
 
 def measure(data: int, stage: int, model: dict) -> dict:
-    run = Run(strategy={"zero_stage": stage}, devices=data, steps=2, seed=1234, model=model,
-              data={"block_size": model["block_size"]})
-    runs = run_world(fit_gpt, data, run, start_method="spawn")  # peak RSS: nothing inherited from a fork server
+    run = Run(
+        strategy={"zero_stage": stage},
+        devices=data,
+        steps=2,
+        seed=1234,
+        model=model,
+        data={"block_size": model["block_size"]},
+    )
+    runs = run_world(
+        fit_gpt, data, run, start_method="spawn"
+    )  # peak RSS: nothing inherited from a fork server
     summary = runs[0]["summary"]
     return {"num_params": summary["num_params"], **summary["ranks"][0]}
 
@@ -35,7 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")  # inherited by the spawned ranks
     model = dict(n_embd=args.n_embd, n_layer=args.n_layer, n_head=4, block_size=64)
-    print("| N | stage | params MB | grads MB | optim MB | total MB | formula MB | total/formula | peak RSS MB |")
+    print(
+        "| N | stage | params MB | grads MB | optim MB | total MB | formula MB | total/formula | peak RSS MB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for data in args.data:
         for stage in (0, 1, 2, 3):

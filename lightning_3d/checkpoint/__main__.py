@@ -17,7 +17,7 @@ same path, inside a sharded input, or a directory holding it), ``--force`` or no
 one line ``error: ...`` on stderr and exit with code 2 (bad input), before anything is written,
 or 3 when the output cannot be written (no space left, a read-only file system, no permission:
 the line names the output and the cause; no partial file is left)
-(:mod:`lightning_3d.exit_codes`).
+(:mod:`lightning_3d.runtime.exit_codes`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any, NoReturn
 from lightning_3d.checkpoint.checks import inspect_checkpoint
 from lightning_3d.checkpoint.export import export_safetensors
 from lightning_3d.checkpoint.hf_export import DTYPES, export_hf
-from lightning_3d.exit_codes import BAD_INPUT, IO_ERROR
-from lightning_3d.failures import io_error_words
+from lightning_3d.runtime.exit_codes import BAD_INPUT, IO_ERROR
+from lightning_3d.runtime.failures import io_error_words
 
 USAGE_ERROR = BAD_INPUT
 # What makes an output unwritable, as opposed to a wrong path given (a missing input: exit 2).
@@ -52,37 +52,56 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m lightning_3d.checkpoint", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     consolidate = commands.add_parser(
-        "consolidate", aliases=["export"],
+        "consolidate",
+        aliases=["export"],
         help="export the model weights of a Lightning checkpoint as one safetensors file",
     )
     consolidate.set_defaults(run=_consolidate)
-    consolidate.add_argument("checkpoint", help="Lightning checkpoint (.ckpt file or sharded directory)")
+    consolidate.add_argument(
+        "checkpoint", help="Lightning checkpoint (.ckpt file or sharded directory)"
+    )
     consolidate.add_argument("output", help="safetensors file to write (written atomically)")
     consolidate.add_argument(
-        "--prefix", default=None,
+        "--prefix",
+        default=None,
         help="LightningModule attribute prefix to strip from every name (default: the first dotted "
-             "component when all names share it, e.g. 'model.'; '' keeps names unchanged)",
+        "component when all names share it, e.g. 'model.'; '' keeps names unchanged)",
     )
     consolidate.add_argument("--force", action="store_true", help="overwrite OUTPUT if it exists")
     _add_export_hf(commands)
-    inspect = commands.add_parser("inspect", help="verify a checkpoint's checksums and print what it holds")
+    inspect = commands.add_parser(
+        "inspect", help="verify a checkpoint's checksums and print what it holds"
+    )
     inspect.set_defaults(run=_inspect)
-    inspect.add_argument("checkpoint", help=".ckpt file, sharded checkpoint directory or .safetensors file")
+    inspect.add_argument(
+        "checkpoint", help=".ckpt file, sharded checkpoint directory or .safetensors file"
+    )
     return parser
 
 
 def _add_export_hf(commands: Any) -> None:
     export = commands.add_parser(
-        "export-hf", help="write an HFCausalLM checkpoint as a Hugging Face model directory (from_pretrained)"
+        "export-hf",
+        help="write an HFCausalLM checkpoint as a Hugging Face model directory (from_pretrained)",
     )
-    export.add_argument("checkpoint", help="HFCausalLM checkpoint: a .ckpt file or a sharded checkpoint directory")
-    export.add_argument("out_dir", help="directory to write (written under a temporary name, then renamed)")
     export.add_argument(
-        "--tokenizer", default=None, metavar="DIR",
+        "checkpoint", help="HFCausalLM checkpoint: a .ckpt file or a sharded checkpoint directory"
+    )
+    export.add_argument(
+        "out_dir", help="directory to write (written under a temporary name, then renamed)"
+    )
+    export.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
         help="tokenizer directory to include (default: the model's `path` hyper-parameter when it has one)",
     )
-    export.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="cast floating weights (default: keep the checkpoint's dtypes, bit for bit)")
+    export.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="cast floating weights (default: keep the checkpoint's dtypes, bit for bit)",
+    )
     export.add_argument("--force", action="store_true", help="replace OUT_DIR if it is not empty")
     export.set_defaults(run=_export_hf)
 
@@ -97,22 +116,31 @@ def _consolidate(args: argparse.Namespace) -> None:
 
 
 def _export_hf(args: argparse.Namespace) -> None:
-    result = export_hf(args.checkpoint, args.out_dir, tokenizer=args.tokenizer, dtype=args.dtype, force=args.force,
-                       progress=lambda line: print(line, file=sys.stderr, flush=True))
+    result = export_hf(
+        args.checkpoint,
+        args.out_dir,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        force=args.force,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     tokenizer = f", tokenizer from {result.tokenizer}" if result.tokenizer else ", no tokenizer"
-    print(f"wrote {result.architecture} ({result.num_params:,} parameters, {'/'.join(result.dtypes)}{tokenizer}) "
-          f"to {result.path}: {', '.join(result.files)}")
+    print(
+        f"wrote {result.architecture} ({result.num_params:,} parameters, {'/'.join(result.dtypes)}{tokenizer}) "
+        f"to {result.path}: {', '.join(result.files)}"
+    )
 
 
 def _inspect(args: argparse.Namespace) -> None:
     info = inspect_checkpoint(args.checkpoint)
     checked = {None: "none (safetensors)", -1: "none recorded (not verified)"}.get(
-        info["verified"], f"{info['verified']} verified")
-    print(f"{info['path']}: {info['format']}, {info['bytes']:,} bytes, {len(info['shapes'])} tensors "
-          f"({info['num_params']:,} parameters), step {info['global_step']}, epoch {info['epoch']}, "
-          f"optimizer state {'yes' if info['has_optimizer_states'] else 'no'}; checksums: {checked}")
-
-
+        info["verified"], f"{info['verified']} verified"
+    )
+    print(
+        f"{info['path']}: {info['format']}, {info['bytes']:,} bytes, {len(info['shapes'])} tensors "
+        f"({info['num_params']:,} parameters), step {info['global_step']}, epoch {info['epoch']}, "
+        f"optimizer state {'yes' if info['has_optimizer_states'] else 'no'}; checksums: {checked}"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,7 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {_one_line(error)}", file=sys.stderr)
         return USAGE_ERROR
     except (ValueError, ImportError) as error:
-        print(f"error: {_one_line(error)}", file=sys.stderr)  # the error alone, no warnings before it
+        print(
+            f"error: {_one_line(error)}", file=sys.stderr
+        )  # the error alone, no warnings before it
         return USAGE_ERROR
     for warning in caught:  # e.g. a checkpoint without checksums: one line each
         if issubclass(warning.category, UserWarning):

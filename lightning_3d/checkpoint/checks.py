@@ -41,7 +41,9 @@ WEIGHTS = "state_dict."  # the model's tensors in a checkpoint dict (what export
 
 def _listed(names: list[str]) -> str:
     shown = ", ".join(names[:_MAX_LISTED])
-    return shown + (f", ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")
+    return shown + (
+        f", ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
+    )
 
 
 def shapes_of(state: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -96,8 +98,9 @@ def detect_format(path: PathLike) -> str:
     )
 
 
-def load_lightning_checkpoint(path: PathLike, mmap: bool = False, map_location: Any = "cpu",
-                              verify: str | None = "") -> dict[str, Any]:
+def load_lightning_checkpoint(
+    path: PathLike, mmap: bool = False, map_location: Any = "cpu", verify: str | None = ""
+) -> dict[str, Any]:
     """The whole Lightning checkpoint dict, read weights-only, after checking its kind and shape.
 
     ``mmap``: tensors are read from the file on first use (zip format only); ``map_location``
@@ -116,20 +119,30 @@ def load_lightning_checkpoint(path: PathLike, mmap: bool = False, map_location: 
         raise ValueError(f"{path} is a {kind} file, not a Lightning checkpoint (.ckpt)")
     checkpoint = load_weights_only(path, mmap, map_location)
     if not isinstance(checkpoint, Mapping) or not isinstance(checkpoint.get("state_dict"), Mapping):
-        found = sorted(map(str, checkpoint))[:_MAX_LISTED] if isinstance(checkpoint, Mapping) else type(checkpoint)
+        found = (
+            sorted(map(str, checkpoint))[:_MAX_LISTED]
+            if isinstance(checkpoint, Mapping)
+            else type(checkpoint)
+        )
         raise ValueError(
             f"{path} is a torch file but not a Lightning checkpoint: no 'state_dict' entry (found {found})"
         )
-    not_tensors = sorted(k for k, v in checkpoint["state_dict"].items() if not isinstance(v, Tensor))
+    not_tensors = sorted(
+        k for k, v in checkpoint["state_dict"].items() if not isinstance(v, Tensor)
+    )
     if not_tensors:
-        raise ValueError(f"{path}: 'state_dict' entries that are not tensors: {_listed(not_tensors)}")
+        raise ValueError(
+            f"{path}: 'state_dict' entries that are not tensors: {_listed(not_tensors)}"
+        )
     checkpoint = dict(checkpoint)
     if verify is not None:
         verify_tensors(checkpoint, path, verify)
     return checkpoint
 
 
-def _safetensors_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict[str, str]]:
+def _safetensors_header(
+    path: Path,
+) -> tuple[dict[str, tuple[int, ...]], dict[str, str], dict[str, str]]:
     from safetensors import safe_open
 
     try:
@@ -173,10 +186,21 @@ def inspect_checkpoint(path: PathLike) -> dict[str, Any]:
     """
     path = Path(path)
     kind = detect_format(path)
-    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if kind == SHARDED else path.stat().st_size
-    info: dict[str, Any] = {"path": str(path), "format": kind, "bytes": size,
-                            "global_step": None, "epoch": None, "has_optimizer_states": False, "metadata": {},
-                            "verified": None}
+    size = (
+        sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+        if kind == SHARDED
+        else path.stat().st_size
+    )
+    info: dict[str, Any] = {
+        "path": str(path),
+        "format": kind,
+        "bytes": size,
+        "global_step": None,
+        "epoch": None,
+        "has_optimizer_states": False,
+        "metadata": {},
+        "verified": None,
+    }
     if kind == SAFETENSORS:
         info["shapes"], info["dtypes"], info["metadata"] = _safetensors_header(path)
     elif kind == SHARDED:
@@ -219,14 +243,21 @@ def check_against(
     expected = set(names) if names is not None else set(module_shapes)
     problems = []
     if strict:
-        missing, unexpected = sorted(expected - set(ckpt_shapes)), sorted(set(ckpt_shapes) - expected)
+        missing, unexpected = (
+            sorted(expected - set(ckpt_shapes)),
+            sorted(set(ckpt_shapes) - expected),
+        )
         if missing:
             problems.append(f"missing from the checkpoint ({len(missing)}): {_listed(missing)}")
         if unexpected:
-            problems.append(f"unexpected in the checkpoint ({len(unexpected)}): {_listed(unexpected)}")
+            problems.append(
+                f"unexpected in the checkpoint ({len(unexpected)}): {_listed(unexpected)}"
+            )
     elif not expected & set(ckpt_shapes):
-        problems.append(f"no names in common (model has e.g. {_listed(sorted(expected)[:3])}; "
-                        f"checkpoint has e.g. {_listed(sorted(ckpt_shapes)[:3])})")
+        problems.append(
+            f"no names in common (model has e.g. {_listed(sorted(expected)[:3])}; "
+            f"checkpoint has e.g. {_listed(sorted(ckpt_shapes)[:3])})"
+        )
     mismatched = [
         f"{name}: checkpoint {tuple(ckpt_shapes[name])} vs model {tuple(shape)}"
         for name, shape in sorted(module_shapes.items())

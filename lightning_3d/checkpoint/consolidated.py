@@ -25,44 +25,65 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_3d.checkpoint.view import StateView, full_state_dict, optimizer_params, state_in_slices, tied_aliases
+from lightning_3d.checkpoint.view import (
+    StateView,
+    full_state_dict,
+    optimizer_params,
+    state_in_slices,
+    tied_aliases,
+)
 from lightning_3d.parallel.zero import ZeroDataParallel
 
 
 # ---------------------------------------------------------------------------------- model
-def full_model_state(module: nn.Module, pp_group: Any = None, names: Optional[list[str]] = None) -> dict[str, Tensor]:
+def full_model_state(
+    module: nn.Module, pp_group: Any = None, names: Optional[list[str]] = None
+) -> dict[str, Tensor]:
     """``module.state_dict()`` at full size on CPU (``names``: its keys in one process, for a
     pipeline stage that holds only some). A collective: call on every rank."""
     full = full_state_dict(module, pp_group=pp_group)
     # state_dict() lists a tied weight under each of its names; full_state_dict once.
     aliases = tied_aliases(module)
     full.update({alias: full[name] for alias, name in aliases.items() if name in full})
-    return {name: full[name] for name in (names if names is not None else module.state_dict()) if name in full}
+    return {
+        name: full[name]
+        for name in (names if names is not None else module.state_dict())
+        if name in full
+    }
 
 
 @torch.no_grad()
-def load_full_model_state(module: nn.Module, state: Mapping[str, Tensor], strict: bool = True,
-                          names: Optional[list[str]] = None) -> None:
+def load_full_model_state(
+    module: nn.Module,
+    state: Mapping[str, Tensor],
+    strict: bool = True,
+    names: Optional[list[str]] = None,
+) -> None:
     """Copy full tensors into ``module``'s (possibly sharded) parameters and buffers in place.
     ``names``: the state's keys in one process (a pipeline stage loads only what it holds)."""
     own = dict([*module.named_parameters(), *module.named_buffers()])
     expected = set(names if names is not None else module.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if strict and (missing or unexpected):
-        raise KeyError(f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+        raise KeyError(
+            f"checkpoint does not match the model: missing {missing}, unexpected {unexpected}"
+        )
     view = StateView(module)
     for name, full in state.items():
         if name not in own:
             continue
         target = own[name]
         if tuple(full.shape) != tuple(target.shape):
-            raise ValueError(f"{name}: checkpoint shape {tuple(full.shape)} != model shape {tuple(target.shape)}")
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(full.shape)} != model shape {tuple(target.shape)}"
+            )
         view.copy_into(target, full)
 
 
 # ------------------------------------------------------------------------------ optimizer
-def _param_layout(view: StateView, groups: list[list[Tensor]], pp_group: Any,
-                  order: Optional[list[str]]) -> tuple[dict[int, int], list[int]]:
+def _param_layout(
+    view: StateView, groups: list[list[Tensor]], pp_group: Any, order: Optional[list[str]]
+) -> tuple[dict[int, int], list[int]]:
     """Each local parameter's index in one process's optimizer state, and the group sizes there."""
     if pp_group is None:
         params = [p for group in groups for p in group]
@@ -72,14 +93,22 @@ def _param_layout(view: StateView, groups: list[list[Tensor]], pp_group: Any,
     parts: list[Any] = [None] * dist.get_world_size(pp_group)
     dist.all_gather_object(parts, mine, group=pp_group)
     position = {name: i for i, name in enumerate(order or [])}
-    merged = [sorted({n for part in parts for n in part[g]}, key=position.__getitem__) for g in range(len(groups))]
+    merged = [
+        sorted({n for part in parts for n in part[g]}, key=position.__getitem__)
+        for g in range(len(groups))
+    ]
     index = {name: i for i, name in enumerate(n for group in merged for n in group)}
-    return {id(p): index[name_of[id(p)]] for group in groups for p in group}, [len(g) for g in merged]
+    return {id(p): index[name_of[id(p)]] for group in groups for p in group}, [
+        len(g) for g in merged
+    ]
 
 
 def full_optimizer_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, engine: Optional[ZeroDataParallel] = None,
-    pp_group: Any = None, order: Optional[list[str]] = None,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    engine: Optional[ZeroDataParallel] = None,
+    pp_group: Any = None,
+    order: Optional[list[str]] = None,
 ) -> dict[str, Any]:
     """The user's optimizer's ``state_dict()`` as one process would have it. A collective."""
     view = StateView(module)
@@ -99,13 +128,18 @@ def full_optimizer_state(
         parts: list[Any] = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(parts, state, group=pp_group)
         merged: dict[int, Any] = {}
-        for part in parts:  # a tied weight's state comes from each stage holding a copy: equal, kept once
+        for (
+            part
+        ) in parts:  # a tied weight's state comes from each stage holding a copy: equal, kept once
             for index, entry in part.items():
                 merged.setdefault(index, entry)
         state = dict(sorted(merged.items()))
     starts = [sum(sizes[:g]) for g in range(len(sizes))]
     param_groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + size))}
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": list(range(start, start + size)),
+        }
         for group, start, size in zip(optimizer.param_groups, starts, sizes)
     ]
     return {"state": state, "param_groups": param_groups}
@@ -125,7 +159,9 @@ def load_full_optimizer_state(
     index_of, sizes = _param_layout(view, groups, pp_group, order)
     saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
     if sizes != saved_sizes:
-        raise ValueError(f"optimizer param groups differ: checkpoint has sizes {saved_sizes}, model has {sizes}")
+        raise ValueError(
+            f"optimizer param groups differ: checkpoint has sizes {saved_sizes}, model has {sizes}"
+        )
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         group.update({k: v for k, v in saved_group.items() if k != "params"})
     params = [p for group in groups for p in group]

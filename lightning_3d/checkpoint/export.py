@@ -64,7 +64,9 @@ def _strip(names: list[str], prefix: str | None) -> str:
         return shared_prefix(names)
     lacking = [n for n in names if not n.startswith(prefix)]
     if lacking:
-        shown = ", ".join(lacking[:10]) + (f", ... and {len(lacking) - 10} more" if len(lacking) > 10 else "")
+        shown = ", ".join(lacking[:10]) + (
+            f", ... and {len(lacking) - 10} more" if len(lacking) > 10 else ""
+        )
         raise ValueError(
             f"--prefix {prefix!r} is not on every name: {len(lacking)} of {len(names)} lack it ({shown}); "
             f"the names share {shared_prefix(names)!r}"
@@ -83,7 +85,7 @@ def _plain_tensors(state: dict[str, Tensor], strip: str) -> dict[str, Tensor]:
         if plain.numel() and storage in seen:
             plain = plain.clone()
         seen.add(storage)
-        out[name[len(strip):]] = plain
+        out[name[len(strip) :]] = plain
     return out
 
 
@@ -114,14 +116,22 @@ def export_safetensors(
         raise FileNotFoundError(f"checkpoint not found: {checkpoint}")
     refuse_overlap(Path(checkpoint), output)
     if output.is_dir():
-        raise ValueError(f"output {output} is a directory; give a file name such as {output / 'model.safetensors'}")
+        raise ValueError(
+            f"output {output} is a directory; give a file name such as {output / 'model.safetensors'}"
+        )
     if output.exists() and not force:
-        raise FileExistsError(f"output {output} already exists; pass --force (force=True) to overwrite it")
-    state = load_lightning_checkpoint(checkpoint, mmap=True, verify=WEIGHTS)  # the weights' checksums
+        raise FileExistsError(
+            f"output {output} already exists; pass --force (force=True) to overwrite it"
+        )
+    state = load_lightning_checkpoint(
+        checkpoint, mmap=True, verify=WEIGHTS
+    )  # the weights' checksums
     strip = _strip(list(state["state_dict"]), prefix)
     tensors = _plain_tensors(state["state_dict"], strip)
     if "" in tensors:
-        raise ValueError(f"prefix {strip!r} is a whole name in {checkpoint}; nothing would be left of it")
+        raise ValueError(
+            f"prefix {strip!r} is a whole name in {checkpoint}; nothing would be left of it"
+        )
     metadata = {
         "format": "pt",
         "source": Path(checkpoint).name,

@@ -180,18 +180,26 @@ def refuse_overlap(source: Path, output: Path) -> None:
     src, out = Path(source).resolve(), Path(output).resolve()
     same = src == out or (src.exists() and out.exists() and os.path.samefile(src, out))
     if same:
-        raise ValueError(f"output {output} is the checkpoint {source} itself; write the export elsewhere")
+        raise ValueError(
+            f"output {output} is the checkpoint {source} itself; write the export elsewhere"
+        )
     if src in out.parents:
-        raise ValueError(f"output {output} is inside the checkpoint {source}; write the export outside it")
+        raise ValueError(
+            f"output {output} is inside the checkpoint {source}; write the export outside it"
+        )
     if out in src.parents:
-        raise ValueError(f"output {output} contains the checkpoint {source}; replacing it would delete the "
-                         "checkpoint: write the export elsewhere")
+        raise ValueError(
+            f"output {output} contains the checkpoint {source}; replacing it would delete the "
+            "checkpoint: write the export elsewhere"
+        )
 
 
 # ------------------------------------------------------------------------------ reading
 def corrupted(path: Path, error: BaseException) -> ValueError:
     """The error for a file whose bytes are not a whole checkpoint."""
-    return ValueError(f"{path}: corrupted or truncated checkpoint file ({type(error).__name__}: {error})")
+    return ValueError(
+        f"{path}: corrupted or truncated checkpoint file ({type(error).__name__}: {error})"
+    )
 
 
 def check_records(path: Path) -> None:
@@ -226,7 +234,9 @@ def load_weights_only(path: Path, mmap: bool, map_location: Any = "cpu") -> Any:
     except pickle.UnpicklingError as error:
         if "weights only" in str(error).lower():
             # torch's message is a page of advice; keep the line that names the refused object.
-            reason = next((line.strip() for line in str(error).splitlines() if "WeightsUnpickler" in line), "")
+            reason = next(
+                (line.strip() for line in str(error).splitlines() if "WeightsUnpickler" in line), ""
+            )
             raise ValueError(
                 f"{path}: holds objects other than tensors and plain Python values; refusing to unpickle "
                 f"them (weights_only=True): {reason.split('. Please')[0]}"

@@ -54,7 +54,13 @@ from lightning_3d.parallel.tied import find_tied
 MODEL_PREFIX = "model."  # HFCausalLM keeps the transformers model at self.model
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Any of these in a model directory means AutoTokenizer can load a tokenizer from it.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+)
 
 
 @dataclass(frozen=True)
@@ -111,9 +117,13 @@ def export_hf(
     source = _tokenizer_dir(tokenizer, entries.get("hyper_parameters"), progress)
     tok = _load_tokenizer(source) if source is not None else None
     progress(f"reading the weights of {checkpoint}")
-    model, tied = hf_model_from_state(entries[HF_CONFIG_KEY], _strip(read_state(), checkpoint), cast, str(checkpoint))
+    model, tied = hf_model_from_state(
+        entries[HF_CONFIG_KEY], _strip(read_state(), checkpoint), cast, str(checkpoint)
+    )
     unique = {id(p): p for p in model.parameters()}.values()
-    progress(f"rebuilt {type(model).__name__} ({sum(p.numel() for p in unique):,} parameters); writing {out_dir}")
+    progress(
+        f"rebuilt {type(model).__name__} ({sum(p.numel() for p in unique):,} parameters); writing {out_dir}"
+    )
 
     def write(temp: Path) -> None:
         model.save_pretrained(temp)
@@ -142,7 +152,9 @@ def _dtype(dtype: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
         return dtype
     if isinstance(dtype, str) and dtype in DTYPES:
         return DTYPES[dtype]
-    raise ValueError(f"dtype must be one of {sorted(DTYPES)} (or None: keep the checkpoint's), got {dtype!r}")
+    raise ValueError(
+        f"dtype must be one of {sorted(DTYPES)} (or None: keep the checkpoint's), got {dtype!r}"
+    )
 
 
 def _check_paths(checkpoint: Path, out_dir: Path, force: bool) -> None:
@@ -153,7 +165,9 @@ def _check_paths(checkpoint: Path, out_dir: Path, force: bool) -> None:
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"output {out_dir} exists and is not a directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise FileExistsError(f"output directory {out_dir} is not empty; pass --force (force=True) to replace it")
+        raise FileExistsError(
+            f"output directory {out_dir} is not empty; pass --force (force=True) to replace it"
+        )
 
 
 def _entries(checkpoint: Path) -> tuple[Mapping[str, Any], Callable[[], Mapping[str, Tensor]]]:
@@ -165,7 +179,9 @@ def _entries(checkpoint: Path) -> tuple[Mapping[str, Any], Callable[[], Mapping[
         meta = sharded_files.read_meta(checkpoint)
         _check_hf_config(meta, checkpoint)
         # The model's checksums before anything is said or read: damage is the one error line.
-        sharded_files.verify_shards(checkpoint, sharded_files.read_metadata(checkpoint), meta, sharded_files.MODEL)
+        sharded_files.verify_shards(
+            checkpoint, sharded_files.read_metadata(checkpoint), meta, sharded_files.MODEL
+        )
         return meta, lambda: sharded_files.read_tensors(checkpoint, verify=False)
     whole = load_lightning_checkpoint(checkpoint, mmap=True, verify=WEIGHTS)
     _check_hf_config(whole, checkpoint)
@@ -182,17 +198,21 @@ def _check_hf_config(entries: Mapping[str, Any], checkpoint: Path) -> None:
             f"(entries: {found}); for its weights as one safetensors file use the 'consolidate' command"
         )
     if not isinstance(config, Mapping) or not config.get("model_type"):
-        raise ValueError(f"{checkpoint}: its {HF_CONFIG_KEY!r} entry is not a transformers config dict with a "
-                         f"model_type (got {type(config).__name__})")
+        raise ValueError(
+            f"{checkpoint}: its {HF_CONFIG_KEY!r} entry is not a transformers config dict with a "
+            f"model_type (got {type(config).__name__})"
+        )
 
 
 def _strip(state: Mapping[str, Tensor], checkpoint: Path) -> dict[str, Tensor]:
     """The transformers model's own names: HFCausalLM's ``model.`` prefix removed."""
     foreign = sorted(name for name in state if not name.startswith(MODEL_PREFIX))
     if foreign:
-        raise ValueError(f"{checkpoint}: {len(foreign)} state_dict names lack HFCausalLM's {MODEL_PREFIX!r} prefix "
-                         f"(e.g. {', '.join(foreign[:5])})")
-    return {name[len(MODEL_PREFIX):]: tensor for name, tensor in state.items()}
+        raise ValueError(
+            f"{checkpoint}: {len(foreign)} state_dict names lack HFCausalLM's {MODEL_PREFIX!r} prefix "
+            f"(e.g. {', '.join(foreign[:5])})"
+        )
+    return {name[len(MODEL_PREFIX) :]: tensor for name, tensor in state.items()}
 
 
 # ------------------------------------------------------------------------------ model
@@ -200,7 +220,9 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError("export-hf needs Hugging Face transformers: pip install 'lightning-3d[hf]'") from error
+        raise ImportError(
+            "export-hf needs Hugging Face transformers: pip install 'lightning-3d[hf]'"
+        ) from error
     return transformers
 
 
@@ -208,8 +230,10 @@ def _config(hf_config: Mapping[str, Any], source: str) -> Any:
     transformers = _transformers()
     model_type = hf_config["model_type"]
     if model_type not in transformers.CONFIG_MAPPING:
-        raise ValueError(f"{source}: model_type {model_type!r} is unknown to transformers "
-                         f"{transformers.__version__}")
+        raise ValueError(
+            f"{source}: model_type {model_type!r} is unknown to transformers "
+            f"{transformers.__version__}"
+        )
     config = transformers.CONFIG_MAPPING[model_type].from_dict(dict(hf_config))
     config.use_cache = True  # HFCausalLM turns the cache off for training; generation wants it
     return config
@@ -221,7 +245,9 @@ def _bit_equal(a: Tensor, b: Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _fill_ties(state: dict[str, Tensor], groups: list[tuple[str, ...]], source: str) -> dict[str, Tensor]:
+def _fill_ties(
+    state: dict[str, Tensor], groups: list[tuple[str, ...]], source: str
+) -> dict[str, Tensor]:
     """Every name of a tie group under the one tensor the checkpoint holds (a checkpoint may
     hold one name of the group, as ThreeDStrategy saves, or all, as plain Lightning does)."""
     state = dict(state)
@@ -232,14 +258,20 @@ def _fill_ties(state: dict[str, Tensor], groups: list[tuple[str, ...]], source: 
         first = state[present[0]]
         differing = [name for name in present[1:] if not _bit_equal(state[name], first)]
         if differing:
-            raise ValueError(f"{source}: the config ties {', '.join(group)}, but the checkpoint's "
-                             f"{', '.join(differing)} differ from its {present[0]}")
+            raise ValueError(
+                f"{source}: the config ties {', '.join(group)}, but the checkpoint's "
+                f"{', '.join(differing)} differ from its {present[0]}"
+            )
         state.update({name: first for name in group})
     return state
 
 
-def hf_model_from_state(hf_config: Mapping[str, Any], state: Mapping[str, Tensor], dtype: Optional[torch.dtype] = None,
-                   source: str = "checkpoint") -> tuple[nn.Module, list[tuple[str, ...]]]:
+def hf_model_from_state(
+    hf_config: Mapping[str, Any],
+    state: Mapping[str, Tensor],
+    dtype: Optional[torch.dtype] = None,
+    source: str = "checkpoint",
+) -> tuple[nn.Module, list[tuple[str, ...]]]:
     """The ``transformers`` causal LM of ``hf_config`` holding exactly ``state``'s tensors (its own
     names), and its tie groups. Built on ``meta`` and assigned, so nothing is initialised or copied;
     ``ValueError`` naming every missing, unexpected or mis-shaped name."""
@@ -250,29 +282,41 @@ def hf_model_from_state(hf_config: Mapping[str, Any], state: Mapping[str, Tensor
     state = _fill_ties(state, groups, source)
     check_against(shapes_of(model.state_dict()), shapes_of(state), source=source)
     if dtype is not None:
-        cast = {id(t): t.to(dtype) for t in state.values() if t.is_floating_point()}  # tied tensors once
+        cast = {
+            id(t): t.to(dtype) for t in state.values() if t.is_floating_point()
+        }  # tied tensors once
         state = {name: cast.get(id(t), t) for name, t in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.tie_weights()  # assign=True gave each module its own Parameter: one shared object again
     if find_tied(model) != groups:
-        raise ValueError(f"{source}: tied weights {groups} came apart when loaded into {type(model).__name__}")
+        raise ValueError(
+            f"{source}: tied weights {groups} came apart when loaded into {type(model).__name__}"
+        )
     return model.eval(), groups
 
 
 # ------------------------------------------------------------------------------ tokenizer
-def _tokenizer_dir(tokenizer: Optional[PathLike], hparams: Any, progress: Callable[[str], None]) -> Optional[Path]:
+def _tokenizer_dir(
+    tokenizer: Optional[PathLike], hparams: Any, progress: Callable[[str], None]
+) -> Optional[Path]:
     """``tokenizer``, else the model's ``path`` hyper-parameter (where ``HFCausalLM(path=...)``
     loaded it from) when that directory holds tokenizer files here, else ``None``."""
     if tokenizer is not None:
         if not Path(tokenizer).is_dir():
-            raise ValueError(f"--tokenizer {tokenizer} is not a directory (give one AutoTokenizer loads)")
+            raise ValueError(
+                f"--tokenizer {tokenizer} is not a directory (give one AutoTokenizer loads)"
+            )
         return Path(tokenizer)
     path = hparams.get("path") if isinstance(hparams, Mapping) else None
     if path is None:
-        progress("no tokenizer written (the model was built from a config): pass --tokenizer DIR to add one")
+        progress(
+            "no tokenizer written (the model was built from a config): pass --tokenizer DIR to add one"
+        )
         return None
     if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
-        progress(f"no tokenizer written: the model's path {path} holds no tokenizer files here; pass --tokenizer DIR")
+        progress(
+            f"no tokenizer written: the model's path {path} holds no tokenizer files here; pass --tokenizer DIR"
+        )
         return None
     return Path(path)
 
@@ -282,26 +326,34 @@ def _load_tokenizer(source: Path) -> Any:
         return _transformers().AutoTokenizer.from_pretrained(str(source))
     except (OSError, ValueError, KeyError, TypeError) as error:
         reason = " ".join(str(error).split())[:300]
-        raise ValueError(f"tokenizer directory {source} does not load with AutoTokenizer ({reason})") from error
+        raise ValueError(
+            f"tokenizer directory {source} does not load with AutoTokenizer ({reason})"
+        ) from error
 
 
 _PROBE = "The quick brown fox jumps over the lazy dog. 0123456789 the cat sat on the mat"
 
 
-def _check_tokenizer_round_trip(tok: Any, source: Path, directory: Path, progress: Callable[[str], None]) -> None:
+def _check_tokenizer_round_trip(
+    tok: Any, source: Path, directory: Path, progress: Callable[[str], None]
+) -> None:
     """Warn when ``AutoTokenizer`` reads the written tokenizer back as another one: transformers
     picks the tokenizer class of some model types (e.g. ``qwen2``) whatever the files declare."""
     try:
         loaded = _transformers().AutoTokenizer.from_pretrained(str(directory))
     except (OSError, ValueError, KeyError, TypeError) as error:
         reason = " ".join(str(error).split())[:300]
-        progress(f"warning: AutoTokenizer cannot load the exported tokenizer ({reason}); load it with "
-                 f"{type(tok).__name__}.from_pretrained")
+        progress(
+            f"warning: AutoTokenizer cannot load the exported tokenizer ({reason}); load it with "
+            f"{type(tok).__name__}.from_pretrained"
+        )
         return
     if loaded(_PROBE)["input_ids"] != tok(_PROBE)["input_ids"]:
-        progress(f"warning: AutoTokenizer loads the exported tokenizer as {type(loaded).__name__}, which encodes "
-                 f"differently from the {type(tok).__name__} of {source}; load it with {type(tok).__name__}"
-                 ".from_pretrained instead")
+        progress(
+            f"warning: AutoTokenizer loads the exported tokenizer as {type(loaded).__name__}, which encodes "
+            f"differently from the {type(tok).__name__} of {source}; load it with {type(tok).__name__}"
+            ".from_pretrained instead"
+        )
 
 
 # ------------------------------------------------------------------------------ writing

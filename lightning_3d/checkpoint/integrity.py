@@ -65,11 +65,15 @@ def with_checksums(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def warn_unchecked(path: Any) -> None:
-    rank_zero_warn(f"{path}: checkpoint has no checksums (written by plain Lightning or before lightning_3d "
-                   "recorded them); loading it unverified")
+    rank_zero_warn(
+        f"{path}: checkpoint has no checksums (written by plain Lightning or before lightning_3d "
+        "recorded them); loading it unverified"
+    )
 
 
-def mismatch(file: Any, tensor: str, stored: int, found: int, where: str = "", edited: str = "") -> ValueError:
+def mismatch(
+    file: Any, tensor: str, stored: int, found: int, where: str = "", edited: str = ""
+) -> ValueError:
     """``edited``: how to drop the record after editing the checkpoint on purpose."""
     return ValueError(
         f"{file}: checksum mismatch in tensor {tensor}{where} (crc32 recorded 0x{stored:08x}, read 0x{found:08x}): "
@@ -97,12 +101,18 @@ def check_tensors(tree: Any, record: Any, path: Any, prefix: str = "") -> int:
     Python). Tensors gone are not errors: a checkpoint slimmed of its optimizer state has nothing
     to misread."""
     if not isinstance(record, Mapping) or record.get("algorithm") != ALGORITHM:
-        raise ValueError(f"{path}: unknown checksum record {str(record)[:100]!r} (expected {ALGORITHM})")
+        raise ValueError(
+            f"{path}: unknown checksum record {str(record)[:100]!r} (expected {ALGORITHM})"
+        )
     found = dict(tensors_in(tree))
-    unrecorded = sorted(name for name in found if name.startswith(prefix) and name not in record["tensors"])
+    unrecorded = sorted(
+        name for name in found if name.startswith(prefix) and name not in record["tensors"]
+    )
     if unrecorded:
-        raise ValueError(f"{path}: tensors without a checksum: {unrecorded[:10]}: the checkpoint is corrupted; "
-                         f"refusing to load it{EDITED}")
+        raise ValueError(
+            f"{path}: tensors without a checksum: {unrecorded[:10]}: the checkpoint is corrupted; "
+            f"refusing to load it{EDITED}"
+        )
     checked = 0
     for name, crc in record["tensors"].items():
         if not name.startswith(prefix) or name not in found:
@@ -149,8 +159,14 @@ def item_checksums(directory: Path, metadata: Any, rank: int, world: int) -> lis
     ]
 
 
-def verify_items(directory: Path, metadata: Any, records: Sequence[tuple], prefix: str = "",
-                 rank: int = 0, world: int = 1) -> list[str]:
+def verify_items(
+    directory: Path,
+    metadata: Any,
+    records: Sequence[tuple],
+    prefix: str = "",
+    rank: int = 0,
+    world: int = 1,
+) -> list[str]:
     """Problems found in this rank's share (every ``world``-th record) of the items under
     ``prefix``: a byte range whose CRC-32 differs, or ``.metadata`` placing an item elsewhere than
     when it was checksummed. Each names the file and the tensor."""
@@ -160,13 +176,19 @@ def verify_items(directory: Path, metadata: Any, records: Sequence[tuple], prefi
     for fqn, chunk, file, offset, length, crc in wanted[rank::world]:
         where = f" (chunk at {list(chunk)})" if any(chunk) else ""
         if items.get((fqn, tuple(chunk))) != (file, offset, length):
-            problems.append(f"{directory / '.metadata'}: tensor {fqn}{where} is not where it was written "
-                            f"({file} bytes {offset}+{length}): the checkpoint is corrupted")
+            problems.append(
+                f"{directory / '.metadata'}: tensor {fqn}{where} is not where it was written "
+                f"({file} bytes {offset}+{length}): the checkpoint is corrupted"
+            )
             continue
         found = _crc_range(directory / file, offset, length)
         if found != crc:
             problems.append(str(mismatch(directory / file, fqn, crc, found, where)))
-    unrecorded = sorted({fqn for fqn, _ in items if fqn.startswith(prefix)} - {r[0] for r in wanted})
+    unrecorded = sorted(
+        {fqn for fqn, _ in items if fqn.startswith(prefix)} - {r[0] for r in wanted}
+    )
     if unrecorded and rank == 0:
-        problems.append(f"{directory}: tensors without a checksum: {unrecorded[:10]}: the checkpoint is corrupted")
+        problems.append(
+            f"{directory}: tensors without a checksum: {unrecorded[:10]}: the checkpoint is corrupted"
+        )
     return problems

@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_3d.checkpoint.checks import load_lightning_checkpoint
 from lightning_3d.checkpoint.files import atomic_write, remove_stale_temps
 from lightning_3d.checkpoint.integrity import with_checksums
-from lightning_3d.failures import naming_path
+from lightning_3d.runtime.failures import naming_path
 
 # remove_stale_temps lived here first (files.py now); callers still import it from this module.
 __all__ = ["AtomicCheckpointIO", "atomic_write", "remove_stale_temps"]
@@ -53,7 +53,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         torch.save(checkpoint, file)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None:
             raise TypeError(
                 f"{type(self).__name__}.save_checkpoint does not take storage_options, got {storage_options!r}"
@@ -86,5 +88,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not _is_local(path):
             return super().load_checkpoint(path, weights_only=True)
         local = Path(str(path).removeprefix("file://"))
-        return load_lightning_checkpoint(local, map_location=map_location if map_location is not None else "cpu")
-
+        return load_lightning_checkpoint(
+            local, map_location=map_location if map_location is not None else "cpu"
+        )

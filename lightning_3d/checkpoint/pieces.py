@@ -23,7 +23,11 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
@@ -82,7 +86,9 @@ class Pieces:
             if len(offsets) != len(self.shape) or any(
                 o < 0 or o + s > n for o, s, n in zip(offsets, view.shape, self.shape)
             ):
-                raise ValueError(f"box at {tuple(offsets)} of size {tuple(view.shape)} is outside {tuple(self.shape)}")
+                raise ValueError(
+                    f"box at {tuple(offsets)} of size {tuple(view.shape)} is outside {tuple(self.shape)}"
+                )
 
     def size(self) -> torch.Size:
         return self.shape
@@ -102,7 +108,9 @@ class Pieces:
         ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(offsets=offsets, sizes=view.shape) for offsets, view in self.parts]
+        return [
+            ChunkStorageMetadata(offsets=offsets, sizes=view.shape) for offsets, view in self.parts
+        ]
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> Tensor:
         for offsets, view in self.parts:
@@ -133,10 +141,14 @@ class PiecesLoadPlanner(DefaultLoadPlanner):
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
 
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False
+    ) -> None:
         # The default set-up rebuilds every value it does not know as None: keep ours aside.
         pieces = {k: v for k, v in state_dict.items() if isinstance(v, Pieces)}
-        super().set_up_planner({k: v for k, v in state_dict.items() if k not in pieces}, metadata, is_coordinator)
+        super().set_up_planner(
+            {k: v for k, v in state_dict.items() if k not in pieces}, metadata, is_coordinator
+        )
         self.state_dict.update(pieces)
 
     def lookup_tensor(self, index: MetadataIndex) -> Tensor:

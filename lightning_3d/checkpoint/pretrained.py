@@ -32,11 +32,12 @@ from lightning_3d.checkpoint.checks import (
 
 
 def _renamed(names: Sequence[str], strip: str, add: str) -> list[str]:
-    return [add + name[len(strip):] for name in names]
+    return [add + name[len(strip) :] for name in names]
 
 
-def map_names(ckpt_names: Sequence[str], module_names: Sequence[str], kind: str,
-              prefix: str | None = None) -> dict[str, str]:
+def map_names(
+    ckpt_names: Sequence[str], module_names: Sequence[str], kind: str, prefix: str | None = None
+) -> dict[str, str]:
     """Checkpoint name → module name.
 
     ``prefix`` says where the plain model's names sit inside ``module`` (``"model."`` for LitGPT,
@@ -60,14 +61,19 @@ def _refuse_unloadable(module: nn.Module) -> None:
     sharded (DTensor) one means the strategy has already set the module up."""
     for name, tensor in module.state_dict().items():
         if isinstance(tensor, DTensor):
-            raise ValueError(f"{name} is already sharded (DTensor): call load_pretrained before trainer.fit")
+            raise ValueError(
+                f"{name} is already sharded (DTensor): call load_pretrained before trainer.fit"
+            )
         if isinstance(tensor, Tensor) and tensor.is_meta:
-            raise ValueError(f"{name} is on the meta device: materialize the module (to_empty + init) first")
+            raise ValueError(
+                f"{name} is on the meta device: materialize the module (to_empty + init) first"
+            )
 
 
 @torch.no_grad()
-def load_pretrained(module: nn.Module, path: PathLike, prefix: str | None = None,
-                    strict: bool = True) -> list[str]:
+def load_pretrained(
+    module: nn.Module, path: PathLike, prefix: str | None = None, strict: bool = True
+) -> list[str]:
     """Copy the weights of a safetensors file or a Lightning checkpoint into ``module`` in place.
 
     Args:
@@ -91,7 +97,9 @@ def load_pretrained(module: nn.Module, path: PathLike, prefix: str | None = None
         'model.tok_emb.weight'
     """
     _refuse_unloadable(module)
-    kind, tensors = read_tensors(path, mmap=True)  # a .ckpt: only the weights are read, not the optimizer state
+    kind, tensors = read_tensors(
+        path, mmap=True
+    )  # a .ckpt: only the weights are read, not the optimizer state
     own = module.state_dict()
     names = map_names(list(tensors), list(own), kind, prefix)
     state = {names[name]: tensor for name, tensor in tensors.items()}

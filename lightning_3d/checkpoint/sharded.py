@@ -51,16 +51,36 @@ from lightning_3d.parallel.zero import ZeroDataParallel
 
 # The files' side, re-exported: callers (the strategy's hooks, tests) use ``sharded.<name>``.
 __all__ = [
-    "FORMAT", "META_FILE", "MODEL", "finish_model", "is_sharded_checkpoint", "load", "model_state", "model_targets",
-    "optimizer_prefix", "optimizer_state", "optimizer_targets", "read_consolidated", "read_meta", "read_metadata",
-    "read_tensors", "save", "split_checkpoint", "tensor_entries", "verify_shards",
+    "FORMAT",
+    "META_FILE",
+    "MODEL",
+    "finish_model",
+    "is_sharded_checkpoint",
+    "load",
+    "model_state",
+    "model_targets",
+    "optimizer_prefix",
+    "optimizer_state",
+    "optimizer_targets",
+    "read_consolidated",
+    "read_meta",
+    "read_metadata",
+    "read_tensors",
+    "save",
+    "split_checkpoint",
+    "tensor_entries",
+    "verify_shards",
 ]
 
 
 # ------------------------------------------------------------------------------ placement
 def _global_offset(param: Tensor) -> tuple[int, ...]:
     if isinstance(param, DTensor):
-        return tuple(compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)[1])
+        return tuple(
+            compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)[
+                1
+            ]
+        )
     return (0,) * param.dim()
 
 
@@ -88,8 +108,12 @@ def model_state(module: nn.Module) -> dict[str, Any]:
     }
 
 
-def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, engine: Optional[ZeroDataParallel],
-                    order: Optional[list[str]] = None) -> dict[str, Any]:
+def optimizer_state(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    engine: Optional[ZeroDataParallel],
+    order: Optional[list[str]] = None,
+) -> dict[str, Any]:
     """The optimizer's state for DCP, ``{"tensors": {"<param>.<key>": ...}, "param_groups": [...],
     "elementwise": [...], "extras": {...}}``. A collective (names are merged over ranks)."""
     view = StateView(module)
@@ -117,7 +141,9 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, engine:
                     if id(p) in fused and flat:
                         put(fqn, view.full(p, gathered[id(p)][key]))
                     elif flat:
-                        tensors[fqn] = Pieces(p.shape, _param_pieces(p, local_tensor(value), start, stop, base))
+                        tensors[fqn] = Pieces(
+                            p.shape, _param_pieces(p, local_tensor(value), start, stop, base)
+                        )
                     else:
                         put(fqn, _scalar(fqn, value))
     else:
@@ -126,7 +152,12 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, engine:
                 whole = isinstance(value, Tensor) and value.dim() >= 1 and value.shape == p.shape
                 elementwise |= {key} if whole else set()
                 fqn = f"{name_of[id(p)]}.{key}"
-                put(fqn, (view.full(p, value) if id(p) in fused else value) if whole else _scalar(fqn, value))
+                put(
+                    fqn,
+                    (view.full(p, value) if id(p) in fused else value)
+                    if whole
+                    else _scalar(fqn, value),
+                )
     groups = [[name_of[id(p)] for p in group] for group in optimizer_params(optimizer, engine)]
     param_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if dist.is_available() and dist.is_initialized():
@@ -141,14 +172,21 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, engine:
         extras = {k: v for part in parts for k, v in part[2].items()}
     for group, names in zip(param_groups, groups):
         group["params"] = names
-    return {"tensors": tensors, "param_groups": param_groups, "elementwise": sorted(elementwise), "extras": extras}
+    return {
+        "tensors": tensors,
+        "param_groups": param_groups,
+        "elementwise": sorted(elementwise),
+        "extras": extras,
+    }
 
 
 def _scalar(fqn: str, value: Any) -> Any:
     # Replicated entries are written once: a per-rank tensor under one name would lose data.
     if isinstance(value, Tensor) and value.dim() > 0:
-        raise ValueError(f"optimizer state {fqn!r} of shape {tuple(value.shape)} is neither per-element nor a "
-                         "scalar: sharded checkpoints cannot place it (use checkpoint_format='consolidated')")
+        raise ValueError(
+            f"optimizer state {fqn!r} of shape {tuple(value.shape)} is neither per-element nor a "
+            "scalar: sharded checkpoints cannot place it (use checkpoint_format='consolidated')"
+        )
     return value
 
 
@@ -179,8 +217,12 @@ def finish_model(module: nn.Module, after: list) -> None:
 
 
 def optimizer_targets(
-    module: nn.Module, optimizer: torch.optim.Optimizer, engine: Optional[ZeroDataParallel],
-    saved: Mapping[str, TensorStorageMetadata], meta: Mapping[str, Any], prefix: str,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    engine: Optional[ZeroDataParallel],
+    saved: Mapping[str, TensorStorageMetadata],
+    meta: Mapping[str, Any],
+    prefix: str,
 ) -> tuple[dict[str, Any], Any]:
     """DCP targets for one optimizer's state in this layout, and a function that installs them
     (call it after :func:`load`). ``saved``: the checkpoint's ``<param>.<key>`` entries."""
@@ -222,10 +264,14 @@ def optimizer_targets(
                     if key not in keys_of.get(name, {}):
                         continue
                     if id(p) in fused:
-                        whole = targets[prefix + f"{name}.{key}"] = torch.zeros(p.shape, dtype=md.properties.dtype)
+                        whole = targets[prefix + f"{name}.{key}"] = torch.zeros(
+                            p.shape, dtype=md.properties.dtype
+                        )
                         in_slice.append((whole, p, flat, start, stop, base))
                     else:
-                        targets[prefix + f"{name}.{key}"] = Pieces(p.shape, _param_pieces(p, flat, start, stop, base))
+                        targets[prefix + f"{name}.{key}"] = Pieces(
+                            p.shape, _param_pieces(p, flat, start, stop, base)
+                        )
                 state[key] = engine.slice_dtensor(flat, owned.params[0])
             installs.append((owned.param, state, [], in_slice))
     else:
@@ -238,10 +284,14 @@ def optimizer_targets(
                 if key not in elementwise:
                     state[key] = scalar(f"{name}.{key}", md)
                 elif id(p) in fused:
-                    whole = targets[prefix + f"{name}.{key}"] = torch.zeros(p.shape, dtype=md.properties.dtype)
+                    whole = targets[prefix + f"{name}.{key}"] = torch.zeros(
+                        p.shape, dtype=md.properties.dtype
+                    )
                     whole_states.append((key, whole))
                 else:
-                    state[key] = targets[prefix + f"{name}.{key}"] = torch.zeros_like(p, dtype=md.properties.dtype)
+                    state[key] = targets[prefix + f"{name}.{key}"] = torch.zeros_like(
+                        p, dtype=md.properties.dtype
+                    )
             installs.append((p, state, whole_states, []))
 
     def install() -> None:
@@ -258,11 +308,17 @@ def optimizer_targets(
     return targets, install
 
 
-def _check_groups(view: StateView, optimizer: torch.optim.Optimizer, engine: Optional[ZeroDataParallel],
-                  meta: Mapping[str, Any]) -> None:
+def _check_groups(
+    view: StateView,
+    optimizer: torch.optim.Optimizer,
+    engine: Optional[ZeroDataParallel],
+    meta: Mapping[str, Any],
+) -> None:
     groups = [[view.name_of[id(p)] for p in group] for group in optimizer_params(optimizer, engine)]
     saved = [g["params"] for g in meta["param_groups"]]
-    if len(groups) != len(saved) or any(not set(mine) <= set(theirs) for mine, theirs in zip(groups, saved)):
+    if len(groups) != len(saved) or any(
+        not set(mine) <= set(theirs) for mine, theirs in zip(groups, saved)
+    ):
         raise ValueError(
             f"optimizer param groups differ: the checkpoint has {len(saved)} groups of sizes "
             f"{[len(g) for g in saved]}, the model {len(groups)} (here: {[len(g) for g in groups]})"

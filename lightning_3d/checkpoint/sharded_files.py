@@ -77,7 +77,9 @@ def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dic
     if "optimizer_states" in checkpoint:
         meta["optimizer_states"] = []
         for index, state in enumerate(checkpoint["optimizer_states"]):
-            tensors.update({optimizer_prefix(index) + fqn: v for fqn, v in state["tensors"].items()})
+            tensors.update(
+                {optimizer_prefix(index) + fqn: v for fqn, v in state["tensors"].items()}
+            )
             meta["optimizer_states"].append({k: v for k, v in state.items() if k != "tensors"})
     return tensors, meta
 
@@ -95,12 +97,19 @@ def save(tensors: Mapping[str, Any], meta: Mapping[str, Any], path: Any) -> None
         remove_stale_temps(path.parent)
     dist.barrier()
     try:
-        metadata = dcp_saved_metadata(dcp.save(dict(tensors), planner=PiecesSavePlanner(),
-                                               storage_writer=FileSystemWriter(temp, single_file_per_rank=True,
-                                                                               sync_files=True)), temp)
+        metadata = dcp_saved_metadata(
+            dcp.save(
+                dict(tensors),
+                planner=PiecesSavePlanner(),
+                storage_writer=FileSystemWriter(temp, single_file_per_rank=True, sync_files=True),
+            ),
+            temp,
+        )
         # Each rank checksums its share of the files just written (from the page cache).
         parts: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, item_checksums(temp, metadata, dist.get_rank(), dist.get_world_size()))
+        dist.all_gather_object(
+            parts, item_checksums(temp, metadata, dist.get_rank(), dist.get_world_size())
+        )
         if rank0:
             record = with_checksums(meta)
             record[KEY]["items"] = sorted(item for part in parts for item in part)
@@ -126,11 +135,15 @@ def read_metadata(path: Any) -> Metadata:
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as error:
-        raise ValueError(f"{path / '.metadata'}: corrupted sharded checkpoint metadata "
-                         f"({type(error).__name__}: {error})") from error
+        raise ValueError(
+            f"{path / '.metadata'}: corrupted sharded checkpoint metadata "
+            f"({type(error).__name__}: {error})"
+        ) from error
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        needed[info.relative_path] = max(
+            needed.get(info.relative_path, 0), info.offset + info.length
+        )
     for name, size in sorted(needed.items()):
         file = path / name
         if not file.is_file():
@@ -149,14 +162,23 @@ def read_meta(path: Any) -> dict[str, Any]:
         raise ValueError(f"{path}: incomplete sharded checkpoint (no {META_FILE})")
     meta = load_weights_only(file, mmap=False)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ValueError(f"{file}: not a lightning_3d sharded checkpoint (format {getattr(meta, 'get', dict)('format')!r})")
+        raise ValueError(
+            f"{file}: not a lightning_3d sharded checkpoint (format {getattr(meta, 'get', dict)('format')!r})"
+        )
     if KEY in meta:
-        check_tensors(meta, meta[KEY], file)  # its own tensors (RNG states, ...); the shards: verify()
+        check_tensors(
+            meta, meta[KEY], file
+        )  # its own tensors (RNG states, ...); the shards: verify()
     return meta
 
 
-def verify_shards(path: Any, metadata: Metadata, meta: Mapping[str, Any], prefix: str = "",
-           distributed: bool = False) -> int:
+def verify_shards(
+    path: Any,
+    metadata: Metadata,
+    meta: Mapping[str, Any],
+    prefix: str = "",
+    distributed: bool = False,
+) -> int:
     """Check the CRC-32 of every storage item under ``prefix`` against ``meta.pt``'s record;
     returns how many were checked (-1: none recorded, after a warning). ``distributed``: a
     collective, each rank reading its share, every rank raising the same error. ``ValueError``
@@ -166,9 +188,11 @@ def verify_shards(path: Any, metadata: Metadata, meta: Mapping[str, Any], prefix
         warn_unchecked(path)
         return -1
     if "metadata" in record and file_crc(Path(str(path)) / ".metadata") != record["metadata"]:
-        raise ValueError(f"{Path(str(path)) / '.metadata'}: checksum mismatch (crc32 recorded "
-                         f"0x{record['metadata']:08x}): the checkpoint's index of its tensors is corrupted; "
-                         "refusing to load it")
+        raise ValueError(
+            f"{Path(str(path)) / '.metadata'}: checksum mismatch (crc32 recorded "
+            f"0x{record['metadata']:08x}): the checkpoint's index of its tensors is corrupted; "
+            "refusing to load it"
+        )
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     problems = verify_items(Path(str(path)), metadata, record["items"], prefix, rank, world)
     if distributed:
@@ -176,14 +200,18 @@ def verify_shards(path: Any, metadata: Metadata, meta: Mapping[str, Any], prefix
         dist.all_gather_object(parts, problems)
         problems = [problem for part in parts for problem in part]
     if problems:
-        more = f" (and {len(problems) - 1} more: {'; '.join(problems[1:4])})" if len(problems) > 1 else ""
+        more = (
+            f" (and {len(problems) - 1} more: {'; '.join(problems[1:4])})"
+            if len(problems) > 1
+            else ""
+        )
         raise ValueError(problems[0] + more)
     return sum(1 for item in record["items"] if item[0].startswith(prefix))
 
 
 def tensor_entries(metadata: Metadata, prefix: str) -> dict[str, TensorStorageMetadata]:
     return {
-        fqn[len(prefix):]: md
+        fqn[len(prefix) :]: md
         for fqn, md in metadata.state_dict_metadata.items()
         if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata)
     }
@@ -192,17 +220,29 @@ def tensor_entries(metadata: Metadata, prefix: str) -> dict[str, TensorStorageMe
 def load(targets: Mapping[str, Any], path: Any, metadata: Metadata, no_dist: bool = False) -> None:
     """Read ``targets`` (tensors, DTensors, :class:`~lightning_3d.checkpoint.pieces.Pieces`) in
     place. A collective unless ``no_dist``."""
-    wrong = sorted(k for k in targets if not isinstance(metadata.state_dict_metadata.get(k), TensorStorageMetadata))
+    wrong = sorted(
+        k
+        for k in targets
+        if not isinstance(metadata.state_dict_metadata.get(k), TensorStorageMetadata)
+    )
     if wrong:
         raise ValueError(f"{path}: sharded checkpoint has no tensors for {wrong[:10]}")
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-            dcp.load(dict(targets), storage_reader=FileSystemReader(Path(str(path))), planner=PiecesLoadPlanner(),
-                     no_dist=no_dist)
+            warnings.filterwarnings(
+                "ignore", message=".*assuming the intent is to load in a single process.*"
+            )
+            dcp.load(
+                dict(targets),
+                storage_reader=FileSystemReader(Path(str(path))),
+                planner=PiecesLoadPlanner(),
+                no_dist=no_dist,
+            )
     except Exception as error:
-        raise ValueError(f"{path}: could not read the sharded checkpoint ({type(error).__name__}: "
-                         f"{str(error).strip().splitlines()[-1][:300]})") from error
+        raise ValueError(
+            f"{path}: could not read the sharded checkpoint ({type(error).__name__}: "
+            f"{str(error).strip().splitlines()[-1][:300]})"
+        ) from error
 
 
 def read_tensors(path: Any, prefix: str = MODEL, verify: bool = True) -> dict[str, Tensor]:
@@ -212,9 +252,12 @@ def read_tensors(path: Any, prefix: str = MODEL, verify: bool = True) -> dict[st
     if verify:
         verify_shards(path, metadata, read_meta(path), prefix)
     entries = tensor_entries(metadata, prefix)
-    targets = {prefix + name: torch.empty(md.size, dtype=md.properties.dtype) for name, md in entries.items()}
+    targets = {
+        prefix + name: torch.empty(md.size, dtype=md.properties.dtype)
+        for name, md in entries.items()
+    }
     load(targets, path, metadata, no_dist=True)
-    return {fqn[len(prefix):]: t for fqn, t in targets.items()}
+    return {fqn[len(prefix) :]: t for fqn, t in targets.items()}
 
 
 def read_consolidated(path: Any, verify: str | None = "") -> dict[str, Any]:
@@ -226,14 +269,16 @@ def read_consolidated(path: Any, verify: str | None = "") -> dict[str, Any]:
         verify_shards(path, read_metadata(path), meta, verify)
     tensors = read_tensors(path, prefix="", verify=False)
     checkpoint = {k: v for k, v in meta.items() if k not in ("format", "optimizer_states", KEY)}
-    checkpoint["state_dict"] = {n[len(MODEL):]: t for n, t in tensors.items() if n.startswith(MODEL)}
+    checkpoint["state_dict"] = {
+        n[len(MODEL) :]: t for n, t in tensors.items() if n.startswith(MODEL)
+    }
     if "optimizer_states" not in meta:
         return checkpoint
     checkpoint["optimizer_states"] = []
     for index, saved in enumerate(meta["optimizer_states"]):
         prefix = optimizer_prefix(index)
         per_name: dict[str, dict[str, Any]] = {}
-        entries = [(fqn[len(prefix):], v) for fqn, v in tensors.items() if fqn.startswith(prefix)]
+        entries = [(fqn[len(prefix) :], v) for fqn, v in tensors.items() if fqn.startswith(prefix)]
         for fqn, value in [*entries, *saved.get("extras", {}).items()]:
             name, key = fqn.rsplit(".", 1)
             per_name.setdefault(name, {})[key] = value

@@ -33,16 +33,15 @@ from lightning_3d.checkpoint.consolidated import (
 )
 from lightning_3d.checkpoint.integrity import KEY as CHECKSUMS
 from lightning_3d.checkpoint.view import full_state_dict
-from lightning_3d.failures import naming_path
+from lightning_3d.runtime.failures import naming_path
 
 if TYPE_CHECKING:
-    from lightning_3d.recipe import Parallelized
-
+    from lightning_3d.strategy.recipe import Parallelized
 
 
 class CheckpointHooks:
     """Mixin for ``ThreeDStrategy``; uses only its public ``lightning_module``, ``optimizers``,
-    ``checkpoint_format`` and ``parallelized`` (the :class:`~lightning_3d.recipe.Parallelized`
+    ``checkpoint_format`` and ``parallelized`` (the :class:`~lightning_3d.strategy.recipe.Parallelized`
     record of setup: one-process names, the pipeline group, the ZeRO engine of each optimizer)."""
 
     checkpoint_format: str
@@ -63,10 +62,16 @@ class CheckpointHooks:
         recipe = self.parallelized
         engine = recipe.engine_for(raw)
         if self.checkpoint_format == "sharded":
-            return sharded.optimizer_state(self.lightning_module, raw, engine, recipe.full_param_names)
-        return full_optimizer_state(self.lightning_module, raw, engine, recipe.pp_group, recipe.full_param_names)
+            return sharded.optimizer_state(
+                self.lightning_module, raw, engine, recipe.full_param_names
+            )
+        return full_optimizer_state(
+            self.lightning_module, raw, engine, recipe.pp_group, recipe.full_param_names
+        )
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None
+    ) -> None:
         if self.checkpoint_format != "sharded":
             super().save_checkpoint(checkpoint, filepath, storage_options)  # rank 0, atomic file
             return
@@ -76,7 +81,9 @@ class CheckpointHooks:
             sharded.save(*sharded.split_checkpoint(checkpoint), filepath)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: _PATH, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
         if not sharded.is_sharded_checkpoint(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         return self._load_sharded(checkpoint_path)
@@ -89,24 +96,42 @@ class CheckpointHooks:
         module = self.lightning_module
         saved = sharded.tensor_entries(metadata, sharded.MODEL)
         strict = getattr(module, "strict_loading", True)
-        check_against(shapes_of(module.state_dict()), {n: tuple(md.size) for n, md in saved.items()},
-                      strict=strict, names=self.parallelized.full_names, source=str(path))
+        check_against(
+            shapes_of(module.state_dict()),
+            {n: tuple(md.size) for n, md in saved.items()},
+            strict=strict,
+            names=self.parallelized.full_names,
+            source=str(path),
+        )
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         # Every rank checks its share of the bytes it is about to read (the optimizer's only when
         # fitting); all refuse a damaged item before anything is read into the model.
-        sharded.verify_shards(path, metadata, meta, prefix="" if fitting else sharded.MODEL,
-                              distributed=dist.is_available() and dist.is_initialized())
+        sharded.verify_shards(
+            path,
+            metadata,
+            meta,
+            prefix="" if fitting else sharded.MODEL,
+            distributed=dist.is_available() and dist.is_initialized(),
+        )
         meta.pop(CHECKSUMS, None)
-        targets, after = sharded.model_targets(module, [n for n in module.state_dict() if n in saved])
+        targets, after = sharded.model_targets(
+            module, [n for n in module.state_dict() if n in saved]
+        )
         installs = []
         if fitting and "optimizer_states" in meta:
             states = meta["optimizer_states"]
             if len(states) != len(self.optimizers):
-                raise ValueError(f"{path} has {len(states)} optimizer states, the module configures {len(self.optimizers)}")
+                raise ValueError(
+                    f"{path} has {len(states)} optimizer states, the module configures {len(self.optimizers)}"
+                )
             for index, (optimizer, state) in enumerate(zip(self.optimizers, states)):
                 prefix = sharded.optimizer_prefix(index)
                 found, install = sharded.optimizer_targets(
-                    module, optimizer, self.parallelized.engine_for(optimizer), sharded.tensor_entries(metadata, prefix), state,
+                    module,
+                    optimizer,
+                    self.parallelized.engine_for(optimizer),
+                    sharded.tensor_entries(metadata, prefix),
+                    state,
                     prefix,
                 )
                 targets.update(found)
@@ -123,8 +148,12 @@ class CheckpointHooks:
         # Names and shapes first (DTensors report full shapes), so a checkpoint of another model
         # fails naming the tensors before anything is overwritten.
         names = self.parallelized.full_names
-        check_against(shapes_of(self.lightning_module.state_dict()), shapes_of(checkpoint["state_dict"]),
-                      strict=strict, names=names)
+        check_against(
+            shapes_of(self.lightning_module.state_dict()),
+            shapes_of(checkpoint["state_dict"]),
+            strict=strict,
+            names=names,
+        )
         load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict, names)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -132,11 +161,17 @@ class CheckpointHooks:
             return  # read in place by load_checkpoint
         saved = checkpoint["optimizer_states"]
         if len(saved) != len(self.optimizers):
-            raise ValueError(f"checkpoint has {len(saved)} optimizer states, the module configures {len(self.optimizers)}")
+            raise ValueError(
+                f"checkpoint has {len(saved)} optimizer states, the module configures {len(self.optimizers)}"
+            )
         recipe = self.parallelized
         for optimizer, state in zip(self.optimizers, saved):
             load_full_optimizer_state(
-                self.lightning_module, optimizer, state, recipe.engine_for(optimizer), recipe.pp_group,
+                self.lightning_module,
+                optimizer,
+                state,
+                recipe.engine_for(optimizer),
+                recipe.pp_group,
                 recipe.full_param_names,
             )
 

@@ -68,7 +68,9 @@ def to_full(value: Any, fused: Fused = None, to_cpu: bool = True) -> Any:
     return full.to("cpu", copy=True) if to_cpu else full.clone()
 
 
-def to_local_like(full: Any, param: Tensor, fused: Fused = None, dtype: Optional[torch.dtype] = None) -> Any:
+def to_local_like(
+    full: Any, param: Tensor, fused: Fused = None, dtype: Optional[torch.dtype] = None
+) -> Any:
     """A full tensor laid out like ``param``: this rank's shard (a DTensor) if ``param`` is one,
     on its device, in ``dtype`` (default: the parameter's). Scalars and non-tensors are copied."""
     if not isinstance(full, Tensor) or full.dim() == 0:
@@ -96,7 +98,11 @@ class StateView:
 
     def fused_by_name(self) -> dict[str, tuple[int, ...]]:
         """The fused projections under their names in this module (as ``state_dict()`` has them)."""
-        return {name: self.fused[id(p)] for name, p in self.module.named_parameters() if id(p) in self.fused}
+        return {
+            name: self.fused[id(p)]
+            for name, p in self.module.named_parameters()
+            if id(p) in self.fused
+        }
 
     def full(self, param: Tensor, value: Any) -> Any:
         """``value`` (``param`` itself or a state shaped like it) at full size on CPU."""
@@ -113,10 +119,16 @@ class StateView:
 
 
 # ------------------------------------------------------------------------------ optimizer state
-def optimizer_params(optimizer: torch.optim.Optimizer, engine: Optional[ZeroDataParallel]) -> list[list[Tensor]]:
+def optimizer_params(
+    optimizer: torch.optim.Optimizer, engine: Optional[ZeroDataParallel]
+) -> list[list[Tensor]]:
     """The model parameters of each param group, as the user built them (a ZeRO engine has
     replaced the optimizer's own groups with its slices)."""
-    return engine.original_groups if engine is not None else [g["params"] for g in optimizer.param_groups]
+    return (
+        engine.original_groups
+        if engine is not None
+        else [g["params"] for g in optimizer.param_groups]
+    )
 
 
 def state_in_slices(engine: Optional[ZeroDataParallel]) -> bool:
@@ -125,7 +137,9 @@ def state_in_slices(engine: Optional[ZeroDataParallel]) -> bool:
 
 
 # ------------------------------------------------------------------------------ the whole model
-def full_state_dict(module: nn.Module, to_cpu: bool = True, pp_group: Any = None) -> dict[str, Tensor]:
+def full_state_dict(
+    module: nn.Module, to_cpu: bool = True, pp_group: Any = None
+) -> dict[str, Tensor]:
     """Every parameter and buffer at full size, keyed by its one-process name.
 
     A collective when the module holds ``DTensor`` s (ZeRO-3, tensor parallel): call it on every

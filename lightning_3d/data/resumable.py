@@ -43,8 +43,12 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def resume_at(self, epoch: int, skip: int) -> None:
         if not 0 <= skip <= self.num_samples:
-            raise ValueError(f"cannot skip {skip} samples of an epoch of {self.num_samples} on this rank")
-        self.set_epoch(epoch)  # so that even an iterator created eagerly (worker processes) sees this epoch
+            raise ValueError(
+                f"cannot skip {skip} samples of an epoch of {self.num_samples} on this rank"
+            )
+        self.set_epoch(
+            epoch
+        )  # so that even an iterator created eagerly (worker processes) sees this epoch
         self._resume = (epoch, skip)
 
     def pending_skip(self) -> Optional[int]:
@@ -75,12 +79,23 @@ class ResumableDataLoader(DataLoader):
         fresh.load_state_dict(state)  # iter(fresh) starts at the third batch of epoch 0
     """
 
-    def __init__(self, dataset: Dataset, *, batch_size: int, sampler: ResumableDistributedSampler, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        batch_size: int,
+        sampler: ResumableDistributedSampler,
+        **kwargs: Any,
+    ) -> None:
         if not isinstance(sampler, ResumableDistributedSampler):
-            raise TypeError(f"sampler must be a ResumableDistributedSampler, got {type(sampler).__name__}")
+            raise TypeError(
+                f"sampler must be a ResumableDistributedSampler, got {type(sampler).__name__}"
+            )
         if not sampler.drop_last or not kwargs.get("drop_last", False):
             # A short last batch would make "samples consumed" depend on the layout.
-            raise ValueError("ResumableDataLoader needs drop_last=True for both the sampler and the loader")
+            raise ValueError(
+                "ResumableDataLoader needs drop_last=True for both the sampler and the loader"
+            )
         super().__init__(dataset, batch_size=batch_size, sampler=sampler, **kwargs)
         self._position = (sampler.epoch, 0)  # (epoch, this rank's samples handed out in it)
 
@@ -110,7 +125,9 @@ class ResumableDataLoader(DataLoader):
         return {
             "epoch": sampler.epoch,
             "samples": self._consumed() * sampler.num_replicas,  # global: layout-free
-            "dataset_size": len(sampler.dataset),  # to check on load (layout-free, unlike total_size)
+            "dataset_size": len(
+                sampler.dataset
+            ),  # to check on load (layout-free, unlike total_size)
             "seed": sampler.seed,
         }
 
@@ -130,6 +147,9 @@ class ResumableDataLoader(DataLoader):
             )
         skip = samples // sampler.num_replicas
         if skip >= sampler.num_samples // self.batch_size * self.batch_size:
-            epoch, skip = epoch + 1, 0  # saved after the epoch's last full batch: the next epoch is fresh
+            epoch, skip = (
+                epoch + 1,
+                0,
+            )  # saved after the epoch's last full batch: the next epoch is fresh
         sampler.resume_at(epoch, skip)
         self._position = (epoch, skip)

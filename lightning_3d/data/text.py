@@ -31,9 +31,7 @@ def _stdlib_py_files(exclude_tests: bool = True) -> Iterator[tuple[str, str]]:
     skip = set(_ALWAYS_SKIP_DIRS) | (set(_TEST_DIRS) if exclude_tests else set())
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [
-            d for d in dirnames if d not in skip and not d.startswith("config-")
-        ]
+        dirnames[:] = [d for d in dirnames if d not in skip and not d.startswith("config-")]
         for fn in filenames:
             # _sysconfigdata embeds build paths: differs between builds.
             if fn.endswith(".py") and not fn.startswith("_sysconfigdata"):
@@ -152,8 +150,9 @@ def split_counts(length: int, block_size: int, val_fraction: float) -> tuple[int
     :meth:`TextDataModule.setup_for` cuts it."""
     n_val = int(length * val_fraction)
     span = block_size + 1
-    train, val = (0 if part < span else (part - span) // block_size + 1
-                  for part in (length - n_val, n_val))
+    train, val = (
+        0 if part < span else (part - span) // block_size + 1 for part in (length - n_val, n_val)
+    )
     return train, val
 
 
@@ -255,18 +254,27 @@ class TextDataModule(pl.LightningDataModule):
         """Check the configuration in the launching process, without loading the corpus; return
         the vocabulary size its ids need (bytes: 256). ``ValueError`` names a bad value."""
         if corpus not in CORPUS_NAMES:
-            raise ValueError(f"data.corpus={corpus!r} is not a known corpus; known corpora: {list(CORPUS_NAMES)}")
+            raise ValueError(
+                f"data.corpus={corpus!r} is not a known corpus; known corpora: {list(CORPUS_NAMES)}"
+            )
         return 256
 
     @classmethod
-    def split_windows(cls, corpus: str = "stdlib", max_bytes: int | None = 8_000_000,
-                      block_size: int = 128, val_fraction: float = 0.05,
-                      **_: Any) -> tuple[int, int] | None:
+    def split_windows(
+        cls,
+        corpus: str = "stdlib",
+        max_bytes: int | None = 8_000_000,
+        block_size: int = 128,
+        val_fraction: float = 0.05,
+        **_: Any,
+    ) -> tuple[int, int] | None:
         """(training windows, validation windows) of the corpus as :meth:`setup_for` splits it,
         for the launching process's checks; reads the corpus (the ranks read it again)."""
         return split_counts(len(load_text_corpus(corpus, max_bytes)), block_size, val_fraction)
 
-    def _loader(self, dataset: ByteWindowDataset, shuffle: bool, resumable: bool = False) -> DataLoader:
+    def _loader(
+        self, dataset: ByteWindowDataset, shuffle: bool, resumable: bool = False
+    ) -> DataLoader:
         if self.dp_size is None or dataset is None:
             raise RuntimeError("call setup() or setup_for() before requesting dataloaders")
         # Always an explicit DistributedSampler (even for dp=1): its seeded
@@ -274,7 +282,9 @@ class TextDataModule(pl.LightningDataModule):
         # so the union of a global step's per-rank batches is layout-free.
         # Lightning leaves an existing DistributedSampler untouched.
         sampler_cls, loader_cls = (
-            (ResumableDistributedSampler, ResumableDataLoader) if resumable else (DistributedSampler, DataLoader)
+            (ResumableDistributedSampler, ResumableDataLoader)
+            if resumable
+            else (DistributedSampler, DataLoader)
         )
         sampler = sampler_cls(
             dataset,

@@ -27,8 +27,14 @@ from lightning_3d.data.text import TextDataModule, split_counts
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 # What a tokenizer directory holds (any one is enough for AutoTokenizer to try).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
 _TOKENIZE_BATCH = 256  # documents per call into the (Rust, multi-threaded) fast tokenizer
 
 
@@ -68,17 +74,23 @@ def text_of(file: Path, invalid_utf8: str) -> str:
     data = file.read_bytes()
     nul = data.find(b"\0")
     if nul >= 0:
-        raise ValueError(f"{file}: not a text file (a NUL byte at offset {nul}): data.path takes .txt / .jsonl text")
+        raise ValueError(
+            f"{file}: not a text file (a NUL byte at offset {nul}): data.path takes .txt / .jsonl text"
+        )
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
         if invalid_utf8 == "replace":
             return data.decode("utf-8", errors="replace")
-        raise ValueError(f"{file}: not UTF-8 text: byte 0x{data[err.start]:02x} at offset {err.start} ({err.reason}); "
-                         "fix the file, or read such bytes as U+FFFD with data.invalid_utf8=replace") from None
+        raise ValueError(
+            f"{file}: not UTF-8 text: byte 0x{data[err.start]:02x} at offset {err.start} ({err.reason}); "
+            "fix the file, or read such bytes as U+FFFD with data.invalid_utf8=replace"
+        ) from None
 
 
-def read_documents(files: Iterable[Path], text_field: str = "text", invalid_utf8: str = "error") -> Iterator[str]:
+def read_documents(
+    files: Iterable[Path], text_field: str = "text", invalid_utf8: str = "error"
+) -> Iterator[str]:
     """Every non-blank document of ``files``, in order. ``ValueError`` names the file (and line)
     of a ``.jsonl`` line that is not a JSON object with a string ``text_field``, and of content
     that is not text (see :func:`text_of`)."""
@@ -90,7 +102,9 @@ def read_documents(files: Iterable[Path], text_field: str = "text", invalid_utf8
             if text.strip():
                 yield text
             continue
-        for number, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
+        for number, line in enumerate(
+            text.split("\n"), 1
+        ):  # not splitlines: JSON strings may hold U+2028
             if line.strip():
                 document = _jsonl_text(line, text_field, f"{file}:{number}")
                 if document.strip():
@@ -118,7 +132,9 @@ def load_tokenizer(directory: Optional[str]) -> Any:
         )
     root = Path(str(directory)).expanduser()
     if not root.is_dir():
-        raise ValueError(f"tokenizer directory {str(directory)!r} does not exist (data.tokenizer / model.path)")
+        raise ValueError(
+            f"tokenizer directory {str(directory)!r} does not exist (data.tokenizer / model.path)"
+        )
     if not any((root / name).is_file() for name in TOKENIZER_FILES):
         raise ValueError(
             f"no tokenizer in {str(root)!r} (none of {', '.join(TOKENIZER_FILES)}); "
@@ -132,7 +148,9 @@ def load_tokenizer(directory: Optional[str]) -> Any:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"cannot load the tokenizer in {str(root)!r}: {first}") from None
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"the tokenizer in {str(root)!r} has no eos_token (it separates the documents)")
+        raise ValueError(
+            f"the tokenizer in {str(root)!r} has no eos_token (it separates the documents)"
+        )
     return tokenizer
 
 
@@ -144,7 +162,9 @@ def token_pieces(documents: Iterable[str], tokenizer: Any) -> Iterator[torch.Ten
             yield torch.tensor([*ids, eos], dtype=torch.int32)
 
 
-def tokenize_documents(documents: Iterable[str], tokenizer: Any, max_tokens: Optional[int] = None) -> torch.Tensor:
+def tokenize_documents(
+    documents: Iterable[str], tokenizer: Any, max_tokens: Optional[int] = None
+) -> torch.Tensor:
     """One 1-D int32 tensor: each document's ids followed by EOS, in order; cut at ``max_tokens``
     (``None``: everything)."""
     if max_tokens is not None and max_tokens <= 0:
@@ -165,8 +185,9 @@ def enough_tokens(count: int, block_size: int, batch_size: int, val_fraction: fl
     return min(split_counts(count, block_size, val_fraction)) >= batch_size
 
 
-def count_tokens(documents: Iterator[str], tokenizer: Any, max_tokens: int | None,
-                 enough: Callable[[int], bool]) -> int:
+def count_tokens(
+    documents: Iterator[str], tokenizer: Any, max_tokens: int | None, enough: Callable[[int], bool]
+) -> int:
     """The length of the stream :func:`tokenize_documents` makes of ``documents``, tokenizing
     only until ``enough(length)`` holds (then a lower bound; ``enough`` must grow with the
     length, as a prefix answers for the whole stream). The rest of ``documents`` is read and
@@ -225,8 +246,15 @@ class TokenizedTextDataModule(TextDataModule):
         num_workers: int = 0,
         invalid_utf8: str = "error",
     ) -> None:
-        super().__init__(corpus="files", block_size=block_size, batch_size=batch_size, val_fraction=val_fraction,
-                         max_bytes=None, seed=seed, num_workers=num_workers)
+        super().__init__(
+            corpus="files",
+            block_size=block_size,
+            batch_size=batch_size,
+            val_fraction=val_fraction,
+            max_bytes=None,
+            seed=seed,
+            num_workers=num_workers,
+        )
         # Logged hyper-parameters are merged with the model's, which may have its own ``path``
         # (a model directory): this one is logged as ``data_path``.
         self.save_hyperparameters(ignore=["path", "corpus", "max_bytes"])
@@ -243,12 +271,18 @@ class TokenizedTextDataModule(TextDataModule):
         return tokens
 
     @classmethod
-    def split_windows(cls, path: str | None = None, tokenizer: str | None = None,
-                      block_size: int = 128, val_fraction: float = 0.05,
-                      max_tokens: int | None = None, text_field: str = "text",
-                      invalid_utf8: str = "error",
-                      enough: Callable[[int, int], bool] | None = None,
-                      **_: Any) -> tuple[int, int]:
+    def split_windows(
+        cls,
+        path: str | None = None,
+        tokenizer: str | None = None,
+        block_size: int = 128,
+        val_fraction: float = 0.05,
+        max_tokens: int | None = None,
+        text_field: str = "text",
+        invalid_utf8: str = "error",
+        enough: Callable[[int, int], bool] | None = None,
+        **_: Any,
+    ) -> tuple[int, int]:
         """(training windows, validation windows) of the files' token stream, for the launching
         process's checks. Tokenizing stops once ``enough(training, validation)`` holds (then
         the counts are lower bounds that satisfy it): the launcher tokenizes no more text than
@@ -262,14 +296,27 @@ class TokenizedTextDataModule(TextDataModule):
         return split_counts(count, block_size, val_fraction)
 
     @classmethod
-    def check(cls, path: Optional[str] = None, tokenizer: Optional[str] = None, block_size: int = 128,
-              batch_size: int = 8, val_fraction: float = 0.05, max_tokens: Optional[int] = None,
-              text_field: str = "text", invalid_utf8: str = "error", **_: Any) -> int:
+    def check(
+        cls,
+        path: Optional[str] = None,
+        tokenizer: Optional[str] = None,
+        block_size: int = 128,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        max_tokens: Optional[int] = None,
+        text_field: str = "text",
+        invalid_utf8: str = "error",
+        **_: Any,
+    ) -> int:
         """Check the files and the tokenizer in the launching process: every file read and every
         ``.jsonl`` line parsed (a bad line 301 is named here, not on every rank), tokenizing only
         as much text as one global batch of each split needs; return the vocabulary size the ids
         need (``len(tokenizer)``). ``ValueError`` names the bad value."""
-        for name, value in (("block_size", block_size), ("batch_size", batch_size), ("max_tokens", max_tokens)):
+        for name, value in (
+            ("block_size", block_size),
+            ("batch_size", batch_size),
+            ("max_tokens", max_tokens),
+        ):
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"data.{name}={value!r} must be a positive integer")
         files = find_text_files(path)
@@ -283,7 +330,9 @@ class TokenizedTextDataModule(TextDataModule):
         if enough(count):
             return len(loaded)
         if count == 0:
-            raise ValueError(f"data.path={path!r}: the files hold no text ({len(files)} file(s), all blank)")
+            raise ValueError(
+                f"data.path={path!r}: the files hold no text ({len(files)} file(s), all blank)"
+            )
         raise ValueError(
             f"data.path={path!r} gives {count} tokens"
             + (f" (data.max_tokens={max_tokens})" if max_tokens else "")

@@ -59,9 +59,7 @@ class GPTConfig:
         if bad:
             raise ValueError(f"GPTConfig sizes must be positive, got {bad}")
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
-            )
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.attn_dropout is not None and not 0.0 <= self.attn_dropout < 1.0:
@@ -104,7 +102,9 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=True,
         )  # (B, nh, T, hs)
@@ -217,9 +217,7 @@ class GPT(nn.Module):
         """Map token ids ``idx`` (B, T) to next-token logits (B, T, vocab)."""
         B, T = idx.shape
         if T > self.config.block_size:
-            raise ValueError(
-                f"sequence length {T} exceeds block_size {self.config.block_size}"
-            )
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         x = self.embed(idx)  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)

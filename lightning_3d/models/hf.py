@@ -15,7 +15,7 @@ at 0 each: ``data=chat``'s packing; not under pipeline parallelism). The loss is
 over positions that have a target.
 
 ``ThreeDStrategy(tensor=2, pipeline=2)`` needs no user code: the tensor plan is the one the
-model ships (``config.base_model_tp_plan``, translated by :mod:`lightning_3d.plans.hf`), and
+model ships (``config.base_model_tp_plan``, translated by :mod:`lightning_3d.parallel.plans.hf`), and
 :meth:`pipeline_spec` splits along its ``base_model_pp_plan`` with stages that run the model's
 own forward (:mod:`lightning_3d.models.hf_pipeline`). A directory's weights are read where they
 end up, each rank its own slices (:mod:`lightning_3d.models.hf_load`).
@@ -49,8 +49,12 @@ def _require_transformers() -> Any:
     return transformers
 
 
-def build_hf_model(path: Optional[str], config: Optional[Mapping[str, Any]],
-                   attn_implementation: Optional[str] = None, deferred_init: bool = True) -> nn.Module:
+def build_hf_model(
+    path: Optional[str],
+    config: Optional[Mapping[str, Any]],
+    attn_implementation: Optional[str] = None,
+    deferred_init: bool = True,
+) -> nn.Module:
     """The ``transformers`` causal LM from a local directory (pretrained weights) or a config dict
     (random init, deterministic under ``torch.manual_seed``).
 
@@ -63,13 +67,17 @@ def build_hf_model(path: Optional[str], config: Optional[Mapping[str, Any]],
     weights, an encoder (bidirectional attention), an attention implementation the family lacks."""
     transformers = _require_transformers()
     if (path is None) == (config is None):
-        raise ValueError(f"give exactly one of path= or config= (got path={path!r}, config={config!r})")
+        raise ValueError(
+            f"give exactly one of path= or config= (got path={path!r}, config={config!r})"
+        )
     if path is not None:
         from pathlib import Path
 
         directory = Path(path).expanduser()
         if not (directory / "config.json").is_file():
-            raise ValueError(f"model path {str(path)!r} is not a model directory: it has no config.json")
+            raise ValueError(
+                f"model path {str(path)!r} is not a model directory: it has no config.json"
+            )
         hf_config = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
         _refuse_encoders(hf_config, f"model directory {str(path)!r}")
         if deferred_init:
@@ -77,28 +85,48 @@ def build_hf_model(path: Optional[str], config: Optional[Mapping[str, Any]],
             if model is not None:
                 return model
         kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-        model = _attention_checked(attn_implementation, lambda: transformers.AutoModelForCausalLM.from_pretrained(
-            str(directory), dtype=torch.float32, local_files_only=True, **kwargs))
+        model = _attention_checked(
+            attn_implementation,
+            lambda: transformers.AutoModelForCausalLM.from_pretrained(
+                str(directory), dtype=torch.float32, local_files_only=True, **kwargs
+            ),
+        )
         return _causal_checked(model)
     config = dict(config)
     model_type = config.pop("model_type", None)
     if model_type is None:
-        raise ValueError(f"config= needs a 'model_type' (e.g. 'llama', 'qwen2', 'gpt2'), got keys {sorted(config)}")
+        raise ValueError(
+            f"config= needs a 'model_type' (e.g. 'llama', 'qwen2', 'gpt2'), got keys {sorted(config)}"
+        )
     hf_config = transformers.AutoConfig.for_model(model_type, **config)
     _refuse_encoders(hf_config, f"config= (model_type={model_type!r})")
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
-    return _causal_checked(_attention_checked(
-        attn_implementation, lambda: transformers.AutoModelForCausalLM.from_config(hf_config, **kwargs)))
+    return _causal_checked(
+        _attention_checked(
+            attn_implementation,
+            lambda: transformers.AutoModelForCausalLM.from_config(hf_config, **kwargs),
+        )
+    )
 
 
-def _deferred(transformers: Any, directory: Any, hf_config: Any, attn_implementation: Optional[str]) -> Optional[nn.Module]:
+def _deferred(
+    transformers: Any, directory: Any, hf_config: Any, attn_implementation: Optional[str]
+) -> Optional[nn.Module]:
     """The directory's model on ``meta`` with its weights' record, or ``None`` where its files
     do not name the model's tensors (``transformers`` converts them on load: load it eagerly)."""
-    from lightning_3d.models.hf_load import PretrainedWeights, build_on_meta, names_match, read_headers
+    from lightning_3d.models.hf_load import (
+        PretrainedWeights,
+        build_on_meta,
+        names_match,
+        read_headers,
+    )
 
     headers = read_headers(directory)
-    model = _causal_checked(_attention_checked(attn_implementation,
-                                               lambda: build_on_meta(transformers, hf_config, attn_implementation)))
+    model = _causal_checked(
+        _attention_checked(
+            attn_implementation, lambda: build_on_meta(transformers, hf_config, attn_implementation)
+        )
+    )
     if not names_match(model, headers):
         return None
     model.deferred_init = PretrainedWeights(directory, model, headers)
@@ -107,19 +135,28 @@ def _deferred(transformers: Any, directory: Any, hf_config: Any, attn_implementa
 
 def _refuse_encoders(hf_config: Any, where: str) -> None:
     if getattr(hf_config, "is_encoder_decoder", False):
-        raise ValueError(f"{where}: {type(hf_config).__name__} is an encoder-decoder model; HFCausalLM trains "
-                         "decoder-only causal language models")
+        raise ValueError(
+            f"{where}: {type(hf_config).__name__} is an encoder-decoder model; HFCausalLM trains "
+            "decoder-only causal language models"
+        )
 
 
 def _causal_checked(model: nn.Module) -> nn.Module:
     """``model``, or ``ValueError`` when its self-attention sees later tokens (an encoder such as
     BERT loaded as a causal LM without ``is_decoder``): trained so, it would learn to copy."""
-    bidirectional = sorted({type(m).__name__ for m in model.modules()
-                            if getattr(m, "is_causal", None) is False and "Cross" not in type(m).__name__})
+    bidirectional = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if getattr(m, "is_causal", None) is False and "Cross" not in type(m).__name__
+        }
+    )
     if bidirectional:
-        raise ValueError(f"{type(model).__name__} is an encoder: its attention ({', '.join(bidirectional)}) is not "
-                         "causal, so each position would see the tokens it must predict; train a decoder-only "
-                         "model (or one whose config.json sets is_decoder: true)")
+        raise ValueError(
+            f"{type(model).__name__} is an encoder: its attention ({', '.join(bidirectional)}) is not "
+            "causal, so each position would see the tokens it must predict; train a decoder-only "
+            "model (or one whose config.json sets is_decoder: true)"
+        )
     return model
 
 
@@ -132,8 +169,10 @@ def _attention_checked(attn_implementation: Optional[str], build: Any) -> nn.Mod
         text = str(err).strip().splitlines()[0] if str(err).strip() else ""
         if attn_implementation is None or "attention implementation" not in text:
             raise
-        raise ValueError(f"attn_implementation={attn_implementation!r} (model.attn_implementation in the app): "
-                         f"{text} Leave it unset (null) for the model's default.") from None
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r} (model.attn_implementation in the app): "
+            f"{text} Leave it unset (null) for the model's default."
+        ) from None
 
 
 class HFCausalLM(pl.LightningModule):
@@ -168,7 +207,9 @@ class HFCausalLM(pl.LightningModule):
         deferred_init: bool = True,
     ) -> None:
         super().__init__()
-        check_training_options(lr, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio, optimizer)
+        check_training_options(
+            lr, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio, optimizer
+        )
         if model is not None:
             if path is not None or config is not None:
                 raise ValueError("give one of path=, config= or model=, not several")
@@ -200,15 +241,23 @@ class HFCausalLM(pl.LightningModule):
         if has_meta(self.model):
             materialize(self.model, torch.device("cpu") if device is None else device)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` (vocab-sharded under tensor parallelism). ``position_ids``
         that restart at 0 within a row mark packed sequences: without an ``attention_mask``,
         ``transformers`` keeps each one's attention to itself (``lightning_3d.data.chat_layout``)."""
         if getattr(self.model, "deferred_init", None) is not None and self._trainer is None:
             self.load_weights()  # used outside a Trainer: read the weights on the first call
-        return self.model(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids, use_cache=False).logits
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).logits
 
     @staticmethod
     def positions_of(batch: Any) -> Optional[torch.Tensor]:
@@ -256,7 +305,9 @@ class HFCausalLM(pl.LightningModule):
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """The most likely next token at every position, ``(B, T)``."""
-        ids, mask, _ = self.split_batch(batch) if not isinstance(batch, torch.Tensor) else (batch, None, None)
+        ids, mask, _ = (
+            self.split_batch(batch) if not isinstance(batch, torch.Tensor) else (batch, None, None)
+        )
         logits = self(ids, mask, self.positions_of(batch))
         if hasattr(logits, "full_tensor"):  # vocab-parallel logits under tensor parallelism
             logits = logits.full_tensor()

@@ -56,9 +56,11 @@ def read_headers(directory: Path) -> dict[str, tuple[Path, tuple[int, ...], str]
                     piece = handle.get_slice(key)
                     out[key] = (file, tuple(piece.get_shape()), piece.get_dtype())
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
-            raise ValueError(f"weights file {str(file)!r} cannot be read ({type(err).__name__}: "
-                             f"{str(err).strip().splitlines()[0] if str(err).strip() else 'damaged'}): "
-                             "it is truncated or not a safetensors file; copy the model directory again") from None
+            raise ValueError(
+                f"weights file {str(file)!r} cannot be read ({type(err).__name__}: "
+                f"{str(err).strip().splitlines()[0] if str(err).strip() else 'damaged'}): "
+                "it is truncated or not a safetensors file; copy the model directory again"
+            ) from None
     return out
 
 
@@ -83,7 +85,9 @@ def _stored(model: nn.Module) -> dict[str, torch.Tensor]:
 def names_match(model: nn.Module, headers: dict[str, Any]) -> bool:
     """Whether every tensor the model stores is in the files under its own name (or a tie's)."""
     partners = tied_partners(model)
-    return all(n in headers or any(p in headers for p in partners.get(n, ())) for n in _stored(model))
+    return all(
+        n in headers or any(p in headers for p in partners.get(n, ())) for n in _stored(model)
+    )
 
 
 class PretrainedWeights:
@@ -92,20 +96,31 @@ class PretrainedWeights:
     ``fill`` protocol), set as the model's ``deferred_init``. Built from the whole model (names
     and ties); the model may then be split, sharded and placed before :meth:`fill` runs."""
 
-    def __init__(self, directory: Path, model: nn.Module, headers: dict[str, tuple[Path, tuple[int, ...], str]]) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        model: nn.Module,
+        headers: dict[str, tuple[Path, tuple[int, ...], str]],
+    ) -> None:
         self.directory = Path(directory)
         self.headers = headers
         partners = tied_partners(model)
         self.keys: dict[str, str] = {}  # model name -> file key
         for name in _stored(model):
-            key = name if name in headers else next((p for p in partners.get(name, ()) if p in headers), None)
+            key = (
+                name
+                if name in headers
+                else next((p for p in partners.get(name, ()) if p in headers), None)
+            )
             if key is not None:
                 self.keys[name] = key
                 self.keys.update({p: key for p in partners.get(name, ())})
         missing = sorted(n for n in _stored(model) if n not in self.keys)
         if missing:
-            raise ValueError(f"model directory {str(self.directory)!r}: its weights lack {missing[:6]}"
-                             f"{' ...' if len(missing) > 6 else ''} ({len(missing)} of {len(_stored(model))} tensors)")
+            raise ValueError(
+                f"model directory {str(self.directory)!r}: its weights lack {missing[:6]}"
+                f"{' ...' if len(missing) > 6 else ''} ({len(missing)} of {len(_stored(model))} tensors)"
+            )
         self.check(model)
 
     def planned(self) -> list[str]:
@@ -118,17 +133,25 @@ class PretrainedWeights:
         for name, tensor in _stored(owner).items():
             key = self.keys.get(name)
             if key is not None and self.headers[key][1] != tuple(tensor.shape):
-                wrong.append(f"{key} {list(self.headers[key][1])} (config.json gives {list(tensor.shape)})")
+                wrong.append(
+                    f"{key} {list(self.headers[key][1])} (config.json gives {list(tensor.shape)})"
+                )
         if wrong:
-            raise ValueError(f"model directory {str(self.directory)!r}: weights differ in shape from its "
-                             f"config.json: {'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}")
+            raise ValueError(
+                f"model directory {str(self.directory)!r}: weights differ in shape from its "
+                f"config.json: {'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}"
+            )
 
     def fill(self, owner: nn.Module) -> int:
         """Copy this rank's part of every tensor ``owner`` still holds from the files."""
         from safetensors import safe_open
 
-        fused = {id(p): getattr(m, FUSED_ROWS_ATTR) for m in owner.modules() if hasattr(m, FUSED_ROWS_ATTR)
-                 for p in m.parameters(recurse=False)}
+        fused = {
+            id(p): getattr(m, FUSED_ROWS_ATTR)
+            for m in owner.modules()
+            if hasattr(m, FUSED_ROWS_ATTR)
+            for p in m.parameters(recurse=False)
+        }
         filled = 0
         with ExitStack() as stack:
             handles: dict[Path, Any] = {}
@@ -150,7 +173,9 @@ class PretrainedWeights:
         return filled
 
 
-def _read_part(handle: Any, key: str, tensor: torch.Tensor, fused: Optional[tuple]) -> Optional[torch.Tensor]:
+def _read_part(
+    handle: Any, key: str, tensor: torch.Tensor, fused: Optional[tuple]
+) -> Optional[torch.Tensor]:
     """This rank's part of ``key``: a slice read where it is one box of the full tensor, else the
     full tensor read and cut (regrouped first for a fused projection)."""
     region = None if fused is not None else local_region(tensor)
@@ -172,8 +197,11 @@ def build_on_meta(transformers: Any, config: Any, attn_implementation: Optional[
         model.tie_weights()  # from_config leaves a tied head its own tensor on meta
     with torch.device("cpu"):  # also inside a caller's meta context (the launcher's checks)
         for module in model.modules():
-            computed = [n for n, b in module._buffers.items()
-                        if b is not None and b.is_meta and n in module._non_persistent_buffers_set]
+            computed = [
+                n
+                for n, b in module._buffers.items()
+                if b is not None and b.is_meta and n in module._non_persistent_buffers_set
+            ]
             for name in computed:
                 module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
             if computed:

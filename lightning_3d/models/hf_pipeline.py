@@ -117,7 +117,9 @@ def _base_model(outer: nn.Module) -> nn.Module:
     get = getattr(outer, "get_decoder", None)
     base = get() if callable(get) else getattr(outer, getattr(outer, "base_model_prefix", ""), None)
     if not isinstance(base, nn.Module) or base is outer:
-        raise ValueError(f"no pipeline split for {type(outer).__name__}: it holds no separate decoder model")
+        raise ValueError(
+            f"no pipeline split for {type(outer).__name__}: it holds no separate decoder model"
+        )
     return base
 
 
@@ -129,19 +131,28 @@ def stage_layout(outer: nn.Module) -> tuple[list[str], str, list[str]]:
     prefix = next(n for n, m in names.items() if m is base)
     head = next((n for n, m in names.items() if m is outer.get_output_embeddings()), None)
     plan = [k for k in (getattr(outer, "pp_plan", None) or {}) if k in names]
-    if any(isinstance(names[k], nn.ModuleList) for k in plan):  # the class's own entries alone name no blocks
-        inner = [k for k in plan if k.startswith(prefix + ".")]  # the base model's, in its forward's order
+    if any(
+        isinstance(names[k], nn.ModuleList) for k in plan
+    ):  # the class's own entries alone name no blocks
+        inner = [
+            k for k in plan if k.startswith(prefix + ".")
+        ]  # the base model's, in its forward's order
         order = inner + [k for k in plan if k not in inner]
     else:
-        with_params = [f"{prefix}.{n}" for n, m in base.named_children()
-                       if isinstance(m, nn.ModuleList) or any(True for _ in m.parameters())]
+        with_params = [
+            f"{prefix}.{n}"
+            for n, m in base.named_children()
+            if isinstance(m, nn.ModuleList) or any(True for _ in m.parameters())
+        ]
         order = with_params + ([head] if head is not None and head not in with_params else [])
     lists = [k for k in order if isinstance(names[k], nn.ModuleList)]
     if len(lists) != 1:
-        raise ValueError(f"no pipeline split for {type(outer).__name__}: expected one block list among "
-                         f"{order}, found {lists}; override pipeline_spec() to return a lightning_3d.PipelineSpec")
+        raise ValueError(
+            f"no pipeline split for {type(outer).__name__}: expected one block list among "
+            f"{order}, found {lists}; override pipeline_spec() to return a lightning_3d.PipelineSpec"
+        )
     at = order.index(lists[0])
-    return order[:at], lists[0], order[at + 1:]
+    return order[:at], lists[0], order[at + 1 :]
 
 
 # ---------------------------------------------------------------------------------- running
@@ -199,16 +210,26 @@ def _checked(outer: nn.Module, layers: nn.ModuleList, stage: Any) -> Iterator[No
     over its layers (a recurrent depth) or adds something between them computes a different
     model when split there; it needs a pipeline_spec() of its own."""
     received = stage.__dict__.get("_l3d_received")
-    if stage.__dict__.get("_l3d_checked") or (isinstance(received, torch.Tensor) and received.is_meta):
+    if stage.__dict__.get("_l3d_checked") or (
+        isinstance(received, torch.Tensor) and received.is_meta
+    ):
         yield  # checked already, or a shape-inference forward on meta tensors: nothing to compare
         return
     calls: list[tuple[str, int, Any]] = []
     handles = []
     for key, layer in layers._modules.items():
         index = int(key)
-        handles.append(layer.register_forward_pre_hook(
-            lambda m, a, k, i=index: calls.append(("in", i, _first_input(a, k))), with_kwargs=True))
-        handles.append(layer.register_forward_hook(lambda m, a, o, i=index: calls.append(("out", i, _hidden(o)))))
+        handles.append(
+            layer.register_forward_pre_hook(
+                lambda m, a, k, i=index: calls.append(("in", i, _first_input(a, k))),
+                with_kwargs=True,
+            )
+        )
+        handles.append(
+            layer.register_forward_hook(
+                lambda m, a, o, i=index: calls.append(("out", i, _hidden(o)))
+            )
+        )
     stopped = None
     try:
         yield
@@ -220,20 +241,26 @@ def _checked(outer: nn.Module, layers: nn.ModuleList, stage: Any) -> Iterator[No
     stand_ins = {int(k) for k, m in layers._modules.items() if isinstance(m, PassThrough)}
     problem = _sequence_problem(calls, stage.block_ids[0], received, stand_ins)
     if problem:
-        raise ValueError(f"{type(outer).__name__} cannot be split into pipeline stages at its layers: {problem}; "
-                         "override pipeline_spec() to return a lightning_3d.PipelineSpec, or use pipeline=1")
+        raise ValueError(
+            f"{type(outer).__name__} cannot be split into pipeline stages at its layers: {problem}; "
+            "override pipeline_spec() to return a lightning_3d.PipelineSpec, or use pipeline=1"
+        )
     stage._l3d_checked = True
     if stopped is not None:
         raise stopped
 
 
-def _sequence_problem(calls: list[tuple[str, int, Any]], first: int, received: Any, stand_ins: set[int]) -> str:
+def _sequence_problem(
+    calls: list[tuple[str, int, Any]], first: int, received: Any, stand_ins: set[int]
+) -> str:
     """What breaks the contract :func:`_checked` states (``""``: nothing). A stand-in's output
     is not compared: it returns a tensor where the family's layers may return a tuple."""
     inputs = [(i, t) for kind, i, t in calls if kind == "in"]
     outputs = {i: t for kind, i, t in calls if kind == "out"}
     order = [i for i, _ in inputs]
-    if order != sorted(set(order)) or order != list(range(order[0] if order else 0, (order[-1] + 1) if order else 0)):
+    if order != sorted(set(order)) or order != list(
+        range(order[0] if order else 0, (order[-1] + 1) if order else 0)
+    ):
         return f"its forward calls its layers in the order {order}, not each once in turn"
     for i, tensor in inputs:
         if i == first and received is not None:
@@ -254,7 +281,9 @@ def _same(a: Any, b: Any) -> bool:
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
         return False
     # equal_nan: the schedule's shape inference runs a forward on uninitialised memory
-    return torch.allclose(a.detach().float(), b.detach().float(), rtol=1e-2, atol=1e-3, equal_nan=True)
+    return torch.allclose(
+        a.detach().float(), b.detach().float(), rtol=1e-2, atol=1e-3, equal_nan=True
+    )
 
 
 def run_stage(outer: nn.Module, layers_name: str, stage: Any, x: Any) -> Any:
@@ -275,15 +304,21 @@ def run_stage(outer: nn.Module, layers_name: str, stage: Any, x: Any) -> Any:
             if stage.is_last:
                 return outer(**kwargs).logits
             _base_model(outer)(**kwargs)
-    except _StageOutput as done:  # under sequence parallelism a DTensor: stages pass their local shard
+    except (
+        _StageOutput
+    ) as done:  # under sequence parallelism a DTensor: stages pass their local shard
         return done.hidden.to_local() if isinstance(done.hidden, DTensor) else done.hidden
     finally:
         stage.__dict__.pop("_l3d_received", None)
-    raise RuntimeError(f"pipeline stage with blocks {list(keep)} of {type(outer).__name__} returned without "
-                       "reaching the stand-in after its last block")
+    raise RuntimeError(
+        f"pipeline stage with blocks {list(keep)} of {type(outer).__name__} returned without "
+        "reaching the stand-in after its last block"
+    )
 
 
-def run_one_block(outer: nn.Module, layers_name: str, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def run_one_block(
+    outer: nn.Module, layers_name: str, block: nn.Module, x: torch.Tensor
+) -> torch.Tensor:
     """``block`` on ``x`` with the inputs the model gives its layers (for the planner, which
     measures one block's activations): a one-block stage at ``block``'s index."""
     layers = outer.get_submodule(layers_name)
@@ -335,31 +370,41 @@ def check_split(lit: Any, wrap: Callable[[nn.Module], Any]) -> None:
     the copy."""
     from lightning_3d.models.hf_twin import tiny_twin
 
-    with torch.device("cpu"), torch.no_grad():  # the launcher's model may be on meta: the twin is not
+    with (
+        torch.device("cpu"),
+        torch.no_grad(),
+    ):  # the launcher's model may be on meta: the twin is not
         twin_model = tiny_twin(lit.model)
         if twin_model is None:
             return
         twin = wrap(twin_model)
         if len(twin.get_submodule(twin.pipeline_spec().blocks)) < 2:
             return
-        ids = torch.randint(3, twin_model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(
+            3, twin_model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)
+        )
         whole = twin(ids)
         try:
             split = run_in_turn(stages_in_one_process(twin, 2), ids)
         except Exception as err:  # noqa: BLE001 - the model's own code, failing on what a stage hands it
-            raise ValueError(f"{type(lit.model).__name__} cannot be split into pipeline stages at its layers: on a "
-                             f"tiny copy of its family a stage fails ({type(err).__name__}: {_first_line(err)}); "
-                             "override pipeline_spec() to return a lightning_3d.PipelineSpec, or use pipeline=1"
-                             ) from err
+            raise ValueError(
+                f"{type(lit.model).__name__} cannot be split into pipeline stages at its layers: on a "
+                f"tiny copy of its family a stage fails ({type(err).__name__}: {_first_line(err)}); "
+                "override pipeline_spec() to return a lightning_3d.PipelineSpec, or use pipeline=1"
+            ) from err
     if not torch.allclose(split, whole, rtol=1e-4, atol=1e-5):
         worst = (split - whole).abs().max().item()
-        raise ValueError(f"{type(lit.model).__name__} cannot be split into pipeline stages at its layers: on a tiny "
-                         f"copy of its family the stages in turn give other logits than the whole model (max "
-                         f"difference {worst:.2e}); override pipeline_spec() to return a lightning_3d.PipelineSpec, "
-                         "or use pipeline=1")
+        raise ValueError(
+            f"{type(lit.model).__name__} cannot be split into pipeline stages at its layers: on a tiny "
+            f"copy of its family the stages in turn give other logits than the whole model (max "
+            f"difference {worst:.2e}); override pipeline_spec() to return a lightning_3d.PipelineSpec, "
+            "or use pipeline=1"
+        )
 
 
-def hf_pipeline_spec(lit: Any, wrap: Callable[[nn.Module], Any], prefix: str = "model") -> PipelineSpec:
+def hf_pipeline_spec(
+    lit: Any, wrap: Callable[[nn.Module], Any], prefix: str = "model"
+) -> PipelineSpec:
     """The :class:`PipelineSpec` of ``lit.model`` (a ``transformers`` causal LM held at ``prefix``
     of the LightningModule ``lit``, whose ``split_batch`` and ``loss_fn`` it uses; ``wrap`` holds a
     model in a LightningModule like ``lit``, for :func:`check_split`); ``ValueError``
@@ -369,9 +414,11 @@ def hf_pipeline_spec(lit: Any, wrap: Callable[[nn.Module], Any], prefix: str = "
 
     def split(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(batch, dict) and batch.get("position_ids") is not None:  # stages count from 0
-            raise ValueError("a batch with position_ids (packed sequences) cannot run under "
-                             "pipeline parallelism: its positions do not reach later stages; use "
-                             "unpacked rows")
+            raise ValueError(
+                "a batch with position_ids (packed sequences) cannot run under "
+                "pipeline parallelism: its positions do not reach later stages; use "
+                "unpacked rows"
+            )
         ids, _, targets = lit.split_batch(batch)
         return ids, targets
 

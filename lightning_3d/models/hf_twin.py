@@ -16,20 +16,51 @@ import torch
 from torch import nn
 
 SIZES: dict[str, Any] = dict(
-    vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    sliding_window=8, num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2,
-    moe_intermediate_size=32, shared_expert_intermediate_size=32,
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    sliding_window=8,
+    num_local_experts=4,
+    num_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=32,
     rotary_dim=4,  # GPT-J, CodeGen: rotary on part of a head
     # multi-head latent attention (DeepSeek-V2/V3 and kin): low-rank q / kv, a rotary part per head
-    q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, first_k_dense_replace=1,
-    n_group=1, topk_group=1, n_shared_experts=1,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=4,
+    v_head_dim=8,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    n_shared_experts=1,
     # state-space and linear-attention mixers (Mamba-2 hybrids, gated delta nets): their defaults
     # are full size, and transformers' reference kernels in Python are slow at those sizes
-    mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=16,
-    mamba_num_heads=8, mamba_head_dim=8, ssm_state_size=16, chunk_size=16,
-    linear_head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
-    moe_shared_expert_intermediate_size=32, shared_intermediate_size=32,
+    mamba_d_ssm=64,
+    mamba_n_heads=8,
+    mamba_d_head=8,
+    mamba_d_state=16,
+    mamba_chunk_size=16,
+    mamba_num_heads=8,
+    mamba_head_dim=8,
+    ssm_state_size=16,
+    chunk_size=16,
+    linear_head_dim=8,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    moe_shared_expert_intermediate_size=32,
+    shared_intermediate_size=32,
 )
 RANDOM_KEY_WORDS = ("dropout", "pdrop", "jitter")  # float config keys that make a forward random
 MAX_PARAMS = 5_000_000  # above this the family derived sizes of its own: not a twin
@@ -48,12 +79,21 @@ def shrunk(options: dict[str, Any], aliases: Optional[dict[str, str]] = None) ->
             out[name] = value
     if "qk_rope_head_dim" in options:  # multi-head latent attention: no grouped k/v heads, and
         # the rotary part is what its configs call head_dim
-        mla = {"head_dim": SIZES["qk_rope_head_dim"], "num_key_value_heads": SIZES["num_attention_heads"]}
+        mla = {
+            "head_dim": SIZES["qk_rope_head_dim"],
+            "num_key_value_heads": SIZES["num_attention_heads"],
+        }
         for key, value in mla.items():
             if aliases.get(key, key) in options:
                 out[aliases.get(key, key)] = value
     layers = aliases.get("num_hidden_layers", "num_hidden_layers")
-    out.update({k: 0.0 for k, v in options.items() if isinstance(v, float) and any(w in k for w in RANDOM_KEY_WORDS)})
+    out.update(
+        {
+            k: 0.0
+            for k, v in options.items()
+            if isinstance(v, float) and any(w in k for w in RANDOM_KEY_WORDS)
+        }
+    )
     types = options.get("layer_types")
     if isinstance(types, list) and types and layers in out:
         order = list(dict.fromkeys(types))

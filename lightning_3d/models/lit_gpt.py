@@ -39,8 +39,15 @@ def _number(value: Any, whole: bool = False) -> bool:
     return isinstance(value, kinds) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def check_training_options(lr: Any, weight_decay: Any, betas: Any, warmup_steps: Any, max_steps: Any,
-                           min_lr_ratio: Any, optimizer: Any) -> None:
+def check_training_options(
+    lr: Any,
+    weight_decay: Any,
+    betas: Any,
+    warmup_steps: Any,
+    max_steps: Any,
+    min_lr_ratio: Any,
+    optimizer: Any,
+) -> None:
     """``ValueError`` naming every optimizer and schedule argument a run could not use (both
     model classes call it in their constructors, so the launcher's build on ``meta`` refuses
     them before any rank starts): a positive learning rate, a weight decay >= 0, two betas in
@@ -51,13 +58,21 @@ def check_training_options(lr: Any, weight_decay: Any, betas: Any, warmup_steps:
         problems.append(f"lr={lr!r} must be a number > 0")
     if not (_number(weight_decay) and weight_decay >= 0):
         problems.append(f"weight_decay={weight_decay!r} must be a number >= 0")
-    if not (isinstance(betas, Sequence) and not isinstance(betas, str) and len(betas) == 2
-            and all(_number(b) and 0 <= b < 1 for b in betas)):
+    if not (
+        isinstance(betas, Sequence)
+        and not isinstance(betas, str)
+        and len(betas) == 2
+        and all(_number(b) and 0 <= b < 1 for b in betas)
+    ):
         problems.append(f"betas={betas!r} must be two numbers in [0, 1)")
     if not (_number(warmup_steps, whole=True) and warmup_steps >= 0):
         problems.append(f"warmup_steps={warmup_steps!r} must be a whole number >= 0")
-    if max_steps is not None and not (_number(max_steps, whole=True) and (max_steps >= 1 or max_steps == -1)):
-        problems.append(f"max_steps={max_steps!r} must be a whole number >= 1, or -1 / null (the Trainer's)")
+    if max_steps is not None and not (
+        _number(max_steps, whole=True) and (max_steps >= 1 or max_steps == -1)
+    ):
+        problems.append(
+            f"max_steps={max_steps!r} must be a whole number >= 1, or -1 / null (the Trainer's)"
+        )
     if not (_number(min_lr_ratio) and 0 <= min_lr_ratio <= 1):
         problems.append(f"min_lr_ratio={min_lr_ratio!r} must be a number in [0, 1]")
     if optimizer not in ("adamw", "sgd"):
@@ -102,7 +117,9 @@ class LitGPT(pl.LightningModule):
     ) -> None:
         if not isinstance(deferred_init, bool):
             raise ValueError(f"deferred_init={deferred_init!r} must be True or False")
-        check_training_options(lr, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio, optimizer)
+        check_training_options(
+            lr, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio, optimizer
+        )
         super().__init__()
         self.save_hyperparameters()
         self.config = GPTConfig(
@@ -158,12 +175,16 @@ class LitGPT(pl.LightningModule):
         logits = self(x)  # (B, T, vocab)
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
+    ) -> torch.Tensor:
         loss = self._loss(batch)
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
-    def _evaluate(self, batch: tuple[torch.Tensor, torch.Tensor], metric: torchmetrics.MeanMetric, name: str) -> None:
+    def _evaluate(
+        self, batch: tuple[torch.Tensor, torch.Tensor], metric: torchmetrics.MeanMetric, name: str
+    ) -> None:
         loss = self._loss(batch)
         # Weight by tokens so the epoch value is the true per-token mean even
         # if batches were ever of different sizes.
@@ -208,7 +229,9 @@ class LitGPT(pl.LightningModule):
         ]
         if hp.optimizer == "adamw":
             opt = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
-        elif hp.optimizer == "sgd":  # plain momentum SGD: unlike Adam, sensitive to the gradient's scale
+        elif (
+            hp.optimizer == "sgd"
+        ):  # plain momentum SGD: unlike Adam, sensitive to the gradient's scale
             opt = torch.optim.SGD(groups, lr=hp.lr, momentum=0.9)
         else:
             raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {hp.optimizer!r}")

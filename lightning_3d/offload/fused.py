@@ -41,20 +41,45 @@ class AdamHyper:
     @classmethod
     def of(cls, group: dict) -> "AdamHyper":
         beta1, beta2 = map(float, group["betas"])
-        return cls(float(group["lr"]), beta1, beta2, float(group["eps"]), float(group["weight_decay"]),
-                   bool(group["decoupled_weight_decay"]))
+        return cls(
+            float(group["lr"]),
+            beta1,
+            beta2,
+            float(group["eps"]),
+            float(group["weight_decay"]),
+            bool(group["decoupled_weight_decay"]),
+        )
 
 
-def fused_adam_(masters: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-                step: int, hyper: AdamHyper) -> None:
+def fused_adam_(
+    masters: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    step: int,
+    hyper: AdamHyper,
+) -> None:
     """Adam(W) step ``step`` (1-based, already counted) in place on fp32 CPU tensors, one call."""
     if not masters:
         return
     kernel = torch._fused_adamw_ if hyper.decoupled else torch._fused_adam_
     # The kernel reads the step count from a tensor per parameter; all of these share one.
     steps = [torch.tensor(float(step), dtype=torch.float32)] * len(masters)
-    kernel(masters, grads, exp_avgs, exp_avg_sqs, [], steps, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
-           weight_decay=hyper.weight_decay, eps=hyper.eps, amsgrad=False, maximize=False)
+    kernel(
+        masters,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        lr=hyper.lr,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        amsgrad=False,
+        maximize=False,
+    )
 
 
 class FusedBatch:
@@ -66,8 +91,12 @@ class FusedBatch:
     Views handed to :meth:`add` must stay valid until the next :meth:`flush`.
     """
 
-    def __init__(self, grad_buffer_bytes: int = DEFAULT_GRAD_BUFFER_BYTES, pinned: bool = False,
-                 copy_back: Optional[Callable[[Tensor, Tensor], None]] = None) -> None:
+    def __init__(
+        self,
+        grad_buffer_bytes: int = DEFAULT_GRAD_BUFFER_BYTES,
+        pinned: bool = False,
+        copy_back: Optional[Callable[[Tensor, Tensor], None]] = None,
+    ) -> None:
         if grad_buffer_bytes < 4:
             raise ValueError(f"grad_buffer_bytes must hold one fp32 value, got {grad_buffer_bytes}")
         self._buffer_numel = grad_buffer_bytes // 4
@@ -77,13 +106,23 @@ class FusedBatch:
         self._pending: dict[tuple[AdamHyper, int], tuple[list[Tensor], ...]] = {}
         self._copy_back: list[tuple[Tensor, Tensor]] = []
         self.numel = 0  # elements pending
-        self.kernel_seconds = 0.0  # wall time in the fused Adam calls since set to 0 (not the copy-back)
+        self.kernel_seconds = (
+            0.0  # wall time in the fused Adam calls since set to 0 (not the copy-back)
+        )
         # (weights, new master) -> None; default ``weights.copy_(master)`` (an accelerator's
         # WeightUploader starts the copy on a side stream instead).
         self.copy_back = copy_back or (lambda weights, master: weights.copy_(master))
 
-    def add(self, hyper: AdamHyper, step: int, master: Tensor, grad: Tensor, exp_avg: Tensor,
-            exp_avg_sq: Tensor, weights: Optional[Tensor] = None) -> None:
+    def add(
+        self,
+        hyper: AdamHyper,
+        step: int,
+        master: Tensor,
+        grad: Tensor,
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        weights: Optional[Tensor] = None,
+    ) -> None:
         if grad.dtype != torch.float32 or grad.device.type != "cpu" or not grad.is_contiguous():
             grad = self._cast(grad)
         lists = self._pending.setdefault((hyper, step), ([], [], [], []))

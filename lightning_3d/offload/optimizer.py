@@ -27,13 +27,27 @@ from torch.distributed.tensor import DTensor
 
 from lightning_3d.offload.fused import DEFAULT_GRAD_BUFFER_BYTES, AdamHyper, FusedBatch
 from lightning_3d.offload.paths import PathLike
-from lightning_3d.offload.storage import Chunk, ChunkStore, CpuChunkStore, FileChunkStore, ParamSlot, plan_chunks
-from lightning_3d.offload.transfer import DEFAULT_STAGE_BYTES, GradientPrefetcher, GradientSnapshot, WeightUploader
+from lightning_3d.offload.storage import (
+    Chunk,
+    ChunkStore,
+    CpuChunkStore,
+    FileChunkStore,
+    ParamSlot,
+    plan_chunks,
+)
+from lightning_3d.offload.transfer import (
+    DEFAULT_STAGE_BYTES,
+    GradientPrefetcher,
+    GradientSnapshot,
+    WeightUploader,
+)
 from lightning_3d.parallel.tensor import local_tensor as _local
 
 DEVICES = ("cpu", "nvme")
 DEFAULT_CHUNK_BYTES = 16 * 2**20
-DEFAULT_WINDOW = 3  # NVMe: chunks in RAM at once (one stepping, the rest reading ahead / writing back)
+DEFAULT_WINDOW = (
+    3  # NVMe: chunks in RAM at once (one stepping, the rest reading ahead / writing back)
+)
 _REFUSED = ("amsgrad", "maximize", "capturable", "differentiable")
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
 
@@ -60,11 +74,23 @@ class OffloadedAdam(torch.optim.Optimizer):
     # which is how the tests drive the same path without a device.
     prefetch_devices: tuple[str, ...] = ("cuda",)
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, decoupled_weight_decay: bool = True, *,
-                 device: str = "cpu", path: Optional[PathLike] = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 window: int = DEFAULT_WINDOW, delay_update: bool = False, direct_io: Union[str, bool] = "auto",
-                 overlap: bool = True) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        decoupled_weight_decay: bool = True,
+        *,
+        device: str = "cpu",
+        path: Optional[PathLike] = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        window: int = DEFAULT_WINDOW,
+        delay_update: bool = False,
+        direct_io: Union[str, bool] = "auto",
+        overlap: bool = True,
+    ) -> None:
         """``params`` as for ``torch.optim.AdamW``; ``device`` "cpu" or "nvme" (then ``path`` is a
         directory on the drive); ``chunk_bytes`` of state per streamed chunk; ``window`` chunk
         buffers in RAM for "nvme"; ``delay_update``: see :meth:`step` (changes the numerics);
@@ -82,10 +108,22 @@ class OffloadedAdam(torch.optim.Optimizer):
         if device not in DEVICES:
             raise ValueError(f"offload device must be one of {DEVICES}, got {device!r}")
         if chunk_bytes < 12:
-            raise ValueError(f"chunk_bytes must hold one element of 3 fp32 fields (12 bytes), got {chunk_bytes}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
-                        foreach=None, capturable=False, differentiable=False, fused=None,
-                        decoupled_weight_decay=decoupled_weight_decay)
+            raise ValueError(
+                f"chunk_bytes must hold one element of 3 fp32 fields (12 bytes), got {chunk_bytes}"
+            )
+        defaults = dict(
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=False,
+            maximize=False,
+            foreach=None,
+            capturable=False,
+            differentiable=False,
+            fused=None,
+            decoupled_weight_decay=decoupled_weight_decay,
+        )
         self._building = True
         super().__init__(params, defaults)
         self._building = False
@@ -94,21 +132,32 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.device = device
         # Delayed: the update runs while the next forward reads the parameters, so it may not
         # write them in place; every parameter gets a separate master.
-        self._slots, self._chunks = plan_chunks(self.param_groups, chunk_bytes, always_separate=delay_update)
+        self._slots, self._chunks = plan_chunks(
+            self.param_groups, chunk_bytes, always_separate=delay_update
+        )
         self._slot_of = {id(s.param): s for s in self._slots}
         self._layout = [id(p) for g in self.param_groups for p in g["params"]]
         segments = [c.numel * self._slots[c.slot].fields for c in self._chunks]
         # Everything above only inspects; the store is the first thing that writes (and it
         # checks the path and cleans up after itself if it fails).
-        self._store: ChunkStore = (CpuChunkStore(segments) if device == "cpu"
-                                   else FileChunkStore(path, segments, window, direct_io=direct_io))
+        self._store: ChunkStore = (
+            CpuChunkStore(segments)
+            if device == "cpu"
+            else FileChunkStore(path, segments, window, direct_io=direct_io)
+        )
         # A streaming store steps one chunk at a time: its gradient buffer need hold one chunk.
-        grad_buffer = DEFAULT_GRAD_BUFFER_BYTES if self._store.keeps_segments else 4 * max(
-            (c.numel for c in self._chunks), default=1)
+        grad_buffer = (
+            DEFAULT_GRAD_BUFFER_BYTES
+            if self._store.keeps_segments
+            else 4 * max((c.numel for c in self._chunks), default=1)
+        )
         self.overlap = overlap
         self._uploader = WeightUploader(self.stage_bytes) if overlap else None
-        self._batch = FusedBatch(grad_buffer, pinned=torch.cuda.is_available(),  # pinned: device gradients land fast
-                                 copy_back=self._uploader.put if overlap else None)
+        self._batch = FusedBatch(
+            grad_buffer,
+            pinned=torch.cuda.is_available(),  # pinned: device gradients land fast
+            copy_back=self._uploader.put if overlap else None,
+        )
         self.delay_update = delay_update
         self._in_flight: Optional[Future] = None  # delayed: the update started by the last step()
         self._unapplied: list[int] = []  # delayed: slots whose new masters the parameters lack
@@ -117,30 +166,61 @@ class OffloadedAdam(torch.optim.Optimizer):
         self.last_update_cpu_s: Optional[float] = None
         self._worker: Optional[ThreadPoolExecutor] = None
         if delay_update:  # the worker waits on CUDA events: on the parameters' device, not device 0
-            cuda = next((p.device for g in self.param_groups for p in g["params"] if p.device.type == "cuda"), None)
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-step",
-                                              initializer=torch.cuda.set_device if cuda is not None else None,
-                                              initargs=(cuda,) if cuda is not None else ())
+            cuda = next(
+                (
+                    p.device
+                    for g in self.param_groups
+                    for p in g["params"]
+                    if p.device.type == "cuda"
+                ),
+                None,
+            )
+            self._worker = ThreadPoolExecutor(
+                max_workers=1,
+                thread_name_prefix="offload-step",
+                initializer=torch.cuda.set_device if cuda is not None else None,
+                initargs=(cuda,) if cuda is not None else (),
+            )
         self._snapshot = GradientSnapshot() if delay_update and overlap else None
         self.state = _StateView(self)  # type: ignore[assignment]
         self.closed = False
 
     @classmethod
-    def from_optimizer(cls, optimizer: torch.optim.Optimizer, device: str = "cpu", path: Optional[PathLike] = None,
-                       chunk_bytes: int = DEFAULT_CHUNK_BYTES, window: int = DEFAULT_WINDOW,
-                       delay_update: bool = False, direct_io: Union[str, bool] = "auto",
-                       overlap: bool = True) -> "OffloadedAdam":
+    def from_optimizer(
+        cls,
+        optimizer: torch.optim.Optimizer,
+        device: str = "cpu",
+        path: Optional[PathLike] = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        window: int = DEFAULT_WINDOW,
+        delay_update: bool = False,
+        direct_io: Union[str, bool] = "auto",
+        overlap: bool = True,
+    ) -> "OffloadedAdam":
         """Wrap an existing ``torch.optim.Adam`` / ``AdamW``, sharing its ``param_groups`` dicts
         (an LR scheduler built on ``optimizer`` keeps working) and importing any state it has."""
         kind = type(optimizer)
         if kind not in (torch.optim.Adam, torch.optim.AdamW):
-            raise ValueError(f"offload supports torch.optim.Adam and torch.optim.AdamW, "
-                             f"got {kind.__module__}.{kind.__qualname__}")
+            raise ValueError(
+                f"offload supports torch.optim.Adam and torch.optim.AdamW, "
+                f"got {kind.__module__}.{kind.__qualname__}"
+            )
         d = optimizer.defaults
-        new = cls(optimizer.param_groups, lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
-                  decoupled_weight_decay=d["decoupled_weight_decay"], device=device, path=path,
-                  chunk_bytes=chunk_bytes, window=window, delay_update=delay_update, direct_io=direct_io,
-                  overlap=overlap)
+        new = cls(
+            optimizer.param_groups,
+            lr=d["lr"],
+            betas=d["betas"],
+            eps=d["eps"],
+            weight_decay=d["weight_decay"],
+            decoupled_weight_decay=d["decoupled_weight_decay"],
+            device=device,
+            path=path,
+            chunk_bytes=chunk_bytes,
+            window=window,
+            delay_update=delay_update,
+            direct_io=direct_io,
+            overlap=overlap,
+        )
         try:
             if optimizer.state:
                 new.load_state_dict(optimizer.state_dict())
@@ -163,7 +243,9 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_building", False):
-            raise ValueError("OffloadedAdam cannot grow: add the group to the wrapped optimizer before offloading")
+            raise ValueError(
+                "OffloadedAdam cannot grow: add the group to the wrapped optimizer before offloading"
+            )
         super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ step
@@ -184,11 +266,15 @@ class OffloadedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if [id(p) for g in self.param_groups for p in g["params"]] != self._layout:
-            raise ValueError("param_groups changed after OffloadedAdam was built: wrap the optimizer after "
-                             "anything that rewrites its parameters (e.g. the ZeRO engine's attach)")
+            raise ValueError(
+                "param_groups changed after OffloadedAdam was built: wrap the optimizer after "
+                "anything that rewrites its parameters (e.g. the ZeRO engine's attach)"
+            )
         for group in self.param_groups:
             _check_group(group)
-        hyper = [AdamHyper.of(g) for g in self.param_groups]  # read at every step: schedulers change "lr"
+        hyper = [
+            AdamHyper.of(g) for g in self.param_groups
+        ]  # read at every step: schedulers change "lr"
         grads = self._gradients()
         if self._worker is not None:
             self._wait()
@@ -203,10 +289,14 @@ class OffloadedAdam(torch.optim.Optimizer):
         if self._snapshot is not None and self._on_side_path(list(grads.values())):
             grads, ready = self._snapshot.take(grads)  # the previous update, its reader, is over
         else:
-            grads = {i: g.to(device="cpu", dtype=torch.float32, copy=True) for i, g in grads.items()}
+            grads = {
+                i: g.to(device="cpu", dtype=torch.float32, copy=True) for i, g in grads.items()
+            }
         if self._uploader is not None:
             self._uploader.finish()  # the next forward waits for the new weights, the host does not
-        self._in_flight = self._worker.submit(self._update, grads, hyper, write_weights=False, ready=ready)
+        self._in_flight = self._worker.submit(
+            self._update, grads, hyper, write_weights=False, ready=ready
+        )
         self._unapplied = list(grads)
         return loss
 
@@ -220,14 +310,21 @@ class OffloadedAdam(torch.optim.Optimizer):
             grad = _local(grad)
             shape = _local(slot.param).shape
             if grad.is_sparse or grad.shape != shape:
-                raise ValueError(f"gradient must be dense and shaped like its parameter {tuple(shape)}, "
-                                 f"got {tuple(grad.shape)} ({grad.layout})")
+                raise ValueError(
+                    f"gradient must be dense and shaped like its parameter {tuple(shape)}, "
+                    f"got {tuple(grad.shape)} ({grad.layout})"
+                )
             grads[i] = grad.reshape(-1)
         return grads
 
     @torch.no_grad()  # grad mode is per thread: the delayed update runs on another one
-    def _update(self, grads: dict[int, Tensor], hyper: list[AdamHyper], write_weights: bool,
-                ready: Optional[Callable[[], None]] = None) -> None:
+    def _update(
+        self,
+        grads: dict[int, Tensor],
+        hyper: list[AdamHyper],
+        write_weights: bool,
+        ready: Optional[Callable[[], None]] = None,
+    ) -> None:
         """Step the chunks of ``grads``' slots through the store; ``write_weights``: copy the new
         masters into separate-master parameters as each batch finishes; ``ready`` blocks until
         ``grads`` are complete (a snapshot's copies)."""
@@ -238,8 +335,12 @@ class OffloadedAdam(torch.optim.Optimizer):
         # A store whose segments stay put (RAM) lets many chunks go to the kernel in one call; a
         # streaming store (NVMe) reuses its buffer once the caller moves on, so step each now.
         batched = self._store.keeps_segments
-        slices = [grads[self._chunks[k].slot][self._chunks[k].start : self._chunks[k].start + self._chunks[k].numel]
-                  for k in order]
+        slices = [
+            grads[self._chunks[k].slot][
+                self._chunks[k].start : self._chunks[k].start + self._chunks[k].numel
+            ]
+            for k in order
+        ]
         fetch = self._prefetcher(slices)
         try:
             for position, (index, segment) in enumerate(self._store.stream(order)):
@@ -256,7 +357,9 @@ class OffloadedAdam(torch.optim.Optimizer):
                 if fetch is not None:
                     fetch.close()
             finally:
-                if self._uploader is not None and write_weights:  # delayed: synchronize() sends them
+                if (
+                    self._uploader is not None and write_weights
+                ):  # delayed: synchronize() sends them
                     self._uploader.finish()
         for i in grads:
             self._slots[i].master_valid = True
@@ -272,7 +375,11 @@ class OffloadedAdam(torch.optim.Optimizer):
 
     def _on_side_path(self, tensors: list[Tensor]) -> bool:
         """``overlap``, and every tensor on a device whose copies go through side streams."""
-        return self.overlap and bool(tensors) and all(t.device.type in self.prefetch_devices for t in tensors)
+        return (
+            self.overlap
+            and bool(tensors)
+            and all(t.device.type in self.prefetch_devices for t in tensors)
+        )
 
     def _wait(self) -> None:
         """Delayed: let the update in flight finish (its error, if any, is raised here)."""
@@ -300,14 +407,23 @@ class OffloadedAdam(torch.optim.Optimizer):
             for index, segment in self._store.stream(order):
                 chunk = self._chunks[index]
                 n = chunk.numel
-                weights = _local(self._slots[chunk.slot].param).view(-1)[chunk.start : chunk.start + n]
+                weights = _local(self._slots[chunk.slot].param).view(-1)[
+                    chunk.start : chunk.start + n
+                ]
                 if self._uploader is not None:  # cast on the host, up on a side stream
                     self._uploader.put(weights, segment[2 * n : 3 * n])
                 else:
                     weights.copy_(segment[2 * n : 3 * n])
 
-    def _add(self, slot: ParamSlot, chunk: Chunk, segment: Tensor, grad: Tensor, hyper: AdamHyper,
-             write_weights: bool) -> None:
+    def _add(
+        self,
+        slot: ParamSlot,
+        chunk: Chunk,
+        segment: Tensor,
+        grad: Tensor,
+        hyper: AdamHyper,
+        write_weights: bool,
+    ) -> None:
         """Queue one chunk's update (``grad``: the chunk's gradient, any dtype and device);
         :class:`FusedBatch` applies torch's fused Adam(W) to it."""
         n = chunk.numel
@@ -319,8 +435,15 @@ class OffloadedAdam(torch.optim.Optimizer):
             exp_avg_sq.zero_()
         if slot.separate_master and (slot.step == 1 or not slot.master_valid):
             master.copy_(weights)
-        self._batch.add(hyper, slot.step, master, grad, exp_avg, exp_avg_sq,
-                        weights if slot.separate_master and write_weights else None)
+        self._batch.add(
+            hyper,
+            slot.step,
+            master,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            weights if slot.separate_master and write_weights else None,
+        )
 
     # ------------------------------------------------------------------ state
     def _read_state(self, slot: ParamSlot) -> dict[str, Tensor]:
@@ -332,7 +455,9 @@ class OffloadedAdam(torch.optim.Optimizer):
         for key, value in zip(keys, values):
             value = value.view(local.shape)
             if isinstance(slot.param, DTensor):
-                value = DTensor.from_local(value, slot.param.device_mesh, slot.param.placements, run_check=False)
+                value = DTensor.from_local(
+                    value, slot.param.device_mesh, slot.param.placements, run_check=False
+                )
             out[key] = value
         return out
 
@@ -348,10 +473,16 @@ class OffloadedAdam(torch.optim.Optimizer):
         flat = []
         for key in keys:
             if key not in value:
-                raise ValueError(f"optimizer state for a parameter of {numel} elements lacks {key!r}")
-            flat.append(_local(value[key]).detach().to(device="cpu", dtype=torch.float32).reshape(-1))
+                raise ValueError(
+                    f"optimizer state for a parameter of {numel} elements lacks {key!r}"
+                )
+            flat.append(
+                _local(value[key]).detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+            )
             if flat[-1].numel() != numel:
-                raise ValueError(f"state {key!r} has {flat[-1].numel()} elements, its parameter has {numel}")
+                raise ValueError(
+                    f"state {key!r} has {flat[-1].numel()} elements, its parameter has {numel}"
+                )
         self._store.write_fields(slot.chunks, slot.fields, flat)
         slot.step, slot.master_valid = step, has_master
 
@@ -359,9 +490,13 @@ class OffloadedAdam(torch.optim.Optimizer):
         """Load a ``torch.optim.Adam(W)`` / ``OffloadedAdam`` state dict into the store."""
         self._check_open()
         saved_groups = state_dict["param_groups"]
-        sizes, saved_sizes = ([len(g["params"]) for g in groups] for groups in (self.param_groups, saved_groups))
+        sizes, saved_sizes = (
+            [len(g["params"]) for g in groups] for groups in (self.param_groups, saved_groups)
+        )
         if sizes != saved_sizes:
-            raise ValueError(f"param groups differ: the state dict's have sizes {saved_sizes}, the optimizer's {sizes}")
+            raise ValueError(
+                f"param groups differ: the state dict's have sizes {saved_sizes}, the optimizer's {sizes}"
+            )
         for saved in saved_groups:
             _check_group(saved)
         ids = [i for g in saved_groups for i in g["params"]]
@@ -374,7 +509,9 @@ class OffloadedAdam(torch.optim.Optimizer):
             self._write_state(self._slot_of[id(p)], state_dict["state"].get(saved_id, {}))
         # Delayed: a saved master is one update ahead of the saved weights; the next step()
         # copies it into the parameters, as it would have without the interruption.
-        self._unapplied = [i for i, slot in enumerate(self._slots) if slot.master_valid and self.delay_update]
+        self._unapplied = [
+            i for i, slot in enumerate(self._slots) if slot.master_valid and self.delay_update
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim.AdamW``'s format: ``{"state": {index: {"step", "exp_avg", "exp_avg_sq"
@@ -403,7 +540,9 @@ class OffloadedAdam(torch.optim.Optimizer):
 def _check_group(group: Mapping[str, Any]) -> None:
     for flag in _REFUSED:
         if group.get(flag):
-            raise ValueError(f"offloaded Adam does not support {flag}=True (param group has {flag}={group[flag]!r})")
+            raise ValueError(
+                f"offloaded Adam does not support {flag}=True (param group has {flag}={group[flag]!r})"
+            )
 
 
 class _StateView(MutableMapping):

@@ -8,9 +8,16 @@ from lightning_3d.offload.optimizer import DEVICES
 from lightning_3d.offload.paths import check_offload_path
 
 
-def offload_options(device: str, path: Optional[str], chunk_mb: Any, params: Any = False,
-                    zero_stage: int = 0, delay_update: Any = False, direct_io: Any = None,
-                    overlap: Any = True) -> dict[str, Any]:
+def offload_options(
+    device: str,
+    path: Optional[str],
+    chunk_mb: Any,
+    params: Any = False,
+    zero_stage: int = 0,
+    delay_update: Any = False,
+    direct_io: Any = None,
+    overlap: Any = True,
+) -> dict[str, Any]:
     """``{"device", "path", "chunk_bytes", "params", "delay_update", "direct_io", "overlap"}``;
     ``ValueError`` naming a bad value.
 
@@ -32,21 +39,38 @@ def offload_options(device: str, path: Optional[str], chunk_mb: Any, params: Any
     if not isinstance(params, bool):
         raise ValueError(f"offload_params={params!r} must be True or False")
     if params and (device == "none" or zero_stage != 3):
-        raise ValueError(f"offload_params=True needs zero_stage=3 and offload='cpu' or 'nvme', "
-                         f"got zero_stage={zero_stage!r} and offload={device!r}")
+        raise ValueError(
+            f"offload_params=True needs zero_stage=3 and offload='cpu' or 'nvme', "
+            f"got zero_stage={zero_stage!r} and offload={device!r}"
+        )
     if not isinstance(delay_update, bool):
         raise ValueError(f"offload_delay_update={delay_update!r} must be True or False")
     if not isinstance(overlap, bool):
         raise ValueError(f"offload_overlap={overlap!r} must be True or False")
     if delay_update and device == "none":
-        raise ValueError("offload_delay_update=True needs offload='cpu' or 'nvme', got offload='none'")
+        raise ValueError(
+            "offload_delay_update=True needs offload='cpu' or 'nvme', got offload='none'"
+        )
     if direct_io is not None and not isinstance(direct_io, bool):
-        raise ValueError(f"offload_direct_io={direct_io!r} must be True, False or None (where the file system allows)")
+        raise ValueError(
+            f"offload_direct_io={direct_io!r} must be True, False or None (where the file system allows)"
+        )
     if direct_io is not None and device != "nvme":
-        raise ValueError(f"offload_direct_io={direct_io!r} applies to offload='nvme' only, got offload={device!r}")
+        raise ValueError(
+            f"offload_direct_io={direct_io!r} applies to offload='nvme' only, got offload={device!r}"
+        )
     if device == "nvme":
         if path is None:
-            raise ValueError("offload='nvme' needs offload_path: a directory on the drive that holds the state")
+            raise ValueError(
+                "offload='nvme' needs offload_path: a directory on the drive that holds the state"
+            )
         path = check_offload_path(path, 0)
-    return {"device": device, "path": path, "chunk_bytes": max(1, int(chunk_mb * 2**20)), "params": params,
-            "delay_update": delay_update, "direct_io": direct_io, "overlap": overlap}
+    return {
+        "device": device,
+        "path": path,
+        "chunk_bytes": max(1, int(chunk_mb * 2**20)),
+        "params": params,
+        "delay_update": delay_update,
+        "direct_io": direct_io,
+        "overlap": overlap,
+    }

@@ -40,12 +40,16 @@ def check_offload_path(path: Optional[PathLike], needed_bytes: int) -> str:
         check_offload_path("/mnt/nvme", needed_bytes=12 * 2**30)
     """
     if path is None:
-        raise ValueError("offload device 'nvme' needs a path: a directory on the NVMe drive, got path=None")
+        raise ValueError(
+            "offload device 'nvme' needs a path: a directory on the NVMe drive, got path=None"
+        )
     if needed_bytes < 0:
         raise ValueError(f"needed_bytes must be >= 0, got {needed_bytes}")
     if not os.fspath(path).strip():  # abspath('') is the working directory: never what was meant
-        raise ValueError(f"offload path {os.fspath(path)!r} is empty: give a directory on the NVMe drive "
-                         "(offload.path=/mnt/nvme), or leave it unset for the default")
+        raise ValueError(
+            f"offload path {os.fspath(path)!r} is empty: give a directory on the NVMe drive "
+            "(offload.path=/mnt/nvme), or leave it unset for the default"
+        )
     text = os.path.abspath(os.fspath(path))
     if not os.path.exists(text):
         raise ValueError(f"offload path {text!r} does not exist")

@@ -74,8 +74,9 @@ class Chunk:
     numel: int
 
 
-def plan_chunks(param_groups: Sequence[dict], chunk_bytes: int,
-                always_separate: bool = False) -> tuple[list[ParamSlot], list[Chunk]]:
+def plan_chunks(
+    param_groups: Sequence[dict], chunk_bytes: int, always_separate: bool = False
+) -> tuple[list[ParamSlot], list[Chunk]]:
     """Cut every parameter of ``param_groups`` into chunks of at most ``chunk_bytes`` of state
     (at least one element), of a multiple of ``ALIGN_ELEMENTS`` elements where that fits.
     ``always_separate``: an fp32 master in the store even for fp32 CPU parameters."""
@@ -85,11 +86,15 @@ def plan_chunks(param_groups: Sequence[dict], chunk_bytes: int,
         for p in group["params"]:
             local = local_tensor(p)
             if not local.is_floating_point() or local.is_complex() or local.is_sparse:
-                raise ValueError(f"offload needs dense real floating-point parameters, got {local.dtype} "
-                                 f"{local.layout}")
+                raise ValueError(
+                    f"offload needs dense real floating-point parameters, got {local.dtype} "
+                    f"{local.layout}"
+                )
             if not local.is_contiguous():
-                raise ValueError(f"offload needs contiguous parameters, got shape {tuple(local.shape)} "
-                                 f"with strides {local.stride()}")
+                raise ValueError(
+                    f"offload needs contiguous parameters, got shape {tuple(local.shape)} "
+                    f"with strides {local.stride()}"
+                )
             separate = always_separate or local.dtype != torch.float32 or local.device.type != "cpu"
             per_chunk = max(1, chunk_bytes // (ELEMENT_BYTES * (3 if separate else 2)))
             if per_chunk >= ALIGN_ELEMENTS:
@@ -174,7 +179,9 @@ class CpuChunkStore(ChunkStore):
         super().__init__(segment_numels)
         # Not zero-filled (12 bytes a parameter, seconds at billions): the optimizer writes every
         # field of a parameter at its first step or load, and reads none before.
-        self._data: Optional[Tensor] = torch.empty(self.total_numel, dtype=torch.float32, pin_memory=_pinned())
+        self._data: Optional[Tensor] = torch.empty(
+            self.total_numel, dtype=torch.float32, pin_memory=_pinned()
+        )
         self.resident_state_bytes_peak = self.nbytes
 
     def _segment(self, index: int) -> Tensor:
@@ -225,7 +232,9 @@ def _read_exact(fd: int, view: memoryview, offset: int) -> None:
             got = len(data)
             view[done : done + got] = data
         if got == 0:
-            raise OSError(f"offload file ended at byte {offset + done}, expected {offset + len(view)}")
+            raise OSError(
+                f"offload file ended at byte {offset + done}, expected {offset + len(view)}"
+            )
         done += got
 
 
@@ -291,11 +300,18 @@ class FileChunkStore(ChunkStore):
 
     FILE_NAME = "optimizer_state.bin"
 
-    def __init__(self, path: PathLike, segment_numels: Sequence[int], window: int = 3,
-                 direct_io: Union[str, bool] = "auto") -> None:
+    def __init__(
+        self,
+        path: PathLike,
+        segment_numels: Sequence[int],
+        window: int = 3,
+        direct_io: Union[str, bool] = "auto",
+    ) -> None:
         super().__init__(segment_numels)
         if window < 2:
-            raise ValueError(f"window must be >= 2 (one buffer computing, one reading), got {window}")
+            raise ValueError(
+                f"window must be >= 2 (one buffer computing, one reading), got {window}"
+            )
         if direct_io != "auto" and not isinstance(direct_io, bool):
             raise ValueError(f"direct_io must be 'auto', True or False, got {direct_io!r}")
         want_direct = direct_io is not False and self.total_numel > 0
@@ -309,7 +325,9 @@ class FileChunkStore(ChunkStore):
         try:
             self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-read")
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-write")
-            self._finalizer = weakref.finalize(self, _release, (self._reader, self._writer), self.directory)
+            self._finalizer = weakref.finalize(
+                self, _release, (self._reader, self._writer), self.directory
+            )
             self._fd = self.directory.create_file(self.FILE_NAME, padded)
             if want_direct:
                 self._open_direct(path, direct_io)
@@ -344,10 +362,15 @@ class FileChunkStore(ChunkStore):
             if error.errno not in _REFUSED_ERRNOS:
                 raise
             if direct_io is True:
-                raise ValueError(f"direct_io=True, but the file system of offload path {os.fspath(path)!r} "
-                                 f"refuses O_DIRECT: {error}") from error
-            _log.info("offload path %r refuses O_DIRECT (%s): optimizer state goes through the page cache",
-                      os.fspath(path), error)
+                raise ValueError(
+                    f"direct_io=True, but the file system of offload path {os.fspath(path)!r} "
+                    f"refuses O_DIRECT: {error}"
+                ) from error
+            _log.info(
+                "offload path %r refuses O_DIRECT (%s): optimizer state goes through the page cache",
+                os.fspath(path),
+                error,
+            )
             self.direct_io = False
 
     @property
@@ -363,7 +386,9 @@ class FileChunkStore(ChunkStore):
         if self._buffers[slot] is None:  # allocated on first use, then reused for every step
             self._buffers[slot] = self._new_buffer(self.buffer_numel, pinned=_pinned())
             allocated = sum(b.numel() for b in self._buffers if b is not None)
-            self.resident_state_bytes_peak = max(self.resident_state_bytes_peak, allocated * ELEMENT_BYTES)
+            self.resident_state_bytes_peak = max(
+                self.resident_state_bytes_peak, allocated * ELEMENT_BYTES
+            )
         return self._buffers[slot]
 
     def _load(self, index: int, buffer: Tensor) -> Tensor:
@@ -400,13 +425,16 @@ class FileChunkStore(ChunkStore):
             for k, index in enumerate(order):
                 while started < min(len(order), k + 1 + ahead):  # read-ahead, never blocking here
                     slot = started % self.window
-                    reads[started] = self._reader.submit(self._load_after, writes[slot], order[started],
-                                                         self._buffer(slot))
+                    reads[started] = self._reader.submit(
+                        self._load_after, writes[slot], order[started], self._buffer(slot)
+                    )
                     writes[slot] = None  # now awaited by that read
                     started += 1
                 segment = reads.pop(k).result()
                 yield index, segment
-                writes[k % self.window] = self._writer.submit(self._store, index, self._buffers[k % self.window])
+                writes[k % self.window] = self._writer.submit(
+                    self._store, index, self._buffers[k % self.window]
+                )
             for future in writes:
                 if future is not None:
                     future.result()  # surface write errors; the step is durable after this

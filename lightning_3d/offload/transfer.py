@@ -66,7 +66,9 @@ class _Lane:
 
     def record(self, slot: int) -> None:
         if self.cuda:
-            event = torch.cuda.Event(blocking=True)  # a waiting host thread sleeps: the CPU step needs the cores
+            event = torch.cuda.Event(
+                blocking=True
+            )  # a waiting host thread sleeps: the CPU step needs the cores
             event.record(self.stream)
             self.events[slot] = event
 
@@ -85,7 +87,9 @@ class _nothing:
 class _OneLanePrefetcher:
     """:class:`GradientPrefetcher` for slices of one dtype on one device (one lane)."""
 
-    def __init__(self, slices: Sequence[Tensor], stage_bytes: int, before_reuse: Optional[Callable[[], None]]) -> None:
+    def __init__(
+        self, slices: Sequence[Tensor], stage_bytes: int, before_reuse: Optional[Callable[[], None]]
+    ) -> None:
         self.slices = list(slices)
         device, dtype = self.slices[0].device, self.slices[0].dtype
         numels = [s.numel() for s in self.slices]
@@ -120,14 +124,17 @@ class _OneLanePrefetcher:
             for i in self.groups[group]:
                 n = self.slices[i].numel()
                 self._lane.buffers[slot][self._offset[i] : self._offset[i] + n].copy_(
-                    self.slices[i], non_blocking=self._lane.cuda)
+                    self.slices[i], non_blocking=self._lane.cuda
+                )
         self._lane.record(slot)
         self._issued = group
 
     def get(self, index: int) -> Tensor:
         group = self._group_of[index]
         if group < self._ready:
-            raise ValueError(f"slice {index} belongs to group {group}, already released (at group {self._ready})")
+            raise ValueError(
+                f"slice {index} belongs to group {group}, already released (at group {self._ready})"
+            )
         while self._issued < group + 1 and self._issued + 1 < len(self.groups):
             self._issue(self._issued + 1)  # this group, and the next one behind it
         if group > self._ready:
@@ -157,8 +164,12 @@ class GradientPrefetcher:
         fetch.close()
     """
 
-    def __init__(self, slices: Sequence[Tensor], stage_bytes: int = DEFAULT_STAGE_BYTES,
-                 before_reuse: Optional[Callable[[], None]] = None) -> None:
+    def __init__(
+        self,
+        slices: Sequence[Tensor],
+        stage_bytes: int = DEFAULT_STAGE_BYTES,
+        before_reuse: Optional[Callable[[], None]] = None,
+    ) -> None:
         if not slices:
             raise ValueError("GradientPrefetcher needs at least one gradient slice")
         lanes: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
@@ -167,7 +178,9 @@ class GradientPrefetcher:
             members = lanes.setdefault((s.device, s.dtype), [])
             self._where.append((list(lanes).index((s.device, s.dtype)), len(members)))
             members.append(s)
-        self._lanes = [_OneLanePrefetcher(members, stage_bytes, before_reuse) for members in lanes.values()]
+        self._lanes = [
+            _OneLanePrefetcher(members, stage_bytes, before_reuse) for members in lanes.values()
+        ]
 
     @property
     def groups(self) -> list[list[range]]:
@@ -207,7 +220,9 @@ class GradientSnapshot:
             cuda = grad.device.type == "cuda"
             buffer = self._buffers.get(key)
             if buffer is None or buffer.numel() != grad.numel() or buffer.dtype != grad.dtype:
-                buffer = self._buffers[key] = torch.empty(grad.numel(), dtype=grad.dtype, pin_memory=cuda)
+                buffer = self._buffers[key] = torch.empty(
+                    grad.numel(), dtype=grad.dtype, pin_memory=cuda
+                )
             buffer.copy_(grad.reshape(-1), non_blocking=cuda)
             out[key] = buffer
             if cuda:
@@ -284,8 +299,9 @@ class WeightUploader:
         if lane is None or n > lane.capacity:
             if lane is not None:
                 lane.finish()
-            lane = self._lanes[key] = _UpLane(weights.device, max(n, self.stage_bytes // weights.element_size()),
-                                              weights.dtype)
+            lane = self._lanes[key] = _UpLane(
+                weights.device, max(n, self.stage_bytes // weights.element_size()), weights.dtype
+            )
         lane.join()
         stage = lane.stage(n)
         stage.copy_(master.reshape(-1))  # the cast, on the host: half the bytes cross the link

@@ -63,9 +63,15 @@ def _ops(namespace: Any, *names: str) -> frozenset:
 # all-reduced (reduce-scattered with sequence parallelism): saving the reduced output spares
 # backward that collective too.
 SAVED_OPS = _ops(
-    torch.ops.aten, "mm", "addmm", "bmm", "baddbmm",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    torch.ops.aten,
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_fused_attention_overrideable",
 ) | _ops(torch.ops._c10d_functional, "all_reduce", "reduce_scatter_tensor")
 
@@ -78,7 +84,9 @@ def ac_options(policy: str, every_n: int = DEFAULT_EVERY_N) -> dict:
         ac_options("every_n", 2)  # {"policy": "every_n", "every_n": 2}
     """
     if policy not in POLICIES:
-        raise ValueError(f"unknown activation checkpointing policy {policy!r}; known: {list(POLICIES)}")
+        raise ValueError(
+            f"unknown activation checkpointing policy {policy!r}; known: {list(POLICIES)}"
+        )
     if not isinstance(every_n, int) or isinstance(every_n, bool) or every_n < 1:
         raise ValueError(f"every_n={every_n!r} must be a positive integer (policy={policy!r})")
     return {"policy": policy, "every_n": every_n}
@@ -92,7 +100,9 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     names = [a.name for a in op._schema.arguments]
     if "dropout_p" in names:
         i = names.index("dropout_p")
-        dropout_p = kwargs["dropout_p"] if "dropout_p" in kwargs else args[i] if i < len(args) else 0.0
+        dropout_p = (
+            kwargs["dropout_p"] if "dropout_p" in kwargs else args[i] if i < len(args) else 0.0
+        )
         if dropout_p > 0:
             return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE
@@ -102,7 +112,9 @@ class _ReportCached(TorchDispatchMode):
     """Inside ``selective``'s caching mode: reports the outputs it keeps (the ops
     :func:`_selective_policy` saves) to the activation meters counting now."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if _selective_policy(None, func, *args, **kwargs) is CheckpointPolicy.MUST_SAVE:
@@ -145,8 +157,11 @@ class _CheckpointedForward:
         # Under torch.compile, dynamo traces selective checkpointing given as a partial of
         # create_selective_checkpoint_contexts (activation reporting is eager-only anyway).
         compiling = torch.compiler.is_compiling()
-        context_fn = functools.partial(create_selective_checkpoint_contexts, _selective_policy) if compiling \
+        context_fn = (
+            functools.partial(create_selective_checkpoint_contexts, _selective_policy)
+            if compiling
             else _selective_contexts
+        )
         return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
@@ -191,7 +206,9 @@ def is_checkpointed(block: nn.Module) -> bool:
     return _POLICY_ATTR in block.__dict__
 
 
-def apply_activation_checkpointing(module: nn.Module, policy: str, every_n: int = DEFAULT_EVERY_N) -> list[str]:
+def apply_activation_checkpointing(
+    module: nn.Module, policy: str, every_n: int = DEFAULT_EVERY_N
+) -> list[str]:
     """Make ``module``'s transformer blocks recompute their activations in backward, in place.
 
     Returns the names of the checkpointed blocks. Applying again replaces the previous policy
@@ -218,9 +235,13 @@ class _StorageRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.owners: list[str | None] = [None]  # stack of running blocks
-        self.seen: dict[int, tuple[Callable, int, str | None]] = {}  # ptr -> (weakref, bytes, owner)
+        self.seen: dict[
+            int, tuple[Callable, int, str | None]
+        ] = {}  # ptr -> (weakref, bytes, owner)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
@@ -244,7 +265,9 @@ class _StorageRecorder(TorchDispatchMode):
         self.owners.pop()
 
 
-def activation_bytes_per_block(model: nn.Module, batch: Any, policy: str, every_n: int = DEFAULT_EVERY_N) -> dict[str, int]:
+def activation_bytes_per_block(
+    model: nn.Module, batch: Any, policy: str, every_n: int = DEFAULT_EVERY_N
+) -> dict[str, int]:
     """Bytes each block keeps alive for backward under ``policy``, measured on one forward.
 
     Runs ``model(batch)`` with ``policy`` applied (the model's own policy is restored after),
@@ -275,7 +298,10 @@ def activation_bytes_per_block(model: nn.Module, batch: Any, policy: str, every_
         with torch.enable_grad(), recorder:
             out = model(batch)
         gc.collect()
-        skip = {local_tensor(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+        skip = {
+            local_tensor(t).untyped_storage().data_ptr()
+            for t in (*model.parameters(), *model.buffers())
+        }
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         skip |= {local_tensor(t).untyped_storage().data_ptr() for t in outputs}
         counts = {name: 0 for name, _, _ in table}

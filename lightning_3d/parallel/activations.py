@@ -31,7 +31,9 @@ from lightning_3d.parallel.tensor import local_tensor
 
 # Context-local, like torch's own hook stacks: the meters counting now (their ``hooks()``
 # context is open) and whether counting is paused.
-_ACTIVE: ContextVar[tuple[ActivationMeter, ...]] = ContextVar("lightning_3d_activation_meters", default=())
+_ACTIVE: ContextVar[tuple[ActivationMeter, ...]] = ContextVar(
+    "lightning_3d_activation_meters", default=()
+)
 _PAUSED: ContextVar[bool] = ContextVar("lightning_3d_activation_meters_paused", default=False)
 
 
@@ -86,7 +88,9 @@ class ActivationMeter:
         self.block_bytes: dict[str, int] = {}
         self._refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self._param_storages: set[int] = set()
-        self._running: list[tuple[str, set[int]]] = []  # watched blocks in forward, their parameter storages
+        self._running: list[
+            tuple[str, set[int]]
+        ] = []  # watched blocks in forward, their parameter storages
 
     def reset(self, params: Any = ()) -> None:
         self.peak, self.in_flight_peak, self.in_flight = self.live, 0, 0
@@ -127,7 +131,9 @@ class ActivationMeter:
         return unwatch
 
     def _enter(self, name: str, block: nn.Module, args: Any) -> None:
-        self._running.append((name, {local_tensor(p).untyped_storage().data_ptr() for p in block.parameters()}))
+        self._running.append(
+            (name, {local_tensor(p).untyped_storage().data_ptr() for p in block.parameters()})
+        )
 
     def _leave(self, block: nn.Module, args: Any, output: Any) -> None:
         if self._running:
@@ -138,7 +144,10 @@ class ActivationMeter:
         try:
             storage = _innermost(tensor).untyped_storage()
             key = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):  # a tensor subclass without a storage of its own
+        except (
+            RuntimeError,
+            NotImplementedError,
+        ):  # a tensor subclass without a storage of its own
             return None
         if key in self._param_storages or (self._running and key in self._running[-1][1]):
             return None  # a parameter (or a view of one), not an activation

@@ -21,15 +21,20 @@ from lightning_3d.parallel.tensor import by_device_and_dtype, local_tensor
 
 
 @torch.no_grad()
-def global_grad_norm(parameters: Iterable[Tensor], sum_over: Optional[dist.ProcessGroup] = None,
-                     skip: Collection[int] = ()) -> Tensor:
+def global_grad_norm(
+    parameters: Iterable[Tensor],
+    sum_over: Optional[dist.ProcessGroup] = None,
+    skip: Collection[int] = (),
+) -> Tensor:
     """The 2-norm of all gradients of ``parameters`` across every rank that holds a part of them.
 
     A collective: every rank of the groups involved must call it with the same parameter order.
     ``sum_over``: a group whose ranks hold disjoint parameters (pipeline stages). ``skip``: ids
     of parameters another rank of ``sum_over`` counts already (a tied weight's second copy).
     """
-    groups: dict[tuple, list] = {}  # (mesh id, sharded dims) -> [mesh, sharded dims, local gradients]
+    groups: dict[
+        tuple, list
+    ] = {}  # (mesh id, sharded dims) -> [mesh, sharded dims, local gradients]
     device = None
     for p in parameters:
         grad = p.grad
@@ -40,7 +45,9 @@ def global_grad_norm(parameters: Iterable[Tensor], sum_over: Optional[dist.Proce
             continue
         if isinstance(grad, DTensor):
             if any(pl.is_partial() for pl in grad.placements):  # squares of partial sums are no use
-                grad = grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements])
+                grad = grad.redistribute(
+                    placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements]
+                )
             mesh = grad.device_mesh
             # Every non-replicated placement splits elements across that mesh dimension
             # (Shard, and FSDP2's _StridedShard, which does not report is_shard()).
@@ -74,12 +81,18 @@ def _sum_of_squares(tensors: list[Tensor], device: torch.device) -> Tensor:
     squares = torch.zeros((), device=device)
     for (_, dtype), group in by_device_and_dtype(tensors).items():
         low = dtype in (torch.float16, torch.bfloat16)  # accumulate in float32
-        norms = torch._foreach_norm(group, 2.0, dtype=torch.float32) if low else torch._foreach_norm(group, 2.0)
+        norms = (
+            torch._foreach_norm(group, 2.0, dtype=torch.float32)
+            if low
+            else torch._foreach_norm(group, 2.0)
+        )
         squares = squares + torch.stack(norms).float().pow(2).sum().to(device)
     return squares
 
 
-def collective_device(device_type: Optional[str], group: Optional[dist.ProcessGroup] = None) -> torch.device:
+def collective_device(
+    device_type: Optional[str], group: Optional[dist.ProcessGroup] = None
+) -> torch.device:
     """A device whose tensors the group's backend can reduce: the mesh's device type, or for a
     plain group, the current accelerator when its backend is NCCL and the CPU otherwise."""
     if device_type is None:
@@ -91,13 +104,19 @@ def collective_device(device_type: Optional[str], group: Optional[dist.ProcessGr
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, sum_over: Optional[dist.ProcessGroup] = None,
-                    skip_in_norm: Collection[int] = ()) -> Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    sum_over: Optional[dist.ProcessGroup] = None,
+    skip_in_norm: Collection[int] = (),
+) -> Tensor:
     """Scale gradients in place so their global 2-norm is at most ``max_norm``; return the norm.
     ``skip_in_norm``: ids of parameters scaled but not counted (see :func:`global_grad_norm`)."""
     parameters = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(parameters, sum_over, skip_in_norm)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for (device, dtype), grads in by_device_and_dtype(p.grad for p in parameters).items():  # one fused multiply each
+    for (device, dtype), grads in by_device_and_dtype(
+        p.grad for p in parameters
+    ).items():  # one fused multiply each
         torch._foreach_mul_(grads, scale.to(device, dtype))
     return norm

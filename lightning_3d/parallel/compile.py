@@ -24,7 +24,9 @@ def check_backend(backend: str) -> None:
 
     known = torch._dynamo.list_backends(exclude_tags=())
     if backend not in known:
-        raise ValueError(f"compile_backend={backend!r} is not a torch.compile backend; known: {sorted(known)}")
+        raise ValueError(
+            f"compile_backend={backend!r} is not a torch.compile backend; known: {sorted(known)}"
+        )
 
 
 def compile_blocks(module: nn.Module, backend: str = "inductor") -> int:

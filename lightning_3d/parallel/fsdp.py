@@ -63,7 +63,9 @@ def apply_zero3(
         if has_params and not isinstance(child, FSDPModule):
             # The outer unit holds what no block owns (embeddings, final norm, head). ``None``:
             # FSDP2 keeps the root gathered from forward to backward, resharding the others.
-            fully_shard(child, mesh=dp_mesh, reshard_after_forward=None if keep else True, **fsdp_kwargs)
+            fully_shard(
+                child, mesh=dp_mesh, reshard_after_forward=None if keep else True, **fsdp_kwargs
+            )
             units.append(child)
     return units
 
@@ -83,7 +85,9 @@ def fsdp_policies(precision: str, offload_params: bool, device_type: str) -> dic
     policies: dict = {}
     compute = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(str(precision))
     if compute is not None:
-        policies["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        policies["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=compute, reduce_dtype=torch.float32
+        )
     if offload_params:
         policies["offload_policy"] = CPUOffloadPolicy(pin_memory=device_type != "cpu")
     return policies

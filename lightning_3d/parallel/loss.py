@@ -33,7 +33,9 @@ class _LocalCrossEntropy(TorchFunctionMode):
     """Runs every torch call as is; a ``DTensor`` result of ``F.cross_entropy`` comes back as
     its local tensor (``to_local`` is differentiable: gradients flow back into the DTensor)."""
 
-    def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None
+    ) -> Any:
         # While this runs, torch has popped the mode: calls made here dispatch normally.
         out = func(*args, **(kwargs or {}))
         if func is F.cross_entropy and isinstance(out, DTensor):

@@ -72,11 +72,15 @@ class DeferredInit:
 
     def check(self, owner: nn.Module) -> None:
         """``ValueError`` if the module no longer has the shapes recorded (before any storage)."""
-        params = dict(owner.named_parameters(remove_duplicate=False))  # a tied weight under each name
+        params = dict(
+            owner.named_parameters(remove_duplicate=False)
+        )  # a tied weight under each name
         for init in self.inits:
             param = params.get(init.name)
             if param is not None and tuple(param.shape) != init.shape:
-                raise ValueError(f"{init.name}: recorded shape {init.shape}, the model now has {tuple(param.shape)}")
+                raise ValueError(
+                    f"{init.name}: recorded shape {init.shape}, the model now has {tuple(param.shape)}"
+                )
 
     def fill(self, owner: nn.Module) -> int:
         """Fill ``owner``'s parameters (their storage exists, on meta no more); the count filled."""
@@ -95,7 +99,9 @@ def to_device_keeping_meta(module: nn.Module, device: torch.device) -> None:
         module.to(device)
         return
     module._apply(lambda t: t if t.is_meta else t.to(device))
-    if hasattr(module, "_device"):  # Lightning's DeviceDtypeModuleMixin (what `module.device` reports)
+    if hasattr(
+        module, "_device"
+    ):  # Lightning's DeviceDtypeModuleMixin (what `module.device` reports)
         module._device = torch.device(device)
 
 
@@ -107,13 +113,22 @@ def materialize(module: nn.Module, device: torch.device) -> int:
     read from files: :class:`lightning_3d.checkpoint.pretrained.PretrainedWeights`). Returns
     the number of tensors filled. ``ValueError`` naming them if any ``meta`` tensor has no fill
     (raised before any storage is allocated)."""
-    records = [(f"{prefix}." if prefix else "", m) for prefix, m in module.named_modules()
-               if getattr(m, "deferred_init", None) is not None]
+    records = [
+        (f"{prefix}." if prefix else "", m)
+        for prefix, m in module.named_modules()
+        if getattr(m, "deferred_init", None) is not None
+    ]
     planned = {prefix + name for prefix, m in records for name in m.deferred_init.planned()}
-    unfilled = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta and n not in planned]
+    unfilled = [
+        n
+        for n, t in (*module.named_parameters(), *module.named_buffers())
+        if t.is_meta and n not in planned
+    ]
     if unfilled:
-        raise ValueError(f"cannot materialise {unfilled[:8]}{' ...' if len(unfilled) > 8 else ''}: they are on "
-                         "meta but no deferred init of the model covers them (build the model eagerly instead)")
+        raise ValueError(
+            f"cannot materialise {unfilled[:8]}{' ...' if len(unfilled) > 8 else ''}: they are on "
+            "meta but no deferred init of the model covers them (build the model eagerly instead)"
+        )
     for _, owner in records:
         owner.deferred_init.check(owner)
     if not has_meta(module):
@@ -154,8 +169,12 @@ def _replay(owner: nn.Module, record: DeferredInit) -> int:
     generator.set_state(record.rng_state)
     params = dict(owner.named_parameters(remove_duplicate=False))  # a tied weight under each name
     # Fused projections under tensor parallelism hold their rows regrouped ([q_r; k_r; v_r] per rank).
-    fused = {id(p): getattr(m, FUSED_ROWS_ATTR) for m in owner.modules() if hasattr(m, FUSED_ROWS_ATTR)
-             for p in m.parameters(recurse=False)}
+    fused = {
+        id(p): getattr(m, FUSED_ROWS_ATTR)
+        for m in owner.modules()
+        if hasattr(m, FUSED_ROWS_ATTR)
+        for p in m.parameters(recurse=False)
+    }
     filled = 0
     todo = iter(enumerate(record.inits))
     pending: deque[tuple[ParamInit, Future]] = deque()
@@ -163,12 +182,16 @@ def _replay(owner: nn.Module, record: DeferredInit) -> int:
     # 4 KiB of every parameter (large allocations are fresh mmaps), as much as the fill itself.
     largest = max((math.prod(init.shape) for init in record.inits), default=0)
     scratch = [torch.empty(largest, dtype=torch.float32) for _ in range(AHEAD + 1)]
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="materialize") as pool:  # one: draws stay in order
+    with ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="materialize"
+    ) as pool:  # one: draws stay in order
 
         def submit() -> None:
             index, init = next(todo, (None, None))
             if init is not None:  # buffer index % (AHEAD + 1): not the one being copied from
-                pending.append((init, pool.submit(_generate, init, generator, scratch[index % len(scratch)])))
+                pending.append(
+                    (init, pool.submit(_generate, init, generator, scratch[index % len(scratch)]))
+                )
 
         for _ in range(AHEAD):
             submit()
@@ -190,7 +213,9 @@ def _replay(owner: nn.Module, record: DeferredInit) -> int:
 
 
 def _generate(init: ParamInit, generator: torch.Generator, buffer: Tensor) -> Tensor:
-    full = buffer[: math.prod(init.shape)].view(init.shape)  # what the eager init wrote: fp32 on CPU
+    full = buffer[: math.prod(init.shape)].view(
+        init.shape
+    )  # what the eager init wrote: fp32 on CPU
     with torch.no_grad():  # grad mode is per thread
         init.fill(full, generator)
     return full
@@ -206,7 +231,9 @@ def local_region(param: Tensor) -> Optional[tuple[slice, ...]]:
         return None
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    shape, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
     return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
 
@@ -218,8 +245,17 @@ def local_part(full: Tensor, param: Tensor) -> Tensor:
     # Strided shards (tensor parallelism inside FSDP2) and the rest: DTensor's own split, locally.
     from torch.distributed.tensor import distribute_tensor
 
-    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    return distribute_tensor(
+        full, param.device_mesh, param.placements, src_data_rank=None
+    ).to_local()
 
 
-__all__ = ["DeferredInit", "ParamInit", "has_meta", "local_part", "local_region", "materialize",
-           "to_device_keeping_meta"]
+__all__ = [
+    "DeferredInit",
+    "ParamInit",
+    "has_meta",
+    "local_part",
+    "local_region",
+    "materialize",
+    "to_device_keeping_meta",
+]

@@ -67,8 +67,12 @@ class PipelineSpec:
     last: Sequence[str]  # modules only the last stage keeps
     embed: Optional[Callable[[Any], torch.Tensor]] = None  # first stage: inputs -> residual stream
     head: Optional[Callable[[torch.Tensor], Any]] = None  # last stage: residual stream -> outputs
-    loss: Optional[Callable[[Any, Any], torch.Tensor]] = None  # outputs, targets -> scalar mean loss
-    split_batch: Callable[[Any], tuple[Any, Any]] = field(default=_split_batch)  # batch -> (inputs, targets)
+    loss: Optional[Callable[[Any, Any], torch.Tensor]] = (
+        None  # outputs, targets -> scalar mean loss
+    )
+    split_batch: Callable[[Any], tuple[Any, Any]] = field(
+        default=_split_batch
+    )  # batch -> (inputs, targets)
     inputs: Callable[[Any], Any] = field(default=_inputs)  # batch (also a predict batch) -> inputs
     # How a stage runs one block on the residual stream (default ``block(x)``): blocks that need
     # more than the stream (rotary position embeddings, say) compute it here, on their own stage.
@@ -89,26 +93,41 @@ class PipelineSpec:
         if self.loss is None:
             raise ValueError("PipelineSpec needs loss= (outputs, targets -> scalar mean loss)")
         if self.stage_forward is None and (self.embed is None or self.head is None):
-            raise ValueError("PipelineSpec needs embed= and head=, or a stage_forward= that runs a whole stage")
+            raise ValueError(
+                "PipelineSpec needs embed= and head=, or a stage_forward= that runs a whole stage"
+            )
 
 
-def build_schedule(stages: list[StageModule], stage_indices: list[int], num_stages: int, schedule: str,
-                   micro_batches: int, loss_fn: Callable, device: torch.device, group: Any,
-                   stage_class: Optional[type] = None):
+def build_schedule(
+    stages: list[StageModule],
+    stage_indices: list[int],
+    num_stages: int,
+    schedule: str,
+    micro_batches: int,
+    loss_fn: Callable,
+    device: torch.device,
+    group: Any,
+    stage_class: Optional[type] = None,
+):
     """``PipelineStage`` s (or ``stage_class``, a subclass) for this rank's modules, driven by
     the named schedule.
 
     Returns ``(schedule, pipeline_stages)``."""
     from torch.distributed.pipelining import PipelineStage
 
-    stage_class = rng_neutral_stage(stage_class or PipelineStage)  # torch 2.11 infers shapes by a forward
+    stage_class = rng_neutral_stage(
+        stage_class or PipelineStage
+    )  # torch 2.11 infers shapes by a forward
     pipeline_stages = [
-        stage_class(module, index, num_stages, device, group=group) for module, index in zip(stages, stage_indices)
+        stage_class(module, index, num_stages, device, group=group)
+        for module, index in zip(stages, stage_indices)
     ]
     return make_schedule(schedule, pipeline_stages, micro_batches, loss_fn), pipeline_stages
 
 
-def make_schedule(schedule: str, pipeline_stages: list, micro_batches: int, loss_fn: Callable) -> Any:
+def make_schedule(
+    schedule: str, pipeline_stages: list, micro_batches: int, loss_fn: Callable
+) -> Any:
     """The named PyTorch schedule over this rank's ``PipelineStage`` s."""
     from torch.distributed.pipelining import schedules
 
@@ -116,8 +135,12 @@ def make_schedule(schedule: str, pipeline_stages: list, micro_batches: int, loss
         raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {list(SCHEDULES)}")
     name, multi = _SCHEDULE_CLASSES[schedule]
     # scale_grads=False: ``loss_fn`` already divides by the number of micro-batches.
-    return getattr(schedules, name)(pipeline_stages if multi else pipeline_stages[0], micro_batches,
-                                    loss_fn=loss_fn, scale_grads=False)
+    return getattr(schedules, name)(
+        pipeline_stages if multi else pipeline_stages[0],
+        micro_batches,
+        loss_fn=loss_fn,
+        scale_grads=False,
+    )
 
 
 def interleaved_rounds(micro_batches: int, pipeline: int) -> int:
@@ -126,8 +149,13 @@ def interleaved_rounds(micro_batches: int, pipeline: int) -> int:
     return max(1, micro_batches // pipeline)
 
 
-def pipeline_options(pipeline: int, micro_batches: Optional[int], schedule: str, virtual: Optional[int],
-                     split: Any = "uniform") -> dict:
+def pipeline_options(
+    pipeline: int,
+    micro_batches: Optional[int],
+    schedule: str,
+    virtual: Optional[int],
+    split: Any = "uniform",
+) -> dict:
     """Validate the pipeline options before any process exists."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {list(SCHEDULES)}")
@@ -139,16 +167,25 @@ def pipeline_options(pipeline: int, micro_batches: Optional[int], schedule: str,
     if not isinstance(virtual, int) or virtual < 1:
         raise ValueError(f"virtual_stages={virtual!r} must be a positive integer")
     if virtual > 1 and schedule not in MULTI_STAGE:
-        raise ValueError(f"virtual_stages={virtual} needs an interleaved schedule {list(MULTI_STAGE)}, not {schedule!r}")
+        raise ValueError(
+            f"virtual_stages={virtual} needs an interleaved schedule {list(MULTI_STAGE)}, not {schedule!r}"
+        )
     rounds = interleaved_rounds(micro_batches, pipeline)
     if schedule in MULTI_STAGE and pipeline > 1 and micro_batches % rounds:
-        raise ValueError(f"schedule={schedule!r} runs micro_batches={micro_batches} in {rounds} rounds "
-                         f"(micro_batches // pipeline={pipeline}) and needs a multiple of them: use "
-                         f"{micro_batches - micro_batches % rounds} or {micro_batches - micro_batches % rounds + rounds}")
+        raise ValueError(
+            f"schedule={schedule!r} runs micro_batches={micro_batches} in {rounds} rounds "
+            f"(micro_batches // pipeline={pipeline}) and needs a multiple of them: use "
+            f"{micro_batches - micro_batches % rounds} or {micro_batches - micro_batches % rounds + rounds}"
+        )
     split = validate_split(split)
     if not isinstance(split, str) and pipeline > 1 and len(split) != pipeline * virtual - 1:
         raise ValueError(
             f"{len(split)} split point(s) {list(split)} for {pipeline * virtual} pipeline stages "
             f"(pipeline={pipeline} x virtual_stages={virtual}): give {pipeline * virtual - 1}"
         )
-    return {"micro_batches": micro_batches, "schedule": schedule, "virtual_stages": virtual, "split": split}
+    return {
+        "micro_batches": micro_batches,
+        "schedule": schedule,
+        "virtual_stages": virtual,
+        "split": split,
+    }

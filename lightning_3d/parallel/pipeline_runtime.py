@@ -49,15 +49,21 @@ def _timed_stage_class(clock: _Clock) -> type:
 
     class TimedStage(PipelineStage):
         def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            return clock.timed(lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs),
-                               clock.meter.forward_done)
+            return clock.timed(
+                lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs),
+                clock.meter.forward_done,
+            )
 
         def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            return clock.timed(lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs),
-                               clock.meter.backward_done)
+            return clock.timed(
+                lambda: super(TimedStage, self).backward_one_chunk(*args, **kwargs),
+                clock.meter.backward_done,
+            )
 
         def backward_weight_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
-            return clock.timed(lambda: super(TimedStage, self).backward_weight_one_chunk(*args, **kwargs), None)
+            return clock.timed(
+                lambda: super(TimedStage, self).backward_weight_one_chunk(*args, **kwargs), None
+            )
 
     return TimedStage
 
@@ -65,16 +71,24 @@ def _timed_stage_class(clock: _Clock) -> type:
 class PipelineRuntime:
     """This rank's pipeline stages, their schedule, and one step of it inside Lightning.
 
-    ``options`` is a :class:`~lightning_3d.plan.PipelineOptions` with its defaults resolved;
+    ``options`` is a :class:`~lightning_3d.options.PipelineOptions` with its defaults resolved;
     ``accumulation()`` answers Lightning's ``accumulate_grad_batches``; ``scale_loss`` is the
     16-mixed dynamic loss scale (identity otherwise); ``telemetry`` receives a
     ``"pipeline_step"`` event per training step."""
 
-    def __init__(self, stages: list[StageModule], spec: PipelineSpec, mesh: Any, options: Any,
-                 device: torch.device, tp_mesh: Any = None, *,
-                 accumulation: Callable[[], int] = lambda: 1,
-                 scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 telemetry: Any = None) -> None:
+    def __init__(
+        self,
+        stages: list[StageModule],
+        spec: PipelineSpec,
+        mesh: Any,
+        options: Any,
+        device: torch.device,
+        tp_mesh: Any = None,
+        *,
+        accumulation: Callable[[], int] = lambda: 1,
+        scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        telemetry: Any = None,
+    ) -> None:
         self.group = mesh.get_group()
         size, rank, virtual = mesh.size(), mesh.get_local_rank(), options.virtual_stages
         self.num_stages = size * virtual
@@ -94,7 +108,14 @@ class PipelineRuntime:
         self._grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._clock = _Clock()
         self.schedule, _ = build_schedule(
-            stages, indices, self.num_stages, options.schedule, self.micro_batches, self._loss, device, self.group,
+            stages,
+            indices,
+            self.num_stages,
+            options.schedule,
+            self.micro_batches,
+            self._loss,
+            device,
+            self.group,
             stage_class=_timed_stage_class(self._clock),
         )
 
@@ -112,7 +133,9 @@ class PipelineRuntime:
     def _check_batch(self, inputs: Any) -> None:
         size = inputs.shape[0]
         if size % self.micro_batches:
-            raise ValueError(f"per-rank batch of {size} samples is not divisible by micro_batches={self.micro_batches}")
+            raise ValueError(
+                f"per-rank batch of {size} samples is not divisible by micro_batches={self.micro_batches}"
+            )
 
     def run(self, batch: Any) -> torch.Tensor:
         """One training step of the schedule over ``batch`` (forward and backward of every
@@ -127,11 +150,15 @@ class PipelineRuntime:
         # Activations count inside the stages' forward / backward chunks and the loss only: the
         # schedule's first step also runs each stage once to infer shapes, outside the chunks.
         with clock.meter.hooks(), paused():
-            self.schedule.step(*args, target=targets if self.is_last else None, losses=losses, return_outputs=False)
+            self.schedule.step(
+                *args, target=targets if self.is_last else None, losses=losses, return_outputs=False
+            )
         if self._telemetry is not None:
             self._telemetry.publish(
-                "pipeline_step", bubble_fraction=max(0.0, 1.0 - clock.busy / (time.perf_counter() - start)),
-                activation_peak=clock.meter.peak, in_flight_peak=clock.meter.in_flight_peak,
+                "pipeline_step",
+                bubble_fraction=max(0.0, 1.0 - clock.busy / (time.perf_counter() - start)),
+                activation_peak=clock.meter.peak,
+                in_flight_peak=clock.meter.in_flight_peak,
             )
         scale = self.micro_batches * self._accumulation()
         # At least fp32, fp64 under 64-true: every stage knows the dtype from its own weights.
@@ -153,8 +180,14 @@ class PipelineRuntime:
         return torch.float32
 
     # ------------------------------------------------------------------ Lightning hand-off
-    def train_step(self, module: torch.nn.Module, batch: Any, batch_idx: int, before: Callable[[], None],
-                   context: AbstractContextManager) -> torch.Tensor:
+    def train_step(
+        self,
+        module: torch.nn.Module,
+        batch: Any,
+        batch_idx: int,
+        before: Callable[[], None],
+        context: AbstractContextManager,
+    ) -> torch.Tensor:
         """Run the schedule for Lightning's ``training_step``. Lightning zeroes gradients between
         ``training_step`` and ``backward``, so stale gradients are cleared here at the start of an
         accumulation window and this step's are set aside for :meth:`hand_back_grads`.
@@ -187,8 +220,9 @@ class PipelineRuntime:
         self._grads = []
 
     @contextmanager
-    def answering_forward(self, module: torch.nn.Module, batch: Any,
-                          context: AbstractContextManager) -> Generator[None, None, None]:
+    def answering_forward(
+        self, module: torch.nn.Module, batch: Any, context: AbstractContextManager
+    ) -> Generator[None, None, None]:
         """Run ``batch`` through a forward-only schedule, then let the module's own step run with
         ``self(inputs)`` answering the last stage's outputs (shared over the pipeline group): its
         metrics, logging and returned values are then what one process computes, on every rank.
@@ -234,8 +268,14 @@ class PipelineRuntime:
         meta: list[Any] = [None]
         if self.is_last:
             if isinstance(output, DTensor):
-                meta[0] = ("dtensor", output._local_tensor.shape, output.dtype, output.placements, output.shape,
-                           output.stride())
+                meta[0] = (
+                    "dtensor",
+                    output._local_tensor.shape,
+                    output.dtype,
+                    output.placements,
+                    output.shape,
+                    output.stride(),
+                )
             elif isinstance(output, torch.Tensor):
                 meta[0] = ("tensor", output.shape, output.dtype)
             else:
@@ -252,5 +292,7 @@ class PipelineRuntime:
         dist.broadcast(buffer, src=self.last_rank, group=self.group)
         if kind == "dtensor" and not self.is_last:
             _, _, _, placements, shape, stride = meta[0]
-            return DTensor.from_local(buffer, self.tp_mesh, placements, run_check=False, shape=shape, stride=stride)
+            return DTensor.from_local(
+                buffer, self.tp_mesh, placements, run_check=False, shape=shape, stride=stride
+            )
         return output if self.is_last else buffer

@@ -78,7 +78,9 @@ def replicated_over(t: Tensor, axis: str) -> bool:
 def _whole_local(t: Tensor) -> Tensor:
     """This rank's part of ``t``, with partial sums (a gradient not yet reduced) reduced first."""
     if isinstance(t, DTensor) and any(pl.is_partial() for pl in t.placements):
-        t = t.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in t.placements])
+        t = t.redistribute(
+            placements=[Replicate() if pl.is_partial() else pl for pl in t.placements]
+        )
     return local_tensor(t)
 
 
@@ -91,17 +93,27 @@ class ReplicaCheck:
     def __init__(self, advice: Callable[[list[str]], str] = lambda names: "") -> None:
         self.advice = advice
 
-    def compare(self, kind: str, groups: Iterable[tuple[str, Any, list[tuple[str, Tensor]]]]) -> None:
+    def compare(
+        self, kind: str, groups: Iterable[tuple[str, Any, list[tuple[str, Tensor]]]]
+    ) -> None:
         """Raise :class:`ReplicaMismatch` on every rank if any replicas' ``kind`` (``"gradient"``,
         ``"value"``) differ. A collective over the world: every rank calls it."""
         apart: dict[tuple[str, tuple[int, ...]], list[str]] = {}  # (what, ranks) -> parameter names
         for what, group, named in groups:
             if not named or group is None or dist.get_world_size(group) < 2:
                 continue
-            mine = torch.stack([fingerprint(_whole_local(t)) if t is not None else torch.zeros(3, dtype=torch.float64)
-                                for _, t in named])
+            mine = torch.stack(
+                [
+                    fingerprint(_whole_local(t))
+                    if t is not None
+                    else torch.zeros(3, dtype=torch.float64)
+                    for _, t in named
+                ]
+            )
             device = mine.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-            parts = [torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))]
+            parts = [
+                torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))
+            ]
             dist.all_gather(parts, mine.to(device), group=group)
             ranks = tuple(dist.get_process_group_ranks(group))
             for index, (name, _) in enumerate(named):
@@ -112,18 +124,28 @@ class ReplicaCheck:
         flag = torch.tensor([float(bool(apart))])
         dist.all_reduce(flag)  # every rank stops, not only the groups that saw it
         if apart:
-            raise ReplicaMismatch(" ".join(self._sentence(kind, what, ranks, names)
-                                           for (what, ranks), names in apart.items()))
+            raise ReplicaMismatch(
+                " ".join(
+                    self._sentence(kind, what, ranks, names)
+                    for (what, ranks), names in apart.items()
+                )
+            )
         if flag.item():
-            raise ReplicaMismatch("replicas disagree on another rank (its error names them); stopping with it")
+            raise ReplicaMismatch(
+                "replicas disagree on another rank (its error names them); stopping with it"
+            )
 
     def _sentence(self, kind: str, what: str, ranks: tuple[int, ...], names: list[str]) -> str:
         listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        return (f"replicas disagree, so the run stops before they part ways: the {kind} of {listed} differs "
-                f"across the {what} (global ranks {list(ranks)}).{self.advice(names) if 'tensor' in what else ''}")
+        return (
+            f"replicas disagree, so the run stops before they part ways: the {kind} of {listed} differs "
+            f"across the {what} (global ranks {list(ranks)}).{self.advice(names) if 'tensor' in what else ''}"
+        )
 
 
-def tensor_replicas(named: Iterable[tuple[str, Tensor, Tensor]], tp_group: Any) -> list[tuple[str, Any, list]]:
+def tensor_replicas(
+    named: Iterable[tuple[str, Tensor, Tensor]], tp_group: Any
+) -> list[tuple[str, Any, list]]:
     """The groups for :meth:`ReplicaCheck.compare`: of ``(name, parameter, tensor)``, the
     tensors (a gradient, or the parameter itself; ``None``: no gradient) of the parameters that
     are whole on the tensor axis (one group: this rank's tensor group). Which parameters those
@@ -138,11 +160,17 @@ def plan_hint(plan: Mapping[str, Any]) -> Callable[[list[str]], str]:
     def advice(names: list[str]) -> str:
         modules = list(dict.fromkeys(n.rpartition(".")[0] for n in names))
         styles = sorted({type(plan[m]).__name__ for m in modules if m in plan})
-        said = f"the plan gives them {', '.join(styles)}" if styles else "no tensor-parallel plan entry splits them"
+        said = (
+            f"the plan gives them {', '.join(styles)}"
+            if styles
+            else "no tensor-parallel plan entry splits them"
+        )
         patterns = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", m) for m in modules))
         entries = ", ".join(f"'{p}': 'replicated_with_grad_allreduce'" for p in patterns[:3])
-        return (f" {said.capitalize()}, so every tensor rank keeps all of each; a module that sees only its rank's "
-                f"share of an activation (heads, a sequence shard) needs the style that sums its gradient over tp: "
-                f"tp_plan={{{entries}, ...}} (or split it with the layers around it).")
+        return (
+            f" {said.capitalize()}, so every tensor rank keeps all of each; a module that sees only its rank's "
+            f"share of an activation (heads, a sequence shard) needs the style that sums its gradient over tp: "
+            f"tp_plan={{{entries}, ...}} (or split it with the layers around it)."
+        )
 
     return advice

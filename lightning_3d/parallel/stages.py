@@ -26,7 +26,9 @@ Split = Union[str, Sequence[str]]
 def stage_blocks(num_blocks: int, num_stages: int) -> list[range]:
     """Uniform split by block count: stage s gets a contiguous run; earlier stages get the extra."""
     if num_stages > num_blocks:
-        raise ValueError(f"{num_stages} pipeline stages for {num_blocks} blocks: need at least one block per stage")
+        raise ValueError(
+            f"{num_stages} pipeline stages for {num_blocks} blocks: need at least one block per stage"
+        )
     base, extra = divmod(num_blocks, num_stages)
     bounds = [0]
     for s in range(num_stages):
@@ -34,8 +36,9 @@ def stage_blocks(num_blocks: int, num_stages: int) -> list[range]:
     return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
 
 
-def balanced_blocks(block_costs: Sequence[int], num_stages: int, first_cost: int = 0,
-                    last_cost: int = 0) -> list[range]:
+def balanced_blocks(
+    block_costs: Sequence[int], num_stages: int, first_cost: int = 0, last_cost: int = 0
+) -> list[range]:
     """Contiguous runs (at least one block each) minimising the largest stage cost, where the
     first stage also carries ``first_cost`` and the last ``last_cost``. Exact (dynamic program);
     ties go to the earliest boundary."""
@@ -46,7 +49,12 @@ def balanced_blocks(block_costs: Sequence[int], num_stages: int, first_cost: int
         prefix.append(prefix[-1] + c)
 
     def cost(s: int, i: int, j: int) -> int:  # stage s holds blocks i..j-1
-        return prefix[j] - prefix[i] + (first_cost if s == 0 else 0) + (last_cost if s == num_stages - 1 else 0)
+        return (
+            prefix[j]
+            - prefix[i]
+            + (first_cost if s == 0 else 0)
+            + (last_cost if s == num_stages - 1 else 0)
+        )
 
     inf = float("inf")
     # best[s][j]: smallest max-cost for stages 0..s covering blocks 0..j-1; cut[s][j]: start of stage s.
@@ -69,8 +77,13 @@ def balanced_blocks(block_costs: Sequence[int], num_stages: int, first_cost: int
     return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
 
 
-def explicit_blocks(blocks_name: str, num_blocks: int, points: Sequence[str], num_stages: int,
-                    exists: Callable[[str], bool]) -> list[range]:
+def explicit_blocks(
+    blocks_name: str,
+    num_blocks: int,
+    points: Sequence[str],
+    num_stages: int,
+    exists: Callable[[str], bool],
+) -> list[range]:
     """Runs from split-point names: each names the block that starts the next stage."""
     if len(points) != num_stages - 1:
         raise ValueError(
@@ -80,16 +93,20 @@ def explicit_blocks(blocks_name: str, num_blocks: int, points: Sequence[str], nu
     starts = []
     for name in points:
         prefix = f"{blocks_name}."
-        index = name[len(prefix):] if name.startswith(prefix) else ""
+        index = name[len(prefix) :] if name.startswith(prefix) else ""
         if not index.isdigit() or int(index) >= num_blocks:
-            what = "is not a block of" if exists(name) else "names no module in the model; blocks are"
+            what = (
+                "is not a block of" if exists(name) else "names no module in the model; blocks are"
+            )
             raise ValueError(
                 f"pipeline split point {name!r} {what} {blocks_name!r} "
                 f"({blocks_name}.0 ... {blocks_name}.{num_blocks - 1})"
             )
         starts.append(int(index))
     if starts[0] == 0 or any(b <= a for a, b in zip(starts, starts[1:])):
-        raise ValueError(f"pipeline split points {list(points)} must be increasing blocks after {blocks_name}.0")
+        raise ValueError(
+            f"pipeline split points {list(points)} must be increasing blocks after {blocks_name}.0"
+        )
     bounds = [0, *starts, num_blocks]
     return [range(bounds[s], bounds[s + 1]) for s in range(num_stages)]
 
@@ -98,11 +115,15 @@ def validate_split(split: Any) -> Split:
     """Check the ``split`` option's type before any process exists (names are checked on the model)."""
     if isinstance(split, str):
         if split not in SPLITS:
-            raise ValueError(f"unknown pipeline split {split!r}; use one of {list(SPLITS)} or a list of block names")
+            raise ValueError(
+                f"unknown pipeline split {split!r}; use one of {list(SPLITS)} or a list of block names"
+            )
         return split
     if isinstance(split, Sequence) and split and all(isinstance(x, str) for x in split):
         return tuple(split)
-    raise ValueError(f"pipeline split {split!r} must be one of {list(SPLITS)} or a non-empty list of block names")
+    raise ValueError(
+        f"pipeline split {split!r} must be one of {list(SPLITS)} or a non-empty list of block names"
+    )
 
 
 def _numel(modules: Sequence[nn.Module]) -> int:
@@ -110,7 +131,9 @@ def _numel(modules: Sequence[nn.Module]) -> int:
     return sum(seen.values())
 
 
-def plan_stages(root: nn.Module, spec: Any, num_stages: int, split: Split = "uniform", virtual: int = 1) -> list[range]:
+def plan_stages(
+    root: nn.Module, spec: Any, num_stages: int, split: Split = "uniform", virtual: int = 1
+) -> list[range]:
     """Block runs of every stage of ``root`` (read-only; works on a ``meta`` model).
 
     Raises ``ValueError`` for a blocks name that is not an ``nn.ModuleList``, first/last module
@@ -120,7 +143,9 @@ def plan_stages(root: nn.Module, spec: Any, num_stages: int, split: Split = "uni
     :func:`tied_stages`)."""
     blocks = root.get_submodule(spec.blocks)
     if not isinstance(blocks, nn.ModuleList):
-        raise ValueError(f"pipeline blocks {spec.blocks!r} must name an nn.ModuleList, found {type(blocks).__name__}")
+        raise ValueError(
+            f"pipeline blocks {spec.blocks!r} must name an nn.ModuleList, found {type(blocks).__name__}"
+        )
     first = [_module(root, n, "first") for n in spec.first]
     last = [_module(root, n, "last") for n in spec.last]
     if split == "uniform":
@@ -131,15 +156,21 @@ def plan_stages(root: nn.Module, spec: Any, num_stages: int, split: Split = "uni
                 f"divide {len(blocks)} blocks: pick virtual_stages so they do, or split='params' / explicit points"
             )
     elif split == "params":
-        runs = balanced_blocks([_numel([b]) for b in blocks], num_stages, _numel(first), _numel(last))
+        runs = balanced_blocks(
+            [_numel([b]) for b in blocks], num_stages, _numel(first), _numel(last)
+        )
     else:
-        runs = explicit_blocks(spec.blocks, len(blocks), list(split), num_stages, lambda n: _exists(root, n))
+        runs = explicit_blocks(
+            spec.blocks, len(blocks), list(split), num_stages, lambda n: _exists(root, n)
+        )
     return runs
 
 
 def _module(root: nn.Module, name: str, where: str) -> nn.Module:
     if not _exists(root, name):
-        raise ValueError(f"pipeline spec: {where}-stage module {name!r} names no module of {type(root).__name__}")
+        raise ValueError(
+            f"pipeline spec: {where}-stage module {name!r} names no module of {type(root).__name__}"
+        )
     return root.get_submodule(name)
 
 
@@ -167,10 +198,15 @@ def tied_stages(root: nn.Module, spec: Any, runs: list[range]) -> dict[str, set[
     return {name_of[key]: stages for key, stages in used.items() if len(stages) > 1}
 
 
-def tied_holders(root: nn.Module, spec: Any, pp_size: int, virtual: int, split: Split = "uniform") -> dict[str, list[int]]:
+def tied_holders(
+    root: nn.Module, spec: Any, pp_size: int, virtual: int, split: Split = "uniform"
+) -> dict[str, list[int]]:
     """:func:`tied_stages` as pipeline ranks (looped placement: stage s is on rank s mod pp)."""
     runs = plan_stages(root, spec, pp_size * virtual, split, virtual)
-    return {name: sorted({s % pp_size for s in stages}) for name, stages in tied_stages(root, spec, runs).items()}
+    return {
+        name: sorted({s % pp_size for s in stages})
+        for name, stages in tied_stages(root, spec, runs).items()
+    }
 
 
 def stage_ids(pp_rank: int, pp_size: int, virtual: int) -> list[int]:
@@ -184,12 +220,21 @@ class StageModule(nn.Module):
     parameters. ``block_ids`` are its blocks' indices in the model's block list; under sequence
     parallelism ``sequence_shards`` is the tensor size (its input holds that share of the sequence)."""
 
-    def __init__(self, blocks: list[nn.Module], first: list[nn.Module], last: list[nn.Module],
-                 embed: Optional[Callable], head: Optional[Callable],
-                 block_forward: Optional[Callable[[nn.Module, Any], Any]] = None, *,
-                 block_ids: Sequence[int] = (), is_first: bool = False, is_last: bool = False,
-                 stage_forward: Optional[Callable[["StageModule", Any], Any]] = None,
-                 sequence_shards: int = 1) -> None:
+    def __init__(
+        self,
+        blocks: list[nn.Module],
+        first: list[nn.Module],
+        last: list[nn.Module],
+        embed: Optional[Callable],
+        head: Optional[Callable],
+        block_forward: Optional[Callable[[nn.Module, Any], Any]] = None,
+        *,
+        block_ids: Sequence[int] = (),
+        is_first: bool = False,
+        is_last: bool = False,
+        stage_forward: Optional[Callable[["StageModule", Any], Any]] = None,
+        sequence_shards: int = 1,
+    ) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
         self.first = nn.ModuleList(first)
@@ -218,8 +263,15 @@ def _set_submodule(root: nn.Module, name: str, value: Optional[nn.Module]) -> No
     setattr(root.get_submodule(parent) if parent else root, leaf, value)
 
 
-def split_stages(root: nn.Module, spec: Any, pp_rank: int, pp_size: int, virtual: int,
-                 split: Split = "uniform", sequence_shards: int = 1) -> list[StageModule]:
+def split_stages(
+    root: nn.Module,
+    spec: Any,
+    pp_rank: int,
+    pp_size: int,
+    virtual: int,
+    split: Split = "uniform",
+    sequence_shards: int = 1,
+) -> list[StageModule]:
     """Keep this rank's stages of ``root`` in place; return their stage modules (in order)."""
     num_stages = pp_size * virtual
     runs = plan_stages(root, spec, num_stages, split, virtual)
@@ -235,8 +287,11 @@ def split_stages(root: nn.Module, spec: Any, pp_rank: int, pp_size: int, virtual
             spec.embed if s == 0 else None,
             spec.head if s == num_stages - 1 else None,
             getattr(spec, "block_forward", None),
-            block_ids=runs[s], is_first=s == 0, is_last=s == num_stages - 1,
-            stage_forward=getattr(spec, "stage_forward", None), sequence_shards=sequence_shards,
+            block_ids=runs[s],
+            is_first=s == 0,
+            is_last=s == num_stages - 1,
+            stage_forward=getattr(spec, "stage_forward", None),
+            sequence_shards=sequence_shards,
         )
         for s in mine
     ]
@@ -246,7 +301,11 @@ def split_stages(root: nn.Module, spec: Any, pp_rank: int, pp_size: int, virtual
     for i in range(len(blocks)):
         if i not in owned:
             blocks[i] = placeholder(blocks[i]) if placeholder is not None else nn.Identity()
-    dropped = ([] if 0 in mine else list(spec.first)) + ([] if num_stages - 1 in mine else list(spec.last))
+    dropped = ([] if 0 in mine else list(spec.first)) + (
+        [] if num_stages - 1 in mine else list(spec.last)
+    )
     for name in dropped:
-        _set_submodule(root, name, placeholder(root.get_submodule(name)) if placeholder is not None else None)
+        _set_submodule(
+            root, name, placeholder(root.get_submodule(name)) if placeholder is not None else None
+        )
     return stages

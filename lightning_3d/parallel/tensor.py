@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -91,7 +98,9 @@ def split_dim(module: nn.Module, style: ParallelStyle, pname: str) -> int | None
 TORCH_LAYER_KINDS = ("Linear", "Embedding")
 
 
-def _distribute(style: ColwiseParallel | RowwiseParallel, module: nn.Module, mesh: DeviceMesh, partition_fn):
+def _distribute(
+    style: ColwiseParallel | RowwiseParallel, module: nn.Module, mesh: DeviceMesh, partition_fn
+):
     """What torch's Colwise/RowwiseParallel._apply does, with our own ``partition_fn``."""
     return distribute_module(
         module,
@@ -102,7 +111,9 @@ def _distribute(style: ColwiseParallel | RowwiseParallel, module: nn.Module, mes
     )
 
 
-def _shard_params(module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Placement], src_rank) -> None:
+def _shard_params(
+    module: nn.Module, mesh: DeviceMesh, placements: Mapping[str, Placement], src_rank
+) -> None:
     for pname, param in list(module.named_parameters(recurse=False)):
         dist = distribute_tensor(param.detach(), mesh, [placements[pname]], src_data_rank=src_rank)
         module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
@@ -124,7 +135,9 @@ class ColwiseConv1DParallel(ColwiseParallel):
         return _distribute(self, module, device_mesh, self._partition_conv1d_fn)
 
     def _partition_conv1d_fn(self, name, module, device_mesh):
-        _shard_params(module, device_mesh, {"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank)
+        _shard_params(
+            module, device_mesh, {"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank
+        )
 
 
 class RowwiseConv1DParallel(RowwiseParallel):
@@ -140,7 +153,9 @@ class RowwiseConv1DParallel(RowwiseParallel):
         return _distribute(self, module, device_mesh, self._partition_conv1d_fn)
 
     def _partition_conv1d_fn(self, name, module, device_mesh):
-        _shard_params(module, device_mesh, {"weight": Shard(0), "bias": Replicate()}, self.src_data_rank)
+        _shard_params(
+            module, device_mesh, {"weight": Shard(0), "bias": Replicate()}, self.src_data_rank
+        )
 
 
 class FusedColwiseParallel(ColwiseConv1DParallel):
@@ -187,7 +202,9 @@ class LocalSizes(ParallelStyle):
         self.attrs = tuple(attrs)
 
     def sizes(self, module: nn.Module) -> dict[str, int]:
-        return {a: getattr(module, a) for a in self.attrs if isinstance(getattr(module, a, None), int)}
+        return {
+            a: getattr(module, a) for a in self.attrs if isinstance(getattr(module, a, None), int)
+        }
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for attr, size in self.sizes(module).items():
@@ -219,7 +236,9 @@ class ReplicatedGradSum(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
             # Rank 0's values on every rank, as torch's own styles distribute them.
-            _shard_params(mod, mesh, {n: Replicate() for n, _ in mod.named_parameters(recurse=False)}, 0)
+            _shard_params(
+                mod, mesh, {n: Replicate() for n, _ in mod.named_parameters(recurse=False)}, 0
+            )
 
         def shard_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
             x, *rest = inputs
@@ -242,8 +261,14 @@ class PrepareHiddenStates(PrepareModuleInput):
     embeddings; positionally or not, however many) goes through untouched — Hugging Face
     decoders pass their blocks differing numbers of positional arguments."""
 
-    def __init__(self, *, input_layout: Placement, desired_layout: Placement, use_local_output: bool = True,
-                 keyword: str = "hidden_states") -> None:
+    def __init__(
+        self,
+        *,
+        input_layout: Placement,
+        desired_layout: Placement,
+        use_local_output: bool = True,
+        keyword: str = "hidden_states",
+    ) -> None:
         super().__init__(
             input_layouts=(input_layout,),
             desired_input_layouts=(desired_layout,),
@@ -256,7 +281,9 @@ class PrepareHiddenStates(PrepareModuleInput):
         inputs = inputs if isinstance(inputs, tuple) else (inputs,)
         if not inputs:  # the hidden states came as a keyword
             return inputs
-        first = self._prepare_input_arg(inputs[0], device_mesh, self.input_layouts[0], self.desired_input_layouts[0])
+        first = self._prepare_input_arg(
+            inputs[0], device_mesh, self.input_layouts[0], self.desired_input_layouts[0]
+        )
         return (first, *inputs[1:])
 
 
@@ -271,7 +298,9 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+def by_device_and_dtype(
+    tensors: Iterable[torch.Tensor],
+) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     """This rank's parts of ``tensors`` (:func:`local_tensor`) grouped by device and dtype, in
     order: the unit of one fused ``torch._foreach_*`` call."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
@@ -281,7 +310,9 @@ def by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple[torch.dev
     return groups
 
 
-def regroup_fused_rows(t: torch.Tensor, chunks: int, tp: int, dim: int = 0, inverse: bool = False) -> torch.Tensor:
+def regroup_fused_rows(
+    t: torch.Tensor, chunks: int, tp: int, dim: int = 0, inverse: bool = False
+) -> torch.Tensor:
     """Along ``dim`` (the output features: 0 for nn.Linear, -1 for Conv1D):
     [c0 | c1 | c2] with each chunk split in tp parts -> [c0_0 c1_0 c2_0 | c0_1 c1_1 c2_1 | ...]."""
     moved = t.movedim(dim, 0)
@@ -320,12 +351,23 @@ def resolve_plan(
         for name in hits:
             resolved.setdefault(name, style)  # the first pattern that names a module wins
     if unmatched and require_all:
-        raise ValueError(f"tensor-parallel plan pattern(s) {unmatched} match no module of {type(module).__name__}")
-    resolved = {name: _for_layer(style, module.get_submodule(name)) for name, style in resolved.items()}
-    unsupported = [p for name, style in resolved.items() if (p := _unsupported(module, name, style))]
+        raise ValueError(
+            f"tensor-parallel plan pattern(s) {unmatched} match no module of {type(module).__name__}"
+        )
+    resolved = {
+        name: _for_layer(style, module.get_submodule(name)) for name, style in resolved.items()
+    }
+    unsupported = [
+        p for name, style in resolved.items() if (p := _unsupported(module, name, style))
+    ]
     if unsupported:
-        raise ValueError("tensor-parallel plan gives styles module types they cannot split: " + "; ".join(unsupported))
-    problems = [p for name, style in resolved.items() for p in _divisibility(module, name, style, tp)]
+        raise ValueError(
+            "tensor-parallel plan gives styles module types they cannot split: "
+            + "; ".join(unsupported)
+        )
+    problems = [
+        p for name, style in resolved.items() for p in _divisibility(module, name, style, tp)
+    ]
     if problems:
         raise ValueError(f"tensor={tp} does not divide the model: " + "; ".join(problems))
     return resolved
@@ -334,7 +376,9 @@ def resolve_plan(
 def _for_layer(style: ParallelStyle, module: nn.Module) -> ParallelStyle:
     """Torch's own Colwise/RowwiseParallel (what style names give) cannot split a ``Conv1D``:
     for one, the same settings in the subclass that can."""
-    twin = {ColwiseParallel: ColwiseConv1DParallel, RowwiseParallel: RowwiseConv1DParallel}.get(type(style))
+    twin = {ColwiseParallel: ColwiseConv1DParallel, RowwiseParallel: RowwiseConv1DParallel}.get(
+        type(style)
+    )
     if twin is None or not is_conv1d(module):
         return style
     upgraded = twin.__new__(twin)
@@ -367,7 +411,11 @@ def _divisibility(root: nn.Module, name: str, style: ParallelStyle, tp: int) -> 
         dims = {"in_features": layer_features(module)[0]}
     else:
         dims = {}
-    return [f"{name}: {what} {size} is not divisible by tensor={tp}" for what, size in dims.items() if size % tp]
+    return [
+        f"{name}: {what} {size} is not divisible by tensor={tp}"
+        for what, size in dims.items()
+        if size % tp
+    ]
 
 
 def _colwise_problems(root: nn.Module, name: str, chunks: int, tp: int) -> list[str]:
@@ -380,11 +428,18 @@ def _colwise_problems(root: nn.Module, name: str, chunks: int, tp: int) -> list[
     head_dim = getattr(parent, "head_dim", None)
     if isinstance(head_dim, int) and head_dim and out % (head_dim * chunks) == 0:
         dims["heads"] = out // (head_dim * chunks)
-    return [f"{name}: {what} {size} is not divisible by tensor={tp}" for what, size in dims.items() if size % tp]
+    return [
+        f"{name}: {what} {size} is not divisible by tensor={tp}"
+        for what, size in dims.items()
+        if size % tp
+    ]
 
 
 def apply_tensor_parallel(
-    module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str, ParallelStyle], require_all: bool = True
+    module: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: Mapping[str, ParallelStyle],
+    require_all: bool = True,
 ) -> dict:
     """Rewrite ``module`` in place with ``plan`` on ``tp_mesh``; returns the resolved plan."""
     resolved = resolve_plan(module, plan, tp_mesh.size(), require_all)

@@ -113,7 +113,9 @@ def _weight_dim(module: nn.Module, style: Any) -> Optional[int]:
     return None
 
 
-def check_tied_styles(root: nn.Module, resolved: dict[str, Any], groups: Sequence[tuple[str, ...]]) -> None:
+def check_tied_styles(
+    root: nn.Module, resolved: dict[str, Any], groups: Sequence[tuple[str, ...]]
+) -> None:
     """Before tensor parallelism runs (on the ``meta`` model too): a ``ValueError`` when a plan
     would shard the modules of one tied weight along different dimensions (see :func:`retie`)."""
     for group in groups:
@@ -125,7 +127,9 @@ def check_tied_styles(root: nn.Module, resolved: dict[str, Any], groups: Sequenc
                 dims[name] = _weight_dim(owner, resolved.get(path))
         known = {n: d for n, d in dims.items() if d is not None}
         if len(set(known.values())) > 1:
-            said = ", ".join(f"{n} ({'replicated' if d < 0 else f'split on dim {d}'})" for n, d in known.items())
+            said = ", ".join(
+                f"{n} ({'replicated' if d < 0 else f'split on dim {d}'})" for n, d in known.items()
+            )
             raise ValueError(
                 f"tied parameters {said} would be sharded differently by the tensor-parallel plan, so they "
                 "cannot stay one parameter: give both modules styles that split the shared dimension alike "

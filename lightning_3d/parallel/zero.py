@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_3d.compat import all_gather_single, reduce_scatter_single
 from lightning_3d.parallel.tensor import local_tensor as _local
-from lightning_3d.plan import ZeroOptions
+from lightning_3d.options import ZeroOptions
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -90,7 +90,13 @@ class ZeroDataParallel:
             engine.after_step()
     """
 
-    def __init__(self, mesh: DeviceMesh, stage: int, bucket_numel: Optional[int] = None, scatter: str = "auto") -> None:
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        stage: int,
+        bucket_numel: Optional[int] = None,
+        scatter: str = "auto",
+    ) -> None:
         """``mesh`` is the data axis, or the (data, tensor) mesh when parameters are tensor-parallel.
 
         ``bucket_numel``: elements per gradient bucket; default: the plan's default
@@ -111,7 +117,9 @@ class ZeroDataParallel:
         if bucket_numel < 1:
             raise ValueError(f"bucket_numel must be positive, got {bucket_numel}")
         if mesh.ndim not in (1, 2):
-            raise ValueError(f"expected a 1-D (dp) or 2-D (dp, tp) mesh, got {mesh.ndim} dimensions")
+            raise ValueError(
+                f"expected a 1-D (dp) or 2-D (dp, tp) mesh, got {mesh.ndim} dimensions"
+            )
         self.mesh = mesh
         self.stage = stage
         self.bucket_numel = bucket_numel
@@ -123,7 +131,9 @@ class ZeroDataParallel:
         # 16-17 ms for 13 MB at N=2); an all-to-all of the N slices plus a local sum sends the same
         # (N-1)/N bytes per rank as a ring reduce-scatter, in about the all-reduce's time.
         gloo = dist.get_backend(self.group) == "gloo"
-        self._scatter_by_all_to_all = self.size > 1 and (scatter == "all_to_all" or (scatter == "auto" and gloo))
+        self._scatter_by_all_to_all = self.size > 1 and (
+            scatter == "all_to_all" or (scatter == "auto" and gloo)
+        )
         self.buckets: list[_Bucket] = []
         self.original_groups: list[list[nn.Parameter]] = []  # each param group as the user built it
         self._hooks: list = []
@@ -149,7 +159,9 @@ class ZeroDataParallel:
         summed over that group before the data-parallel reduction."""
         self.tied.update(tied or {})
         if optimizer.state:
-            raise ValueError("attach the ZeRO engine before the optimizer's first step (its state is not empty)")
+            raise ValueError(
+                "attach the ZeRO engine before the optimizer's first step (its state is not empty)"
+            )
         owned = {id(p) for b in self.buckets for p in b.params}
         for group in optimizer.param_groups:
             self.original_groups.append(list(group["params"]))
@@ -197,7 +209,9 @@ class ZeroDataParallel:
         if self.stage <= 1:
             bucket.grad = torch.zeros_like(flat)
         else:
-            bucket.shard_grad = torch.zeros(bucket.shard_numel, dtype=flat.dtype, device=flat.device)
+            bucket.shard_grad = torch.zeros(
+                bucket.shard_numel, dtype=flat.dtype, device=flat.device
+            )
         if self.stage >= 1:
             bucket.slice = nn.Parameter(self.slice_dtensor(self._own(flat, bucket), params[0]))
         for index, p in enumerate(params):
@@ -273,10 +287,16 @@ class ZeroDataParallel:
         else:
             if self._scatter_by_all_to_all:
                 bucket.received = torch.empty_like(full)
-                bucket.work = dist.all_to_all_single(bucket.received, full, group=self.group, async_op=True)
+                bucket.work = dist.all_to_all_single(
+                    bucket.received, full, group=self.group, async_op=True
+                )
             else:
-                bucket.reduced = torch.empty(bucket.shard_numel, dtype=full.dtype, device=full.device)
-                bucket.work = reduce_scatter_single(bucket.reduced, full, group=self.group, async_op=True)
+                bucket.reduced = torch.empty(
+                    bucket.shard_numel, dtype=full.dtype, device=full.device
+                )
+                bucket.work = reduce_scatter_single(
+                    bucket.reduced, full, group=self.group, async_op=True
+                )
 
     def finish_backward(self) -> None:
         """Call after each backward: completes the reductions of a synchronising backward."""
@@ -337,7 +357,9 @@ class ZeroDataParallel:
     # ---------------------------------------------------------------- step
     def after_step(self) -> None:
         """Call after ``optimizer.step()``: re-replicate parameters, clear gradients."""
-        if self.passthrough:  # autograd's gradients are the engine's: cleared here as the buckets' are
+        if (
+            self.passthrough
+        ):  # autograd's gradients are the engine's: cleared here as the buckets' are
             for group in self.original_groups:
                 for p in group:
                     p.grad = None
@@ -405,8 +427,12 @@ class ZeroDataParallel:
                 full = torch.zeros_like(bucket.flat, dtype=_local(first[key]).dtype)
                 for entry, p, offset in zip(entries, bucket.params, bucket.offsets):
                     if entry:
-                        full[offset : offset + _local(p).numel()].copy_(_local(entry[key]).reshape(-1))
-                slice_state[key] = self.slice_dtensor(self._own(full, bucket).clone(), bucket.params[0])
+                        full[offset : offset + _local(p).numel()].copy_(
+                            _local(entry[key]).reshape(-1)
+                        )
+                slice_state[key] = self.slice_dtensor(
+                    self._own(full, bucket).clone(), bucket.params[0]
+                )
             optimizer.state[bucket.slice] = slice_state
 
 

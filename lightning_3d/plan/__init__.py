@@ -26,7 +26,7 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 from lightning_3d.layout import Layout
-from lightning_3d.nonfinite import NonFiniteOptions
+from lightning_3d.runtime.nonfinite import NonFiniteOptions
 from lightning_3d.offload.options import offload_options
 from lightning_3d.offload.optimizer import DEFAULT_CHUNK_BYTES
 from lightning_3d.parallel.activation_checkpoint import DEFAULT_EVERY_N, ac_options
@@ -40,7 +40,9 @@ AUTO_UNPLANNED = {"ac_policy": ("every_n",)}
 
 @dataclass(frozen=True)
 class TensorParallelOptions:
-    plan: Optional[Mapping[str, Any]] = None  # {module-name pattern: style}; None: recognise the model
+    plan: Optional[Mapping[str, Any]] = (
+        None  # {module-name pattern: style}; None: recognise the model
+    )
     sequence_parallel: bool = False
 
 
@@ -75,7 +77,9 @@ class OffloadOptions:
     params: bool = False
     delay_update: bool = False
     direct_io: Optional[bool] = None  # None: O_DIRECT where the file system allows
-    overlap: bool = True  # parameters on an accelerator: transfers on side streams beside the CPU step
+    overlap: bool = (
+        True  # parameters on an accelerator: transfers on side streams beside the CPU step
+    )
 
     @property
     def chunk_bytes(self) -> int:
@@ -110,9 +114,16 @@ class ReplicaOptions:
     check: Union[str, int] = "first"
 
     def problems(self) -> list[str]:
-        ok = self.check in ("first", "off") or (isinstance(self.check, int) and not isinstance(self.check, bool)
-                                                 and self.check >= 1)
-        return [] if ok else [f"replica_check={self.check!r} must be 'first', 'off' or a positive number of steps"]
+        ok = self.check in ("first", "off") or (
+            isinstance(self.check, int) and not isinstance(self.check, bool) and self.check >= 1
+        )
+        return (
+            []
+            if ok
+            else [
+                f"replica_check={self.check!r} must be 'first', 'off' or a positive number of steps"
+            ]
+        )
 
     def due(self, steps_done: int) -> bool:
         """Whether the check runs at this run's optimizer step ``steps_done`` (0: its first)."""
@@ -123,7 +134,9 @@ class ReplicaOptions:
 
 @dataclass(frozen=True)
 class AutoOptions:
-    enabled: bool = False  # the layout planner chooses the layout when the world is known (planner/auto.py)
+    enabled: bool = (
+        False  # the layout planner chooses the layout when the world is known (planner/auto.py)
+    )
 
 
 @dataclass(frozen=True)
@@ -151,70 +164,200 @@ class Option:
 _GROUP_DEFAULTS = {
     group: {f.name: f.default for f in fields(cls)}
     for group, cls in (
-        ("layout", Layout), ("tp", TensorParallelOptions), ("pp", PipelineOptions), ("zero", ZeroOptions),
-        ("ac", ActivationCheckpointOptions), ("offload", OffloadOptions), ("checkpoint", CheckpointOptions),
-        ("compile", CompileOptions), ("dist", DistOptions),
-        ("nonfinite", NonFiniteOptions), ("replicas", ReplicaOptions), ("auto", AutoOptions),
+        ("layout", Layout),
+        ("tp", TensorParallelOptions),
+        ("pp", PipelineOptions),
+        ("zero", ZeroOptions),
+        ("ac", ActivationCheckpointOptions),
+        ("offload", OffloadOptions),
+        ("checkpoint", CheckpointOptions),
+        ("compile", CompileOptions),
+        ("dist", DistOptions),
+        ("nonfinite", NonFiniteOptions),
+        ("replicas", ReplicaOptions),
+        ("auto", AutoOptions),
     )
 }
 
 OPTIONS: tuple[Option, ...] = (
-    Option("data", "layout", "data", "data-parallel size, or `auto` = world size / (tensor × pipeline)",
-           hydra_type=Any),
+    Option(
+        "data",
+        "layout",
+        "data",
+        "data-parallel size, or `auto` = world size / (tensor × pipeline)",
+        hydra_type=Any,
+    ),
     Option("tensor", "layout", "tensor", "tensor-parallel size (Megatron-style layer splitting)"),
     Option("pipeline", "layout", "pipeline", "pipeline-parallel size (layers split into stages)"),
-    Option("zero_stage", "layout", "zero_stage",
-           "0 replicate; 1 shard optimizer state; 2 + gradients; 3 + parameters (FSDP2)"),
-    Option("tp_plan", "tp", "plan", "explicit tensor-parallel plan `{module pattern: style}`; default: "
-           "recognise the architecture", hydra_type=Any),
-    Option("sequence_parallel", "tp", "sequence_parallel",
-           "with tensor > 1: also shard norms and the residual stream along the sequence"),
-    Option("micro_batches", "pp", "micro_batches", "with pipeline > 1: micro-batches per batch (default: pipeline)",
-           hydra_type=Optional[int]),
+    Option(
+        "zero_stage",
+        "layout",
+        "zero_stage",
+        "0 replicate; 1 shard optimizer state; 2 + gradients; 3 + parameters (FSDP2)",
+    ),
+    Option(
+        "tp_plan",
+        "tp",
+        "plan",
+        "explicit tensor-parallel plan `{module pattern: style}`; default: "
+        "recognise the architecture",
+        hydra_type=Any,
+    ),
+    Option(
+        "sequence_parallel",
+        "tp",
+        "sequence_parallel",
+        "with tensor > 1: also shard norms and the residual stream along the sequence",
+    ),
+    Option(
+        "micro_batches",
+        "pp",
+        "micro_batches",
+        "with pipeline > 1: micro-batches per batch (default: pipeline)",
+        hydra_type=Optional[int],
+    ),
     Option("schedule", "pp", "schedule", "`gpipe`, `1f1b`, `interleaved_1f1b`, `zero_bubble`"),
-    Option("virtual_stages", "pp", "virtual_stages",
-           "stages per rank for the interleaved schedules (default 2; 1 otherwise)", hydra_type=Optional[int]),
-    Option("split", "pp", "split", "`uniform` (by block count), `params` (by parameter count), or the block "
-           "names that start stages 1, 2, ...", hydra_type=Any),
-    Option("bucket_size_mb", "zero", "bucket_size_mb", "gradient bucket size (MiB) for ZeRO stages 0–2"),
-    Option("ac_policy", "ac", "policy", "activation checkpointing: `none`, `full`, `every_n`, `selective`"),
+    Option(
+        "virtual_stages",
+        "pp",
+        "virtual_stages",
+        "stages per rank for the interleaved schedules (default 2; 1 otherwise)",
+        hydra_type=Optional[int],
+    ),
+    Option(
+        "split",
+        "pp",
+        "split",
+        "`uniform` (by block count), `params` (by parameter count), or the block "
+        "names that start stages 1, 2, ...",
+        hydra_type=Any,
+    ),
+    Option(
+        "bucket_size_mb", "zero", "bucket_size_mb", "gradient bucket size (MiB) for ZeRO stages 0–2"
+    ),
+    Option(
+        "ac_policy",
+        "ac",
+        "policy",
+        "activation checkpointing: `none`, `full`, `every_n`, `selective`",
+    ),
     Option("ac_every_n", "ac", "every_n", "with `every_n`: blocks 0, n, 2n, ... recompute"),
-    Option("offload", "offload", "device", "where Adam state and fp32 master weights live: `none`, `cpu`, `nvme`",
-           hydra_group="offload", hydra_key="device"),
-    Option("offload_path", "offload", "path", "nvme: the directory that holds the state",
-           hydra_group="offload", hydra_key="path", hydra_type=Optional[str]),
-    Option("offload_chunk_mb", "offload", "chunk_mb", "nvme: state streamed through RAM in chunks of this size",
-           hydra_group="offload", hydra_key="chunk_mb"),
-    Option("offload_params", "offload", "params",
-           "zero_stage 3 with an offload device: sharded parameters and gradients in CPU memory too",
-           hydra_group="offload", hydra_key="params"),
-    Option("offload_delay_update", "offload", "delay_update",
-           "ZeRO-Offload's one-step delayed parameter update: the CPU step overlaps the next forward and backward, "
-           "which see weights one step old (changes the numerics)", hydra_group="offload", hydra_key="delay_update"),
-    Option("offload_direct_io", "offload", "direct_io",
-           "nvme: `O_DIRECT` reads and writes, bypassing the page cache; `null` where the file system allows, "
-           "`true` required, `false` buffered (faster while the state fits in spare RAM; same numbers)",
-           hydra_group="offload", hydra_key="direct_io", hydra_type=Optional[bool]),
-    Option("offload_overlap", "offload", "overlap",
-           "parameters on an accelerator: gradients come down and weights go up on side streams while the CPU "
-           "steps; `false` copies in turn with the step (same numbers)", hydra_group="offload", hydra_key="overlap"),
-    Option("checkpoint_format", "checkpoint", "format",
-           "saved checkpoints: `consolidated` (one file, rank 0 writes) or `sharded` (a directory, every rank writes)"),
-    Option("compile", "compile", "enabled", "`torch.compile` each transformer block (after activation "
-           "checkpointing, before FSDP2)"),
-    Option("compile_backend", "compile", "backend", "the `torch.compile` backend (`inductor`, `aot_eager`, ...)"),
-    Option("process_group_backend", "dist", "backend", "`gloo`, `nccl`, ...; default follows the device",
-           hydra_type=Optional[str]),
+    Option(
+        "offload",
+        "offload",
+        "device",
+        "where Adam state and fp32 master weights live: `none`, `cpu`, `nvme`",
+        hydra_group="offload",
+        hydra_key="device",
+    ),
+    Option(
+        "offload_path",
+        "offload",
+        "path",
+        "nvme: the directory that holds the state",
+        hydra_group="offload",
+        hydra_key="path",
+        hydra_type=Optional[str],
+    ),
+    Option(
+        "offload_chunk_mb",
+        "offload",
+        "chunk_mb",
+        "nvme: state streamed through RAM in chunks of this size",
+        hydra_group="offload",
+        hydra_key="chunk_mb",
+    ),
+    Option(
+        "offload_params",
+        "offload",
+        "params",
+        "zero_stage 3 with an offload device: sharded parameters and gradients in CPU memory too",
+        hydra_group="offload",
+        hydra_key="params",
+    ),
+    Option(
+        "offload_delay_update",
+        "offload",
+        "delay_update",
+        "ZeRO-Offload's one-step delayed parameter update: the CPU step overlaps the next forward and backward, "
+        "which see weights one step old (changes the numerics)",
+        hydra_group="offload",
+        hydra_key="delay_update",
+    ),
+    Option(
+        "offload_direct_io",
+        "offload",
+        "direct_io",
+        "nvme: `O_DIRECT` reads and writes, bypassing the page cache; `null` where the file system allows, "
+        "`true` required, `false` buffered (faster while the state fits in spare RAM; same numbers)",
+        hydra_group="offload",
+        hydra_key="direct_io",
+        hydra_type=Optional[bool],
+    ),
+    Option(
+        "offload_overlap",
+        "offload",
+        "overlap",
+        "parameters on an accelerator: gradients come down and weights go up on side streams while the CPU "
+        "steps; `false` copies in turn with the step (same numbers)",
+        hydra_group="offload",
+        hydra_key="overlap",
+    ),
+    Option(
+        "checkpoint_format",
+        "checkpoint",
+        "format",
+        "saved checkpoints: `consolidated` (one file, rank 0 writes) or `sharded` (a directory, every rank writes)",
+    ),
+    Option(
+        "compile",
+        "compile",
+        "enabled",
+        "`torch.compile` each transformer block (after activation checkpointing, before FSDP2)",
+    ),
+    Option(
+        "compile_backend",
+        "compile",
+        "backend",
+        "the `torch.compile` backend (`inductor`, `aot_eager`, ...)",
+    ),
+    Option(
+        "process_group_backend",
+        "dist",
+        "backend",
+        "`gloo`, `nccl`, ...; default follows the device",
+        hydra_type=Optional[str],
+    ),
     Option("timeout_s", "dist", "timeout_s", "seconds a collective may wait before it fails"),
-    Option("nonfinite", "nonfinite", "action", "a NaN/inf loss, gradient or gradient norm: `stop` the run before "
-           "the step applies it, or `skip` the step (gradients dropped on every rank)"),
-    Option("max_nonfinite_skips", "nonfinite", "max_skips",
-           "with `nonfinite=skip`: the run stops once more steps than this were skipped"),
-    Option("replica_check", "replicas", "check", "when every replica of a parameter (tensor ranks, a tied weight's "
-           "copies on pipeline stages) must have the same gradient and update: `first` step, `off`, or every n "
-           "steps; a mismatch stops the run naming the parameter", hydra_type=Any),
-    Option("auto", "auto", "enabled", "the layout planner's first choice for the world found at start (sizes, "
-           "ZeRO stage, micro-batches, AC, offload); options set away from their defaults constrain it"),
+    Option(
+        "nonfinite",
+        "nonfinite",
+        "action",
+        "a NaN/inf loss, gradient or gradient norm: `stop` the run before "
+        "the step applies it, or `skip` the step (gradients dropped on every rank)",
+    ),
+    Option(
+        "max_nonfinite_skips",
+        "nonfinite",
+        "max_skips",
+        "with `nonfinite=skip`: the run stops once more steps than this were skipped",
+    ),
+    Option(
+        "replica_check",
+        "replicas",
+        "check",
+        "when every replica of a parameter (tensor ranks, a tied weight's "
+        "copies on pipeline stages) must have the same gradient and update: `first` step, `off`, or every n "
+        "steps; a mismatch stops the run naming the parameter",
+        hydra_type=Any,
+    ),
+    Option(
+        "auto",
+        "auto",
+        "enabled",
+        "the layout planner's first choice for the world found at start (sizes, "
+        "ZeRO stage, micro-batches, AC, offload); options set away from their defaults constrain it",
+    ),
 )
 OPTION_NAMES: tuple[str, ...] = tuple(option.name for option in OPTIONS)
 # Old name -> new name, accepted with a DeprecationWarning for one release.
@@ -252,17 +395,23 @@ class Plan:
         options = {**(self.given or self.options()), **_renamed(options)}
         unknown = sorted(set(options) - set(OPTION_NAMES))
         if unknown:
-            raise ValueError(f"unknown ThreeDStrategy option(s) {unknown}; valid options are {list(OPTION_NAMES)}")
+            raise ValueError(
+                f"unknown ThreeDStrategy option(s) {unknown}; valid options are {list(OPTION_NAMES)}"
+            )
         groups: dict[str, dict[str, Any]] = {}
         for option in OPTIONS:
             if option.name in options:
                 groups.setdefault(option.group, {})[option.attr] = options[option.name]
-        changed = {name: replace(getattr(Plan(), name), **values) for name, values in groups.items()}
+        changed = {
+            name: replace(getattr(Plan(), name), **values) for name, values in groups.items()
+        }
         return _checked(replace(Plan(), **changed, given=options))
 
     def options(self) -> dict[str, Any]:
         """The plan as flat options (``Plan.from_options(**plan.options()) == plan``)."""
-        return {option.name: getattr(getattr(self, option.group), option.attr) for option in OPTIONS}
+        return {
+            option.name: getattr(getattr(self, option.group), option.attr) for option in OPTIONS
+        }
 
     def resolved(self, world_size: int) -> Plan:
         """With the data-parallel size filled in; ``ValueError`` when the axes do not tile the world."""
@@ -274,66 +423,105 @@ def _renamed(options: dict[str, Any]) -> dict[str, Any]:
     for old, new in DEPRECATED.items():
         if old in options:
             if new in options:
-                raise ValueError(f"give {new}={options[new]!r} or the deprecated {old}={options[old]!r}, not both")
-            warnings.warn(f"ThreeDStrategy option {old!r} is now {new!r}; the old name goes in the next release",
-                          DeprecationWarning, stacklevel=4)
+                raise ValueError(
+                    f"give {new}={options[new]!r} or the deprecated {old}={options[old]!r}, not both"
+                )
+            warnings.warn(
+                f"ThreeDStrategy option {old!r} is now {new!r}; the old name goes in the next release",
+                DeprecationWarning,
+                stacklevel=4,
+            )
             options[new] = options.pop(old)
     if "timeout" in options:  # Lightning's strategies take a timedelta named timeout
         if "timeout_s" in options:
             raise ValueError("give timeout_s or timeout, not both")
         timeout = options.pop("timeout")
-        options["timeout_s"] = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        options["timeout_s"] = (
+            timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        )
     return options
 
 
 def _checked(plan: Plan) -> Plan:
     """Every group checked, and the pipeline's defaults (micro-batches, virtual stages) filled in."""
     layout = plan.layout
-    pp = pipeline_options(layout.pipeline, plan.pp.micro_batches, plan.pp.schedule, plan.pp.virtual_stages,
-                          plan.pp.split)
+    pp = pipeline_options(
+        layout.pipeline,
+        plan.pp.micro_batches,
+        plan.pp.schedule,
+        plan.pp.virtual_stages,
+        plan.pp.split,
+    )
     ac = ac_options(plan.ac.policy, plan.ac.every_n)
     offload = plan.offload
-    checked = offload_options(offload.device, offload.path, offload.chunk_mb, offload.params, layout.zero_stage,
-                              offload.delay_update, offload.direct_io, offload.overlap)
+    checked = offload_options(
+        offload.device,
+        offload.path,
+        offload.chunk_mb,
+        offload.params,
+        layout.zero_stage,
+        offload.delay_update,
+        offload.direct_io,
+        offload.overlap,
+    )
     problems = []
     if plan.tp.plan is not None and not isinstance(plan.tp.plan, Mapping):
         problems.append(f"tp_plan={plan.tp.plan!r} must be a mapping {{module pattern: style}}")
     if not isinstance(plan.tp.sequence_parallel, bool):
         problems.append(f"sequence_parallel={plan.tp.sequence_parallel!r} must be True or False")
-    elif plan.tp.sequence_parallel and layout.tensor == 1:  # it shards activations over the tensor group
-        problems.append("sequence_parallel=True needs tensor > 1 (with tensor=1 it would be ignored)")
+    elif (
+        plan.tp.sequence_parallel and layout.tensor == 1
+    ):  # it shards activations over the tensor group
+        problems.append(
+            "sequence_parallel=True needs tensor > 1 (with tensor=1 it would be ignored)"
+        )
     if plan.checkpoint.format not in CHECKPOINT_FORMATS:
-        problems.append(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {plan.checkpoint.format!r}")
+        problems.append(
+            f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {plan.checkpoint.format!r}"
+        )
     if not _positive(plan.zero.bucket_size_mb):
         problems.append(f"bucket_size_mb must be positive, got {plan.zero.bucket_size_mb!r}")
     if not isinstance(plan.compile.enabled, bool):
         problems.append(f"compile={plan.compile.enabled!r} must be True or False")
     if not isinstance(plan.compile.backend, str) or not plan.compile.backend:
-        problems.append(f"compile_backend={plan.compile.backend!r} must name a torch.compile backend")
+        problems.append(
+            f"compile_backend={plan.compile.backend!r} must name a torch.compile backend"
+        )
     elif plan.compile.enabled is True:
         check_backend(plan.compile.backend)
         if layout.tensor > 1 and layout.zero_stage < 3:
             # Dynamo (torch 2.13) fails to trace tensor-parallel DTensors whose local tensors are
             # views of the ZeRO 0-2 flat buckets; FSDP2's shards trace fine.
-            problems.append(f"compile=True with tensor={layout.tensor} needs zero_stage=3, got "
-                            f"zero_stage={layout.zero_stage}")
+            problems.append(
+                f"compile=True with tensor={layout.tensor} needs zero_stage=3, got "
+                f"zero_stage={layout.zero_stage}"
+            )
     if not isinstance(plan.auto.enabled, bool):
         problems.append(f"auto={plan.auto.enabled!r} must be True or False")
-    elif plan.auto.enabled:  # values the planner does not model: refused here, before any process starts
+    elif (
+        plan.auto.enabled
+    ):  # values the planner does not model: refused here, before any process starts
         for option in OPTIONS:
             value = getattr(getattr(plan, option.group), option.attr)
             if value in AUTO_UNPLANNED.get(option.name, ()):
-                problems.append(f"auto=True cannot plan {option.name}={value!r} (the layout planner does not model "
-                                f"it); drop auto or choose another {option.name}")
+                problems.append(
+                    f"auto=True cannot plan {option.name}={value!r} (the layout planner does not model "
+                    f"it); drop auto or choose another {option.name}"
+                )
     if not _positive(plan.dist.timeout_s):
-        problems.append(f"timeout_s must be a positive number of seconds, got {plan.dist.timeout_s!r}")
+        problems.append(
+            f"timeout_s must be a positive number of seconds, got {plan.dist.timeout_s!r}"
+        )
     problems += plan.nonfinite.problems()
     problems += plan.replicas.problems()
     if problems:
         raise ValueError("; ".join(problems))
     tp = replace(plan.tp, plan=dict(plan.tp.plan)) if plan.tp.plan else replace(plan.tp, plan=None)
     return replace(
-        plan, tp=tp, pp=PipelineOptions(**pp), ac=ActivationCheckpointOptions(**ac),
+        plan,
+        tp=tp,
+        pp=PipelineOptions(**pp),
+        ac=ActivationCheckpointOptions(**ac),
         offload=replace(offload, path=checked["path"]),
     )
 
@@ -351,7 +539,13 @@ def hydra_schema(group: str) -> type:
             continue
         kind = option.hydra_type if option.hydra_type is not None else type(option.default)
         default = option.default
-        specs.append((option.key, kind, field(default_factory=lambda d=default: d) if _mutable(default) else default))
+        specs.append(
+            (
+                option.key,
+                kind,
+                field(default_factory=lambda d=default: d) if _mutable(default) else default,
+            )
+        )
     if group == "parallelism":
         specs += [(old, Any, None) for old in DEPRECATED]
     return dataclasses.make_dataclass(f"{group.capitalize()}Config", specs, frozen=False)

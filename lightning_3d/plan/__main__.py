@@ -1,4 +1,4 @@
-"""``python -m lightning_3d.plan``: the layout planner (``lightning_3d/planner/``) under the name
+"""``python -m lightning_3d.planner``: the layout planner (``lightning_3d/planner/``) under the name
 of what it plans. Same arguments as ``python -m lightning_3d.planner``."""
 
 import runpy

@@ -23,5 +23,16 @@ from lightning_3d.planner.memory import MemorySplit, rank_memory
 from lightning_3d.planner.search import Candidate, plan_layouts
 from lightning_3d.planner.timing import StepTime, step_time
 
-__all__ = ["Candidate", "Choice", "Cluster", "MemorySplit", "ModelFacts", "PlannerOptions", "StepTime",
-           "model_facts", "plan_layouts", "rank_memory", "step_time"]
+__all__ = [
+    "Candidate",
+    "Choice",
+    "Cluster",
+    "MemorySplit",
+    "ModelFacts",
+    "PlannerOptions",
+    "StepTime",
+    "model_facts",
+    "plan_layouts",
+    "rank_memory",
+    "step_time",
+]

@@ -3,7 +3,7 @@
     python -m lightning_3d.planner                                  # gpt_small on one 8 x 80 GB node
     python -m lightning_3d.planner model=gpt_50m cluster=workstation_24gb
     python -m lightning_3d.planner cluster.nodes=4 planner.batch_size=512 top=20
-    python -m lightning_3d.plan model=gpt_70b cluster=128_nodes_8x80gb layout.tensor=8 layout.pipeline=8 \
+    python -m lightning_3d.planner model=gpt_70b cluster=128_nodes_8x80gb layout.tensor=8 layout.pipeline=8 \
         planner.zero_stages=[1] planner.offloads=[none] validate=true
 
 The ``model`` group is training's (``conf/model/``); ``cluster`` is ``conf/cluster/``; the
@@ -14,7 +14,7 @@ value, or a cluster on which nothing fits, ends with one ``error:`` line and exi
 ``layout.data`` / ``layout.tensor`` / ``layout.pipeline`` keep only layouts of those sizes (a
 fixed ``tensor`` also limits the activation measurement to that size, which is what makes a
 70B model quick to plan). ``validate=true`` then builds the first choice at its full world size
-in this one process (:mod:`lightning_3d.planner.validate`), prints its per-rank-kind table of
+in this one process (:mod:`lightning_3d.calibration.validate`), prints its per-rank-kind table of
 predicted against built bytes, and ends with an ``error:`` line and exit code 2 if a shape or
 placement is wrong or a figure is more than 10% off.
 """
@@ -26,14 +26,14 @@ import time
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_3d.cli import hydra_app
+from lightning_3d.app.cli import hydra_app
 
 
 def plan(cfg: DictConfig) -> int:
     from hydra.core.hydra_config import HydraConfig
 
-    from lightning_3d.app import model_on_meta
-    from lightning_3d.config import check_target_keys
+    from lightning_3d.app.run import model_on_meta
+    from lightning_3d.app.config import check_target_keys
     from lightning_3d.planner import Cluster
     from lightning_3d.planner.search import plan_candidates
     from lightning_3d.planner.table import nothing_fits, ranked_table, rejected_summary
@@ -46,33 +46,48 @@ def plan(cfg: DictConfig) -> int:
         check_target_keys(cfg.model, "model")
         module = model_on_meta(cfg.model)
         if module is None:
-            raise ValueError(f"model ({cfg.model.get('_target_')}) cannot be built on meta, so it cannot be planned")
-        name = HydraConfig.get().runtime.choices.get("model", "model") if HydraConfig.initialized() else "model"
+            raise ValueError(
+                f"model ({cfg.model.get('_target_')}) cannot be built on meta, so it cannot be planned"
+            )
+        name = (
+            HydraConfig.get().runtime.choices.get("model", "model")
+            if HydraConfig.initialized()
+            else "model"
+        )
         sizes = layout_pins(cfg.get("layout"))
         tps = [sizes["tensor"]] if "tensor" in sizes else None
         facts, candidates = plan_candidates(module, cluster, options, tp_sizes=tps, name=name)
-        candidates = [c for c in candidates if all(getattr(c.choice, k) == v for k, v in sizes.items())]
+        candidates = [
+            c for c in candidates if all(getattr(c.choice, k) == v for k, v in sizes.items())
+        ]
         if not candidates:
             pins = ", ".join(f"{k}={v}" for k, v in sizes.items())
-            raise ValueError(f"no layout of {cluster.world_size} ranks has {pins} (data x tensor x pipeline must "
-                             "equal nodes x devices_per_node)")
+            raise ValueError(
+                f"no layout of {cluster.world_size} ranks has {pins} (data x tensor x pipeline must "
+                "equal nodes x devices_per_node)"
+            )
         if validate and candidates[0].fits:
-            from lightning_3d.planner.validate import check_choice
+            from lightning_3d.calibration.validate import check_choice
 
             check_choice(candidates[0].choice, options.precision)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     if not any(c.fits for c in candidates):
-        print(f"error: {nothing_fits(candidates, cluster, options.reserve_gb, options.offloads)}", file=sys.stderr)
+        print(
+            f"error: {nothing_fits(candidates, cluster, options.reserve_gb, options.offloads)}",
+            file=sys.stderr,
+        )
         return 2
     from lightning_3d.planner.facts import facts_summary
 
     batch = options.global_batch(cluster.world_size)
     print(f"cluster: {cluster.describe()}")
     print(facts_summary(facts))
-    print(f"global batch {batch} x {facts.seq_len} tokens; efficiency {options.efficiency:g} of peak; memory in GB "
-          f"per rank (largest pipeline stage), times in ms per optimizer step\n")
+    print(
+        f"global batch {batch} x {facts.seq_len} tokens; efficiency {options.efficiency:g} of peak; memory in GB "
+        f"per rank (largest pipeline stage), times in ms per optimizer step\n"
+    )
     print(ranked_table(candidates, cfg.get("top", 10)))
     best = candidates[0]
     options_text = ", ".join(f"{k}={v!r}" for k, v in best.choice.options().items())
@@ -80,7 +95,9 @@ def plan(cfg: DictConfig) -> int:
     print(f"\nfirst choice: ThreeDStrategy({options_text}){trainer}")
     print(rejected_summary(candidates))
     if validate:
-        return validated(lambda: model_on_meta(cfg.model), facts, best.choice, options.precision, started)
+        return validated(
+            lambda: model_on_meta(cfg.model), facts, best.choice, options.precision, started
+        )
     return 0
 
 
@@ -90,8 +107,11 @@ def layout_pins(node) -> dict[str, int]:
     unknown = sorted(set(values) - {"data", "tensor", "pipeline"})
     if unknown:
         raise ValueError(f"unknown layout key(s) {unknown}; known: ['data', 'pipeline', 'tensor']")
-    bad = {k: v for k, v in values.items()
-           if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1)}
+    bad = {
+        k: v
+        for k, v in values.items()
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1)
+    }
     if bad:
         raise ValueError(f"layout sizes must be positive integers or null, got {bad}")
     return {k: v for k, v in values.items() if v is not None}
@@ -101,7 +121,7 @@ def validated(make_module, facts, choice, precision: str, started: float) -> int
     """Build ``choice`` at full size and print the comparison; 2 and an ``error:`` line if it is off."""
     import resource
 
-    from lightning_3d.planner.validate import table, validate_layout
+    from lightning_3d.calibration.validate import table, validate_layout
 
     start = time.perf_counter()
     try:
@@ -111,17 +131,23 @@ def validated(make_module, facts, choice, precision: str, started: float) -> int
         return 2
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: kB
-    print(f"\nvalidation: {choice.label()} built at {choice.world_size:,} ranks on a fake process group, "
-          f"{len(result.kinds)} rank kind(s)\n")
+    print(
+        f"\nvalidation: {choice.label()} built at {choice.world_size:,} ranks on a fake process group, "
+        f"{len(result.kinds)} rank kind(s)\n"
+    )
     print(table(result.rows, result.activations))
     tensors = sum(b.tensors for b in result.built)
-    print(f"\n{tensors} parameter tensors checked for shape and placement; validation {seconds:.1f} s "
-          f"(planning and validation {time.perf_counter() - started:.1f} s); process peak RSS {peak:.2f} GB")
+    print(
+        f"\n{tensors} parameter tensors checked for shape and placement; validation {seconds:.1f} s "
+        f"(planning and validation {time.perf_counter() - started:.1f} s); process peak RSS {peak:.2f} GB"
+    )
     if result.problems:
         more = f" (and {len(result.problems) - 1} more)" if len(result.problems) > 1 else ""
         print(f"error: validation failed: {result.problems[0]}{more}", file=sys.stderr)
         return 2
-    print("validation: every rank kind matches the prediction (shapes, placements, bytes within 10%)")
+    print(
+        "validation: every rank kind matches the prediction (shapes, placements, bytes within 10%)"
+    )
     return 0
 
 

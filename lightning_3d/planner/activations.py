@@ -37,7 +37,9 @@ from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpo
 from lightning_3d.parallel.activations import ActivationMeter
 
 MEASURE_TOKENS = 32  # T1; T2 = 2 * T1 (both capped at seq_len)
-REPLICATED_SHARE = 10 / 34  # Megatron (Korthikanti et al. 2022): 10 of 34 bytes·s·b·h per layer unsplit by TP
+REPLICATED_SHARE = (
+    10 / 34
+)  # Megatron (Korthikanti et al. 2022): 10 of 34 bytes·s·b·h per layer unsplit by TP
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,9 @@ def fit_points(points: Sequence[tuple[int, int]], source: str = "measured") -> A
     return ActivationFit(max(0.0, b1 / t1 - sq * t1), sq, source, tuple(points))
 
 
-def local_block(block: nn.Module, prefix: str, split: set[str], columns: set[str], tp: int) -> Optional[nn.Module]:
+def local_block(
+    block: nn.Module, prefix: str, split: set[str], columns: set[str], tp: int
+) -> Optional[nn.Module]:
     """A meta copy of ``block`` with the local shapes of one of ``tp`` ranks (``split``: names of
     the parameters tensor parallelism splits; ``columns``: names of the column-parallel modules);
     ``None`` when a split parameter is not an ``nn.Linear`` weight (its local shape is unknown here)."""
@@ -95,7 +99,9 @@ def _materialize(block: nn.Module, dtype: torch.dtype) -> nn.Module:
     return block
 
 
-def _measure(block: nn.Module, forward: Callable, d_model: int, seq: int, policy: str, backward: bool = False) -> int:
+def _measure(
+    block: nn.Module, forward: Callable, d_model: int, seq: int, policy: str, backward: bool = False
+) -> int:
     """Bytes the meter attributes to ``block`` (what its forward saves) at batch 1, then the graph
     is dropped. The count is complete after the forward (a test holds it equal with and without a
     backward), and a backward costs minutes at a 70B width on a CPU without fast bf16 matmuls
@@ -112,7 +118,9 @@ def _measure(block: nn.Module, forward: Callable, d_model: int, seq: int, policy
         with meter.hooks():
             y = forward(block, x)
             y = y[0] if isinstance(y, (tuple, list)) else y
-            y = y.to_local() if isinstance(y, DTensor) else y  # sequence-parallel: this rank's shard
+            y = (
+                y.to_local() if isinstance(y, DTensor) else y
+            )  # sequence-parallel: this rank's shard
             if backward:
                 y.float().sum().backward()  # frees what was saved (and checks the block runs backward)
             del y
@@ -123,9 +131,19 @@ def _measure(block: nn.Module, forward: Callable, d_model: int, seq: int, policy
     return meter.block_bytes["block"]
 
 
-def measure_activations(entry: tuple[str, nn.Module], *, forward: Optional[Callable],
-                        split: set[str], columns: set[str], d_model: int, n_head: int, seq_len: int, act_bytes: int,
-                        policies: Sequence[str], tp_sizes: Sequence[int]) -> dict[tuple[str, int], ActivationFit]:
+def measure_activations(
+    entry: tuple[str, nn.Module],
+    *,
+    forward: Optional[Callable],
+    split: set[str],
+    columns: set[str],
+    d_model: int,
+    n_head: int,
+    seq_len: int,
+    act_bytes: int,
+    policies: Sequence[str],
+    tp_sizes: Sequence[int],
+) -> dict[tuple[str, int], ActivationFit]:
     """(policy, tp) -> :class:`ActivationFit` for the block ``entry = (name, meta block)``."""
     name, block = entry
     dtype = torch.float32 if act_bytes == 4 else torch.bfloat16
@@ -140,24 +158,43 @@ def measure_activations(entry: tuple[str, nn.Module], *, forward: Optional[Calla
             base = out.get((policy, 1))
             if real is not None:
                 try:
-                    out[(policy, tp)] = fit_points([(t, _measure(real, call, d_model, t, policy)) for t in lengths])
+                    out[(policy, tp)] = fit_points(
+                        [(t, _measure(real, call, d_model, t, policy)) for t in lengths]
+                    )
                 except Exception as err:  # noqa: BLE001 -- a block that cannot run alone: estimate
                     reason = f"estimated: the block does not run alone ({type(err).__name__})"
                     out[(policy, tp)] = _megatron(d_model, n_head, act_bytes, policy, tp, reason)
             elif base is not None and base.source == "measured":
                 scale = REPLICATED_SHARE + (1 - REPLICATED_SHARE) / tp
-                out[(policy, tp)] = ActivationFit(base.per_token * scale, base.per_token_sq / tp,
-                                                  "estimated: split layers are not nn.Linear (Megatron's split)")
+                out[(policy, tp)] = ActivationFit(
+                    base.per_token * scale,
+                    base.per_token_sq / tp,
+                    "estimated: split layers are not nn.Linear (Megatron's split)",
+                )
             else:
-                out[(policy, tp)] = _megatron(d_model, n_head, act_bytes, policy, tp,
-                                              "estimated: split layers are not nn.Linear")
+                out[(policy, tp)] = _megatron(
+                    d_model,
+                    n_head,
+                    act_bytes,
+                    policy,
+                    tp,
+                    "estimated: split layers are not nn.Linear",
+                )
         del real
     return out
 
 
-def measure_sequence_parallel(entry: tuple[str, nn.Module], plan: Mapping[str, Any], *,
-                              forward: Optional[Callable], d_model: int, seq_len: int, act_bytes: int,
-                              policies: Sequence[str], tp: int) -> dict[tuple, ActivationFit]:
+def measure_sequence_parallel(
+    entry: tuple[str, nn.Module],
+    plan: Mapping[str, Any],
+    *,
+    forward: Optional[Callable],
+    d_model: int,
+    seq_len: int,
+    act_bytes: int,
+    policies: Sequence[str],
+    tp: int,
+) -> dict[tuple, ActivationFit]:
     """``(policy, tp, "sp")`` -> :class:`ActivationFit` for the block ``entry = (name, meta block)``
     under ``plan`` (the block's own entries of the model's sequence-parallel plan, names relative
     to the block, ``""`` the block itself), measured as rank 0 of a fake world of ``tp`` ranks.
@@ -168,11 +205,13 @@ def measure_sequence_parallel(entry: tuple[str, nn.Module], plan: Mapping[str, A
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from lightning_3d.testing.fake import fake_world
+    from lightning_3d.parallel.fake_world import fake_world
 
     if dist.is_initialized():
-        raise ValueError("sequence-parallel activations are measured in a fake world, which needs a process "
-                         "without a process group")
+        raise ValueError(
+            "sequence-parallel activations are measured in a fake world, which needs a process "
+            "without a process group"
+        )
     _, block = entry
     dtype = torch.float32 if act_bytes == 4 else torch.bfloat16
     call = forward or (lambda b, x: b(x))
@@ -183,7 +222,9 @@ def measure_sequence_parallel(entry: tuple[str, nn.Module], plan: Mapping[str, A
     out: dict[tuple, ActivationFit] = {}
     with fake_world(0, tp):
         mesh = init_device_mesh("cpu", (tp,))
-        real = copy.deepcopy(block).to(dtype)  # still on meta: split first, so only this rank's shards exist
+        real = copy.deepcopy(block).to(
+            dtype
+        )  # still on meta: split first, so only this rank's shards exist
         inner = {name: style for name, style in plan.items() if name}
         parallelize_module(real, mesh, inner)
         if "" in plan:  # the block's own style (turns the replicated stream into sequence shards)
@@ -193,11 +234,15 @@ def measure_sequence_parallel(entry: tuple[str, nn.Module], plan: Mapping[str, A
             for p in real.parameters():
                 (p.to_local() if isinstance(p, DTensor) else p).normal_(0.0, 0.02)
         for policy in policies:
-            out[(policy, tp, "sp")] = fit_points([(t, _measure(real, call, d_model, t, policy)) for t in lengths])
+            out[(policy, tp, "sp")] = fit_points(
+                [(t, _measure(real, call, d_model, t, policy)) for t in lengths]
+            )
     return out
 
 
-def _megatron(d: int, heads: int, act_bytes: int, policy: str, tp: int, source: str) -> ActivationFit:
+def _megatron(
+    d: int, heads: int, act_bytes: int, policy: str, tp: int, source: str
+) -> ActivationFit:
     """Korthikanti et al.: per layer s·b·h·(34 + 5·a·s/h) bytes in 16 bits; TP splits 24 of the 34;
     full recompute keeps the block input (2·s·b·h); selective drops the attention-score term."""
     scale = act_bytes / 2
@@ -206,4 +251,3 @@ def _megatron(d: int, heads: int, act_bytes: int, policy: str, tp: int, source: 
     linear = d * (10 + 24 / tp) * scale
     quad = 0.0 if policy == "selective" else 5 * heads / tp * scale
     return ActivationFit(linear, quad, source)
-

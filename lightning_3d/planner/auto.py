@@ -3,7 +3,7 @@
 The planner (:func:`~lightning_3d.planner.plan_layouts`) stays pure; this module is the glue
 that describes the machine the run landed on as a :class:`~lightning_3d.planner.Cluster`, turns
 the plan's other options into the planner's constraints, picks the first layout and makes it a
-concrete :class:`~lightning_3d.plan.Plan` (``auto`` off), logged on rank 0 with its predicted
+concrete :class:`~lightning_3d.options.Plan` (``auto`` off), logged on rank 0 with its predicted
 memory per rank and tokens/s.
 
 The cluster found (:func:`found_cluster`): devices per node = the local world size, nodes = world
@@ -12,7 +12,7 @@ CPU the host's RAM divided by its ranks (the ranks share the host; offload then 
 so CPU offload is not enumerated on CPUs unless asked for). Links and peaks the machine cannot
 report are assumptions, named in :data:`CPU_ASSUMED` / :data:`GPU_ASSUMED`: they shift the
 ranking's compute-to-communication balance, never what fits. On CPU ranks communication does
-not overlap compute (:data:`CPU_OPTIONS`); ``python -m lightning_3d.planner.machine`` measures
+not overlap compute (:data:`CPU_OPTIONS`); ``python -m lightning_3d.calibration.machine`` measures
 a machine's own figures.
 
 Options given together with ``auto`` (rule: an option set to anything but its default):
@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_3d.plan import AUTO_UNPLANNED, OPTIONS, Plan
+from lightning_3d.options import AUTO_UNPLANNED, OPTIONS, Plan
 from lightning_3d.planner.choice import Choice, PlannerOptions
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.search import Candidate, plan_candidates
@@ -52,19 +52,35 @@ from lightning_3d.planner.search import Candidate, plan_candidates
 # What a machine cannot tell us, by device kind (GB/s per device, dense TFLOP/s per device).
 # CPU ranks: gloo through shared memory inside a node, a 10 Gb/s-class network between nodes,
 # and a few hundred GFLOP/s of fp32 matmuls per rank; the host link is memory itself.
-CPU_ASSUMED = {"intra_node_gbps": 2.0, "inter_node_gbps": 1.0, "peak_tflops": 0.2, "host_link_gbps": 20.0}
+CPU_ASSUMED = {
+    "intra_node_gbps": 2.0,
+    "inter_node_gbps": 1.0,
+    "peak_tflops": 0.2,
+    "host_link_gbps": 20.0,
+}
 # CPU ranks: a collective is CPU work on the rank's own cores (gloo reduces and copies there), so
-# no share of it hides behind compute (measured: python -m lightning_3d.planner.calibration --time).
-# Round figures python -m lightning_3d.planner.machine measured on gloo ranks of this project's
+# no share of it hides behind compute (measured: python -m lightning_3d.calibration.memory --time).
+# Round figures python -m lightning_3d.calibration.machine measured on gloo ranks of this project's
 # 2-core CPU (2026-12-01, a loaded machine): gloo's all-to-all reduce-scatter and its all-gather
 # reach ~0.8 and ~0.4 of an all-reduce's bytes/s; a tensor-parallel block costs ~0.5 more than its
 # FLOP share (norms every rank repeats, DTensor dispatch); selective checkpointing adds ~0.3 of a
 # block's time; a step of a gloo world costs ~15 ms whatever the model.
-CPU_OPTIONS = {"overlap": 0.0, "reduce_scatter_efficiency": 0.8, "all_gather_efficiency": 0.4, "tp_overhead": 0.5,
-               "selective_share": 0.3, "step_overhead_us": 15000.0}
+CPU_OPTIONS = {
+    "overlap": 0.0,
+    "reduce_scatter_efficiency": 0.8,
+    "all_gather_efficiency": 0.4,
+    "tp_overhead": 0.5,
+    "selective_share": 0.3,
+    "step_overhead_us": 15000.0,
+}
 # GPUs: an NVLink-class node and one 200 Gb/s NIC per device (Cluster's defaults); the peak
-# from lightning_3d.flops' table where the device is known, else an H100's.
-GPU_ASSUMED = {"intra_node_gbps": 300.0, "inter_node_gbps": 25.0, "peak_tflops": 989.0, "host_link_gbps": 25.0}
+# from lightning_3d.observe.flops' table where the device is known, else an H100's.
+GPU_ASSUMED = {
+    "intra_node_gbps": 300.0,
+    "inter_node_gbps": 25.0,
+    "peak_tflops": 989.0,
+    "host_link_gbps": 25.0,
+}
 
 _DEFAULTS = {option.name: option.default for option in OPTIONS}
 
@@ -73,8 +89,12 @@ _DEFAULTS = {option.name: option.default for option in OPTIONS}
 class Constraints:
     """What the options given with ``auto`` leave the planner: its enumeration and the sizes to keep."""
 
-    planner: Mapping[str, Any]  # PlannerOptions keywords (zero_stages, ac_policies, offloads, schedules)
-    sizes: Mapping[str, Any]  # Choice field -> the only value kept (data, tensor, pipeline, sequence_parallel)
+    planner: Mapping[
+        str, Any
+    ]  # PlannerOptions keywords (zero_stages, ac_policies, offloads, schedules)
+    sizes: Mapping[
+        str, Any
+    ]  # Choice field -> the only value kept (data, tensor, pipeline, sequence_parallel)
     micro_batches: Optional[int] = None  # pipelined layouts: only this many
 
 
@@ -83,23 +103,34 @@ def host_memory_gb() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
 
 
-def found_cluster(devices_per_node: int, nodes: int, device_type: str, precision: str = "32-true") -> Cluster:
+def found_cluster(
+    devices_per_node: int, nodes: int, device_type: str, precision: str = "32-true"
+) -> Cluster:
     """The machine a run found, as a :class:`Cluster` (see the module's docstring for what is
     assumed). ``device_type``: ``"cuda"`` reads device 0 of this process (all devices of a node
     alike), anything else is a CPU rank sharing the host's RAM with ``devices_per_node - 1`` others."""
     host = host_memory_gb()
     if device_type != "cuda":
-        return Cluster(nodes=nodes, devices_per_node=devices_per_node, device_memory_gb=host / devices_per_node,
-                       host_memory_gb=host, **CPU_ASSUMED)
+        return Cluster(
+            nodes=nodes,
+            devices_per_node=devices_per_node,
+            device_memory_gb=host / devices_per_node,
+            host_memory_gb=host,
+            **CPU_ASSUMED,
+        )
     import torch
 
-    from lightning_3d.flops import named_device_peak
+    from lightning_3d.observe.flops import named_device_peak
 
     device = torch.cuda.current_device()
     peak = named_device_peak(torch.cuda.get_device_name(device), precision).tflops
-    return Cluster(nodes=nodes, devices_per_node=devices_per_node,
-                   device_memory_gb=torch.cuda.get_device_properties(device).total_memory / 1e9,
-                   host_memory_gb=host, **{**GPU_ASSUMED, **({"peak_tflops": peak} if peak else {})})
+    return Cluster(
+        nodes=nodes,
+        devices_per_node=devices_per_node,
+        device_memory_gb=torch.cuda.get_device_properties(device).total_memory / 1e9,
+        host_memory_gb=host,
+        **{**GPU_ASSUMED, **({"peak_tflops": peak} if peak else {})},
+    )
 
 
 def constraints(plan: Plan, device_type: str = "cuda") -> Constraints:
@@ -108,8 +139,10 @@ def constraints(plan: Plan, device_type: str = "cuda") -> Constraints:
     given = {k: v for k, v in plan.options().items() if k != "auto" and v != _DEFAULTS[k]}
     for name, values in AUTO_UNPLANNED.items():
         if given.get(name) in values:
-            raise ValueError(f"auto=True cannot plan {name}={given[name]!r} (the layout planner does not model it); "
-                             f"drop auto or choose another {name}")
+            raise ValueError(
+                f"auto=True cannot plan {name}={given[name]!r} (the layout planner does not model it); "
+                f"drop auto or choose another {name}"
+            )
     planner: dict[str, Any] = {}
     if "zero_stage" in given:
         planner["zero_stages"] = (given["zero_stage"],)
@@ -121,14 +154,24 @@ def constraints(plan: Plan, device_type: str = "cuda") -> Constraints:
         planner["virtual_stages"] = (given["virtual_stages"],)
     device = given.get("offload")
     if device in ("cpu", "nvme"):
-        planner["offloads"] = (f"{device}+params",) if given.get("offload_params") else (device, f"{device}+params")
+        planner["offloads"] = (
+            (f"{device}+params",) if given.get("offload_params") else (device, f"{device}+params")
+        )
     elif given.get("offload_params"):
         raise ValueError("auto=True with offload_params=True needs offload='cpu' or 'nvme'")
     elif device_type != "cuda":
-        planner["offloads"] = ("none",)  # CPU ranks: host memory is device memory, offload saves nothing
+        planner["offloads"] = (
+            "none",
+        )  # CPU ranks: host memory is device memory, offload saves nothing
     elif "offload_path" not in given:  # NVMe needs a drive the run names
-        planner["offloads"] = tuple(o for o in PlannerOptions().offloads if not o.startswith("nvme"))
-    sizes = {name: given[name] for name in ("data", "tensor", "pipeline", "sequence_parallel") if name in given}
+        planner["offloads"] = tuple(
+            o for o in PlannerOptions().offloads if not o.startswith("nvme")
+        )
+    sizes = {
+        name: given[name]
+        for name in ("data", "tensor", "pipeline", "sequence_parallel")
+        if name in given
+    }
     return Constraints(planner, sizes, given.get("micro_batches"))
 
 
@@ -141,9 +184,17 @@ def allowed(choice: Choice, fixed: Constraints, accumulate: int) -> bool:
     return choice.micro_batches == accumulate
 
 
-def choose(module: Any, cluster: Cluster, plan: Plan, *, batch_size: Optional[int] = None,
-           seq_len: Optional[int] = None, accumulate: int = 1, precision: str = "32-true",
-           device_type: str = "cuda") -> Candidate:
+def choose(
+    module: Any,
+    cluster: Cluster,
+    plan: Plan,
+    *,
+    batch_size: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    accumulate: int = 1,
+    precision: str = "32-true",
+    device_type: str = "cuda",
+) -> Candidate:
     """The planner's first fitting layout of ``module`` on ``cluster`` that the options of ``plan``
     and the data allow; ``ValueError`` naming why none is left."""
     import torch.distributed as dist
@@ -152,19 +203,40 @@ def choose(module: Any, cluster: Cluster, plan: Plan, *, batch_size: Optional[in
 
     fixed = constraints(plan, device_type)
     # Sequence parallelism's activations are measured in a fake world: not beside a live process group.
-    alone = {} if fixed.sizes.get("sequence_parallel") or not dist.is_initialized() else {"sequence_parallel": False}
-    options = PlannerOptions(batch_size=batch_size, seq_len=seq_len, precision=precision,
-                             **(CPU_OPTIONS if device_type != "cuda" else {}), **fixed.planner, **alone)
+    alone = (
+        {}
+        if fixed.sizes.get("sequence_parallel") or not dist.is_initialized()
+        else {"sequence_parallel": False}
+    )
+    options = PlannerOptions(
+        batch_size=batch_size,
+        seq_len=seq_len,
+        precision=precision,
+        **(CPU_OPTIONS if device_type != "cuda" else {}),
+        **fixed.planner,
+        **alone,
+    )
     _, candidates = plan_candidates(module, cluster, options, name=type(module).__name__)
     fitting = [c for c in candidates if c.fits]
     if not fitting:
-        raise ValueError(f"auto: {nothing_fits(candidates, cluster, options.reserve_gb, options.offloads)}")
+        raise ValueError(
+            f"auto: {nothing_fits(candidates, cluster, options.reserve_gb, options.offloads)}"
+        )
     kept = [c for c in fitting if allowed(c.choice, fixed, accumulate)]
     if not kept:
-        asked = ", ".join(f"{k}={v}" for k, v in {**fixed.sizes, "micro_batches": fixed.micro_batches,
-                                                   "accumulate_grad_batches": accumulate}.items() if v is not None)
-        raise ValueError(f"auto: no fitting layout of {cluster.world_size} ranks has {asked}; the planner's first "
-                         f"choice is {fitting[0].choice.label()}")
+        asked = ", ".join(
+            f"{k}={v}"
+            for k, v in {
+                **fixed.sizes,
+                "micro_batches": fixed.micro_batches,
+                "accumulate_grad_batches": accumulate,
+            }.items()
+            if v is not None
+        )
+        raise ValueError(
+            f"auto: no fitting layout of {cluster.world_size} ranks has {asked}; the planner's first "
+            f"choice is {fitting[0].choice.label()}"
+        )
     return kept[0]
 
 
@@ -176,12 +248,17 @@ def planned(plan: Plan, choice: Choice) -> Plan:
 def describe(candidate: Candidate, cluster: Cluster) -> str:
     """The info line: the choice and its predicted figures."""
     c, memory = candidate.choice, candidate.memory
-    sched = (f"{c.micro_batches} micro-batches ({c.schedule})" if c.pipeline > 1
-             else f"accumulate_grad_batches={c.micro_batches}")
-    return (f"auto: dp={c.data} x tp={c.tensor} x pp={c.pipeline}, ZeRO stage {c.zero_stage}, {sched}, "
-            f"ac={c.ac_policy}, offload={c.offload}; predicted {memory.total / 1e9:.3g} GB per rank "
-            f"(of {cluster.device_memory_gb:.3g} GB), {candidate.tokens_per_s:,.0f} tokens/s "
-            f"on {cluster.describe()}")
+    sched = (
+        f"{c.micro_batches} micro-batches ({c.schedule})"
+        if c.pipeline > 1
+        else f"accumulate_grad_batches={c.micro_batches}"
+    )
+    return (
+        f"auto: dp={c.data} x tp={c.tensor} x pp={c.pipeline}, ZeRO stage {c.zero_stage}, {sched}, "
+        f"ac={c.ac_policy}, offload={c.offload}; predicted {memory.total / 1e9:.3g} GB per rank "
+        f"(of {cluster.device_memory_gb:.3g} GB), {candidate.tokens_per_s:,.0f} tokens/s "
+        f"on {cluster.describe()}"
+    )
 
 
 def planned_figures(candidate: Candidate, cluster: Cluster) -> dict[str, Any]:
@@ -190,14 +267,31 @@ def planned_figures(candidate: Candidate, cluster: Cluster) -> dict[str, Any]:
     largest pipeline stage), step time parts (seconds), tokens/s, MFU and the cluster assumed."""
     c, memory, time = candidate.choice, candidate.memory, candidate.time
     return {
-        "layout": {**c.options(), "micro_batches": c.micro_batches, "batch_per_rank": c.batch_per_rank},
+        "layout": {
+            **c.options(),
+            "micro_batches": c.micro_batches,
+            "batch_per_rank": c.batch_per_rank,
+        },
         "label": c.label(),
-        "memory_bytes": {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
-                         "activations": memory.activations, "buffers": memory.buffers, "total": memory.total,
-                         "host": memory.host, "disk": memory.disk},
-        "step_time_s": {"compute": time.compute, "comm": time.comm, "bubble": time.bubble,
-                        "offload": time.offload, "optimizer": time.optimizer, "overhead": time.overhead,
-                        "total": time.total},
+        "memory_bytes": {
+            "params": memory.params,
+            "grads": memory.grads,
+            "optimizer": memory.optimizer,
+            "activations": memory.activations,
+            "buffers": memory.buffers,
+            "total": memory.total,
+            "host": memory.host,
+            "disk": memory.disk,
+        },
+        "step_time_s": {
+            "compute": time.compute,
+            "comm": time.comm,
+            "bubble": time.bubble,
+            "offload": time.offload,
+            "optimizer": time.optimizer,
+            "overhead": time.overhead,
+            "total": time.total,
+        },
         "tokens_per_s": candidate.tokens_per_s,
         "mfu": candidate.mfu,
         "cluster": cluster.as_dict(),
@@ -212,7 +306,9 @@ def data_batch(trainer: Any) -> tuple[Optional[int], Optional[int]]:
         value = getattr(datamodule, name, None)
         if value is None and datamodule is not None:
             value = getattr(datamodule, "hparams", {}).get(name)
-        values.append(value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None)
+        values.append(
+            value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+        )
     return values[0], values[1]
 
 
@@ -220,7 +316,7 @@ def resolve_for_strategy(strategy: Any) -> Plan:
     """The strategy's plan with ``auto`` resolved, once the process group exists
     (``setup_environment``): rank 0 plans, every rank gets its plan (or its ``ValueError``).
     The predictions (:func:`planned_figures`) are left on every rank as ``strategy.planned``,
-    which :class:`~lightning_3d.callbacks.RunSummary` writes into ``summary.json``."""
+    which :class:`~lightning_3d.observe.summary.RunSummary` writes into ``summary.json``."""
     import torch.distributed as dist
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -230,12 +326,26 @@ def resolve_for_strategy(strategy: Any) -> Plan:
             trainer = strategy.lightning_module.trainer
             batch, seq_len = data_batch(trainer)
             accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
-            device_type, precision = strategy.root_device.type, str(strategy.precision_plugin.precision)
-            cluster = found_cluster(strategy.num_processes, strategy.num_nodes, device_type, precision)
-            best = choose(strategy.lightning_module, cluster, strategy.plan, accumulate=accumulate,
-                          batch_size=batch * accumulate if batch else None, seq_len=seq_len, precision=precision,
-                          device_type=device_type)
-            payload = [("ok", (best.choice, planned_figures(best, cluster)), describe(best, cluster))]
+            device_type, precision = (
+                strategy.root_device.type,
+                str(strategy.precision_plugin.precision),
+            )
+            cluster = found_cluster(
+                strategy.num_processes, strategy.num_nodes, device_type, precision
+            )
+            best = choose(
+                strategy.lightning_module,
+                cluster,
+                strategy.plan,
+                accumulate=accumulate,
+                batch_size=batch * accumulate if batch else None,
+                seq_len=seq_len,
+                precision=precision,
+                device_type=device_type,
+            )
+            payload = [
+                ("ok", (best.choice, planned_figures(best, cluster)), describe(best, cluster))
+            ]
         except ValueError as err:
             payload = [("error", str(err), None)]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -275,29 +385,54 @@ def plan_for_app(cfg: Any, plan: Plan, model: Any, world: int) -> tuple[list[str
 
     nodes = cfg.trainer.get("num_nodes", 1) or 1
     if model is None:
-        raise ValueError(f"parallelism.auto: model ({cfg.model.get('_target_')}) cannot be built on meta to plan; "
-                         "choose the layout by hand")
+        raise ValueError(
+            f"parallelism.auto: model ({cfg.model.get('_target_')}) cannot be built on meta to plan; "
+            "choose the layout by hand"
+        )
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    device_type = "cuda" if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available() else "cpu"
+    device_type = (
+        "cuda" if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available() else "cpu"
+    )
     precision = str(cfg.trainer.get("precision", "32-true"))
     data = cfg.get("data") or {}
     batch = data.get("batch_size")
     accumulate = cfg.trainer.get("accumulate_grad_batches", 1) or 1
     cluster = found_cluster(world // nodes, nodes, device_type, precision)
-    best = choose(model, cluster, plan, batch_size=batch * accumulate if isinstance(batch, int) else None,
-                  seq_len=data.get("block_size"), accumulate=accumulate, precision=precision,
-                  device_type=device_type)
+    best = choose(
+        model,
+        cluster,
+        plan,
+        batch_size=batch * accumulate if isinstance(batch, int) else None,
+        seq_len=data.get("block_size"),
+        accumulate=accumulate,
+        precision=precision,
+        device_type=device_type,
+    )
     rank_zero_info(describe(best, cluster))
     chosen = planned(plan, best.choice)
-    values = {"parallelism.auto": False, "parallelism.data": chosen.layout.data,
-              "parallelism.tensor": chosen.layout.tensor, "parallelism.pipeline": chosen.layout.pipeline,
-              "parallelism.zero_stage": chosen.layout.zero_stage, "parallelism.ac_policy": chosen.ac.policy}
+    values = {
+        "parallelism.auto": False,
+        "parallelism.data": chosen.layout.data,
+        "parallelism.tensor": chosen.layout.tensor,
+        "parallelism.pipeline": chosen.layout.pipeline,
+        "parallelism.zero_stage": chosen.layout.zero_stage,
+        "parallelism.ac_policy": chosen.ac.policy,
+    }
     if chosen.layout.pipeline > 1:
-        values.update({"parallelism.micro_batches": chosen.pp.micro_batches,
-                       "parallelism.schedule": chosen.pp.schedule})
+        values.update(
+            {
+                "parallelism.micro_batches": chosen.pp.micro_batches,
+                "parallelism.schedule": chosen.pp.schedule,
+            }
+        )
     if "offload" in cfg:
-        values.update({"offload.device": chosen.offload.device, "offload.params": chosen.offload.params})
+        values.update(
+            {"offload.device": chosen.offload.device, "offload.params": chosen.offload.params}
+        )
     for key, value in values.items():
         OmegaConf.update(cfg, key, value, merge=False)
-    overrides = [f"{key}={str(value).lower() if isinstance(value, bool) else value}" for key, value in values.items()]
+    overrides = [
+        f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+        for key, value in values.items()
+    ]
     return overrides, planned_figures(best, cluster)

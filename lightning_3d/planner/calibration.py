@@ -1,11 +1,11 @@
 """The planner's predicted per-rank bytes next to what real runs measure, layout by layout.
 
-    python -m lightning_3d.planner.calibration [--layouts dp2_z1 tp2 ...]
-    python -m lightning_3d.planner.calibration --time [--rounds 3]   # step time: time_calibration.py
+    python -m lightning_3d.calibration.memory [--layouts dp2_z1 tp2 ...]
+    python -m lightning_3d.calibration.memory --time [--rounds 3]   # step time: time_calibration.py
 
-Runs the reference GPT (``lightning_3d.testing.runs.TINY_MODEL``, fp32, AdamW) on gloo worlds for
+Runs the reference GPT (``lightning_3d.harness.runs.TINY_MODEL``, fp32, AdamW) on gloo worlds for
 two steps per layout and prints, for every rank, the measured parameter / gradient / optimizer
-bytes (``lightning_3d.memory.model_state_bytes`` at the end of backward) and activation bytes per
+bytes (``lightning_3d.observe.memory.model_state_bytes`` at the end of backward) and activation bytes per
 block (the run summary's ``ActivationMeter``), the planner's prediction for that rank (its
 pipeline stage), and their ratio. The tests hold every ratio within 10%.
 """
@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 from lightning_3d.planner.choice import Choice
 from lightning_3d.planner.facts import ModelFacts
-from lightning_3d.planner.layouts import LAYOUTS, choice_of, tiny_facts  # noqa: F401 -- tiny_facts: re-exported
+from lightning_3d.calibration.layouts import LAYOUTS, choice_of, tiny_facts  # noqa: F401 -- tiny_facts: re-exported
 from lightning_3d.planner.memory import model_state, stage_parts
 
 KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes", "activation_bytes_per_block")
@@ -32,8 +32,12 @@ def predicted_rank(facts: ModelFacts, choice: Choice, rank: int) -> dict[str, fl
     # The run's meter adds up every micro-batch of the step: the whole per-rank batch.
     fit = facts.activation(choice.ac_policy, choice.tensor, choice.sequence_parallel)
     act = fit.bytes_per_sample(facts.seq_len) * choice.batch_per_rank
-    return {"param_bytes": params, "grad_bytes": grads, "optimizer_state_bytes": optimizer,
-            "activation_bytes_per_block": act}
+    return {
+        "param_bytes": params,
+        "grad_bytes": grads,
+        "optimizer_state_bytes": optimizer,
+        "activation_bytes_per_block": act,
+    }
 
 
 def ratio(predicted: float, measured: float) -> float:
@@ -50,15 +54,22 @@ def compare(facts: ModelFacts, choice: Choice, summary: Mapping[str, Any]) -> li
         for key, value in predicted_rank(facts, choice, rank).items():
             if key in measured:
                 got = measured[key]
-                rows.append({"rank": rank, "key": key, "predicted": value, "measured": got,
-                             "ratio": ratio(value, got)})
+                rows.append(
+                    {
+                        "rank": rank,
+                        "key": key,
+                        "predicted": value,
+                        "measured": got,
+                        "ratio": ratio(value, got),
+                    }
+                )
     return rows
 
 
 def run_layout(name: str, steps: int = 2) -> dict[str, Any]:
     """A real run of layout ``name``; rank 0's summary (every rank's memory in ``ranks``)."""
-    from lightning_3d.testing.runs import Run, fit_gpt
-    from lightning_3d.testing.world import run_world
+    from lightning_3d.harness.runs import Run, fit_gpt
+    from lightning_3d.harness.world import run_world
 
     strategy, world = LAYOUTS[name]
     run = Run(strategy=strategy, devices=world, steps=steps)
@@ -68,14 +79,24 @@ def run_layout(name: str, steps: int = 2) -> dict[str, Any]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     from lightning_3d.planner import time_calibration
-    from lightning_3d.testing.runs import TINY_DATA
+    from lightning_3d.harness.runs import TINY_DATA
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layouts", nargs="+", default=None,
-                        help=f"memory: {list(LAYOUTS)}; --time: {list(time_calibration.TIME_LAYOUTS)}")
-    parser.add_argument("--time", action="store_true", help="calibrate step time instead (planner/time_calibration.py)")
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        default=None,
+        help=f"memory: {list(LAYOUTS)}; --time: {list(time_calibration.TIME_LAYOUTS)}",
+    )
+    parser.add_argument(
+        "--time",
+        action="store_true",
+        help="calibrate step time instead (planner/time_calibration.py)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="--time: every layout once per round")
-    parser.add_argument("--save", default=None, help="--time: write the raw measurements to this JSON file")
+    parser.add_argument(
+        "--save", default=None, help="--time: write the raw measurements to this JSON file"
+    )
     args = parser.parse_args(argv)
     known = time_calibration.TIME_LAYOUTS if args.time else LAYOUTS
     unknown = [n for n in args.layouts or () if n not in known]
@@ -94,10 +115,15 @@ def main(argv: Optional[list[str]] = None) -> None:
         summary = run_layout(name)
         for row in compare(facts, choice_of(strategy, world, TINY_DATA["batch_size"]), summary):
             worst = max(worst, abs(row["ratio"] - 1))
-            print(f"| {name} | {row['rank']} | {row['key']} | {row['predicted']:,.0f} | {row['measured']:,} | "
-                  f"{row['ratio']:.3f} |", flush=True)
-    print(f"\nlargest deviation: {100 * worst:.1f}% ({facts.num_params:,} parameters, fp32 AdamW, "
-          f"global batch {TINY_DATA['batch_size']} x {facts.seq_len} tokens)")
+            print(
+                f"| {name} | {row['rank']} | {row['key']} | {row['predicted']:,.0f} | {row['measured']:,} | "
+                f"{row['ratio']:.3f} |",
+                flush=True,
+            )
+    print(
+        f"\nlargest deviation: {100 * worst:.1f}% ({facts.num_params:,} parameters, fp32 AdamW, "
+        f"global batch {TINY_DATA['batch_size']} x {facts.seq_len} tokens)"
+    )
 
 
 if __name__ == "__main__":

@@ -29,13 +29,17 @@ class Choice:
     tensor: int
     pipeline: int
     zero_stage: int = 0
-    micro_batches: int = 1  # pipeline > 1: the schedule's micro-batches; else gradient accumulation steps
+    micro_batches: int = (
+        1  # pipeline > 1: the schedule's micro-batches; else gradient accumulation steps
+    )
     schedule: str = "1f1b"  # only meaningful with pipeline > 1
     ac_policy: str = "none"
     offload: str = "none"  # one of OFFLOADS
     batch_per_rank: int = 1  # samples per data-parallel rank per optimizer step
     virtual_stages: int = 1  # stages per pipeline rank (the interleaved schedules: more than 1)
-    sequence_parallel: bool = False  # tensor > 1: norms, dropout and the residual stream sharded by sequence
+    sequence_parallel: bool = (
+        False  # tensor > 1: norms, dropout and the residual stream sharded by sequence
+    )
 
     @property
     def offload_device(self) -> str:
@@ -56,9 +60,15 @@ class Choice:
 
     def options(self) -> dict[str, Any]:
         """``ThreeDStrategy`` / ``Plan.from_options`` keyword arguments of this layout."""
-        out: dict[str, Any] = {"data": self.data, "tensor": self.tensor, "pipeline": self.pipeline,
-                               "zero_stage": self.zero_stage, "ac_policy": self.ac_policy,
-                               "offload": self.offload_device, "offload_params": self.offload_params}
+        out: dict[str, Any] = {
+            "data": self.data,
+            "tensor": self.tensor,
+            "pipeline": self.pipeline,
+            "zero_stage": self.zero_stage,
+            "ac_policy": self.ac_policy,
+            "offload": self.offload_device,
+            "offload_params": self.offload_params,
+        }
         if self.pipeline > 1:
             out.update(micro_batches=self.micro_batches, schedule=self.schedule)
             if self.schedule in MULTI_STAGE:
@@ -69,15 +79,25 @@ class Choice:
 
     def trainer_options(self) -> dict[str, Any]:
         """Without a pipeline the micro-batches are Lightning's gradient accumulation."""
-        return {} if self.pipeline > 1 or self.micro_batches == 1 else {"accumulate_grad_batches": self.micro_batches}
+        return (
+            {}
+            if self.pipeline > 1 or self.micro_batches == 1
+            else {"accumulate_grad_batches": self.micro_batches}
+        )
 
     def label(self) -> str:
-        sched = f"{self.schedule} m={self.micro_batches}" if self.pipeline > 1 else f"accum={self.micro_batches}"
+        sched = (
+            f"{self.schedule} m={self.micro_batches}"
+            if self.pipeline > 1
+            else f"accum={self.micro_batches}"
+        )
         if self.virtual_stages > 1:
             sched += f" v={self.virtual_stages}"
         sp = " sp" if self.sequence_parallel else ""
-        return (f"dp={self.data} tp={self.tensor}{sp} pp={self.pipeline} zero={self.zero_stage} {sched} "
-                f"mb={self.micro_batch_size} ac={self.ac_policy} offload={self.offload}")
+        return (
+            f"dp={self.data} tp={self.tensor}{sp} pp={self.pipeline} zero={self.zero_stage} {sched} "
+            f"mb={self.micro_batch_size} ac={self.ac_policy} offload={self.offload}"
+        )
 
 
 @dataclass(frozen=True)
@@ -96,7 +116,7 @@ class PlannerOptions:
     micro-batch (kernel launches), which many tiny micro-batches cannot go below;
     ``forward_share``: the forward's share of a block's forward + backward time, which full
     activation checkpointing runs again (1/3: the forward's 2 of 6 matmul FLOPs; 0.29-0.34
-    measured on this project's 2-core CPU; ``python -m lightning_3d.planner.machine`` measures it);
+    measured on this project's 2-core CPU; ``python -m lightning_3d.calibration.machine`` measures it);
     ``adam_params_per_s``: parameters one device's (not offloaded) Adam updates per second, a
     memory-bound pass over parameters, gradients and moments (~28 bytes each in fp32: 1e11 is an
     H100's 3 TB/s; measured ~1e8 per core of this project's CPU);
@@ -111,7 +131,7 @@ class PlannerOptions:
     per-op dispatch; 0.05 on a GPU, ~0.4 measured on this project's CPU);
     ``step_overhead_us``: the fixed cost of one optimizer step whatever the model (the training
     loop, the data loader, the strategy's per-step agreement collectives; ~10 ms measured on two
-    gloo ranks here). Every one of these is measured by ``python -m lightning_3d.planner.machine``.
+    gloo ranks here). Every one of these is measured by ``python -m lightning_3d.calibration.machine``.
 
     What is enumerated: ``zero_stages``, ``ac_policies``, ``offloads`` (:data:`OFFLOADS`),
     ``schedules`` (with a pipeline; the interleaved ones with each of ``virtual_stages`` stages
@@ -148,18 +168,35 @@ class PlannerOptions:
         problems = []
         for name in ("batch_size", "seq_len"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
                 problems.append(f"{name}={value!r} must be a positive integer or null")
         if self.precision not in PRECISIONS:
             problems.append(f"precision={self.precision!r} must be one of {list(PRECISIONS)}")
-        for name, low, high in (("efficiency", 0.0, 1.0), ("overlap", 0.0, 1.0), ("forward_share", 0.0, 1.0),
-                                ("reduce_scatter_efficiency", 0.0, 1.0), ("all_gather_efficiency", 0.0, 1.0)):
+        for name, low, high in (
+            ("efficiency", 0.0, 1.0),
+            ("overlap", 0.0, 1.0),
+            ("forward_share", 0.0, 1.0),
+            ("reduce_scatter_efficiency", 0.0, 1.0),
+            ("all_gather_efficiency", 0.0, 1.0),
+        ):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not low < value <= high:
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not low < value <= high
+            ):
                 if not (name == "overlap" and value == 0):
                     problems.append(f"{name}={value!r} must be in ({low}, {high}]")
-        for name in ("reserve_gb", "latency_us", "launch_overhead_us", "selective_share", "tp_overhead",
-                     "step_overhead_us"):
+        for name in (
+            "reserve_gb",
+            "latency_us",
+            "launch_overhead_us",
+            "selective_share",
+            "tp_overhead",
+            "step_overhead_us",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
                 problems.append(f"{name}={value!r} must be a number >= 0")
@@ -168,18 +205,33 @@ class PlannerOptions:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 problems.append(f"{name}={value!r} must be a positive number")
         policies = tuple(p for p in POLICIES if p != "every_n")
-        for name, allowed in (("zero_stages", ZERO_STAGES), ("ac_policies", policies), ("offloads", OFFLOADS),
-                              ("schedules", SCHEDULES)):
+        for name, allowed in (
+            ("zero_stages", ZERO_STAGES),
+            ("ac_policies", policies),
+            ("offloads", OFFLOADS),
+            ("schedules", SCHEDULES),
+        ):
             values = tuple(getattr(self, name))
             bad = [v for v in values if v not in allowed]
             if not values or bad:
-                problems.append(f"{name}={list(values)!r} must be a non-empty list of {list(allowed)}")
-        if not isinstance(self.max_micro_batches, int) or isinstance(self.max_micro_batches, bool) \
-                or self.max_micro_batches < 1:
-            problems.append(f"max_micro_batches={self.max_micro_batches!r} must be a positive integer")
+                problems.append(
+                    f"{name}={list(values)!r} must be a non-empty list of {list(allowed)}"
+                )
+        if (
+            not isinstance(self.max_micro_batches, int)
+            or isinstance(self.max_micro_batches, bool)
+            or self.max_micro_batches < 1
+        ):
+            problems.append(
+                f"max_micro_batches={self.max_micro_batches!r} must be a positive integer"
+            )
         virtual = tuple(self.virtual_stages)
-        if not virtual or any(not isinstance(v, int) or isinstance(v, bool) or v < 2 for v in virtual):
-            problems.append(f"virtual_stages={list(virtual)!r} must be a non-empty list of integers >= 2")
+        if not virtual or any(
+            not isinstance(v, int) or isinstance(v, bool) or v < 2 for v in virtual
+        ):
+            problems.append(
+                f"virtual_stages={list(virtual)!r} must be a non-empty list of integers >= 2"
+            )
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel={self.sequence_parallel!r} must be true or false")
         if problems:

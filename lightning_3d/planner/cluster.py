@@ -36,8 +36,16 @@ class Cluster:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 problems.append(f"cluster.{name}={value!r} must be a positive integer")
-        for name in ("device_memory_gb", "host_memory_gb", "intra_node_gbps", "inter_node_gbps", "peak_tflops",
-                     "host_link_gbps", "nvme_gbps", "nvme_gb"):
+        for name in (
+            "device_memory_gb",
+            "host_memory_gb",
+            "intra_node_gbps",
+            "inter_node_gbps",
+            "peak_tflops",
+            "host_link_gbps",
+            "nvme_gbps",
+            "nvme_gb",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
                 problems.append(f"cluster.{name}={value!r} must be a positive number")
@@ -66,9 +74,11 @@ class Cluster:
         return self.host_memory_gb * 1e9
 
     def describe(self) -> str:
-        return (f"{self.nodes} node(s) x {self.devices_per_node} device(s) of {self.device_memory_gb:g} GB, "
-                f"{self.peak_tflops:g} TFLOP/s peak, links {self.intra_node_gbps:g} GB/s in a node / "
-                f"{self.inter_node_gbps:g} GB/s between nodes")
+        return (
+            f"{self.nodes} node(s) x {self.devices_per_node} device(s) of {self.device_memory_gb:g} GB, "
+            f"{self.peak_tflops:g} TFLOP/s peak, links {self.intra_node_gbps:g} GB/s in a node / "
+            f"{self.inter_node_gbps:g} GB/s between nodes"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

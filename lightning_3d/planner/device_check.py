@@ -1,10 +1,10 @@
 """The planner's one-device step times against what ``python -m lightning_3d.bench.one_device`` measured.
 
-    python -m lightning_3d.planner.device_check bench_out/gpu/bench/one_device.json
+    python -m lightning_3d.calibration.device_check bench_out/gpu/bench/one_device.json
 
 The one-device benchmark times ``strategy="3d"`` with activation checkpointing none / selective /
 full, and with ``offload="cpu"``, on one device (``bash .ci/gpu`` runs it on a GPU). This predicts the same rows for the same
-model, batch and precision on the device the benchmark found (:func:`lightning_3d.planner.auto.found_cluster`
+model, batch and precision on the device the benchmark found (:func:`lightning_3d.strategy.auto.found_cluster`
 for its peak; run it on that machine) and prints measured against predicted, the rank of each,
 and how far the planner's first choice among them measured from the fastest: the planner's
 "first choice within 10 % of the fastest measured layout", on a GPU. Rows the planner does not
@@ -31,54 +31,93 @@ MODELLED_OFFLOADS = ("none", "cpu")  # of planner.choice.OFFLOADS: what the one-
 def planned_rows(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The benchmark's ``3d`` rows the planner models: no option but a known checkpointing policy
     and CPU offload (so no compile, no delayed update)."""
+
     def modelled(options: dict[str, Any]) -> bool:
-        return (set(options) <= {"ac_policy", "offload"} and options.get("ac_policy", "none") in POLICIES
-                and options.get("offload", "none") in MODELLED_OFFLOADS)
+        return (
+            set(options) <= {"ac_policy", "offload"}
+            and options.get("ac_policy", "none") in POLICIES
+            and options.get("offload", "none") in MODELLED_OFFLOADS
+        )
 
     return [r for r in records if r.get("engine") == "3d" and modelled(r.get("options") or {})]
 
 
-def compare(facts: ModelFacts, cluster: Cluster, options: PlannerOptions, records: list[dict[str, Any]],
-            batch: int) -> list[dict[str, Any]]:
+def compare(
+    facts: ModelFacts,
+    cluster: Cluster,
+    options: PlannerOptions,
+    records: list[dict[str, Any]],
+    batch: int,
+) -> list[dict[str, Any]]:
     """``{row, ac_policy, offload, measured_s, predicted_s, ratio}`` per modelled row, fastest
     measured first."""
     out = []
     for record in planned_rows(records):
         given = record.get("options") or {}
         policy, offload = given.get("ac_policy", "none"), given.get("offload", "none")
-        choice = Choice(data=1, tensor=1, pipeline=1, zero_stage=0, ac_policy=policy, offload=offload,
-                        batch_per_rank=batch)
+        choice = Choice(
+            data=1,
+            tensor=1,
+            pipeline=1,
+            zero_stage=0,
+            ac_policy=policy,
+            offload=offload,
+            batch_per_rank=batch,
+        )
         predicted = step_time(facts, choice, cluster, options).total
-        out.append({"row": record["row"], "ac_policy": policy, "offload": offload, "measured_s": record["step_s"],
-                    "predicted_s": predicted, "ratio": predicted / record["step_s"]})
+        out.append(
+            {
+                "row": record["row"],
+                "ac_policy": policy,
+                "offload": offload,
+                "measured_s": record["step_s"],
+                "predicted_s": predicted,
+                "ratio": predicted / record["step_s"],
+            }
+        )
     return sorted(out, key=lambda r: r["measured_s"])
 
 
 def report(rows: list[dict[str, Any]], cluster: Cluster, device: str = "cuda") -> str:
     """The table, with each row's measured and predicted rank, and the first choice's verdict
-    (:func:`lightning_3d.planner.time_calibration.verdict`, as the CPU calibration judges it)."""
-    from lightning_3d.planner.time_calibration import ranks, verdict
+    (:func:`lightning_3d.calibration.step_time.verdict`, as the CPU calibration judges it)."""
+    from lightning_3d.calibration.step_time import ranks, verdict
 
     measured = {r["row"]: r["measured_s"] for r in rows}
     predicted = {r["row"]: r["predicted_s"] for r in rows}
     judged = verdict(measured, predicted)
-    assumed = "the GPU defaults" if device == "cuda" else "parallelism=auto's CPU figures (planner/auto.py)"
-    lines = [f"planner against the one-device benchmark on {device}: peak {cluster.peak_tflops:g} TFLOP/s, "
-             f"efficiency, checkpointing and step costs from {assumed}",
-             "| row | ac_policy | offload | measured s | predicted s | predicted/measured | measured rank | predicted rank |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r, m_rank, p_rank in zip(rows, ranks(list(measured.values())), ranks(list(predicted.values()))):
-        lines.append(f"| {r['row']} | {r['ac_policy']} | {r['offload']} | {r['measured_s']:.4f} | {r['predicted_s']:.4f} | "
-                     f"{r['ratio']:.2f} | {m_rank:g} | {p_rank:g} |")
-    lines.append(f"\nplanner's first choice {judged['first_choice']} measured {100 * judged['gap']:.1f}% slower than "
-                 f"the fastest ({judged['fastest']}): {'within' if judged['within'] else 'outside'} 10%")
+    assumed = (
+        "the GPU defaults"
+        if device == "cuda"
+        else "parallelism=auto's CPU figures (planner/auto.py)"
+    )
+    lines = [
+        f"planner against the one-device benchmark on {device}: peak {cluster.peak_tflops:g} TFLOP/s, "
+        f"efficiency, checkpointing and step costs from {assumed}",
+        "| row | ac_policy | offload | measured s | predicted s | predicted/measured | measured rank | predicted rank |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r, m_rank, p_rank in zip(
+        rows, ranks(list(measured.values())), ranks(list(predicted.values()))
+    ):
+        lines.append(
+            f"| {r['row']} | {r['ac_policy']} | {r['offload']} | {r['measured_s']:.4f} | {r['predicted_s']:.4f} | "
+            f"{r['ratio']:.2f} | {m_rank:g} | {p_rank:g} |"
+        )
+    lines.append(
+        f"\nplanner's first choice {judged['first_choice']} measured {100 * judged['gap']:.1f}% slower than "
+        f"the fastest ({judged['fastest']}): {'within' if judged['within'] else 'outside'} 10%"
+    )
     return "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> str:
-    parser = argparse.ArgumentParser(prog="python -m lightning_3d.planner.device_check",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("bench_json", type=Path, help="one_device.json of python -m lightning_3d.bench.one_device")
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_3d.calibration.device_check", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "bench_json", type=Path, help="one_device.json of python -m lightning_3d.bench.one_device"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the table to this file")
     args = parser.parse_args(argv)
     if not args.bench_json.is_file():
@@ -86,12 +125,14 @@ def main(argv: Optional[list[str]] = None) -> str:
     bench = json.loads(args.bench_json.read_text())
     config, records = bench["config"], bench["records"]
     if not planned_rows(records):
-        parser.error(f"{args.bench_json} has no 3d row the planner models (rows: {[r['row'] for r in records]})")
+        parser.error(
+            f"{args.bench_json} has no 3d row the planner models (rows: {[r['row'] for r in records]})"
+        )
 
     import torch
 
     from lightning_3d.models import LitGPT
-    from lightning_3d.planner.auto import CPU_OPTIONS, found_cluster
+    from lightning_3d.strategy.auto import CPU_OPTIONS, found_cluster
     from lightning_3d.planner.facts import model_facts
 
     gpu = config["accelerator"] == "gpu"
@@ -102,10 +143,20 @@ def main(argv: Optional[list[str]] = None) -> str:
     with torch.device("meta"):
         module = LitGPT(**model)
     seq = model["block_size"]
-    options = PlannerOptions(batch_size=config["batch"], seq_len=seq, precision=config["precision"],
-                             **({} if gpu else CPU_OPTIONS))
-    facts = model_facts(module, seq_len=seq, precision=config["precision"], policies=POLICIES, name="bench model")
-    text = report(compare(facts, cluster, options, records, config["batch"]), cluster, "cuda" if gpu else "cpu")
+    options = PlannerOptions(
+        batch_size=config["batch"],
+        seq_len=seq,
+        precision=config["precision"],
+        **({} if gpu else CPU_OPTIONS),
+    )
+    facts = model_facts(
+        module, seq_len=seq, precision=config["precision"], policies=POLICIES, name="bench model"
+    )
+    text = report(
+        compare(facts, cluster, options, records, config["batch"]),
+        cluster,
+        "cuda" if gpu else "cpu",
+    )
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")

@@ -24,7 +24,11 @@ from typing import Optional
 from torch import nn
 
 from lightning_3d.parallel.activation_checkpoint import transformer_blocks
-from lightning_3d.planner.activations import ActivationFit, measure_activations, measure_sequence_parallel
+from lightning_3d.planner.activations import (
+    ActivationFit,
+    measure_activations,
+    measure_sequence_parallel,
+)
 
 # Bytes per parameter of (parameters, gradients, optimizer state) resident with the parameters
 # (Adam(W): two moments), and of one activation element, by Lightning precision. Mixed
@@ -52,7 +56,9 @@ def offloaded_state_bytes(param_bytes: int, params_on_host: bool = False) -> int
 
 def check_precision(precision: str) -> tuple[int, int, int, int]:
     if precision not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not one the planner models; use one of {list(PRECISIONS)}")
+        raise ValueError(
+            f"precision={precision!r} is not one the planner models; use one of {list(PRECISIONS)}"
+        )
     return PRECISIONS[precision]
 
 
@@ -82,17 +88,28 @@ class Part:
         return float(sum(count * _held(shape, tp, dp, dp_rank) for shape, count in self.tensors))
 
     def __add__(self, other: Part) -> Part:
-        return Part(self.params + other.params, self.split + other.split, self.flop_params + other.flop_params,
-                    _counted(self.tensors, other.tensors, 1))
+        return Part(
+            self.params + other.params,
+            self.split + other.split,
+            self.flop_params + other.flop_params,
+            _counted(self.tensors, other.tensors, 1),
+        )
 
     def __sub__(self, other: Part) -> Part:
         """This part without ``other``'s parameters (a tied weight counted once)."""
-        return Part(self.params - other.params, self.split - other.split, self.flop_params - other.flop_params,
-                    _counted(self.tensors, other.tensors, -1))
+        return Part(
+            self.params - other.params,
+            self.split - other.split,
+            self.flop_params - other.flop_params,
+            _counted(self.tensors, other.tensors, -1),
+        )
 
 
-def _counted(mine: Sequence[tuple[tuple[int, int, int], int]], theirs: Sequence[tuple[tuple[int, int, int], int]],
-             sign: int) -> tuple[tuple[tuple[int, int, int], int], ...]:
+def _counted(
+    mine: Sequence[tuple[tuple[int, int, int], int]],
+    theirs: Sequence[tuple[tuple[int, int, int], int]],
+    sign: int,
+) -> tuple[tuple[tuple[int, int, int], int], ...]:
     counts = Counter(dict(mine))
     for shape, n in theirs:
         counts[shape] += sign * n
@@ -134,12 +151,19 @@ class ModelFacts:
     @property
     def num_params(self) -> int:
         """Parameters of the whole model, a tied weight once."""
-        return self.first.params + sum(b.params for b in self.blocks) + self.last.params - self.tied.params
+        return (
+            self.first.params
+            + sum(b.params for b in self.blocks)
+            + self.last.params
+            - self.tied.params
+        )
 
     @property
     def flop_params(self) -> int:
         """Weights that take part in matmuls (6 FLOPs each per trained token)."""
-        return self.first.flop_params + sum(b.flop_params for b in self.blocks) + self.last.flop_params
+        return (
+            self.first.flop_params + sum(b.flop_params for b in self.blocks) + self.last.flop_params
+        )
 
     @property
     def bytes(self) -> tuple[int, int, int, int]:
@@ -152,13 +176,18 @@ class ModelFacts:
             return self.activations[key]
         except KeyError:
             have = sorted(self.activations, key=str)
-            raise ValueError(f"no activation measurement for policy={policy!r}, tensor={tp}"
-                             f"{', sequence_parallel' if sequence_parallel else ''}; have {have}") from None
+            raise ValueError(
+                f"no activation measurement for policy={policy!r}, tensor={tp}"
+                f"{', sequence_parallel' if sequence_parallel else ''}; have {have}"
+            ) from None
 
 
 def _sizes(module: nn.Module) -> dict[str, Optional[int]]:
     """n_head / d_model / vocab / positions from a config the module or its ``model`` carries."""
-    configs = [getattr(module, "config", None), getattr(getattr(module, "model", None), "config", None)]
+    configs = [
+        getattr(module, "config", None),
+        getattr(getattr(module, "model", None), "config", None),
+    ]
     names = {
         "n_head": ("n_head", "num_attention_heads"),
         "d_model": ("n_embd", "hidden_size", "d_model"),
@@ -171,7 +200,11 @@ def _sizes(module: nn.Module) -> dict[str, Optional[int]]:
             continue
         for key, options in names.items():
             for option in options:
-                value = config.get(option) if isinstance(config, Mapping) else getattr(config, option, None)
+                value = (
+                    config.get(option)
+                    if isinstance(config, Mapping)
+                    else getattr(config, option, None)
+                )
                 if found[key] is None and isinstance(value, int):
                     found[key] = value
     return found
@@ -184,7 +217,7 @@ def split_dims(module: nn.Module) -> tuple[dict[str, int], set[str]]:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     from lightning_3d.parallel.tensor import resolve_plan, split_dim
-    from lightning_3d.plans import build_plan
+    from lightning_3d.parallel.plans import build_plan
 
     try:
         resolved = resolve_plan(module, build_plan(module, None, False), 1)
@@ -207,17 +240,30 @@ def _part(modules: Iterable[tuple[str, nn.Module]], split: Mapping[str, int]) ->
     for prefix, module in modules:
         for sub_name, sub in module.named_modules(prefix=prefix):
             for pname, p in sub.named_parameters(recurse=False):
-                rows, n, dim, flop = seen.get(id(p), (p.shape[0] if p.dim() else 1, p.numel(), -1, False))
+                rows, n, dim, flop = seen.get(
+                    id(p), (p.shape[0] if p.dim() else 1, p.numel(), -1, False)
+                )
                 dim = split.get(f"{sub_name}.{pname}", dim)
                 seen[id(p)] = (rows, n, dim, flop or not isinstance(sub, nn.Embedding))
     shapes = Counter((rows, n, dim) for rows, n, dim, _ in seen.values())
-    return Part(sum(n for _, n, _, _ in seen.values()), sum(n for _, n, d, _ in seen.values() if d >= 0),
-                sum(n for _, n, _, f in seen.values() if f), tuple(sorted(shapes.items())))
+    return Part(
+        sum(n for _, n, _, _ in seen.values()),
+        sum(n for _, n, d, _ in seen.values() if d >= 0),
+        sum(n for _, n, _, f in seen.values() if f),
+        tuple(sorted(shapes.items())),
+    )
 
 
-def model_facts(module: nn.Module, *, seq_len: Optional[int] = None, precision: str = "bf16-mixed",
-                policies: Sequence[str] = ("none", "selective", "full"), tp_sizes: Sequence[int] = (1,),
-                name: str = "model", sequence_parallel: bool = False) -> ModelFacts:
+def model_facts(
+    module: nn.Module,
+    *,
+    seq_len: Optional[int] = None,
+    precision: str = "bf16-mixed",
+    policies: Sequence[str] = ("none", "selective", "full"),
+    tp_sizes: Sequence[int] = (1,),
+    name: str = "model",
+    sequence_parallel: bool = False,
+) -> ModelFacts:
     """The facts of ``module`` (built on ``meta``) at ``seq_len`` tokens per sample, with
     activations measured for each policy and each tensor size in ``tp_sizes`` that divides the
     model; ``sequence_parallel``: also with sequence parallelism at each tensor size above 1, where
@@ -227,25 +273,35 @@ def model_facts(module: nn.Module, *, seq_len: Optional[int] = None, precision: 
     spec = module.pipeline_spec() if callable(getattr(module, "pipeline_spec", None)) else None
     blocks = transformer_blocks(module)
     if not blocks:
-        raise ValueError(f"{type(module).__name__} has no transformer blocks (an nn.ModuleList of modules with "
-                         "parameters): the planner splits models by block")
+        raise ValueError(
+            f"{type(module).__name__} has no transformer blocks (an nn.ModuleList of modules with "
+            "parameters): the planner splits models by block"
+        )
     sizes = _sizes(module)
     d_model = sizes["d_model"] or _width(blocks[0][1])
     n_head = sizes["n_head"]
     if not d_model or not n_head:
-        raise ValueError(f"cannot read the width and head count of {type(module).__name__} from its config")
+        raise ValueError(
+            f"cannot read the width and head count of {type(module).__name__} from its config"
+        )
     seq_len = seq_len or sizes["positions"]
     if not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len={seq_len!r} must be a positive integer (the model gives no block_size)")
+        raise ValueError(
+            f"seq_len={seq_len!r} must be a positive integer (the model gives no block_size)"
+        )
     if sizes["positions"] and seq_len > sizes["positions"]:
-        raise ValueError(f"seq_len={seq_len} is above the model's maximum positions {sizes['positions']}")
+        raise ValueError(
+            f"seq_len={seq_len} is above the model's maximum positions {sizes['positions']}"
+        )
     split, columns = split_dims(module)
     block_names = {name for name, _ in blocks}
     if spec is not None:
         first_modules = [(n, module.get_submodule(n)) for n in spec.first]
         last_modules = [(n, module.get_submodule(n)) for n in spec.last]
     else:  # no pipeline: everything outside the blocks counts with the first (only) stage
-        first_modules = [(n, m) for n, m in module.named_children() if not _holds_blocks(n, block_names)]
+        first_modules = [
+            (n, m) for n, m in module.named_children() if not _holds_blocks(n, block_names)
+        ]
         last_modules = []
     first, last = _part(first_modules, split), _part(last_modules, split)
     both = _part(first_modules + last_modules, split)
@@ -255,21 +311,60 @@ def model_facts(module: nn.Module, *, seq_len: Optional[int] = None, precision: 
     vocab = sizes["vocab_size"] or 0
     tps = sorted({t for t in tp_sizes if n_head % t == 0})
     forward = getattr(spec, "block_forward", None) if spec is not None else None
-    activations = measure_activations(blocks[0], forward=forward, split=set(split), columns=columns, d_model=d_model,
-                                      n_head=n_head, seq_len=seq_len, act_bytes=PRECISIONS[precision][3],
-                                      policies=policies, tp_sizes=tps)
+    activations = measure_activations(
+        blocks[0],
+        forward=forward,
+        split=set(split),
+        columns=columns,
+        d_model=d_model,
+        n_head=n_head,
+        seq_len=seq_len,
+        act_bytes=PRECISIONS[precision][3],
+        policies=policies,
+        tp_sizes=tps,
+    )
     if sequence_parallel:
-        activations.update(sequence_parallel_activations(module, blocks[0], forward=forward, d_model=d_model,
-                                                         seq_len=seq_len, act_bytes=PRECISIONS[precision][3],
-                                                         policies=policies, tp_sizes=[t for t in tps if t > 1]))
-    return ModelFacts(name=name, n_layer=len(blocks), d_model=d_model, n_head=n_head, vocab_size=vocab,
-                      seq_len=seq_len, precision=precision, first=first, blocks=block_parts, last=last, tied=tied,
-                      buffer_bytes=buffers, activations=activations, pipeline_ready=spec is not None)
+        activations.update(
+            sequence_parallel_activations(
+                module,
+                blocks[0],
+                forward=forward,
+                d_model=d_model,
+                seq_len=seq_len,
+                act_bytes=PRECISIONS[precision][3],
+                policies=policies,
+                tp_sizes=[t for t in tps if t > 1],
+            )
+        )
+    return ModelFacts(
+        name=name,
+        n_layer=len(blocks),
+        d_model=d_model,
+        n_head=n_head,
+        vocab_size=vocab,
+        seq_len=seq_len,
+        precision=precision,
+        first=first,
+        blocks=block_parts,
+        last=last,
+        tied=tied,
+        buffer_bytes=buffers,
+        activations=activations,
+        pipeline_ready=spec is not None,
+    )
 
 
-def sequence_parallel_activations(module: nn.Module, block: tuple[str, nn.Module], *, forward: Optional[Callable],
-                                  d_model: int, seq_len: int, act_bytes: int, policies: Sequence[str],
-                                  tp_sizes: Sequence[int]) -> dict[tuple, ActivationFit]:
+def sequence_parallel_activations(
+    module: nn.Module,
+    block: tuple[str, nn.Module],
+    *,
+    forward: Optional[Callable],
+    d_model: int,
+    seq_len: int,
+    act_bytes: int,
+    policies: Sequence[str],
+    tp_sizes: Sequence[int],
+) -> dict[tuple, ActivationFit]:
     """``(policy, tp, "sp")`` fits of the block under the architecture's sequence-parallel plan.
     None where the model has no plan, the plan does not divide the model, the block cannot run
     alone (e.g. a rotary embedding whose buffers are still on meta), or this process
@@ -278,7 +373,7 @@ def sequence_parallel_activations(module: nn.Module, block: tuple[str, nn.Module
     import torch.distributed as dist
 
     from lightning_3d.parallel.tensor import resolve_plan
-    from lightning_3d.plans import build_plan
+    from lightning_3d.parallel.plans import build_plan
 
     name = block[0]
     out: dict[tuple, ActivationFit] = {}
@@ -287,10 +382,23 @@ def sequence_parallel_activations(module: nn.Module, block: tuple[str, nn.Module
     for tp in tp_sizes:
         try:
             plan = resolve_plan(module, build_plan(module, None, True), tp)
-            own = {key[len(name) + 1:] if key != name else "": style for key, style in plan.items()
-                   if key == name or key.startswith(name + ".")}
-            out.update(measure_sequence_parallel(block, own, forward=forward, d_model=d_model, seq_len=seq_len,
-                                                 act_bytes=act_bytes, policies=policies, tp=tp))
+            own = {
+                key[len(name) + 1 :] if key != name else "": style
+                for key, style in plan.items()
+                if key == name or key.startswith(name + ".")
+            }
+            out.update(
+                measure_sequence_parallel(
+                    block,
+                    own,
+                    forward=forward,
+                    d_model=d_model,
+                    seq_len=seq_len,
+                    act_bytes=act_bytes,
+                    policies=policies,
+                    tp=tp,
+                )
+            )
         except Exception:  # noqa: BLE001 - a block that cannot run alone (e.g. meta buffers): not measured
             continue
     return out
@@ -309,10 +417,13 @@ def _width(block: nn.Module) -> Optional[int]:
 
 def facts_summary(facts: ModelFacts) -> str:
     """One paragraph: sizes and the measured activation bytes per block per sample."""
-    acts = ", ".join(f"{key[0]}/tp{key[1]}{'/sp' if len(key) > 2 else ''}: "
-                     f"{fit.bytes_per_sample(facts.seq_len) / 2**20:.2f} MiB ({fit.source})"
-                     for key, fit in sorted(facts.activations.items(), key=lambda kv: (len(kv[0]), kv[0])))
-    return (f"{facts.name}: {facts.num_params / 1e6:.1f}M parameters ({facts.n_layer} blocks, d_model {facts.d_model}, "
-            f"{facts.n_head} heads, vocab {facts.vocab_size}), seq_len {facts.seq_len}, {facts.precision}; "
-            f"activations per block per sample: {acts}")
-
+    acts = ", ".join(
+        f"{key[0]}/tp{key[1]}{'/sp' if len(key) > 2 else ''}: "
+        f"{fit.bytes_per_sample(facts.seq_len) / 2**20:.2f} MiB ({fit.source})"
+        for key, fit in sorted(facts.activations.items(), key=lambda kv: (len(kv[0]), kv[0]))
+    )
+    return (
+        f"{facts.name}: {facts.num_params / 1e6:.1f}M parameters ({facts.n_layer} blocks, d_model {facts.d_model}, "
+        f"{facts.n_head} heads, vocab {facts.vocab_size}), seq_len {facts.seq_len}, {facts.precision}; "
+        f"activations per block per sample: {acts}"
+    )

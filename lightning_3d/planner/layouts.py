@@ -32,13 +32,20 @@ _CHECKPOINTING: Mapping[str, tuple[Optional[dict[str, Any]], int]] = {
 }
 # Memory: one pipeline (its micro-batch count does not change what a rank holds).
 LAYOUTS: Mapping[str, tuple[Optional[dict[str, Any]], int]] = {
-    **_DATA_PARALLEL, **_SEQUENCE_PARALLEL, "pp2": ({"pipeline": 2}, 2), **_CHECKPOINTING}
+    **_DATA_PARALLEL,
+    **_SEQUENCE_PARALLEL,
+    "pp2": ({"pipeline": 2}, 2),
+    **_CHECKPOINTING,
+}
 # Step time: the bubble shrinks with micro-batches, so two of them; simplest first (the planner's tie-break).
 TIME_LAYOUTS: Mapping[str, tuple[Optional[dict[str, Any]], int]] = {
-    **_DATA_PARALLEL, "pp2_m2": ({"pipeline": 2, "micro_batches": 2}, 2),
+    **_DATA_PARALLEL,
+    "pp2_m2": ({"pipeline": 2, "micro_batches": 2}, 2),
     "pp2_m4": ({"pipeline": 2, "micro_batches": 4}, 2),
     "pp2_i1f1b_m4": ({"pipeline": 2, "micro_batches": 4, "schedule": "interleaved_1f1b"}, 2),
-    "pp2_zb_m4": ({"pipeline": 2, "micro_batches": 4, "schedule": "zero_bubble"}, 2), **_CHECKPOINTING}
+    "pp2_zb_m4": ({"pipeline": 2, "micro_batches": 4, "schedule": "zero_bubble"}, 2),
+    **_CHECKPOINTING,
+}
 
 
 def choice_of(strategy: Optional[dict[str, Any]], world: int, global_batch: int) -> Choice:
@@ -49,9 +56,22 @@ def choice_of(strategy: Optional[dict[str, Any]], world: int, global_batch: int)
     m = strategy.get("micro_batches", pp) if pp > 1 else 1
     schedule = strategy.get("schedule", "1f1b")
     virtual = strategy.get("virtual_stages") or (2 if pp > 1 and schedule in MULTI_STAGE else 1)
-    offload = strategy.get("offload", "none") + ("+params" if strategy.get("offload_params") else "")
-    return Choice(dp, tp, pp, strategy.get("zero_stage", 0), m, schedule, strategy.get("ac_policy", "none"), offload,
-                  global_batch // dp, virtual, bool(strategy.get("sequence_parallel", False)))
+    offload = strategy.get("offload", "none") + (
+        "+params" if strategy.get("offload_params") else ""
+    )
+    return Choice(
+        dp,
+        tp,
+        pp,
+        strategy.get("zero_stage", 0),
+        m,
+        schedule,
+        strategy.get("ac_policy", "none"),
+        offload,
+        global_batch // dp,
+        virtual,
+        bool(strategy.get("sequence_parallel", False)),
+    )
 
 
 def tiny_facts(tp_sizes: tuple[int, ...] = (1, 2, 4)) -> ModelFacts:
@@ -60,9 +80,15 @@ def tiny_facts(tp_sizes: tuple[int, ...] = (1, 2, 4)) -> ModelFacts:
 
     from lightning_3d.models import LitGPT
     from lightning_3d.planner.facts import model_facts
-    from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL
+    from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL
 
     with torch.device("meta"):
         module = LitGPT(**TINY_MODEL)
-    return model_facts(module, seq_len=TINY_DATA["block_size"], precision="32-true", tp_sizes=tp_sizes, name="tiny",
-                       sequence_parallel=True)
+    return model_facts(
+        module,
+        seq_len=TINY_DATA["block_size"],
+        precision="32-true",
+        tp_sizes=tp_sizes,
+        name="tiny",
+        sequence_parallel=True,
+    )

@@ -1,12 +1,12 @@
 """Measure the constants the planner's time model needs, on the machine this runs on.
 
-    python -m lightning_3d.planner.machine [--d-model 256] [--batch 4] [--seq-len 128]
+    python -m lightning_3d.calibration.machine [--d-model 256] [--batch 4] [--seq-len 128]
 
 The step-time model (:mod:`lightning_3d.planner.timing`) needs, per rank: the matmul rate a
 rank reaches (``Cluster.peak_tflops``, used with ``efficiency=1``), the bandwidth and fixed cost
 of a collective between ranks of a node (``Cluster.intra_node_gbps``, ``latency_us``), and the
 fixed cost of one block's forward and backward (``launch_overhead_us``). A CPU cannot report
-them (``CPU_ASSUMED`` in :mod:`lightning_3d.planner.auto` guesses them); this module times them:
+them (``CPU_ASSUMED`` in :mod:`lightning_3d.strategy.auto` guesses them); this module times them:
 
 - **block rate** (the ``peak_tflops`` used): one GPT block trained on a micro-batch of the run's
   shape, its FLOPs as the planner counts them over the measured forward + backward time, with the
@@ -16,7 +16,7 @@ them (``CPU_ASSUMED`` in :mod:`lightning_3d.planner.auto` guesses them); this mo
   reference (on this CPU a block reaches 70-100% of it: softmax, norms, GELU and autograd are
   not matmuls);
 - **collective cost**: gloo all-reduces between ``world`` local processes
-  (:func:`lightning_3d.testing.world.run_world`) of a small and a large tensor; the small one is
+  (:func:`lightning_3d.harness.world.run_world`) of a small and a large tensor; the small one is
   the latency, the difference their bandwidth, counted as the planner counts it (the bytes one
   rank sends in a ring, ``2·(n−1)/n`` of the tensor);
 - **optimizer rate**: parameters per second AdamW updates with a rank's threads
@@ -43,19 +43,35 @@ from typing import Any, Optional
 class MachineConstants:
     """What :func:`measure` found. Rates per rank; ``threads``: intra-op threads per rank by world size."""
 
-    gflops: dict[int, float]  # world size -> GFLOP/s one rank reaches in a whole block (its share of the cores)
+    gflops: dict[
+        int, float
+    ]  # world size -> GFLOP/s one rank reaches in a whole block (its share of the cores)
     intra_node_gbps: float  # GB/s one rank sends in a ring all-reduce
     latency_us: float  # fixed cost of one collective
     launch_overhead_us: float  # fixed cost of one block's forward + backward on one micro-batch
     threads: dict[int, int]  # world size -> intra-op threads per rank
     forward_share: float = 1 / 3  # of a block's forward + backward time, the forward's
-    adam_params_per_s: Optional[dict[int, float]] = None  # world size -> parameters one rank's AdamW steps per second
-    matmul_gflops: Optional[dict[int, float]] = None  # world size -> bare matmul GFLOP/s (for reference)
-    reduce_scatter_efficiency: float = 1.0  # a reduce-scatter's bytes/s over the all-reduce's (ZeRO 1-3's gradients)
-    all_gather_efficiency: float = 1.0  # an all-gather's likewise (ZeRO 1-2's updated parameters, ZeRO 3's gathers)
-    tp_overhead: float = 0.0  # a tensor-parallel block's time beyond its FLOP share and all-reduces, over that share
-    selective_share: float = 0.0  # what selective checkpointing adds to a block's forward + backward time
-    step_overhead_us: Optional[dict[int, float]] = None  # world size -> fixed cost of one optimizer step
+    adam_params_per_s: Optional[dict[int, float]] = (
+        None  # world size -> parameters one rank's AdamW steps per second
+    )
+    matmul_gflops: Optional[dict[int, float]] = (
+        None  # world size -> bare matmul GFLOP/s (for reference)
+    )
+    reduce_scatter_efficiency: float = (
+        1.0  # a reduce-scatter's bytes/s over the all-reduce's (ZeRO 1-3's gradients)
+    )
+    all_gather_efficiency: float = (
+        1.0  # an all-gather's likewise (ZeRO 1-2's updated parameters, ZeRO 3's gathers)
+    )
+    tp_overhead: float = (
+        0.0  # a tensor-parallel block's time beyond its FLOP share and all-reduces, over that share
+    )
+    selective_share: float = (
+        0.0  # what selective checkpointing adds to a block's forward + backward time
+    )
+    step_overhead_us: Optional[dict[int, float]] = (
+        None  # world size -> fixed cost of one optimizer step
+    )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,7 +122,9 @@ def block_flops(d_model: int, tokens: int, seq_len: int) -> float:
     return tokens * (6 * 12 * d_model * d_model + 12 * d_model * seq_len)
 
 
-def block_rate(d_model: int, batch: int, seq_len: int, threads: int, repeats: int = 7) -> tuple[float, float]:
+def block_rate(
+    d_model: int, batch: int, seq_len: int, threads: int, repeats: int = 7
+) -> tuple[float, float]:
     """(GFLOP/s, forward share) of one GPT block (``d_model`` wide, 64-wide heads) trained on a
     ``(batch, seq_len)`` micro-batch with ``threads`` threads: :func:`block_flops` over the
     measured forward + backward time, and the forward's share of that time. Unlike a bare
@@ -117,12 +135,21 @@ def block_rate(d_model: int, batch: int, seq_len: int, threads: int, repeats: in
     from lightning_3d.models.gpt import Block, GPTConfig
 
     if min(d_model, batch, seq_len, threads) < 1:
-        raise ValueError(f"d_model={d_model}, batch={batch}, seq_len={seq_len}, threads={threads} must be positive")
+        raise ValueError(
+            f"d_model={d_model}, batch={batch}, seq_len={seq_len}, threads={threads} must be positive"
+        )
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        block = Block(GPTConfig(n_embd=d_model, n_head=max(1, d_model // 64), block_size=seq_len, vocab_size=8,
-                                n_layer=1))
+        block = Block(
+            GPTConfig(
+                n_embd=d_model,
+                n_head=max(1, d_model // 64),
+                block_size=seq_len,
+                vocab_size=8,
+                n_layer=1,
+            )
+        )
         x = torch.randn(batch, seq_len, d_model, requires_grad=True)
         both = median_time(lambda: block(x).sum().backward(), repeats=repeats)
         with torch.no_grad():
@@ -159,8 +186,10 @@ def fit_link(small: tuple[int, float], large: tuple[int, float], world: int) -> 
     large one no slower than the small one, the large one alone gives the bandwidth (latency 0)."""
     (b0, t0), (b1, t1) = small, large
     if not b1 > b0 or world < 2 or not t1 > 0:
-        raise ValueError(f"need two sizes, the second larger ({b0} -> {b1} bytes), a positive time ({t1} s) "
-                         f"and world={world} >= 2")
+        raise ValueError(
+            f"need two sizes, the second larger ({b0} -> {b1} bytes), a positive time ({t1} s) "
+            f"and world={world} >= 2"
+        )
     ring = 2 * (world - 1) / world
     if t1 <= t0:
         return ring * b1 / t1 / 1e9, 0.0
@@ -169,8 +198,9 @@ def fit_link(small: tuple[int, float], large: tuple[int, float], world: int) -> 
     return 1 / per_byte / 1e9, latency * 1e6
 
 
-def _rank_probe(rank: int, d_model: int, batch: int, seq_len: int, sizes: Sequence[int], repeats: int
-                ) -> dict[str, Any]:
+def _rank_probe(
+    rank: int, d_model: int, batch: int, seq_len: int, sizes: Sequence[int], repeats: int
+) -> dict[str, Any]:
     """On each rank of a gloo world, all ranks busy at once as in a run: the matmul and block
     rates with this rank's threads, the block overhead, and median seconds of an all-reduce of
     each size (fp32)."""
@@ -188,7 +218,9 @@ def _rank_probe(rank: int, d_model: int, batch: int, seq_len: int, sizes: Sequen
     # Every rank a tensor-parallel rank: the world's whole batch on each, as a tensor-parallel run has it.
     world = dist.get_world_size()
     tp_block, tp_allreduces = tp_block_seconds(d_model, batch * world, seq_len)
-    share = block_flops(d_model, batch * world * seq_len, seq_len) / world / (block * 1e9)  # its FLOPs at the block rate
+    share = (
+        block_flops(d_model, batch * world * seq_len, seq_len) / world / (block * 1e9)
+    )  # its FLOPs at the block rate
     scatter, gather = scatter_gather_seconds(max(sizes))
     times = []
     for n in sizes:
@@ -200,9 +232,18 @@ def _rank_probe(rank: int, d_model: int, batch: int, seq_len: int, sizes: Sequen
 
         barrier = median_time(dist.barrier, repeats=repeats)
         times.append(max(median_time(once, repeats=repeats) - barrier, 1e-9))
-    return {"matmul_gflops": rate, "gflops": block, "adam_params_per_s": adam, "forward_share": forward_share,
-            "overhead_us": overhead, "allreduce_s": times, "selective_share": selective,
-            "tp_overhead": max((tp_block - tp_allreduces) / share - 1, 0.0), "scatter_s": scatter, "gather_s": gather}
+    return {
+        "matmul_gflops": rate,
+        "gflops": block,
+        "adam_params_per_s": adam,
+        "forward_share": forward_share,
+        "overhead_us": overhead,
+        "allreduce_s": times,
+        "selective_share": selective,
+        "tp_overhead": max((tp_block - tp_allreduces) / share - 1, 0.0),
+        "scatter_s": scatter,
+        "gather_s": gather,
+    }
 
 
 def block_overhead_us(d_model: int, gflops: float, threads: int, repeats: int = 21) -> float:
@@ -216,7 +257,9 @@ def block_overhead_us(d_model: int, gflops: float, threads: int, repeats: int = 
     torch.set_num_threads(threads)
     try:
         heads = max(1, d_model // 64)
-        block = Block(GPTConfig(n_embd=d_model, n_head=heads, block_size=8, vocab_size=8, n_layer=1))
+        block = Block(
+            GPTConfig(n_embd=d_model, n_head=heads, block_size=8, vocab_size=8, n_layer=1)
+        )
         x = torch.randn(1, 1, d_model, requires_grad=True)
         seconds = median_time(lambda: block(x).sum().backward(), repeats=repeats)
     finally:
@@ -233,12 +276,25 @@ def _gpt_block(d_model: int, seq_len: int) -> Any:
     from lightning_3d.models.gpt import Block, GPTConfig
 
     holder = torch.nn.Module()
-    holder.blocks = torch.nn.ModuleList([Block(GPTConfig(n_embd=d_model, n_head=max(1, d_model // 64),
-                                                         block_size=seq_len, vocab_size=8, n_layer=1))])
+    holder.blocks = torch.nn.ModuleList(
+        [
+            Block(
+                GPTConfig(
+                    n_embd=d_model,
+                    n_head=max(1, d_model // 64),
+                    block_size=seq_len,
+                    vocab_size=8,
+                    n_layer=1,
+                )
+            )
+        ]
+    )
     return holder
 
 
-def selective_share(d_model: int, batch: int, seq_len: int, threads: int, repeats: int = 7) -> float:
+def selective_share(
+    d_model: int, batch: int, seq_len: int, threads: int, repeats: int = 7
+) -> float:
     """What ``selective`` activation checkpointing adds to a block's forward + backward, as a
     share of the plain block's time: it recomputes the block's elementwise ops (norms, GELU,
     softmax) in backward, no matmul FLOPs but memory traffic and dispatch, plus its caching
@@ -248,7 +304,9 @@ def selective_share(d_model: int, batch: int, seq_len: int, threads: int, repeat
     from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpointing
 
     if min(d_model, batch, seq_len, threads) < 1:
-        raise ValueError(f"d_model={d_model}, batch={batch}, seq_len={seq_len}, threads={threads} must be positive")
+        raise ValueError(
+            f"d_model={d_model}, batch={batch}, seq_len={seq_len}, threads={threads} must be positive"
+        )
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -262,10 +320,12 @@ def selective_share(d_model: int, batch: int, seq_len: int, threads: int, repeat
     return max(selective / plain - 1, 0.0)
 
 
-def tp_block_seconds(d_model: int, batch: int, seq_len: int, repeats: int = 7) -> tuple[float, float]:
+def tp_block_seconds(
+    d_model: int, batch: int, seq_len: int, repeats: int = 7
+) -> tuple[float, float]:
     """(seconds of a tensor-parallel block's forward + backward, seconds of its all-reduces) on
     this rank of an initialised world, every rank one tensor-parallel rank: one GPT block under
-    the project's built-in plan (:data:`lightning_3d.plans.gpt.GPT_NAMES`) on a
+    the project's built-in plan (:data:`lightning_3d.parallel.plans.gpt.GPT_NAMES`) on a
     ``(batch, seq_len)`` micro-batch, and alone the 4 activation all-reduces it makes (2 forward,
     2 backward), so the caller can tell the block's own cost from the communication the time
     model already counts."""
@@ -274,13 +334,17 @@ def tp_block_seconds(d_model: int, batch: int, seq_len: int, repeats: int = 7) -
     from torch.distributed.device_mesh import init_device_mesh
 
     from lightning_3d.parallel.tensor import apply_tensor_parallel
-    from lightning_3d.plans.common import transformer_plan
-    from lightning_3d.plans.gpt import GPT_NAMES
+    from lightning_3d.parallel.plans.common import transformer_plan
+    from lightning_3d.parallel.plans.gpt import GPT_NAMES
 
     world = dist.get_world_size()
     holder = _gpt_block(d_model, seq_len)
-    apply_tensor_parallel(holder, init_device_mesh("cpu", (world,)), transformer_plan(GPT_NAMES, False),
-                          require_all=False)
+    apply_tensor_parallel(
+        holder,
+        init_device_mesh("cpu", (world,)),
+        transformer_plan(GPT_NAMES, False),
+        require_all=False,
+    )
     x = torch.randn(batch, seq_len, d_model, requires_grad=True)
 
     def step() -> None:
@@ -328,17 +392,26 @@ def scatter_gather_seconds(elements: int, repeats: int = 7) -> tuple[float, floa
         all_gather_single(full, part)
 
     barrier = median_time(dist.barrier, repeats=repeats)
-    return (max(median_time(scatter, repeats=repeats) - barrier, 1e-9),
-            max(median_time(gather, repeats=repeats) - barrier, 1e-9))
+    return (
+        max(median_time(scatter, repeats=repeats) - barrier, 1e-9),
+        max(median_time(gather, repeats=repeats) - barrier, 1e-9),
+    )
 
 
-def measure(d_model: int = 256, batch: int = 4, seq_len: int = 128, world: int = 2, small: int = 256,
-            large: int = 1 << 20, repeats: int = 15) -> MachineConstants:
+def measure(
+    d_model: int = 256,
+    batch: int = 4,
+    seq_len: int = 128,
+    world: int = 2,
+    small: int = 256,
+    large: int = 1 << 20,
+    repeats: int = 15,
+) -> MachineConstants:
     """Every constant, measured here (see the module docstring): rates of a rank of a 1-process
     world (this process, its share of the cores) and of a ``world``-process one (every rank
     measuring at once, median over ranks); the link, block overhead and forward share inside the
     ``world``-process one."""
-    from lightning_3d.testing.world import run_world
+    from lightning_3d.harness.world import run_world
 
     if world < 2:
         raise ValueError(f"world={world} must be >= 2 to measure a link")
@@ -348,13 +421,22 @@ def measure(d_model: int = 256, batch: int = 4, seq_len: int = 128, world: int =
     alone_adam = adam_params_per_s(1 << 21, threads[1])
     ranks = run_world(_rank_probe, world, d_model, batch, seq_len, (small, large), repeats)
     found = from_probes(ranks, (small, large), world, alone_block, alone, threads, alone_adam)
-    tiny = {1: tiny_step_seconds(0, 1), world: statistics.median(run_world(tiny_step_seconds, world, world))}
+    tiny = {
+        1: tiny_step_seconds(0, 1),
+        world: statistics.median(run_world(tiny_step_seconds, world, world)),
+    }
     return step_overheads(found, tiny)
 
 
-def from_probes(ranks: Sequence[Mapping[str, Any]], sizes: tuple[int, int], world: int, alone_block: float,
-                alone_matmul: float, threads: Mapping[int, int], alone_adam: Optional[float] = None
-                ) -> MachineConstants:
+def from_probes(
+    ranks: Sequence[Mapping[str, Any]],
+    sizes: tuple[int, int],
+    world: int,
+    alone_block: float,
+    alone_matmul: float,
+    threads: Mapping[int, int],
+    alone_adam: Optional[float] = None,
+) -> MachineConstants:
     """:class:`MachineConstants` from every rank's :func:`_rank_probe` (medians over ranks) and the
     1-process world's block, matmul (and Adam) rates. The reduce-scatter's and all-gather's
     efficiencies: the ring bytes one rank sends (``(n−1)/n`` of the ``max(sizes)`` fp32 tensor)
@@ -362,20 +444,37 @@ def from_probes(ranks: Sequence[Mapping[str, Any]], sizes: tuple[int, int], worl
     figures leave them at the defaults (1, 1, 0, 0)."""
     times = [statistics.median(r["allreduce_s"][i] for r in ranks) for i in range(2)]
     gbps, latency = fit_link((4 * sizes[0], times[0]), (4 * sizes[1], times[1]), world)
-    med = {k: statistics.median(r[k] for r in ranks) for k in ("gflops", "matmul_gflops", "overhead_us",
-                                                                "forward_share", "adam_params_per_s")}
+    med = {
+        k: statistics.median(r[k] for r in ranks)
+        for k in ("gflops", "matmul_gflops", "overhead_us", "forward_share", "adam_params_per_s")
+    }
     extra: dict[str, float] = {}
     if all("scatter_s" in r for r in ranks):
-        sent = (world - 1) / world * 4 * max(sizes) / (gbps * 1e9)  # seconds at the all-reduce's bandwidth
-        extra["reduce_scatter_efficiency"] = min(sent / statistics.median(r["scatter_s"] for r in ranks), 1.0)
-        extra["all_gather_efficiency"] = min(sent / statistics.median(r["gather_s"] for r in ranks), 1.0)
+        sent = (
+            (world - 1) / world * 4 * max(sizes) / (gbps * 1e9)
+        )  # seconds at the all-reduce's bandwidth
+        extra["reduce_scatter_efficiency"] = min(
+            sent / statistics.median(r["scatter_s"] for r in ranks), 1.0
+        )
+        extra["all_gather_efficiency"] = min(
+            sent / statistics.median(r["gather_s"] for r in ranks), 1.0
+        )
         extra["tp_overhead"] = statistics.median(r["tp_overhead"] for r in ranks)
         extra["selective_share"] = statistics.median(r["selective_share"] for r in ranks)
-    return MachineConstants({1: alone_block, world: med["gflops"]}, gbps, latency, med["overhead_us"], dict(threads),
-                            forward_share=med["forward_share"],
-                            matmul_gflops={1: alone_matmul, world: med["matmul_gflops"]},
-                            adam_params_per_s={1: alone_adam or med["adam_params_per_s"],
-                                               world: med["adam_params_per_s"]}, **extra)
+    return MachineConstants(
+        {1: alone_block, world: med["gflops"]},
+        gbps,
+        latency,
+        med["overhead_us"],
+        dict(threads),
+        forward_share=med["forward_share"],
+        matmul_gflops={1: alone_matmul, world: med["matmul_gflops"]},
+        adam_params_per_s={
+            1: alone_adam or med["adam_params_per_s"],
+            world: med["adam_params_per_s"],
+        },
+        **extra,
+    )
 
 
 TINY_STEPS = 13  # a tiny run's optimizer steps: 10 after the run summary's 3 warm-up ones
@@ -387,14 +486,16 @@ def tiny_step_seconds(rank: int, world: int, steps: int = TINY_STEPS) -> float:
     in this process; more: one rank of a ``ThreeDStrategy`` data-parallel world, ZeRO 0). Its
     compute is a few milliseconds: the rest is what every step of such a world costs whatever
     the model, which :func:`step_overheads` isolates."""
-    from lightning_3d.testing.runs import TINY_DATA, Run, fit_gpt
+    from lightning_3d.harness.runs import TINY_DATA, Run, fit_gpt
 
     run = Run(strategy=None if world == 1 else {"zero_stage": 0}, devices=world, steps=steps)
     summary = fit_gpt(rank, run)["summary"]
     return TINY_DATA["batch_size"] * TINY_DATA["block_size"] / summary["tokens_per_s"]
 
 
-def step_overheads(constants: MachineConstants, tiny_seconds: Mapping[int, float]) -> MachineConstants:
+def step_overheads(
+    constants: MachineConstants, tiny_seconds: Mapping[int, float]
+) -> MachineConstants:
     """``constants`` with ``step_overhead_us``: per world size, the tiny GPT's measured step
     (:func:`tiny_step_seconds`) minus what the time model predicts for it from the other
     constants — the fixed cost of an optimizer step the model's other terms do not hold
@@ -402,17 +503,20 @@ def step_overheads(constants: MachineConstants, tiny_seconds: Mapping[int, float
     mean, the non-finite flag; in a world of ``n > 1`` ranks, one gloo round trip each)."""
     import dataclasses
 
-    from lightning_3d.planner.layouts import tiny_facts
-    from lightning_3d.planner.layouts import choice_of
+    from lightning_3d.calibration.layouts import tiny_facts
+    from lightning_3d.calibration.layouts import choice_of
     from lightning_3d.planner.timing import step_time
-    from lightning_3d.testing.runs import TINY_DATA
+    from lightning_3d.harness.runs import TINY_DATA
 
     facts = tiny_facts((1,))
     batch = TINY_DATA["batch_size"]
     without = dataclasses.replace(constants, step_overhead_us={w: 0.0 for w in tiny_seconds})
     overheads = {}
     for world, seconds in tiny_seconds.items():
-        cluster, options = machine_cluster(without, world), planner_options(without, batch, facts.seq_len, world)
+        cluster, options = (
+            machine_cluster(without, world),
+            planner_options(without, batch, facts.seq_len, world),
+        )
         choice = choice_of(None if world == 1 else {"zero_stage": 0}, world, batch)
         predicted = step_time(facts, choice, cluster, options).total
         overheads[world] = max(seconds - predicted, 0.0) * 1e6
@@ -432,30 +536,50 @@ def machine_cluster(constants: MachineConstants, world: int) -> Any:
     is not what is timed: generous."""
     from lightning_3d.planner.cluster import Cluster
 
-    link = {"intra_node_gbps": constants.intra_node_gbps, "inter_node_gbps": constants.intra_node_gbps} \
-        if measured(constants.intra_node_gbps) else {}
-    return Cluster(nodes=1, devices_per_node=world, device_memory_gb=1e3, host_memory_gb=1e3,
-                   peak_tflops=constants.gflops[world] / 1e3, host_link_gbps=10.0, **link)
+    link = (
+        {"intra_node_gbps": constants.intra_node_gbps, "inter_node_gbps": constants.intra_node_gbps}
+        if measured(constants.intra_node_gbps)
+        else {}
+    )
+    return Cluster(
+        nodes=1,
+        devices_per_node=world,
+        device_memory_gb=1e3,
+        host_memory_gb=1e3,
+        peak_tflops=constants.gflops[world] / 1e3,
+        host_link_gbps=10.0,
+        **link,
+    )
 
 
 def planner_options(constants: MachineConstants, batch: int, seq_len: int, world: int) -> Any:
     """:class:`~lightning_3d.planner.PlannerOptions` for a ``world``-rank run on this machine:
     the measured block rate is the peak (``efficiency=1``), CPU ranks' communication does not
     overlap (``CPU_OPTIONS``), every other modelled cost as measured."""
-    from lightning_3d.planner.auto import CPU_OPTIONS
+    from lightning_3d.strategy.auto import CPU_OPTIONS
     from lightning_3d.planner.choice import PlannerOptions
 
     c = constants
-    figures: dict[str, Any] = {"latency_us": c.latency_us, "launch_overhead_us": c.launch_overhead_us,
-                               "forward_share": c.forward_share, "selective_share": c.selective_share,
-                               "reduce_scatter_efficiency": c.reduce_scatter_efficiency,
-                               "all_gather_efficiency": c.all_gather_efficiency, "tp_overhead": c.tp_overhead,
-                               "adam_params_per_s": (c.adam_params_per_s or {}).get(world),
-                               "step_overhead_us": (c.step_overhead_us or {}).get(world)}
+    figures: dict[str, Any] = {
+        "latency_us": c.latency_us,
+        "launch_overhead_us": c.launch_overhead_us,
+        "forward_share": c.forward_share,
+        "selective_share": c.selective_share,
+        "reduce_scatter_efficiency": c.reduce_scatter_efficiency,
+        "all_gather_efficiency": c.all_gather_efficiency,
+        "tp_overhead": c.tp_overhead,
+        "adam_params_per_s": (c.adam_params_per_s or {}).get(world),
+        "step_overhead_us": (c.step_overhead_us or {}).get(world),
+    }
     # Not measured (no world of 2 ran): the option's default, which a 1-rank world does not use.
     known = {k: v for k, v in figures.items() if measured(v)}
-    return PlannerOptions(batch_size=batch, seq_len=seq_len, precision="32-true", efficiency=1.0,
-                          **{**CPU_OPTIONS, **known})
+    return PlannerOptions(
+        batch_size=batch,
+        seq_len=seq_len,
+        precision="32-true",
+        efficiency=1.0,
+        **{**CPU_OPTIONS, **known},
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -466,17 +590,25 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     found = measure(args.d_model, args.batch, args.seq_len)
     for world, rate in found.gflops.items():
-        print(f"world {world} ({found.threads[world]} thread(s) per rank): block {rate:.1f} GFLOP/s per rank "
-              f"(bare matmul {found.matmul_gflops[world]:.1f})")
+        print(
+            f"world {world} ({found.threads[world]} thread(s) per rank): block {rate:.1f} GFLOP/s per rank "
+            f"(bare matmul {found.matmul_gflops[world]:.1f})"
+        )
     print(f"forward share of a block's time: {found.forward_share:.2f}")
     for world, rate in found.adam_params_per_s.items():
         print(f"AdamW, world {world}: {rate / 1e6:.0f} M parameters/s per rank")
-    print(f"gloo all-reduce between 2 ranks: {found.intra_node_gbps:.2f} GB/s, {found.latency_us:.0f} us latency")
+    print(
+        f"gloo all-reduce between 2 ranks: {found.intra_node_gbps:.2f} GB/s, {found.latency_us:.0f} us latency"
+    )
     print(f"block forward+backward fixed cost: {found.launch_overhead_us:.0f} us")
-    print(f"reduce-scatter / all-gather efficiency (of the all-reduce's bytes/s): "
-          f"{found.reduce_scatter_efficiency:.2f} / {found.all_gather_efficiency:.2f}")
-    print(f"tensor-parallel block overhead: {found.tp_overhead:.2f} of its FLOP share; selective checkpointing "
-          f"adds {found.selective_share:.2f} of a block's time")
+    print(
+        f"reduce-scatter / all-gather efficiency (of the all-reduce's bytes/s): "
+        f"{found.reduce_scatter_efficiency:.2f} / {found.all_gather_efficiency:.2f}"
+    )
+    print(
+        f"tensor-parallel block overhead: {found.tp_overhead:.2f} of its FLOP share; selective checkpointing "
+        f"adds {found.selective_share:.2f} of a block's time"
+    )
     for world, us in (found.step_overhead_us or {}).items():
         print(f"fixed cost of one optimizer step, world {world}: {us / 1e3:.1f} ms")
 

@@ -41,7 +41,9 @@ from lightning_3d.planner.facts import ModelFacts, Part, offloaded_state_bytes
 from lightning_3d.planner.schedule import in_flight_chunks
 
 GB = 1e9
-NVME_RESIDENT_BYTES = DEFAULT_WINDOW * DEFAULT_CHUNK_BYTES  # the NVMe store's streaming window in host RAM
+NVME_RESIDENT_BYTES = (
+    DEFAULT_WINDOW * DEFAULT_CHUNK_BYTES
+)  # the NVMe store's streaming window in host RAM
 
 
 def human(nbytes: float) -> str:
@@ -99,8 +101,9 @@ def stage_parts(facts: ModelFacts, pipeline: int, virtual: int = 1) -> list[tupl
     return out
 
 
-def model_state(facts: ModelFacts, choice: Choice, part: Part,
-                dp_rank: int = 0) -> tuple[float, float, float, float, float]:
+def model_state(
+    facts: ModelFacts, choice: Choice, part: Part, dp_rank: int = 0
+) -> tuple[float, float, float, float, float]:
     """(params, grads, optimizer, host, disk) bytes of data rank ``dp_rank`` holding ``part`` of
     the model. ZeRO 1-2 slice flat buckets evenly; ZeRO-3 chunks each parameter's dim 0
     (:meth:`Part.sharded`: rank 0, the default, holds the most)."""
@@ -136,7 +139,12 @@ def activation_bytes(facts: ModelFacts, choice: Choice, stage: int, blocks: int)
     chunks = in_flight_chunks(choice.schedule, p, m, stage, v)
     total = per_block * blocks / v * chunks
     if choice.ac_policy != "none" and blocks:  # one block recomputed at a time in backward
-        total += max(0.0, facts.activation("none", choice.tensor, choice.sequence_parallel).bytes_per_sample(seq) * mb - per_block)
+        total += max(
+            0.0,
+            facts.activation("none", choice.tensor, choice.sequence_parallel).bytes_per_sample(seq)
+            * mb
+            - per_block,
+        )
     if stage == p - 1:
         act = facts.bytes[3]
         head = seq * (facts.vocab_size / choice.tensor * (act + 4) + facts.d_model * act) * mb
@@ -162,10 +170,20 @@ def rank_memory(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> M
     """The largest stage's per-rank memory (by device total)."""
     best = None
     buffers = buffer_bytes(facts, choice, options)
-    for stage, (part, blocks) in enumerate(stage_parts(facts, choice.pipeline, choice.virtual_stages)):
+    for stage, (part, blocks) in enumerate(
+        stage_parts(facts, choice.pipeline, choice.virtual_stages)
+    ):
         params, grads, optimizer, host, disk = model_state(facts, choice, part)
-        split = MemorySplit(params, grads, optimizer, activation_bytes(facts, choice, stage, blocks), buffers, host,
-                            stage, disk)
+        split = MemorySplit(
+            params,
+            grads,
+            optimizer,
+            activation_bytes(facts, choice, stage, blocks),
+            buffers,
+            host,
+            stage,
+            disk,
+        )
         if best is None or split.total > best.total:
             best = split
     return best

@@ -46,7 +46,9 @@ def messages(pipeline: int, micro_batches: int, virtual: int = 1) -> int:
     return 2 * virtual * micro_batches if pipeline > 1 else 0
 
 
-def in_flight_chunks(schedule: str, pipeline: int, micro_batches: int, rank: int, virtual: int = 1) -> int:
+def in_flight_chunks(
+    schedule: str, pipeline: int, micro_batches: int, rank: int, virtual: int = 1
+) -> int:
     """Chunk forwards of ``rank`` whose activations are alive at once, at the peak (chunk: ``1/v``
     of the rank's blocks; without a pipeline the whole model on one micro-batch)."""
     p, m, v = pipeline, micro_batches, virtual
@@ -57,6 +59,8 @@ def in_flight_chunks(schedule: str, pipeline: int, micro_batches: int, rank: int
     if schedule not in MULTI_STAGE:
         return min(m, p - rank)
     per_round = m // interleaved_rounds(m, p)
-    behind = 0 if schedule == "zero_bubble" else rank  # zero-bubble: graphs alive until the weight pass
+    behind = (
+        0 if schedule == "zero_bubble" else rank
+    )  # zero-bubble: graphs alive until the weight pass
     warmup = min((v - 1) * per_round + _WARMUP_FACTOR[schedule] * (p - 1 - behind), v * m)
     return min(warmup + 1, v * m)

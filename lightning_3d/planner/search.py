@@ -2,7 +2,7 @@
 
 :func:`plan_layouts` is pure: model facts, a cluster and options in, candidates out (fitting
 ones first, fastest first; then the rejected ones, each with one reason). The same function
-serves the CLI's table and ``parallelism=auto`` (:mod:`lightning_3d.planner.auto`).
+serves the CLI's table and ``parallelism=auto`` (:mod:`lightning_3d.strategy.auto`).
 
 Enumerated: ``data × tensor × pipeline = world`` (tensor innermost, kept inside a node and
 dividing the head count; pipeline dividing the block count), ZeRO stages, micro-batches (powers
@@ -10,8 +10,8 @@ of two dividing the per-rank batch, at least ``pipeline`` for 1F1B as torch requ
 pipeline they are gradient accumulation steps), schedules (the interleaved ones with each of
 ``virtual_stages`` stages per rank), sequence parallelism (with ``tensor > 1``, where measured),
 activation checkpointing and offload (to host memory or NVMe, with ZeRO-3's parameters or without).
-Every candidate is built as a :class:`~lightning_3d.plan.Plan` (``Plan.from_options``), and,
-given ``check`` (:func:`lightning_3d.recipe.check` bound to the model on ``meta``), checked
+Every candidate is built as a :class:`~lightning_3d.options.Plan` (``Plan.from_options``), and,
+given ``check`` (:func:`lightning_3d.strategy.recipe.check` bound to the model on ``meta``), checked
 against the model's shapes; their ``ValueError`` is the rejection's reason. A split that is
 refused as a whole (a tensor size that crosses nodes, say) is one rejected candidate, not one
 per ZeRO stage and micro-batch count.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from lightning_3d.parallel.pipeline import MULTI_STAGE
-from lightning_3d.plan import Plan
+from lightning_3d.options import Plan
 from lightning_3d.planner.choice import OFFLOADS, Choice, PlannerOptions
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.facts import ModelFacts
@@ -42,7 +42,9 @@ class Candidate:
     memory: Optional[MemorySplit] = None
     time: Optional[StepTime] = None
     mfu: float = 0.0
-    kind: Optional[str] = None  # why rejected, as a group name ("memory", "tensor > devices per node", ...)
+    kind: Optional[str] = (
+        None  # why rejected, as a group name ("memory", "tensor > devices per node", ...)
+    )
     reason: Optional[str] = None  # the sentence
 
     @property
@@ -65,11 +67,14 @@ def _splits(world: int) -> Iterator[tuple[int, int, int]]:
             yield world // (tp * pp), tp, pp
 
 
-def _split_problem(facts: ModelFacts, cluster: Cluster, batch: int, dp: int, tp: int, pp: int
-                   ) -> Optional[tuple[str, str]]:
+def _split_problem(
+    facts: ModelFacts, cluster: Cluster, batch: int, dp: int, tp: int, pp: int
+) -> Optional[tuple[str, str]]:
     if tp > cluster.devices_per_node:
-        return "tensor > devices per node", (f"tp={tp} > {cluster.devices_per_node} devices per node "
-                                             "(tensor parallelism is kept inside a node)")
+        return "tensor > devices per node", (
+            f"tp={tp} > {cluster.devices_per_node} devices per node "
+            "(tensor parallelism is kept inside a node)"
+        )
     if facts.n_head % tp:
         return "tensor does not divide heads", f"tp={tp} does not divide n_head={facts.n_head}"
     if pp > 1 and not facts.pipeline_ready:
@@ -100,12 +105,15 @@ def _schedules(pp: int, n_layer: int, options: PlannerOptions) -> Iterator[tuple
             yield schedule, 1
             continue
         for virtual in options.virtual_stages:
-            if n_layer % (pp * virtual) == 0:  # interleaving needs the uniform split to come out even
+            if (
+                n_layer % (pp * virtual) == 0
+            ):  # interleaving needs the uniform split to come out even
                 yield schedule, virtual
 
 
-def _choices(dp: int, tp: int, pp: int, batch_per_rank: int, n_layer: int, options: PlannerOptions
-             ) -> Iterator[Choice]:
+def _choices(
+    dp: int, tp: int, pp: int, batch_per_rank: int, n_layer: int, options: PlannerOptions
+) -> Iterator[Choice]:
     for zero in options.zero_stages:
         for offload in options.offloads:
             params = offload.endswith("+params")
@@ -116,12 +124,30 @@ def _choices(dp: int, tp: int, pp: int, batch_per_rank: int, n_layer: int, optio
             for policy in options.ac_policies:
                 for schedule, virtual in _schedules(pp, n_layer, options):
                     for m in _micro_batches(batch_per_rank, options):
-                        for sp in ((False, True) if tp > 1 and options.sequence_parallel else (False,)):
-                            yield Choice(dp, tp, pp, zero, m, schedule, policy, offload, batch_per_rank, virtual, sp)
+                        for sp in (
+                            (False, True) if tp > 1 and options.sequence_parallel else (False,)
+                        ):
+                            yield Choice(
+                                dp,
+                                tp,
+                                pp,
+                                zero,
+                                m,
+                                schedule,
+                                policy,
+                                offload,
+                                batch_per_rank,
+                                virtual,
+                                sp,
+                            )
 
 
-def plan_layouts(facts: ModelFacts, cluster: Cluster, options: PlannerOptions = PlannerOptions(),
-                 check: Optional[Check] = None) -> list[Candidate]:
+def plan_layouts(
+    facts: ModelFacts,
+    cluster: Cluster,
+    options: PlannerOptions = PlannerOptions(),
+    check: Optional[Check] = None,
+) -> list[Candidate]:
     """Every enumerated layout, predicted: fitting ones by predicted tokens/s (fastest first),
     then the rejected ones with their reason.
 
@@ -139,8 +165,13 @@ def plan_layouts(facts: ModelFacts, cluster: Cluster, options: PlannerOptions = 
     for dp, tp, pp in _splits(world):
         problem = _split_problem(facts, cluster, batch, dp, tp, pp)
         if problem is not None:
-            rejected.append(Candidate(Choice(dp, tp, pp, batch_per_rank=max(1, batch // dp)), kind=problem[0],
-                                      reason=problem[1]))
+            rejected.append(
+                Candidate(
+                    Choice(dp, tp, pp, batch_per_rank=max(1, batch // dp)),
+                    kind=problem[0],
+                    reason=problem[1],
+                )
+            )
             continue
         for choice in _choices(dp, tp, pp, batch // dp, facts.n_layer, options):
             if pp > 1 and choice.schedule != "gpipe" and choice.micro_batches < pp:
@@ -151,45 +182,81 @@ def plan_layouts(facts: ModelFacts, cluster: Cluster, options: PlannerOptions = 
             if error is not None:
                 rejected.append(Candidate(choice, kind="plan check", reason=error))
                 continue
-            keys = [(policy, tp) + (("sp",) if choice.sequence_parallel else ()) for policy in ("none", choice.ac_policy)]
+            keys = [
+                (policy, tp) + (("sp",) if choice.sequence_parallel else ())
+                for policy in ("none", choice.ac_policy)
+            ]
             if any(key not in facts.activations for key in keys):
-                rejected.append(Candidate(choice, kind="activations not measured", reason=(
-                    f"no activation measurement for ac_policy={choice.ac_policy!r} at tensor={tp}"
-                    f"{' with sequence parallelism' if choice.sequence_parallel else ''} "
-                    "(model_facts(tp_sizes=...) lacks it)")))
+                rejected.append(
+                    Candidate(
+                        choice,
+                        kind="activations not measured",
+                        reason=(
+                            f"no activation measurement for ac_policy={choice.ac_policy!r} at tensor={tp}"
+                            f"{' with sequence parallelism' if choice.sequence_parallel else ''} "
+                            "(model_facts(tp_sizes=...) lacks it)"
+                        ),
+                    )
+                )
                 continue
             memory = rank_memory(facts, choice, options)
             time = step_time(facts, choice, cluster, options)
             cand = Candidate(choice, memory, time, mfu(facts, time, cluster, world))
             if memory.total > device_budget:
                 reserve = f" (+{options.reserve_gb:g} GB reserved)" if options.reserve_gb else ""
-                cand = replace(cand, kind="device memory", reason=(
-                    f"needs {human(memory.total)} per rank{reserve} > {cluster.device_memory_gb:g} GB"))
+                cand = replace(
+                    cand,
+                    kind="device memory",
+                    reason=(
+                        f"needs {human(memory.total)} per rank{reserve} > {cluster.device_memory_gb:g} GB"
+                    ),
+                )
             elif memory.host > host_budget:
-                cand = replace(cand, kind="host memory", reason=(
-                    f"needs {human(memory.host)} of host memory per rank x {cluster.devices_per_node} > "
-                    f"{cluster.host_memory_gb:g} GB per node"))
+                cand = replace(
+                    cand,
+                    kind="host memory",
+                    reason=(
+                        f"needs {human(memory.host)} of host memory per rank x {cluster.devices_per_node} > "
+                        f"{cluster.host_memory_gb:g} GB per node"
+                    ),
+                )
             elif memory.disk * cluster.devices_per_node > cluster.nvme_gb * GB:
-                cand = replace(cand, kind="NVMe space", reason=(
-                    f"needs {human(memory.disk)} on the drive per rank x {cluster.devices_per_node} > "
-                    f"{cluster.nvme_gb:g} GB per node"))
+                cand = replace(
+                    cand,
+                    kind="NVMe space",
+                    reason=(
+                        f"needs {human(memory.disk)} on the drive per rank x {cluster.devices_per_node} > "
+                        f"{cluster.nvme_gb:g} GB per node"
+                    ),
+                )
             (fitting if cand.fits else rejected).append(cand)
     fitting.sort(key=_rank_key)
     return fitting + rejected
 
 
-def plan_candidates(module: Any, cluster: Cluster, options: PlannerOptions, *, tp_sizes: Optional[list[int]] = None,
-                    name: str = "model") -> tuple[ModelFacts, list[Candidate]]:
+def plan_candidates(
+    module: Any,
+    cluster: Cluster,
+    options: PlannerOptions,
+    *,
+    tp_sizes: Optional[list[int]] = None,
+    name: str = "model",
+) -> tuple[ModelFacts, list[Candidate]]:
     """Facts of ``module`` (built on ``meta``), activations measured at every tensor size a node
     allows (or ``tp_sizes``), and :func:`plan_layouts` with the strategy's own check of the model:
     what the CLI and ``parallelism=auto`` both plan from."""
     from lightning_3d.planner.facts import model_facts
-    from lightning_3d.recipe import check
+    from lightning_3d.strategy.recipe import check
 
-    facts = model_facts(module, seq_len=options.seq_len, precision=options.precision,
-                        tp_sizes=tp_sizes or divisors(cluster.devices_per_node), name=name,
-                        policies=tuple(dict.fromkeys(("none", *options.ac_policies))),
-                        sequence_parallel=options.sequence_parallel)
+    facts = model_facts(
+        module,
+        seq_len=options.seq_len,
+        precision=options.precision,
+        tp_sizes=tp_sizes or divisors(cluster.devices_per_node),
+        name=name,
+        policies=tuple(dict.fromkeys(("none", *options.ac_policies))),
+        sequence_parallel=options.sequence_parallel,
+    )
     return facts, plan_layouts(facts, cluster, options, check=functools.partial(check, module))
 
 
@@ -197,9 +264,17 @@ def _rank_key(c: Candidate) -> tuple:
     """Fastest first; among equally fast layouts the simpler one (less sharding, recomputation,
     offload, fewer micro-batches), then the one with more memory to spare."""
     ch = c.choice
-    simpler = (ch.zero_stage, ("none", "selective", "full").index(ch.ac_policy), OFFLOADS.index(ch.offload),
-               ch.pipeline, ch.tensor, ch.schedule in MULTI_STAGE, ch.virtual_stages, ch.sequence_parallel,
-               ch.micro_batches)
+    simpler = (
+        ch.zero_stage,
+        ("none", "selective", "full").index(ch.ac_policy),
+        OFFLOADS.index(ch.offload),
+        ch.pipeline,
+        ch.tensor,
+        ch.schedule in MULTI_STAGE,
+        ch.virtual_stages,
+        ch.sequence_parallel,
+        ch.micro_batches,
+    )
     return (-round(c.tokens_per_s, 6), *simpler, c.memory.total)
 
 
@@ -215,7 +290,13 @@ def _plan_error(choice: Choice, world: int, check: Optional[Check], cache: dict)
         try:
             plan = Plan.from_options(**options)
             # What the model check depends on: sequence parallelism builds another tensor plan.
-            shape_key = ("shape", choice.tensor, choice.pipeline, plan.pp.virtual_stages, plan.tp.sequence_parallel)
+            shape_key = (
+                "shape",
+                choice.tensor,
+                choice.pipeline,
+                plan.pp.virtual_stages,
+                plan.tp.sequence_parallel,
+            )
             if check is not None and (choice.tensor > 1 or choice.pipeline > 1):
                 if shape_key not in cache:
                     try:

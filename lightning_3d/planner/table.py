@@ -8,8 +8,10 @@ from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.memory import GB, human
 from lightning_3d.planner.search import Candidate, least_memory
 
-HEADER = ("| # | dp×tp×pp | ZeRO | micro-batches | AC | offload | params | grads | optim | activ | buffers | "
-          "total GB | compute | comm | bubble | optim step | offload | fixed | step | tokens/s | MFU |")
+HEADER = (
+    "| # | dp×tp×pp | ZeRO | micro-batches | AC | offload | params | grads | optim | activ | buffers | "
+    "total GB | compute | comm | bubble | optim step | offload | fixed | step | tokens/s | MFU |"
+)
 
 
 def _gb(value: float) -> str:
@@ -27,8 +29,11 @@ def ranked_table(candidates: list[Candidate], top: int = 10) -> str:
     fitting = [c for c in candidates if c.fits][:top]
     for i, c in enumerate(fitting, 1):
         ch, m, t = c.choice, c.memory, c.time
-        micro = f"{ch.schedule} {ch.micro_batches}×{ch.micro_batch_size}" if ch.pipeline > 1 else \
-            f"accum {ch.micro_batches}×{ch.micro_batch_size}"
+        micro = (
+            f"{ch.schedule} {ch.micro_batches}×{ch.micro_batch_size}"
+            if ch.pipeline > 1
+            else f"accum {ch.micro_batches}×{ch.micro_batch_size}"
+        )
         micro += f" v{ch.virtual_stages}" if ch.virtual_stages > 1 else ""
         sp = " sp" if ch.sequence_parallel else ""
         rows.append(
@@ -37,7 +42,8 @@ def ranked_table(candidates: list[Candidate], top: int = 10) -> str:
             f"{_gb(m.params)} | {_gb(m.grads)} | {_gb(m.optimizer)} | {_gb(m.activations)} | {_gb(m.buffers)} | "
             f"{_gb(m.total)} | {_ms(t.compute)} | {_ms(t.comm)} | {_ms(t.bubble)} | {_ms(t.optimizer)} | "
             f"{_ms(t.offload)} | {_ms(t.overhead)} | "
-            f"{_ms(t.total)} | {c.tokens_per_s:,.0f} | {100 * c.mfu:.1f}% |")
+            f"{_ms(t.total)} | {c.tokens_per_s:,.0f} | {100 * c.mfu:.1f}% |"
+        )
     return "\n".join(rows)
 
 
@@ -59,16 +65,23 @@ def rejected_summary(candidates: list[Candidate], examples: int = 2) -> str:
     return "\n".join(lines)
 
 
-def nothing_fits(candidates: list[Candidate], cluster: Cluster, reserve_gb: float, offloads: tuple = ()) -> str:
+def nothing_fits(
+    candidates: list[Candidate], cluster: Cluster, reserve_gb: float, offloads: tuple = ()
+) -> str:
     """The ``error:`` sentence when no layout fits: what would."""
     best = least_memory(candidates)
     if best is None:
         reasons = sorted({c.reason for c in candidates if c.reason})[:3]
         return f"no layout fits {cluster.describe()}: " + "; ".join(reasons)
     need = best.memory.total / GB + reserve_gb
-    return (f"no layout fits {cluster.device_memory_gb:g} GB per device: the least memory any layout needs is "
-            f"{human(best.memory.total)} per rank ({best.choice.label()}); give cluster.device_memory_gb >= "
-            f"{need:.3g} (with planner.reserve_gb={reserve_gb:g}), more devices, or a smaller planner.batch_size"
-            + ("" if "cpu+params" in offloads else
-               ", or try planner.offloads=[none,cpu,cpu+params,nvme,nvme+params] (ZeRO-3 parameter shards in "
-               "host memory, Adam's state on NVMe)"))
+    return (
+        f"no layout fits {cluster.device_memory_gb:g} GB per device: the least memory any layout needs is "
+        f"{human(best.memory.total)} per rank ({best.choice.label()}); give cluster.device_memory_gb >= "
+        f"{need:.3g} (with planner.reserve_gb={reserve_gb:g}), more devices, or a smaller planner.batch_size"
+        + (
+            ""
+            if "cpu+params" in offloads
+            else ", or try planner.offloads=[none,cpu,cpu+params,nvme,nvme+params] (ZeRO-3 parameter shards in "
+            "host memory, Adam's state on NVMe)"
+        )
+    )

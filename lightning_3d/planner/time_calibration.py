@@ -1,6 +1,6 @@
 """The planner's predicted step time next to measured runs on this machine, layout by layout.
 
-    python -m lightning_3d.planner.calibration --time [--rounds 3] [--layouts single dp2_z0 ...]
+    python -m lightning_3d.calibration.memory --time [--rounds 3] [--layouts single dp2_z0 ...]
 
 Trains :data:`TIME_MODEL` (a GPT big enough that its matmuls, not Python, take most of a step,
 yet a run takes seconds on a CPU) in every layout of :data:`TIME_LAYOUTS` — world 1 (Lightning's
@@ -8,9 +8,9 @@ single device, both cores) and world 2 (gloo, one core per rank) — for :data:`
 steps and takes the median step time after the run summary's warm-up steps. A shared machine's
 speed drifts from minute to minute, so the layouts are run in **rounds** (every layout once per
 round, the world-2 ones in one world per round), each round first measuring the machine's
-constants (:mod:`lightning_3d.planner.machine`) under the same load; the order rotates from
+constants (:mod:`lightning_3d.calibration.machine`) under the same load; the order rotates from
 round to round (:func:`rotated`). Each world also trains the tests' tiny GPT for a few steps
-(:func:`lightning_3d.planner.machine.tiny_step_seconds`): what its step takes beyond the model's
+(:func:`lightning_3d.calibration.machine.tiny_step_seconds`): what its step takes beyond the model's
 prediction is that world's fixed cost per step. A round without a 2-rank layout measures no link
 and no world-of-2 figure: they print as not measured. Two tables are printed: medians over rounds of step times,
 predicted with the median constants, and each layout's fastest round ("best"), predicted with
@@ -31,12 +31,19 @@ from typing import Any, Optional
 from lightning_3d.planner.choice import PlannerOptions
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.facts import ModelFacts
-from lightning_3d.planner.layouts import TIME_LAYOUTS, choice_of
-from lightning_3d.planner.machine import (MachineConstants, machine_cluster, measured, planner_options,
-                                          tiny_step_seconds)
+from lightning_3d.calibration.layouts import TIME_LAYOUTS, choice_of
+from lightning_3d.calibration.machine import (
+    MachineConstants,
+    machine_cluster,
+    measured,
+    planner_options,
+    tiny_step_seconds,
+)
 from lightning_3d.planner.timing import StepTime, step_time
 
-TIME_MODEL = dict(n_layer=4, n_head=4, n_embd=256, block_size=128)  # 3.3 M parameters, ~20 GFLOP a step
+TIME_MODEL = dict(
+    n_layer=4, n_head=4, n_embd=256, block_size=128
+)  # 3.3 M parameters, ~20 GFLOP a step
 TIME_DATA = dict(block_size=128, batch_size=8)
 STEPS = 7  # the run summary's median skips the first 3
 SIZES = (256, 1 << 20)  # fp32 elements of the all-reduces that measure the link
@@ -61,7 +68,9 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
     """Spearman's rank correlation (Pearson's of the ranks; ties get mean ranks); ``ValueError``
     unless both have the same length >= 2."""
     if len(xs) != len(ys) or len(xs) < 2:
-        raise ValueError(f"need two sequences of one length >= 2, got {len(xs)} and {len(ys)} values")
+        raise ValueError(
+            f"need two sequences of one length >= 2, got {len(xs)} and {len(ys)} values"
+        )
     rx, ry = ranks(xs), ranks(ys)
     mx, my = statistics.fmean(rx), statistics.fmean(ry)
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
@@ -69,45 +78,65 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
     return cov / var if var else 0.0
 
 
-def verdict(measured: Mapping[str, float], predicted: Mapping[str, float], tolerance: float = 0.10
-            ) -> dict[str, Any]:
+def verdict(
+    measured: Mapping[str, float], predicted: Mapping[str, float], tolerance: float = 0.10
+) -> dict[str, Any]:
     """Compare step times by layout name: ``first_choice`` (predicted fastest; among equal
     predictions the first in ``predicted``'s order, which :func:`calibrate` gives as
     :data:`TIME_LAYOUTS`', simplest first, the planner's own tie-break), ``fastest`` (measured
     fastest), ``gap`` (first choice's measured time / fastest's − 1), ``within`` (``gap <=
     tolerance``) and ``spearman``. ``ValueError`` when the names differ."""
     if set(measured) != set(predicted) or not measured:
-        raise ValueError(f"measured layouts {sorted(measured)} and predicted {sorted(predicted)} must be the same, "
-                         "non-empty")
+        raise ValueError(
+            f"measured layouts {sorted(measured)} and predicted {sorted(predicted)} must be the same, "
+            "non-empty"
+        )
     names = list(predicted)
     first = min(names, key=lambda n: round(predicted[n], 9))  # min keeps the first of equals
     fastest = min(names, key=lambda n: measured[n])
     gap = measured[first] / measured[fastest] - 1
-    rho = spearman([measured[n] for n in names], [predicted[n] for n in names]) if len(names) > 1 else 1.0
-    return {"first_choice": first, "fastest": fastest, "gap": gap, "within": gap <= tolerance, "spearman": rho,
-            "misordered": confident_misorders(measured, predicted)}
+    rho = (
+        spearman([measured[n] for n in names], [predicted[n] for n in names])
+        if len(names) > 1
+        else 1.0
+    )
+    return {
+        "first_choice": first,
+        "fastest": fastest,
+        "gap": gap,
+        "within": gap <= tolerance,
+        "spearman": rho,
+        "misordered": confident_misorders(measured, predicted),
+    }
 
 
-def confident_misorders(measured: Mapping[str, float], predicted: Mapping[str, float], margin: float = 0.2
-                        ) -> list[tuple[str, str]]:
+def confident_misorders(
+    measured: Mapping[str, float], predicted: Mapping[str, float], margin: float = 0.2
+) -> list[tuple[str, str]]:
     """Pairs ``(a, b)`` the planner predicts apart by more than ``margin`` (``a`` faster:
     ``predicted[b] > (1 + margin) · predicted[a]``) but that measure the other way round. Close
     predictions are not judged: on a noisy machine their order is a coin toss."""
     if set(measured) != set(predicted):
-        raise ValueError(f"measured layouts {sorted(measured)} and predicted {sorted(predicted)} must be the same")
-    return [(a, b) for a in predicted for b in predicted
-            if predicted[b] > (1 + margin) * predicted[a] and measured[b] < measured[a]]
+        raise ValueError(
+            f"measured layouts {sorted(measured)} and predicted {sorted(predicted)} must be the same"
+        )
+    return [
+        (a, b)
+        for a in predicted
+        for b in predicted
+        if predicted[b] > (1 + margin) * predicted[a] and measured[b] < measured[a]
+    ]
 
 
 def cluster_of(constants: MachineConstants, world: int) -> Cluster:
     """This machine as the planner's :class:`Cluster` for a ``world``-rank run
-    (:func:`lightning_3d.planner.machine.machine_cluster`; memory is not what is calibrated
+    (:func:`lightning_3d.calibration.machine.machine_cluster`; memory is not what is calibrated
     here: generous)."""
     return machine_cluster(constants, world)
 
 
 def options_of(constants: MachineConstants, batch: int, seq_len: int, world: int) -> PlannerOptions:
-    """Planner options with the measured constants (:func:`lightning_3d.planner.machine.planner_options`:
+    """Planner options with the measured constants (:func:`lightning_3d.calibration.machine.planner_options`:
     the measured block rate is the peak, ``efficiency=1``; CPU ranks' communication does not
     overlap, ``CPU_OPTIONS``; every other modelled cost as measured)."""
     return planner_options(constants, batch, seq_len, world)
@@ -117,8 +146,12 @@ def predict(facts: ModelFacts, name: str, constants: MachineConstants) -> StepTi
     """The planner's step time of layout ``name`` of :data:`TIME_LAYOUTS` with ``constants``."""
     strategy, world = TIME_LAYOUTS[name]
     batch = TIME_DATA["batch_size"]
-    return step_time(facts, choice_of(strategy, world, batch), cluster_of(constants, world),
-                     options_of(constants, batch, facts.seq_len, world))
+    return step_time(
+        facts,
+        choice_of(strategy, world, batch),
+        cluster_of(constants, world),
+        options_of(constants, batch, facts.seq_len, world),
+    )
 
 
 def _step_seconds(summary: Mapping[str, Any]) -> float:
@@ -127,7 +160,7 @@ def _step_seconds(summary: Mapping[str, Any]) -> float:
 
 
 def _run(rank: int, name: str, steps: int) -> float:
-    from lightning_3d.testing.runs import Run, fit_gpt
+    from lightning_3d.harness.runs import Run, fit_gpt
 
     strategy, world = TIME_LAYOUTS[name]
     run = Run(strategy=strategy, devices=world, steps=steps, model=TIME_MODEL, data=TIME_DATA)
@@ -136,10 +169,11 @@ def _run(rank: int, name: str, steps: int) -> float:
 
 def _world_round(rank: int, names: Sequence[str], steps: int) -> dict[str, Any]:
     """One round on a rank of the 2-process world: the constants, then each layout once."""
-    from lightning_3d.planner.machine import _rank_probe
+    from lightning_3d.calibration.machine import _rank_probe
 
-    probe = _rank_probe(rank, TIME_MODEL["n_embd"], TIME_DATA["batch_size"] // 2, TIME_DATA["block_size"],
-                        SIZES, 15)
+    probe = _rank_probe(
+        rank, TIME_MODEL["n_embd"], TIME_DATA["batch_size"] // 2, TIME_DATA["block_size"], SIZES, 15
+    )
     probe["tiny_step_s"] = tiny_step_seconds(rank, 2)
     times = {name: _run(rank, name, steps) for name in names}
     probe["gflops"] = max(probe["gflops"], _block_rate_again(TIME_DATA["batch_size"] // 2, 1))
@@ -151,7 +185,7 @@ def _block_rate_again(batch: int, threads: int) -> float:
     two: another job on this shared machine, for the second or so a measurement takes, can
     starve a process of its cores (two threads in one process lost 10-20x here: each waits for
     the other at every op), a moment the layouts' median steps mostly miss."""
-    from lightning_3d.planner.machine import block_rate
+    from lightning_3d.calibration.machine import block_rate
 
     return block_rate(TIME_MODEL["n_embd"], batch, TIME_DATA["block_size"], threads)[0]
 
@@ -162,7 +196,12 @@ def _single_round(steps: int) -> tuple[float, float, float, float, float]:
     seconds of ``single``), in this process."""
     import torch
 
-    from lightning_3d.planner.machine import adam_params_per_s, block_rate, matmul_gflops, threads_per_rank
+    from lightning_3d.calibration.machine import (
+        adam_params_per_s,
+        block_rate,
+        matmul_gflops,
+        threads_per_rank,
+    )
 
     threads = threads_per_rank(1)
     before = torch.get_num_threads()
@@ -179,15 +218,17 @@ def _single_round(steps: int) -> tuple[float, float, float, float, float]:
         torch.set_num_threads(before)
 
 
-def measure_round(names: Sequence[str], steps: int = STEPS) -> tuple[MachineConstants, dict[str, float]]:
+def measure_round(
+    names: Sequence[str], steps: int = STEPS
+) -> tuple[MachineConstants, dict[str, float]]:
     """One round: every layout of ``names`` once, in that order (``single``, in this process,
     before or after the 2-process world's runs as it is named first or not), with the constants
     measured just before each world's runs. Returns (the constants, step seconds by name).
     Without a 2-rank layout named no 2-process world runs: the link and the other figures only
     a world of 2 measures are left out (``nan``, printed as not measured), and the 1-process
     world's rates stand in for its rates."""
-    from lightning_3d.planner.machine import from_probes, step_overheads, threads_per_rank
-    from lightning_3d.testing.world import run_world
+    from lightning_3d.calibration.machine import from_probes, step_overheads, threads_per_rank
+    from lightning_3d.harness.world import run_world
 
     unknown = [n for n in names if n not in TIME_LAYOUTS]
     if unknown:
@@ -209,7 +250,10 @@ def measure_round(names: Sequence[str], steps: int = STEPS) -> tuple[MachineCons
         found = _alone_constants(alone, threads)
     else:
         if alone is None:
-            alone = [statistics.median(p[k] for p in probes) for k in ("gflops", "matmul_gflops", "adam_params_per_s")]
+            alone = [
+                statistics.median(p[k] for p in probes)
+                for k in ("gflops", "matmul_gflops", "adam_params_per_s")
+            ]
         found = from_probes(probes, SIZES, 2, alone[0], alone[1], threads, alone[2])
     tiny = {} if alone is None or len(alone) < 4 else {1: alone[3]}
     if probes:
@@ -222,10 +266,20 @@ def _alone_constants(alone: Sequence[float], threads: Mapping[int, int]) -> Mach
     the link and the world-of-2 figures not measured (``nan``)."""
     block, matmul, adam = alone[:3]
     nan = float("nan")
-    return MachineConstants({1: block, 2: block}, nan, nan, nan, dict(threads),
-                            forward_share=nan, matmul_gflops={1: matmul, 2: matmul},
-                            adam_params_per_s={1: adam, 2: adam}, reduce_scatter_efficiency=nan,
-                            all_gather_efficiency=nan, tp_overhead=nan, selective_share=nan)
+    return MachineConstants(
+        {1: block, 2: block},
+        nan,
+        nan,
+        nan,
+        dict(threads),
+        forward_share=nan,
+        matmul_gflops={1: matmul, 2: matmul},
+        adam_params_per_s={1: adam, 2: adam},
+        reduce_scatter_efficiency=nan,
+        all_gather_efficiency=nan,
+        tp_overhead=nan,
+        selective_share=nan,
+    )
 
 
 def combine(found: Sequence[MachineConstants], how: str = "median") -> MachineConstants:
@@ -233,23 +287,32 @@ def combine(found: Sequence[MachineConstants], how: str = "median") -> MachineCo
     rates and efficiencies, least latency and overheads: the machine at its quietest, to set
     against the fastest round of each layout). Shares (forward, selective) are medians either way."""
     if how not in ("median", "best") or not found:
-        raise ValueError(f"how={how!r} must be 'median' or 'best', with constants of >= 1 round (got {len(found)})")
+        raise ValueError(
+            f"how={how!r} must be 'median' or 'best', with constants of >= 1 round (got {len(found)})"
+        )
     fast, slow = (statistics.median, statistics.median) if how == "median" else (max, min)
 
     def per_world(name: str, pick: Any) -> Optional[dict[int, float]]:
         first = getattr(found[0], name)
-        return None if first is None else {w: pick(getattr(c, name)[w] for c in found) for w in first}
+        return (
+            None if first is None else {w: pick(getattr(c, name)[w] for c in found) for w in first}
+        )
 
-    return MachineConstants(per_world("gflops", fast), fast(c.intra_node_gbps for c in found),
-                            slow(c.latency_us for c in found), slow(c.launch_overhead_us for c in found),
-                            dict(found[0].threads), forward_share=statistics.median(c.forward_share for c in found),
-                            matmul_gflops=per_world("matmul_gflops", fast),
-                            adam_params_per_s=per_world("adam_params_per_s", fast),
-                            reduce_scatter_efficiency=fast(c.reduce_scatter_efficiency for c in found),
-                            all_gather_efficiency=fast(c.all_gather_efficiency for c in found),
-                            tp_overhead=slow(c.tp_overhead for c in found),
-                            selective_share=statistics.median(c.selective_share for c in found),
-                            step_overhead_us=per_world("step_overhead_us", slow))
+    return MachineConstants(
+        per_world("gflops", fast),
+        fast(c.intra_node_gbps for c in found),
+        slow(c.latency_us for c in found),
+        slow(c.launch_overhead_us for c in found),
+        dict(found[0].threads),
+        forward_share=statistics.median(c.forward_share for c in found),
+        matmul_gflops=per_world("matmul_gflops", fast),
+        adam_params_per_s=per_world("adam_params_per_s", fast),
+        reduce_scatter_efficiency=fast(c.reduce_scatter_efficiency for c in found),
+        all_gather_efficiency=fast(c.all_gather_efficiency for c in found),
+        tp_overhead=slow(c.tp_overhead for c in found),
+        selective_share=statistics.median(c.selective_share for c in found),
+        step_overhead_us=per_world("step_overhead_us", slow),
+    )
 
 
 def rotated(names: Sequence[str], round_index: int) -> list[str]:
@@ -270,7 +333,9 @@ def time_facts() -> ModelFacts:
 
     with torch.device("meta"):
         module = LitGPT(**TIME_MODEL)
-    return model_facts(module, seq_len=TIME_DATA["block_size"], precision="32-true", tp_sizes=(1, 2), name="time")
+    return model_facts(
+        module, seq_len=TIME_DATA["block_size"], precision="32-true", tp_sizes=(1, 2), name="time"
+    )
 
 
 def calibrate(names: Sequence[str], rounds: int = 3) -> dict[str, Any]:
@@ -290,8 +355,9 @@ def calibrate(names: Sequence[str], rounds: int = 3) -> dict[str, Any]:
     return summarise(measured, found)
 
 
-def summarise(measured: Mapping[str, Sequence[float]], found: Sequence[MachineConstants], how: str = "median"
-              ) -> dict[str, Any]:
+def summarise(
+    measured: Mapping[str, Sequence[float]], found: Sequence[MachineConstants], how: str = "median"
+) -> dict[str, Any]:
     """Per layout the measured step seconds of every round and their ``how`` (``"median"`` or
     ``"best"``: the fastest round), the planner's prediction with :func:`combine`'s constants
     (``how``), and their :func:`verdict`."""
@@ -302,15 +368,25 @@ def summarise(measured: Mapping[str, Sequence[float]], found: Sequence[MachineCo
     predicted = {n: predict(facts, n, constants) for n in names}
     medians = {n: pick(measured[n]) for n in names}
     guesses = {n: predicted[n].total for n in names}
-    return {"measured": {n: list(measured[n]) for n in names}, "predicted": predicted, "constants": list(found),
-            "combined": constants, "how": how, "verdict": verdict(medians, guesses), "medians": medians,
-            "guesses": guesses}
+    return {
+        "measured": {n: list(measured[n]) for n in names},
+        "predicted": predicted,
+        "constants": list(found),
+        "combined": constants,
+        "how": how,
+        "verdict": verdict(medians, guesses),
+        "medians": medians,
+        "guesses": guesses,
+    }
 
 
 def _adam(c: MachineConstants) -> str:
     if not c.adam_params_per_s:
         return "not measured"
-    return " / ".join(f"{c.adam_params_per_s[w] / 1e6:.0f}" for w in sorted(c.adam_params_per_s)) + " M params/s"
+    return (
+        " / ".join(f"{c.adam_params_per_s[w] / 1e6:.0f}" for w in sorted(c.adam_params_per_s))
+        + " M params/s"
+    )
 
 
 def table(result: Mapping[str, Any]) -> str:
@@ -318,20 +394,26 @@ def table(result: Mapping[str, Any]) -> str:
     medians, guesses = result["medians"], result["guesses"]
     measured_rank = dict(zip(medians, ranks(list(medians.values()))))
     predicted_rank = dict(zip(guesses, ranks(list(guesses.values()))))
-    lines = [f"| layout | measured s, {result['how']} (min-max over rounds) | predicted s | "
-             "compute / comm / bubble / optimizer / step overhead | measured rank | predicted rank |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"| layout | measured s, {result['how']} (min-max over rounds) | predicted s | "
+        "compute / comm / bubble / optimizer / step overhead | measured rank | predicted rank |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in sorted(medians, key=medians.get):
         runs, t = result["measured"][name], result["predicted"][name]
-        lines.append(f"| {name} | {medians[name]:.3f} ({min(runs):.3f}-{max(runs):.3f}) | {guesses[name]:.3f} | "
-                     f"{t.compute:.3f} / {t.comm:.3f} / {t.bubble:.3f} / {t.optimizer:.3f} / {t.overhead:.3f} | "
-                     f"{measured_rank[name]:g} | {predicted_rank[name]:g} |")
+        lines.append(
+            f"| {name} | {medians[name]:.3f} ({min(runs):.3f}-{max(runs):.3f}) | {guesses[name]:.3f} | "
+            f"{t.compute:.3f} / {t.comm:.3f} / {t.bubble:.3f} / {t.optimizer:.3f} / {t.overhead:.3f} | "
+            f"{measured_rank[name]:g} | {predicted_rank[name]:g} |"
+        )
     v = result["verdict"]
     lines.append("")
-    lines.append(f"Spearman rank correlation {v['spearman']:.2f}; planner's first choice {v['first_choice']} "
-                 f"measured {100 * v['gap']:.1f}% slower than the fastest ({v['fastest']}): "
-                 f"{'within' if v['within'] else 'NOT within'} 10%. Predicted >20% apart yet measured the other "
-                 f"way: {', '.join(f'{a} < {b}' for a, b in v['misordered']) or 'none'}.")
+    lines.append(
+        f"Spearman rank correlation {v['spearman']:.2f}; planner's first choice {v['first_choice']} "
+        f"measured {100 * v['gap']:.1f}% slower than the fastest ({v['fastest']}): "
+        f"{'within' if v['within'] else 'NOT within'} 10%. Predicted >20% apart yet measured the other "
+        f"way: {', '.join(f'{a} < {b}' for a, b in v['misordered']) or 'none'}."
+    )
     for i, c in [*enumerate(result["constants"]), (result["how"], result["combined"])]:
         lines.append(f"round {i}: {constants_line(c)}")
     return "\n".join(lines)
@@ -340,30 +422,52 @@ def table(result: Mapping[str, Any]) -> str:
 def constants_line(c: MachineConstants) -> str:
     """One round's constants in words; figures a round did not measure say so."""
     mm = c.matmul_gflops or {1: float("nan"), 2: float("nan")}
-    line = (f"block {c.gflops[1]:.1f} GFLOP/s (world 1, {c.threads[1]} threads) / {c.gflops[2]:.1f} per rank "
-            f"(world 2) [bare matmul {mm[1]:.1f} / {mm[2]:.1f}]; AdamW {_adam(c)}; ")
+    line = (
+        f"block {c.gflops[1]:.1f} GFLOP/s (world 1, {c.threads[1]} threads) / {c.gflops[2]:.1f} per rank "
+        f"(world 2) [bare matmul {mm[1]:.1f} / {mm[2]:.1f}]; AdamW {_adam(c)}; "
+    )
     if not measured(c.intra_node_gbps):
-        line += "no world of 2 ran: gloo link, forward share, block overhead and the rest not measured"
+        line += (
+            "no world of 2 ran: gloo link, forward share, block overhead and the rest not measured"
+        )
     else:
-        line += (f"forward share {c.forward_share:.2f}; gloo {c.intra_node_gbps:.2f} GB/s, {c.latency_us:.0f} us; "
-                 f"block overhead {c.launch_overhead_us:.0f} us; reduce-scatter / all-gather efficiency "
-                 f"{c.reduce_scatter_efficiency:.2f} / {c.all_gather_efficiency:.2f}; tensor-parallel overhead "
-                 f"{c.tp_overhead:.2f}; selective checkpointing +{c.selective_share:.2f}")
+        line += (
+            f"forward share {c.forward_share:.2f}; gloo {c.intra_node_gbps:.2f} GB/s, {c.latency_us:.0f} us; "
+            f"block overhead {c.launch_overhead_us:.0f} us; reduce-scatter / all-gather efficiency "
+            f"{c.reduce_scatter_efficiency:.2f} / {c.all_gather_efficiency:.2f}; tensor-parallel overhead "
+            f"{c.tp_overhead:.2f}; selective checkpointing +{c.selective_share:.2f}"
+        )
     steps = c.step_overhead_us or {}
-    return line + "; step overhead " + (" / ".join(f"{steps[w] / 1e3:.1f} ms (world {w})" for w in sorted(steps))
-                                        or "not measured")
+    return (
+        line
+        + "; step overhead "
+        + (
+            " / ".join(f"{steps[w] / 1e3:.1f} ms (world {w})" for w in sorted(steps))
+            or "not measured"
+        )
+    )
 
 
 def raw(result: Mapping[str, Any]) -> dict[str, Any]:
     """What was measured, as JSON data: per layout the step seconds of every round, and every
     round's constants (enough to predict again with another time model: :func:`repredict`)."""
-    return {"measured": dict(result["measured"]), "constants": [c.as_dict() for c in result["constants"]]}
+    return {
+        "measured": dict(result["measured"]),
+        "constants": [c.as_dict() for c in result["constants"]],
+    }
 
 
 def repredict(data: Mapping[str, Any], how: str = "median") -> dict[str, Any]:
     """:func:`summarise` of saved :func:`raw` data, predicted with today's time model."""
-    found = [MachineConstants(**{k: ({int(w): v for w, v in c[k].items()} if isinstance(c[k], dict) else c[k])
-                                 for k in c}) for c in data["constants"]]
+    found = [
+        MachineConstants(
+            **{
+                k: ({int(w): v for w, v in c[k].items()} if isinstance(c[k], dict) else c[k])
+                for k in c
+            }
+        )
+        for c in data["constants"]
+    ]
     return summarise(data["measured"], found, how)
 
 

@@ -38,9 +38,9 @@ all-reduces (a reduce-scatter and an all-gather each), so its time is tensor par
 
 MFU counts the model's FLOPs (without recomputation) per second over the world's peak.
 
-**Calibrated against measured runs** (``python -m lightning_3d.planner.calibration --time``:
+**Calibrated against measured runs** (``python -m lightning_3d.calibration.memory --time``:
 a 3.3 M-parameter GPT, fp32, on this project's 2-core CPU, gloo; the table in the README).
-What the measurements led to, each a device constant that ``lightning_3d.planner.machine``
+What the measurements led to, each a device constant that ``lightning_3d.calibration.machine``
 measures rather than a per-layout factor:
 
 - **optimizer step** (new, ``StepTime.optimizer``): Adam's memory-bound pass over the rank's parameters
@@ -50,7 +50,7 @@ measures rather than a per-layout factor:
   FLOPs); measured 0.31-0.33 here, so 8/6 stays the default, and full checkpointing measured
   1.2-1.3x a plain step, as predicted;
 - **CPU ranks** do not overlap communication (``overlap=0``,
-  :data:`lightning_3d.planner.auto.CPU_OPTIONS`): gloo reduces and copies on the rank's own core;
+  :data:`lightning_3d.strategy.auto.CPU_OPTIONS`): gloo reduces and copies on the rank's own core;
 - the rate of a rank is the measured rate of a whole block (``machine.block_rate``), not a bare
   matmul's: 85-95% of it per core here, but 65% with two threads in one process.
 
@@ -93,11 +93,15 @@ class StepTime:
     offload: float
     tokens: int  # tokens per optimizer step, whole world
     optimizer: float = 0.0  # the on-device optimizer step (after the pipeline flushes: no bubble)
-    overhead: float = 0.0  # the step's fixed cost: loop, data loader, per-step agreement collectives
+    overhead: float = (
+        0.0  # the step's fixed cost: loop, data loader, per-step agreement collectives
+    )
 
     @property
     def total(self) -> float:
-        return self.compute + self.comm + self.bubble + self.offload + self.optimizer + self.overhead
+        return (
+            self.compute + self.comm + self.bubble + self.offload + self.optimizer + self.overhead
+        )
 
     @property
     def tokens_per_s(self) -> float:
@@ -112,12 +116,16 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
-def step_time(facts: ModelFacts, choice: Choice, cluster: Cluster, options: PlannerOptions) -> StepTime:
+def step_time(
+    facts: ModelFacts, choice: Choice, cluster: Cluster, options: PlannerOptions
+) -> StepTime:
     p_b, g_b, _, act = facts.bytes
     dp, tp, pp, m = choice.data, choice.tensor, choice.pipeline, choice.micro_batches
     seq, d = facts.seq_len, facts.d_model
     tokens_rank = choice.batch_per_rank * seq  # tokens one data-parallel rank processes per step
-    recompute = {"full": 1 + options.forward_share, "selective": 1 + options.selective_share}.get(choice.ac_policy, 1.0)
+    recompute = {"full": 1 + options.forward_share, "selective": 1 + options.selective_share}.get(
+        choice.ac_policy, 1.0
+    )
     # A tensor-parallel block also costs what its FLOP share does not count: replicated norms, dispatch.
     split_cost = 1 + options.tp_overhead if tp > 1 else 1.0
     speed = cluster.peak_tflops * 1e12 * options.efficiency
@@ -139,27 +147,42 @@ def step_time(facts: ModelFacts, choice: Choice, cluster: Cluster, options: Plan
     gathered = act if facts.precision.endswith("mixed") else p_b
     # Bytes at the all-reduce's rate: a reduce-scatter's and an all-gather's count 1/efficiency each.
     scatter, gather = g_b / options.reduce_scatter_efficiency, 1 / options.all_gather_efficiency
-    volume = {0: 2 * ring * elements * g_b, 1: ring * elements * (scatter + p_b * gather),
-              2: ring * elements * (scatter + p_b * gather),
-              3: ring * elements * (scatter + 2 * gathered * gather)}[choice.zero_stage]
+    volume = {
+        0: 2 * ring * elements * g_b,
+        1: ring * elements * (scatter + p_b * gather),
+        2: ring * elements * (scatter + p_b * gather),
+        3: ring * elements * (scatter + 2 * gathered * gather),
+    }[choice.zero_stage]
     inside = dp * tp <= cluster.devices_per_node
-    dp_bw = (cluster.intra_node_gbps if inside or cluster.nodes == 1 else cluster.inter_node_gbps) * 1e9
-    hideable = (compute * 2 / 3) / (m if pp > 1 else 1)  # backward of the last micro-batch only, under a pipeline
+    dp_bw = (
+        cluster.intra_node_gbps if inside or cluster.nodes == 1 else cluster.inter_node_gbps
+    ) * 1e9
+    hideable = (compute * 2 / 3) / (
+        m if pp > 1 else 1
+    )  # backward of the last micro-batch only, under a pipeline
     if choice.zero_stage == 3:
         hideable = compute / (m if pp > 1 else 1)
     latency = options.latency_us * 1e-6
     if dp == 1:
         collectives = 0
-    elif choice.zero_stage == 3:  # per block: gather in forward, gather and reduce-scatter in backward
+    elif (
+        choice.zero_stage == 3
+    ):  # per block: gather in forward, gather and reduce-scatter in backward
         collectives = 3 * facts.n_layer // pp
     else:
-        collectives = (2 if choice.zero_stage else 1) * max(1, -(-elements * g_b // (options.bucket_size_mb * 2**20)))
+        collectives = (2 if choice.zero_stage else 1) * max(
+            1, -(-elements * g_b // (options.bucket_size_mb * 2**20))
+        )
     dp_time = max(0.0, volume / dp_bw + collectives * latency - options.overlap * hideable)
     # Tensor parallelism: activation all-reduces per block and micro-batch.
     blocks = max(b for _, b in stages)
     per_allreduce = 2 * _ring(tp) * choice.micro_batch_size * seq * d * act
     count = 4 + (2 if choice.ac_policy == "full" else 0)
-    tp_time = m * blocks * count * (per_allreduce / (cluster.intra_node_gbps * 1e9) + latency) if tp > 1 else 0.0
+    tp_time = (
+        m * blocks * count * (per_allreduce / (cluster.intra_node_gbps * 1e9) + latency)
+        if tp > 1
+        else 0.0
+    )
     # Pipeline: activations forward and gradients back across each stage boundary.
     pp_time = 0.0
     if pp > 1:
@@ -174,16 +197,29 @@ def step_time(facts: ModelFacts, choice: Choice, cluster: Cluster, options: Plan
     if choice.offload != "none":
         shard = elements / (dp if choice.zero_stage >= 1 else 1)
         adam = shard / (options.cpu_adam_params_per_s / cluster.devices_per_node)
-        if choice.offload_device == "nvme":  # the store reads ahead and writes back while Adam steps
+        if (
+            choice.offload_device == "nvme"
+        ):  # the store reads ahead and writes back while Adam steps
             state = shard * offloaded_state_bytes(p_b, choice.offload_params)
             adam = max(adam, state / (cluster.nvme_gbps * 1e9 / cluster.devices_per_node))
         offload = adam + shard * (g_b + p_b) / (cluster.host_link_gbps * 1e9)
-        if choice.offload_params:  # per micro-batch: shards up for forward and backward, gradients down
+        if (
+            choice.offload_params
+        ):  # per micro-batch: shards up for forward and backward, gradients down
             offload += m * shard * (2 * p_b + g_b) / (cluster.host_link_gbps * 1e9)
     tokens = choice.batch_per_rank * dp * seq
-    return StepTime(compute, dp_time + tp_time + pp_time, bubble, offload, tokens, optimizer,
-                    options.step_overhead_us * 1e-6)
+    return StepTime(
+        compute,
+        dp_time + tp_time + pp_time,
+        bubble,
+        offload,
+        tokens,
+        optimizer,
+        options.step_overhead_us * 1e-6,
+    )
 
 
 def mfu(facts: ModelFacts, time: StepTime, cluster: Cluster, world_size: int) -> float:
-    return model_flops_per_token(facts) * time.tokens_per_s / (world_size * cluster.peak_tflops * 1e12)
+    return (
+        model_flops_per_token(facts) * time.tokens_per_s / (world_size * cluster.peak_tflops * 1e12)
+    )

@@ -4,8 +4,8 @@ one process, and hold every rank kind against the prediction.
 Each representative rank (see :func:`rank_kinds`) is built in a fake world of the layout's full
 size (``torch``'s ``"fake"`` backend: groups exist, collectives move nothing) from a fresh
 ``meta`` model, through the run's own code: :func:`~lightning_3d.layout.build_mesh`,
-:func:`~lightning_3d.recipe.parallelize` (pipeline split, tensor parallelism, activation
-checkpointing, FSDP2, the pipeline runtime) and :func:`~lightning_3d.recipe.attach_optimizers`
+:func:`~lightning_3d.strategy.recipe.parallelize` (pipeline split, tensor parallelism, activation
+checkpointing, FSDP2, the pipeline runtime) and :func:`~lightning_3d.strategy.recipe.attach_optimizers`
 (the ZeRO 0-2 engines). Then the gradients are put where a backward leaves them (the engines'
 own ``finish_backward`` for ZeRO 0-2; a tensor like each parameter, as autograd or FSDP2's
 reduce-scatter leaves it, otherwise) and the optimizer steps once, on ``meta``, so its state
@@ -25,7 +25,7 @@ Checked on each built rank:
   of ``1 / data`` of each bucket;
 * **bytes**: parameters, gradients and optimizer state of the rank (each storage once: a bucket
   counts whole, its views not again; a DTensor its local shard) against
-  :func:`lightning_3d.planner.calibration.predicted_rank`, within ``TOLERANCE``;
+  :func:`lightning_3d.calibration.memory.predicted_rank`, within ``TOLERANCE``;
 * **the activation prediction's premises**: activation bytes cannot be counted on ``meta``
   (every storage has address 0, and nothing runs), and the planner's figure is already the run's
   own meter on one block (:mod:`lightning_3d.planner.activations`). So what is checked is that
@@ -49,7 +49,7 @@ from torch import nn
 from lightning_3d.layout import MeshAxis
 from lightning_3d.parallel.stages import plan_stages, stage_blocks, stage_ids
 from lightning_3d.parallel.tensor import local_tensor as _local
-from lightning_3d.planner.calibration import ratio
+from lightning_3d.calibration.memory import ratio
 from lightning_3d.planner.choice import Choice
 from lightning_3d.planner.facts import ModelFacts
 
@@ -101,7 +101,9 @@ def rank_kinds(choice: Choice, n_layer: int) -> list[RankKind]:
         if key in seen:
             continue
         seen.add(key)
-        ends = [name for name, here in (("embeddings", stage == 0), ("head", stage == pp - 1)) if here]
+        ends = [
+            name for name, here in (("embeddings", stage == 0), ("head", stage == pp - 1)) if here
+        ]
         what = f"stage {stage}/{pp}: {blocks} blocks" + "".join(f" + {e}" for e in ends)
         for d, t in dict.fromkeys(((0, 0), (dp - 1, tp - 1))):
             rank = (stage * dp + d) * tp + t  # mesh (pp, dp, tp), tensor innermost
@@ -116,7 +118,9 @@ class Reference:
     shapes: dict[str, tuple[int, ...]]
     stage_names: list[set[str]]  # parameter names the planner puts on each pipeline stage
     split: set[str]  # names the tensor-parallel plan splits (the planner's ``Part.split``)
-    measured_block: Optional[dict[str, tuple[int, ...]]]  # the block activations were measured on, by name in it
+    measured_block: Optional[
+        dict[str, tuple[int, ...]]
+    ]  # the block activations were measured on, by name in it
 
 
 def reference(module: nn.Module, choice: Choice) -> Reference:
@@ -130,13 +134,17 @@ def reference(module: nn.Module, choice: Choice) -> Reference:
     dims, columns = split_dims(module)
     split = set(dims)
     name, block = transformer_blocks(module)[0]
-    local = local_block(block, name, split, columns, choice.tensor)  # as lightning_3d.planner.facts measures it
-    measured = {n: tuple(p.shape) for n, p in local.named_parameters()} if local is not None else None
+    local = local_block(
+        block, name, split, columns, choice.tensor
+    )  # as lightning_3d.planner.facts measures it
+    measured = (
+        {n: tuple(p.shape) for n, p in local.named_parameters()} if local is not None else None
+    )
     shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
     if pipeline == 1:
         stages = [set(shapes)]
     else:
-        from lightning_3d.recipe import pipeline_spec
+        from lightning_3d.strategy.recipe import pipeline_spec
 
         spec = pipeline_spec(module)
         virtual = choice.virtual_stages
@@ -149,26 +157,37 @@ def reference(module: nn.Module, choice: Choice) -> Reference:
                 prefixes += [f"{spec.blocks}.{i}" for i in runs[s]]
                 prefixes += list(spec.first) if s == 0 else []
                 prefixes += list(spec.last) if s == len(runs) - 1 else []
-            stages.append({n for n in shapes if any(n == p or n.startswith(p + ".") for p in prefixes)})
+            stages.append(
+                {n for n in shapes if any(n == p or n.startswith(p + ".") for p in prefixes)}
+            )
     return Reference(shapes, stages, split, measured)
 
 
 def check_choice(choice: Choice, precision: str) -> None:
     """``ValueError`` for a choice this validation does not build (before any work starts)."""
     if choice.offload != "none":
-        raise ValueError(f"validate=true builds layouts without offload, the choice has offload={choice.offload!r}; "
-                         "pin planner.offloads=[none] to validate")
+        raise ValueError(
+            f"validate=true builds layouts without offload, the choice has offload={choice.offload!r}; "
+            "pin planner.offloads=[none] to validate"
+        )
     if precision not in BUILD_PRECISIONS:
-        raise ValueError(f"validate=true cannot build precision={precision!r}; one of {list(BUILD_PRECISIONS)}")
+        raise ValueError(
+            f"validate=true cannot build precision={precision!r}; one of {list(BUILD_PRECISIONS)}"
+        )
 
 
-def build_rank(make_module: Callable[[], nn.Module], choice: Choice, kind: RankKind, ref: Reference,
-               precision: str) -> Built:
+def build_rank(
+    make_module: Callable[[], nn.Module],
+    choice: Choice,
+    kind: RankKind,
+    ref: Reference,
+    precision: str,
+) -> Built:
     """Build ``kind``'s rank of ``choice`` in a fake world (see the module docstring) and inspect it."""
     from lightning_3d.layout import build_mesh
-    from lightning_3d.plan import Plan
-    from lightning_3d.recipe import attach_optimizers, parallelize
-    from lightning_3d.testing.fake import fake_world
+    from lightning_3d.options import Plan
+    from lightning_3d.strategy.recipe import attach_optimizers, parallelize
+    from lightning_3d.parallel.fake_world import fake_world
 
     world = choice.world_size
     module = make_module()
@@ -176,7 +195,9 @@ def build_rank(make_module: Callable[[], nn.Module], choice: Choice, kind: RankK
         module = module.to(torch.bfloat16)
     with fake_world(kind.rank, world):
         plan = Plan.from_options(**choice.options()).resolved(world)
-        mesh = build_mesh(plan.layout, "cpu")  # the device type names the mesh; shapes do not depend on it
+        mesh = build_mesh(
+            plan.layout, "cpu"
+        )  # the device type names the mesh; shapes do not depend on it
         made = parallelize(module, mesh, plan, device=torch.device("meta"), precision=precision)
         optimizers = attach_optimizers(made, _optimizers(module), plan)
         _backward_and_step(made, optimizers)
@@ -201,7 +222,11 @@ def _optimizers(module: nn.Module) -> list[torch.optim.Optimizer]:
         out = out[0] if out and isinstance(out[0], (list, tuple)) else out
     if isinstance(out, torch.optim.Optimizer):
         return [out]
-    if isinstance(out, (list, tuple)) and all(isinstance(o, torch.optim.Optimizer) for o in out) and out:
+    if (
+        isinstance(out, (list, tuple))
+        and all(isinstance(o, torch.optim.Optimizer) for o in out)
+        and out
+    ):
         return list(out)
     return [torch.optim.AdamW([p for p in module.parameters() if p.requires_grad])]
 
@@ -237,8 +262,13 @@ def _shard_dim(placement: Any) -> Optional[int]:
     return getattr(placement, "dim", None)
 
 
-def _shape_problems(module: nn.Module, choice: Choice, kind: RankKind, ref: Reference,
-                    tp_local: dict[str, tuple[int, ...]]) -> Iterator[str]:
+def _shape_problems(
+    module: nn.Module,
+    choice: Choice,
+    kind: RankKind,
+    ref: Reference,
+    tp_local: dict[str, tuple[int, ...]],
+) -> Iterator[str]:
     """Names, global and local shapes, and tensor / ZeRO-3 placements against the planner's
     assumptions; ``tp_local`` receives each parameter's shape on its tensor rank (before ZeRO-3)."""
     where = f"rank {kind.rank} ({kind.label})"
@@ -246,8 +276,10 @@ def _shape_problems(module: nn.Module, choice: Choice, kind: RankKind, ref: Refe
     names = {n for n, _ in module.named_parameters()}
     missing, extra = sorted(expected - names), sorted(names - expected)
     if missing or extra:
-        yield (f"{where} holds other parameters than the planner's stage {kind.stage}: missing {missing[:3]}"
-               f"{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
+        yield (
+            f"{where} holds other parameters than the planner's stage {kind.stage}: missing {missing[:3]}"
+            f"{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}"
+        )
     tp_axis, dp_axis = MeshAxis.TENSOR.value, MeshAxis.DATA.value
     for name, p in module.named_parameters():
         if name not in ref.shapes:
@@ -285,8 +317,13 @@ def _shape_problems(module: nn.Module, choice: Choice, kind: RankKind, ref: Refe
             yield f"{where}: {name} has local shape {tuple(_local(p).shape)}, the planner assumes {tuple(local)}"
 
 
-def _block_problems(module: nn.Module, choice: Choice, kind: RankKind, ref: Reference,
-                    tp_local: dict[str, tuple[int, ...]]) -> list[str]:
+def _block_problems(
+    module: nn.Module,
+    choice: Choice,
+    kind: RankKind,
+    ref: Reference,
+    tp_local: dict[str, tuple[int, ...]],
+) -> list[str]:
     """The premises of the activation prediction: this rank's blocks recompute (or not) as the
     policy says, and its first block has the local shapes the activation bytes were measured on."""
     from lightning_3d.parallel.activation_checkpoint import is_checkpointed, transformer_blocks
@@ -294,14 +331,20 @@ def _block_problems(module: nn.Module, choice: Choice, kind: RankKind, ref: Refe
     blocks = transformer_blocks(module)
     where = f"rank {kind.rank} ({kind.label})"
     wanted = choice.ac_policy != "none"
-    out = [f"{where}: block {name} is {'' if is_checkpointed(b) else 'not '}checkpointed under "
-           f"ac_policy={choice.ac_policy!r}" for name, b in blocks if is_checkpointed(b) != wanted]
+    out = [
+        f"{where}: block {name} is {'' if is_checkpointed(b) else 'not '}checkpointed under "
+        f"ac_policy={choice.ac_policy!r}"
+        for name, b in blocks
+        if is_checkpointed(b) != wanted
+    ]
     if blocks and ref.measured_block is not None:
         name, block = blocks[0]
         built = {n: tp_local.get(f"{name}.{n}") for n, _ in block.named_parameters()}
         if built != ref.measured_block:
-            out.append(f"{where}: block {name} has local shapes {built}, activation bytes were measured on "
-                       f"{ref.measured_block}")
+            out.append(
+                f"{where}: block {name} has local shapes {built}, activation bytes were measured on "
+                f"{ref.measured_block}"
+            )
     return out
 
 
@@ -310,7 +353,9 @@ def _bucket_problems(made: Any, module: nn.Module, choice: Choice) -> list[str]:
     if choice.zero_stage == 3 or not made.engines:
         return []
     engines = made.engines
-    if all(e.passthrough for e in engines):  # one rank per dp x tp group, nothing shared: no buckets
+    if all(
+        e.passthrough for e in engines
+    ):  # one rank per dp x tp group, nothing shared: no buckets
         return []
     count: dict[int, int] = {}
     out = []
@@ -321,10 +366,14 @@ def _bucket_problems(made: Any, module: nn.Module, choice: Choice) -> list[str]:
             if choice.zero_stage >= 1:
                 on_dp = _axis_placements(b.slice).get(MeshAxis.DATA.value)
                 if _shard_dim(on_dp) != 0:
-                    out.append(f"a ZeRO-{choice.zero_stage} slice is placed {on_dp} on dp, not Shard(0)")
+                    out.append(
+                        f"a ZeRO-{choice.zero_stage} slice is placed {on_dp} on dp, not Shard(0)"
+                    )
                 if _local(b.slice).numel() * choice.data != b.flat.numel():
-                    out.append(f"a ZeRO-{choice.zero_stage} slice holds {_local(b.slice).numel()} of "
-                               f"{b.flat.numel()} elements, not 1/{choice.data}")
+                    out.append(
+                        f"a ZeRO-{choice.zero_stage} slice holds {_local(b.slice).numel()} of "
+                        f"{b.flat.numel()} elements, not 1/{choice.data}"
+                    )
     for name, p in module.named_parameters():
         if p.requires_grad and count.get(id(p), 0) != 1:
             out.append(f"{name} is in {count.get(id(p), 0)} ZeRO buckets, not 1")
@@ -342,7 +391,9 @@ def _nbytes(tensors: Any, seen: set[int]) -> int:
     return total
 
 
-def _rank_bytes(made: Any, module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
+def _rank_bytes(
+    made: Any, module: nn.Module, optimizers: list[torch.optim.Optimizer]
+) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state this rank keeps between steps.
 
     ``meta`` storages have no addresses, so storages are identified by what owns them: a ZeRO 0-2
@@ -356,10 +407,15 @@ def _rank_bytes(made: Any, module: nn.Module, optimizers: list[torch.optim.Optim
     grads = [p.grad for p in params]
     seen: set[int] = set()
     param_bytes = _nbytes(params, seen) + _nbytes((b.flat for b in buckets), seen)
-    grad_bytes = _nbytes(grads, seen) + _nbytes((b.grad if b.grad is not None else b.shard_grad for b in buckets),
-                                                seen)
+    grad_bytes = _nbytes(grads, seen) + _nbytes(
+        (b.grad if b.grad is not None else b.shard_grad for b in buckets), seen
+    )
     state = [v for opt in optimizers for s in opt.state.values() for v in s.values()]
-    return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_state_bytes": _nbytes(state, seen)}
+    return {
+        "param_bytes": param_bytes,
+        "grad_bytes": grad_bytes,
+        "optimizer_state_bytes": _nbytes(state, seen),
+    }
 
 
 @dataclass(frozen=True)
@@ -381,7 +437,7 @@ class Row:
 
 def compare(facts: ModelFacts, choice: Choice, built: list[Built]) -> list[Row]:
     """One row per rank kind and quantity: the planner's per-rank prediction next to what was built."""
-    from lightning_3d.planner.calibration import predicted_rank
+    from lightning_3d.calibration.memory import predicted_rank
 
     rows = []
     for b in built:
@@ -390,7 +446,9 @@ def compare(facts: ModelFacts, choice: Choice, built: list[Built]) -> list[Row]:
     return rows
 
 
-def predicted_activations(facts: ModelFacts, choice: Choice, kinds: list[RankKind]) -> dict[int, float]:
+def predicted_activations(
+    facts: ModelFacts, choice: Choice, kinds: list[RankKind]
+) -> dict[int, float]:
     """rank -> the planner's peak activation bytes for that rank's stage (not built: see the module docstring)."""
     from lightning_3d.planner.memory import activation_bytes
 
@@ -405,15 +463,22 @@ def table(rows: list[Row], activations: Optional[dict[int, float]] = None) -> st
     the predicted peak activations, whose premises (block shapes, checkpointing) were checked."""
     from lightning_3d.planner.memory import human
 
-    lines = ["| rank | rank kind | quantity | predicted | built | predicted/built |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| rank | rank kind | quantity | predicted | built | predicted/built |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         flag = " ✗" if r.off else ""
-        lines.append(f"| {r.kind.rank} | {r.kind.label} | {r.quantity} | {human(r.predicted)} | "
-                     f"{human(r.built)} | {r.ratio:.3f}{flag} |")
+        lines.append(
+            f"| {r.kind.rank} | {r.kind.label} | {r.quantity} | {human(r.predicted)} | "
+            f"{human(r.built)} | {r.ratio:.3f}{flag} |"
+        )
     labels = {r.kind.rank: r.kind.label for r in rows}
     for rank, value in (activations or {}).items():
-        lines.append(f"| {rank} | {labels.get(rank, '')} | activation_bytes (peak) | {human(value)} | "
-                     "not built (block shapes and checkpointing checked) | – |")
+        lines.append(
+            f"| {rank} | {labels.get(rank, '')} | activation_bytes (peak) | {human(value)} | "
+            "not built (block shapes and checkpointing checked) | – |"
+        )
     return "\n".join(lines)
 
 
@@ -429,13 +494,16 @@ class Validation:
         out = [p for b in self.built for p in b.problems]
         for r in self.rows:
             if r.off:
-                out.append(f"rank {r.kind.rank} ({r.kind.label}): {r.quantity} predicted {r.predicted:,.0f} B, "
-                           f"built {r.built:,} B (ratio {r.ratio:.3f}, outside 1 ± {TOLERANCE:g})")
+                out.append(
+                    f"rank {r.kind.rank} ({r.kind.label}): {r.quantity} predicted {r.predicted:,.0f} B, "
+                    f"built {r.built:,} B (ratio {r.ratio:.3f}, outside 1 ± {TOLERANCE:g})"
+                )
         return out
 
 
-def validate_layout(make_module: Callable[[], nn.Module], facts: ModelFacts, choice: Choice,
-                    precision: str) -> Validation:
+def validate_layout(
+    make_module: Callable[[], nn.Module], facts: ModelFacts, choice: Choice, precision: str
+) -> Validation:
     """Build every rank kind of ``choice`` (``make_module()``: a fresh model on ``meta`` each
     call; the recipe rewrites it in place) and compare it with the planner's prediction. Raises
     nothing for a mismatch: :attr:`Validation.problems` lists them. ``ValueError`` for a choice
@@ -450,4 +518,6 @@ def validate_layout(make_module: Callable[[], nn.Module], facts: ModelFacts, cho
     ref = reference(make_module(), choice)
     kinds = rank_kinds(choice, facts.n_layer)
     built = [build_rank(make_module, choice, kind, ref, precision) for kind in kinds]
-    return Validation(kinds, built, compare(facts, choice, built), predicted_activations(facts, choice, kinds))
+    return Validation(
+        kinds, built, compare(facts, choice, built), predicted_activations(facts, choice, kinds)
+    )

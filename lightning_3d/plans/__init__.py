@@ -3,7 +3,7 @@
 Where a plan comes from, first match wins (:func:`build_plan`): the user's explicit mapping
 (``ThreeDStrategy(tensor=2, tp_plan={...})`` or ``parallelism.tp_plan`` in Hydra, style names as
 strings: see :func:`plan_from_names`); the plan a ``transformers`` model ships with it,
-translated (:mod:`lightning_3d.plans.hf`); a built-in plan recognised from module names
+translated (:mod:`lightning_3d.parallel.plans.hf`); a built-in plan recognised from module names
 (:func:`detect_plan`: the reference GPT, Llama-style and GPT-2-style naming, for models that ship
 none, such as GPT-2 and StableLM).
 """
@@ -16,16 +16,18 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_3d.parallel.tensor import name_matches
-from lightning_3d.plans.common import TransformerNames, plan_from_names, transformer_plan
-from lightning_3d.plans.gpt import GPT_NAMES
-from lightning_3d.plans.gpt2 import GPT2_NAMES
-from lightning_3d.plans.hf import hf_tensor_plan
-from lightning_3d.plans.llama import LLAMA_NAMES
+from lightning_3d.parallel.plans.common import TransformerNames, plan_from_names, transformer_plan
+from lightning_3d.parallel.plans.gpt import GPT_NAMES
+from lightning_3d.parallel.plans.gpt2 import GPT2_NAMES
+from lightning_3d.parallel.plans.hf import hf_tensor_plan
+from lightning_3d.parallel.plans.llama import LLAMA_NAMES
 
 BUILTIN: dict[str, TransformerNames] = {"gpt": GPT_NAMES, "llama": LLAMA_NAMES, "gpt2": GPT2_NAMES}
 
 
-def detect_plan(module: nn.Module, sequence_parallel: bool = False) -> tuple[str, dict[str, ParallelStyle]]:
+def detect_plan(
+    module: nn.Module, sequence_parallel: bool = False
+) -> tuple[str, dict[str, ParallelStyle]]:
     """Recognise the architecture of ``module`` by its module names; return (name, plan)."""
     names = [n for n, _ in module.named_modules() if n]
     for arch, spec in BUILTIN.items():
@@ -38,7 +40,9 @@ def detect_plan(module: nn.Module, sequence_parallel: bool = False) -> tuple[str
     )
 
 
-def build_plan(module: nn.Module, plan: Mapping | None, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def build_plan(
+    module: nn.Module, plan: Mapping | None, sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
     """The plan to apply: ``plan`` if given (styles or style names), else the one the module's
     ``transformers`` model ships (translated), else the built-in recognised by module names."""
     if plan:
@@ -49,5 +53,12 @@ def build_plan(module: nn.Module, plan: Mapping | None, sequence_parallel: bool)
     return detect_plan(module, sequence_parallel)[1]
 
 
-__all__ = ["BUILTIN", "TransformerNames", "build_plan", "detect_plan", "hf_tensor_plan", "plan_from_names",
-           "transformer_plan"]
+__all__ = [
+    "BUILTIN",
+    "TransformerNames",
+    "build_plan",
+    "detect_plan",
+    "hf_tensor_plan",
+    "plan_from_names",
+    "transformer_plan",
+]

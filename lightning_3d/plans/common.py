@@ -80,7 +80,9 @@ def transformer_plan(names: TransformerNames, sequence_parallel: bool) -> dict[s
         plan[pattern] = RowwiseConv1DParallel(output_layouts=seq if sp else Replicate())
     for pattern, attrs in (names.local_sizes or {}).items():
         plan[pattern] = LocalSizes(attrs)
-    plan[names.head] = ColwiseParallel(input_layouts=col_in, output_layouts=Shard(-1), use_local_output=False)
+    plan[names.head] = ColwiseParallel(
+        input_layouts=col_in, output_layouts=Shard(-1), use_local_output=False
+    )
     return plan
 
 
@@ -114,12 +116,16 @@ def plan_from_names(plan: Mapping, sequence_parallel: bool = False) -> dict[str,
         elif style == "vocab":
             out[pattern] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         elif style == "head":
-            out[pattern] = ColwiseParallel(input_layouts=col_in, output_layouts=Shard(-1), use_local_output=False)
+            out[pattern] = ColwiseParallel(
+                input_layouts=col_in, output_layouts=Shard(-1), use_local_output=False
+            )
         elif style in _STYLES:
             out[pattern] = _STYLES[style]()
         elif style in _HF_STYLES:
             out[pattern] = _HF_STYLES[style]()
         else:
             known = sorted([*_STYLES, *_HF_STYLES, "vocab", "head"])
-            raise ValueError(f"unknown parallel style {style!r} for pattern {pattern!r}; known: {known}")
+            raise ValueError(
+                f"unknown parallel style {style!r} for pattern {pattern!r}; known: {known}"
+            )
     return out

@@ -1,6 +1,6 @@
 """The project's reference GPT (``lightning_3d.models.GPT``)."""
 
-from lightning_3d.plans.common import TransformerNames
+from lightning_3d.parallel.plans.common import TransformerNames
 
 GPT_NAMES = TransformerNames(
     signature=("*tok_emb", "*.attn.wq", "*.mlp.fc1", "*lm_head"),

@@ -1,7 +1,7 @@
 """GPT-2 naming: fused q/k/v projection ``attn.c_attn``, ``c_proj``, ``c_fc`` — as ``nn.Linear``
 (the hand-written test model) or as ``transformers``' ``Conv1D`` (``GPT2LMHeadModel``)."""
 
-from lightning_3d.plans.common import TransformerNames
+from lightning_3d.parallel.plans.common import TransformerNames
 
 GPT2_NAMES = TransformerNames(
     signature=("*wte", "*.attn.c_attn", "*.mlp.c_fc", "*lm_head"),

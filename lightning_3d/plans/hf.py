@@ -46,7 +46,12 @@ from typing import Optional
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from lightning_3d.parallel.tensor import (
     ColwiseConv1DParallel,
@@ -60,9 +65,25 @@ from lightning_3d.parallel.tensor import (
 COLUMN = ("colwise",)
 GATHERED_COLUMN = ("colwise_gather_output", "colwise_rep")
 SPLIT_INPUT_ROW = ("rowwise_split_input", "rowwise_rep")
-EXPERT_STYLES = ("moe_tp_experts", "grouped_gemm", "ep_dispatch_experts", "moe_identity_expert", "packed_rowwise")
-TRANSLATED = (*COLUMN, *GATHERED_COLUMN, "rowwise", *SPLIT_INPUT_ROW, "packed_colwise", "embedding_rowwise",
-              "embedding_colwise", "replicated_with_grad_allreduce", "replicate", *EXPERT_STYLES)
+EXPERT_STYLES = (
+    "moe_tp_experts",
+    "grouped_gemm",
+    "ep_dispatch_experts",
+    "moe_identity_expert",
+    "packed_rowwise",
+)
+TRANSLATED = (
+    *COLUMN,
+    *GATHERED_COLUMN,
+    "rowwise",
+    *SPLIT_INPUT_ROW,
+    "packed_colwise",
+    "embedding_rowwise",
+    "embedding_colwise",
+    "replicated_with_grad_allreduce",
+    "replicate",
+    *EXPERT_STYLES,
+)
 
 
 def outermost_hf_model(root: nn.Module) -> Optional[tuple[str, nn.Module]]:
@@ -86,7 +107,9 @@ def hf_tensor_plan(root: nn.Module, sequence_parallel: bool) -> Optional[dict[st
     prefix, model = found
     head = model.get_output_embeddings()
     head_names = {n for n, m in model.named_modules() if m is head}
-    entries = {k: v for k, v in (getattr(model, "tp_plan", None) or {}).items() if k not in head_names}
+    entries = {
+        k: v for k, v in (getattr(model, "tp_plan", None) or {}).items() if k not in head_names
+    }
     if not entries:
         return None
     return _Translation(root, prefix, model, entries, sequence_parallel).plan()
@@ -99,12 +122,16 @@ def _join(prefix: str, name: str) -> str:
 class _Translation:
     """One model's plan, translated entry by entry (``plan()``)."""
 
-    def __init__(self, root: nn.Module, prefix: str, model: nn.Module, entries: Mapping[str, str], sp: bool) -> None:
+    def __init__(
+        self, root: nn.Module, prefix: str, model: nn.Module, entries: Mapping[str, str], sp: bool
+    ) -> None:
         self.root, self.prefix, self.model, self.sp = root, prefix, model, sp
         self.entries = {_join(prefix, k): v for k, v in entries.items()}
         self.modules = dict(root.named_modules())
         self.params = dict(root.named_parameters(remove_duplicate=False))
-        self.col_in = Shard(1) if sp else Replicate()  # activations (B, T, C): dim 1 is the sequence
+        self.col_in = (
+            Shard(1) if sp else Replicate()
+        )  # activations (B, T, C): dim 1 is the sequence
         self.row_out = Shard(1) if sp else Replicate()
 
     def plan(self) -> dict[str, ParallelStyle]:
@@ -137,10 +164,14 @@ class _Translation:
             return ColwiseConv1DParallel(input_layouts=self.col_in, output_layouts=Replicate())
         beside_regrouped = pattern.rpartition(".")[0] in {r.rpartition(".")[0] for r in regrouped}
         local = not self.sp  # under sequence parallelism the residual stream stays a DTensor
-        if style == "rowwise" or (style in SPLIT_INPUT_ROW and beside_regrouped):  # its input is this rank's
+        if style == "rowwise" or (
+            style in SPLIT_INPUT_ROW and beside_regrouped
+        ):  # its input is this rank's
             return RowwiseConv1DParallel(output_layouts=self.row_out, use_local_output=local)
         if style in SPLIT_INPUT_ROW:
-            return RowwiseConv1DParallel(input_layouts=Replicate(), output_layouts=self.row_out, use_local_output=local)
+            return RowwiseConv1DParallel(
+                input_layouts=Replicate(), output_layouts=self.row_out, use_local_output=local
+            )
         if style == "embedding_rowwise":
             return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         if style == "embedding_colwise":
@@ -162,19 +193,26 @@ class _Translation:
         parents: dict[str, set[str]] = {}
         for pattern, style in plan.items():
             parent, _, leaf = pattern.rpartition(".")
-            kind = "col" if isinstance(style, (ColwiseConv1DParallel, FusedColwiseParallel)) else \
-                "row" if isinstance(style, RowwiseConv1DParallel) else None
+            kind = (
+                "col"
+                if isinstance(style, (ColwiseConv1DParallel, FusedColwiseParallel))
+                else "row"
+                if isinstance(style, RowwiseConv1DParallel)
+                else None
+            )
             if kind == "col" and style.output_layouts != (Replicate(),) or kind == "row":
                 parents.setdefault(parent, set()).add(kind)
         for parent, kinds in parents.items():
             if kinds != {"col", "row"}:
                 continue
             holder = next((m for n, m in self.modules.items() if name_matches(n, parent)), None)
-            for name, child in (holder.named_children() if holder is not None else ()):
+            for name, child in holder.named_children() if holder is not None else ():
                 params = list(child.parameters())
                 pattern = f"{parent}.{name}"
                 shared = all(p.numel() == 1 for p in params) or (
-                    "norm" in type(child).__name__.lower() and all(p.shape == (self._head_dim(),) for p in params))
+                    "norm" in type(child).__name__.lower()
+                    and all(p.shape == (self._head_dim(),) for p in params)
+                )
                 if params and shared and pattern not in plan:
                     out[pattern] = ReplicatedGradSum()
         return out
@@ -182,7 +220,10 @@ class _Translation:
     def _head_dim(self) -> int:
         """The attention head size (``head_dim``, or hidden size / heads); 0 where unknown."""
         config = self.model.config
-        for read in (lambda: config.head_dim, lambda: config.hidden_size // config.num_attention_heads):
+        for read in (
+            lambda: config.head_dim,
+            lambda: config.hidden_size // config.num_attention_heads,
+        ):
             try:
                 value = read()
             except Exception:  # noqa: BLE001 - absent, or per-layer in a heterogeneous config
@@ -219,8 +260,11 @@ class _Translation:
         out = set()
         for pattern, style in self.entries.items():
             parent, _, leaf = pattern.rpartition(".")
-            if style in GATHERED_COLUMN and leaf == "gate_up_proj" and \
-                    self.entries.get(f"{parent}.down_proj") in SPLIT_INPUT_ROW:
+            if (
+                style in GATHERED_COLUMN
+                and leaf == "gate_up_proj"
+                and self.entries.get(f"{parent}.down_proj") in SPLIT_INPUT_ROW
+            ):
                 out.add(pattern)
         return out
 
@@ -237,7 +281,9 @@ class _Translation:
             out[embed] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         head = self._name_of(self.model.get_output_embeddings())
         if head is not None:
-            out[head] = ColwiseParallel(input_layouts=self.col_in, output_layouts=Shard(-1), use_local_output=False)
+            out[head] = ColwiseParallel(
+                input_layouts=self.col_in, output_layouts=Shard(-1), use_local_output=False
+            )
         return out
 
     def _sequence_parallel(self, plan: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
@@ -252,14 +298,19 @@ class _Translation:
             # post-norms) are alike; it enters as the full embedding at layer 0, as a stage's
             # local shard elsewhere.
             out[f"{layers_name}.{index}"] = PrepareHiddenStates(
-                input_layout=Replicate() if index == 0 else Shard(1), desired_layout=Shard(1), use_local_output=False)
+                input_layout=Replicate() if index == 0 else Shard(1),
+                desired_layout=Shard(1),
+                use_local_output=False,
+            )
             for child, module in layer.named_children():
                 name = f"{layers_name}.{index}.{child}"
                 if "norm" in type(module).__name__.lower():
                     out[name] = SequenceParallel()
                 elif list(module.parameters()) and not _covered(module, name, plan):
-                    self._refuse_sp(f"{name} ({type(module).__name__}) would see a shard of the sequence, "
-                                    "its parameters not split by the tensor plan")
+                    self._refuse_sp(
+                        f"{name} ({type(module).__name__}) would see a shard of the sequence, "
+                        "its parameters not split by the tensor plan"
+                    )
         for name in final_norms:
             out[name] = SequenceParallel()
         return out
@@ -273,32 +324,49 @@ class _Translation:
         base_name = _join(self.prefix, next(n for n, m in self.model.named_modules() if m is base))
         children = list(base.named_children())
         lists = [i for i, (_, m) in enumerate(children) if isinstance(m, nn.ModuleList)]
-        nested = [n for n, m in base.named_modules() if isinstance(m, nn.ModuleList) and "." in n
-                  and not any(n.startswith(children[i][0] + ".") for i in lists)]
+        nested = [
+            n
+            for n, m in base.named_modules()
+            if isinstance(m, nn.ModuleList)
+            and "." in n
+            and not any(n.startswith(children[i][0] + ".") for i in lists)
+        ]
         own = [n for n, _ in base.named_parameters(recurse=False)]
         if len(lists) != 1 or nested or own:
-            what = (f"its parameters {own}" if own else f"block lists {[children[i][0] for i in lists] + nested}")
-            self._refuse_sp(f"{type(base).__name__}'s forward is not one list of blocks run in order ({what})")
+            what = (
+                f"its parameters {own}"
+                if own
+                else f"block lists {[children[i][0] for i in lists] + nested}"
+            )
+            self._refuse_sp(
+                f"{type(base).__name__}'s forward is not one list of blocks run in order ({what})"
+            )
         index = lists[0]
         embeddings = {id(m) for m in base.modules() if isinstance(m, nn.Embedding)}
-        norms = [n for n, m in children[index + 1:] if "norm" in type(m).__name__.lower()]
+        norms = [n for n, m in children[index + 1 :] if "norm" in type(m).__name__.lower()]
         source = _forward_source(base)
         for name in norms:  # NanoChat's model.norm runs before the blocks too
             if source.count(f"self.{name}(") > 1:
-                self._refuse_sp(f"{_join(base_name, name)} runs more than once in {type(base).__name__}'s forward "
-                                "(before the blocks too), so it cannot hold the sequence shard the last block "
-                                "hands it")
-        for name, module in children[index + 1:]:
+                self._refuse_sp(
+                    f"{_join(base_name, name)} runs more than once in {type(base).__name__}'s forward "
+                    "(before the blocks too), so it cannot hold the sequence shard the last block "
+                    "hands it"
+                )
+        for name, module in children[index + 1 :]:
             if name not in norms and list(module.parameters()) and id(module) not in embeddings:
-                self._refuse_sp(f"{_join(base_name, name)} ({type(module).__name__}) runs after the blocks "
-                                "and is not split by the tensor plan")
+                self._refuse_sp(
+                    f"{_join(base_name, name)} ({type(module).__name__}) runs after the blocks "
+                    "and is not split by the tensor plan"
+                )
         return _join(base_name, children[index][0]), [_join(base_name, n) for n in norms]
 
     def _refuse_sp(self, why: str) -> None:
         cls = type(self.model)
-        raise ValueError(f"{cls.__module__}.{cls.__qualname__}: sequence_parallel=True needs the residual stream "
-                         f"split on the sequence between the blocks, and {why}; use sequence_parallel=False for "
-                         "this model")
+        raise ValueError(
+            f"{cls.__module__}.{cls.__qualname__}: sequence_parallel=True needs the residual stream "
+            f"split on the sequence between the blocks, and {why}; use sequence_parallel=False for "
+            "this model"
+        )
 
 
 def _forward_source(module: nn.Module) -> str:
@@ -311,5 +379,9 @@ def _forward_source(module: nn.Module) -> str:
 
 def _covered(module: nn.Module, name: str, plan: Mapping[str, ParallelStyle]) -> bool:
     """Whether every parameter of ``module`` belongs to a module the plan gives a style."""
-    owners = [f"{name}.{n}" if n else name for n, m in module.named_modules() if list(m.parameters(recurse=False))]
+    owners = [
+        f"{name}.{n}" if n else name
+        for n, m in module.named_modules()
+        if list(m.parameters(recurse=False))
+    ]
     return all(any(name_matches(owner, p) for p in plan) for owner in owners)

@@ -24,13 +24,23 @@ def app_env() -> dict[str, str]:
     return env
 
 
-def start_app(script: Union[str, Path], args: Sequence[str], cwd: Union[str, Path]) -> subprocess.Popen:
+def start_app(
+    script: Union[str, Path], args: Sequence[str], cwd: Union[str, Path]
+) -> subprocess.Popen:
     """``python script *args`` in ``cwd``, its output captured as text."""
-    return subprocess.Popen([sys.executable, str(script), *args], cwd=cwd, env=app_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(script), *args],
+        cwd=cwd,
+        env=app_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
-def wait_all(procs: Mapping[str, subprocess.Popen], timeout: float) -> dict[str, subprocess.CompletedProcess]:
+def wait_all(
+    procs: Mapping[str, subprocess.Popen], timeout: float
+) -> dict[str, subprocess.CompletedProcess]:
     """name -> finished process, for processes started together; any still running when one
     times out (or the caller is interrupted) is killed."""
     done = {}
@@ -51,8 +61,10 @@ def compose_config(config_name: str, *overrides: str) -> DictConfig:
     ``examples/*.py`` (schemas and resolvers registered), without running anything."""
     from hydra import compose, initialize_config_dir
 
-    from lightning_3d.config import register_configs
+    from lightning_3d.app.config import register_configs
 
     register_configs()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base=None):
+    with initialize_config_dir(
+        config_dir=str(Path(__file__).resolve().parents[2] / "conf"), version_base=None
+    ):
         return compose(config_name=config_name, overrides=list(overrides))

@@ -49,7 +49,9 @@ def pickle_span(file: Path) -> tuple[int, int]:
     with zipfile.ZipFile(file) as archive:
         info = next(i for i in archive.infolist() if i.filename.endswith("/data.pkl"))
     raw = file.read_bytes()
-    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26 : info.header_offset + 30])
+    name_len, extra_len = struct.unpack(
+        "<HH", raw[info.header_offset + 26 : info.header_offset + 30]
+    )
     return info.header_offset + 30 + name_len + extra_len, info.compress_size
 
 

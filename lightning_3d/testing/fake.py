@@ -27,7 +27,9 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
     The group is always destroyed on exit, also when the body raises.
     """
     if dist.is_initialized():
-        raise RuntimeError("a default process group already exists; fake_world needs a clean process")
+        raise RuntimeError(
+            "a default process group already exists; fake_world needs a clean process"
+        )
     dist.init_process_group("fake", store=_fake_store(), rank=rank, world_size=world_size)
     try:
         yield

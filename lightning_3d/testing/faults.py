@@ -13,9 +13,17 @@ import signal
 from typing import Any, Optional
 
 
-def fit_until_killed(rank: int, root: str, steps: int, kill_at: Optional[int], victim: int = 1,
-                     timeout_s: float = 30.0, resume: Any = False, signum: int = signal.SIGKILL,
-                     world: int = 2) -> dict[str, Any]:
+def fit_until_killed(
+    rank: int,
+    root: str,
+    steps: int,
+    kill_at: Optional[int],
+    victim: int = 1,
+    timeout_s: float = 30.0,
+    resume: Any = False,
+    signum: int = signal.SIGKILL,
+    world: int = 2,
+) -> dict[str, Any]:
     """Returns ``losses`` (of this process) and ``global_step``, and ``preempted`` (the message)
     when the run stopped on a signal; raises anything else the trainer raises. ``resume``:
     ``True`` for the last checkpoint, or a checkpoint path."""
@@ -23,11 +31,11 @@ def fit_until_killed(rank: int, root: str, steps: int, kill_at: Optional[int], v
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
     from lightning_3d import ThreeDStrategy
-    from lightning_3d.callbacks import RunSummary
+    from lightning_3d.observe.summary import RunSummary
     from lightning_3d.data import TextDataModule
     from lightning_3d.models import LitGPT
-    from lightning_3d.preemption import Preempted
-    from lightning_3d.testing.runs import TINY_DATA, TINY_MODEL
+    from lightning_3d.runtime.preemption import Preempted
+    from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL
 
     class Kill(Callback):
         def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
@@ -37,15 +45,27 @@ def fit_until_killed(rank: int, root: str, steps: int, kill_at: Optional[int], v
     L.seed_everything(1234, verbose=False)
     summary = RunSummary()
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, max_steps=steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=root,
+        accelerator="cpu",
+        devices=world,
+        max_steps=steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=root,
         strategy=ThreeDStrategy(zero_stage=2, timeout_s=timeout_s),
-        callbacks=[summary, Kill(), ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=1,
-                                                    save_top_k=0)],
+        callbacks=[
+            summary,
+            Kill(),
+            ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=1, save_top_k=0),
+        ],
     )
     ckpt_path = ("last" if resume is True else resume) or None
     try:
-        trainer.fit(LitGPT(**TINY_MODEL), TextDataModule(seed=1234, **TINY_DATA), ckpt_path=ckpt_path)
+        trainer.fit(
+            LitGPT(**TINY_MODEL), TextDataModule(seed=1234, **TINY_DATA), ckpt_path=ckpt_path
+        )
     except Preempted as err:
         return {"losses": summary.losses, "global_step": trainer.global_step, "preempted": str(err)}
     return {"losses": summary.losses, "global_step": trainer.global_step}

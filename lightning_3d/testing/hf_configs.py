@@ -6,17 +6,34 @@ Two sources: :data:`TINY_HF`, hand-picked families that together cover what the 
 must handle (the CI set), and :func:`registry_families` / :func:`tiny_config`, every decoder
 family of the installed ``transformers`` whose config ships a tensor or pipeline plan, shrunk
 by the sizes a pipeline check's twin gets (:mod:`lightning_3d.models.hf_twin`; the whole matrix:
-``python -m lightning_3d.testing.hf_matrix``).
+``python -m lightning_3d.harness.hf_matrix``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-_ROTARY = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-               num_attention_heads=4, max_position_embeddings=64, attention_dropout=0.0)
-_SMALL = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_ROTARY = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=64,
+    attention_dropout=0.0,
+)
+_SMALL = dict(
+    vocab_size=256,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 # The CI set: each family stands for something the parallel code must get right.
 TINY_HF: dict[str, dict[str, Any]] = {
@@ -25,32 +42,72 @@ TINY_HF: dict[str, dict[str, Any]] = {
     # tied input embedding and LM head (as Qwen2-0.5B)
     "qwen2": dict(model_type="qwen2", num_key_value_heads=2, tie_word_embeddings=True, **_ROTARY),
     # Conv1D projections, fused q/k/v, tied embedding and head; ships no plan (names recognised)
-    "gpt2": dict(model_type="gpt2", vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True,
-                 bos_token_id=255, eos_token_id=255),  # GPT-2's own 50256 lies outside a byte vocabulary
+    "gpt2": dict(
+        model_type="gpt2",
+        vocab_size=256,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=255,
+        eos_token_id=255,
+    ),  # GPT-2's own 50256 lies outside a byte vocabulary
     # per-head q/k norms: replicated weights whose gradients must be summed over tensor ranks
     "qwen3": dict(model_type="qwen3", head_dim=8, tie_word_embeddings=False, **_SMALL),
     # embedding scaled inside the embedding, sliding windows on every other layer, attention and
     # final logit soft-capping, tied head
-    "gemma2": dict(model_type="gemma2", head_dim=8, sliding_window=8, tie_word_embeddings=True, **_SMALL),
+    "gemma2": dict(
+        model_type="gemma2", head_dim=8, sliding_window=8, tie_word_embeddings=True, **_SMALL
+    ),
     # fused qkv_proj and gate_up_proj
     "phi3": dict(model_type="phi3", tie_word_embeddings=False, **_SMALL),
     # full-width q/k norms (gathered projections)
     "olmo2": dict(model_type="olmo2", tie_word_embeddings=False, **_SMALL),
     # mixture of experts: 3-D expert weights, a router
-    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
-                    sliding_window=None, **_SMALL),
+    "mixtral": dict(
+        model_type="mixtral",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        **_SMALL,
+    ),
     # fused, per-head interleaved query_key_value; parallel residual; embed_in / final_layer_norm
-    "gpt_neox": dict(model_type="gpt_neox", vocab_size=256, hidden_size=32, intermediate_size=64,
-                     num_hidden_layers=4, num_attention_heads=4, max_position_embeddings=64, pad_token_id=0,
-                     bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, hidden_dropout=0.0,
-                     attention_dropout=0.0),
+    "gpt_neox": dict(
+        model_type="gpt_neox",
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    ),
     # partial rotary, head dense, final_layernorm; embed_dropout on the first stage
-    "phi": dict(model_type="phi", tie_word_embeddings=False, resid_pdrop=0.0, embd_pdrop=0.0,
-                **{k: v for k, v in _SMALL.items() if k != "num_key_value_heads"}),
+    "phi": dict(
+        model_type="phi",
+        tie_word_embeddings=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        **{k: v for k, v in _SMALL.items() if k != "num_key_value_heads"},
+    ),
     # ships no plan: Llama naming with global head counts read in the attention
-    "stablelm": dict(model_type="stablelm", tie_word_embeddings=False, hidden_dropout=0.0, attention_dropout=0.0,
-                     **_SMALL),
+    "stablelm": dict(
+        model_type="stablelm",
+        tie_word_embeddings=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **_SMALL,
+    ),
 }
 
 
@@ -90,6 +147,9 @@ def tiny_config(model_type: str, **overrides: Any) -> dict[str, Any]:
     defaults = cls().to_dict()
     aliases = getattr(cls, "attribute_map", {})
     sized = {aliases.get(k, k) for k in SIZES}
-    options = {k: v for k, v in shrunk(defaults, aliases).items() if k in sized
-               or (k == "layer_types" and v is not None) or v != defaults.get(k)}
+    options = {
+        k: v
+        for k, v in shrunk(defaults, aliases).items()
+        if k in sized or (k == "layer_types" and v is not None) or v != defaults.get(k)
+    }
     return {"model_type": model_type, **options, "tie_word_embeddings": False, **overrides}

@@ -1,6 +1,6 @@
 """Every decoder family of the installed ``transformers`` under every layout, against one process.
 
-    python -m lightning_3d.testing.hf_matrix [--families qwen3 gemma2 ...] [--layouts tp2 pp2_eager ...]
+    python -m lightning_3d.harness.hf_matrix [--families qwen3 gemma2 ...] [--layouts tp2 pp2_eager ...]
                                              [--out table.md] [--rows rows.json]
 
 (``--rows``: rows kept in a JSON file after each family, so a rerun of a few families updates
@@ -57,14 +57,18 @@ STEPS, SEED = 3, 1234
 FP32 = (1e-5, 1e-3, 0.0)
 FP64 = (1e-9, 1e-5, 1e-12)
 FP64_OPTIMIZER = "sgd"  # linear in the gradient (momentum 0.9): see the module docstring
-TIMEOUT_S = 240  # per world: a family whose tiny forward is slow (reference kernels in Python) is cut off
+TIMEOUT_S = (
+    240  # per world: a family whose tiny forward is slow (reference kernels in Python) is cut off
+)
 
 
 @dataclass
 class Cell:
     state: str  # ok, refused, DIFFERS, CRASH, skipped
     detail: str = ""
-    figures: Optional[tuple[float, float]] = None  # ok: the worst relative loss difference and update error
+    figures: Optional[tuple[float, float]] = (
+        None  # ok: the worst relative loss difference and update error
+    )
 
     def markdown(self) -> str:
         return self.state if not self.detail else f"{self.state}: {self.detail}"
@@ -73,31 +77,52 @@ class Cell:
 def _first_line(text: str, limit: int = 160) -> str:
     lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
     for marks in (("ValueError:", "ReplicaMismatch:"), ("Error:",)):  # a refusal's own words first
-        wanted = [line for line in lines if any(m in line for m in marks) and "Connection closed" not in line]
+        wanted = [
+            line
+            for line in lines
+            if any(m in line for m in marks) and "Connection closed" not in line
+        ]
         if wanted:
             return wanted[-1][:limit]
     return (lines or [""])[-1][:limit]
 
 
 def _config(family: str, attn: Optional[str], precision: str = "32-true") -> dict:
-    from lightning_3d.testing.hf_configs import tiny_config
+    from lightning_3d.harness.hf_configs import tiny_config
 
     hf = tiny_config(family)
-    if precision == "64-true":  # torch's grouped_mm has no fp64 kernel: transformers' loop over experts
-        return {"hf": {**hf, "experts_implementation": "eager"}, "attn_implementation": attn,
-                "optimizer": FP64_OPTIMIZER}
+    if (
+        precision == "64-true"
+    ):  # torch's grouped_mm has no fp64 kernel: transformers' loop over experts
+        return {
+            "hf": {**hf, "experts_implementation": "eager"},
+            "attn_implementation": attn,
+            "optimizer": FP64_OPTIMIZER,
+        }
     return {"hf": hf, "attn_implementation": attn}
 
 
-def _run(family: str, attn: Optional[str], strategy: Optional[dict] = None, world: int = 1,
-         precision: str = "32-true") -> dict:
+def _run(
+    family: str,
+    attn: Optional[str],
+    strategy: Optional[dict] = None,
+    world: int = 1,
+    precision: str = "32-true",
+) -> dict:
     """The run in processes of its own (one process too: a family's memory or time stays there),
     given at most :data:`TIMEOUT_S`."""
-    from lightning_3d.testing.runs import Run, fit_gpt
-    from lightning_3d.testing.world import run_world
+    from lightning_3d.harness.runs import Run, fit_gpt
+    from lightning_3d.harness.world import run_world
 
-    run = Run(strategy=strategy, devices=world, steps=STEPS, seed=SEED, arch="hf",
-              model=_config(family, attn, precision), trainer={"precision": precision})
+    run = Run(
+        strategy=strategy,
+        devices=world,
+        steps=STEPS,
+        seed=SEED,
+        arch="hf",
+        model=_config(family, attn, precision),
+        trainer={"precision": precision},
+    )
     return run_world(fit_gpt, world, run, timeout=TIMEOUT_S)[0]
 
 
@@ -106,13 +131,16 @@ def buildable(family: str) -> Optional[str]:
     import torch
     import transformers
 
-    from lightning_3d.testing.hf_configs import tiny_config
+    from lightning_3d.harness.hf_configs import tiny_config
 
     try:
         options = dict(tiny_config(family))
         config = transformers.AutoConfig.for_model(options.pop("model_type"), **options)
         with torch.device("meta"):
-            count = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+            count = sum(
+                p.numel()
+                for p in transformers.AutoModelForCausalLM.from_config(config).parameters()
+            )
     except Exception as err:  # noqa: BLE001 - any failure of a family's own constructor
         return f"tiny config not buildable ({type(err).__name__}: {_first_line(str(err), 100)})"
     if count > MAX_PARAMS:
@@ -125,8 +153,8 @@ def refused_before_launch(family: str, layout: str) -> Optional[str]:
     import torch
 
     from lightning_3d.models.hf import HFCausalLM
-    from lightning_3d.plan import Plan
-    from lightning_3d.recipe import check
+    from lightning_3d.options import Plan
+    from lightning_3d.strategy.recipe import check
 
     world, strategy, attn = LAYOUTS[layout]
     config = _config(family, attn)
@@ -140,12 +168,16 @@ def refused_before_launch(family: str, layout: str) -> Optional[str]:
 
 
 def mismatches(run: dict, reference: dict, tolerances: tuple[float, float, float]) -> list[str]:
-    from lightning_3d.testing.parity import loss_mismatches, update_mismatches
+    from lightning_3d.harness.parity import loss_mismatches, update_mismatches
 
     loss_rtol, update_rtol, update_atol = tolerances
-    return (loss_mismatches(run["losses"], reference["losses"], rtol=loss_rtol)
-            + update_mismatches(run["state"], reference["state"], reference["initial_state"], rtol=update_rtol,
-                                atol=update_atol))
+    return loss_mismatches(run["losses"], reference["losses"], rtol=loss_rtol) + update_mismatches(
+        run["state"],
+        reference["state"],
+        reference["initial_state"],
+        rtol=update_rtol,
+        atol=update_atol,
+    )
 
 
 def cell(family: str, layout: str, reference: dict, fp64_references: Optional[dict] = None) -> Cell:
@@ -167,20 +199,28 @@ def cell(family: str, layout: str, reference: dict, fp64_references: Optional[di
         return Cell("CRASH", _first_line(text))
     problems = mismatches(run, reference, FP32)
     if not problems:
-        return Cell("ok", figures=(worst_loss_difference(run, reference), worst_update_error(run, reference)))
+        return Cell(
+            "ok",
+            figures=(worst_loss_difference(run, reference), worst_update_error(run, reference)),
+        )
     try:
         if attn not in fp64_references:
             fp64_references[attn] = _run(family, attn, precision="64-true")
         exact = _run(family, attn, strategy, world, precision="64-true")
     except Exception as err:  # noqa: BLE001 - no fp64 run to tell rounding from a bug
-        return Cell("DIFFERS", f"{'; '.join(problems[:2])} (no fp64 run: {_first_line(str(err), 100)})")
+        return Cell(
+            "DIFFERS", f"{'; '.join(problems[:2])} (no fp64 run: {_first_line(str(err), 100)})"
+        )
     exact_problems = mismatches(exact, fp64_references[attn], FP64)
     if exact_problems:
         return Cell("DIFFERS", "; ".join(exact_problems[:2]) + " (in fp64)")
-    return Cell("ok (fp64)", f"fp32: {'; '.join(problems[:2])}; fp64 SGD: losses within "
-                f"{worst_loss_difference(exact, fp64_references[attn]):.0e}, updates within "
-                f"{worst_update_error(exact, fp64_references[attn], FP64[2]):.0e} relative (tensors whose "
-                f"update differs by under {FP64[2]:.0e} per element left out)")
+    return Cell(
+        "ok (fp64)",
+        f"fp32: {'; '.join(problems[:2])}; fp64 SGD: losses within "
+        f"{worst_loss_difference(exact, fp64_references[attn]):.0e}, updates within "
+        f"{worst_update_error(exact, fp64_references[attn], FP64[2]):.0e} relative (tensors whose "
+        f"update differs by under {FP64[2]:.0e} per element left out)",
+    )
 
 
 def worst_loss_difference(run: dict, reference: dict) -> float:
@@ -233,14 +273,35 @@ def table(rows: dict[str, tuple[Optional[str], dict[str, Cell]]], layouts: list[
         if reason is not None:
             skipped.append(f"- `{family}`: {reason}")
             continue
-        lines.append(f"| `{family}` | " + " | ".join(cells[layout].state for layout in layouts) + " |")
-    notes = sorted({f"- `{family}` {layout}: {c.markdown()}" for family, (_, cells) in rows.items()
-                    for layout, c in cells.items() if c.state != "ok"})
-    figures = {layout: [c.figures for _, cells in rows.values() for lay, c in cells.items()
-                        if lay == layout and c.figures] for layout in layouts}
-    worst = [f"{max(f[0] for f in figures[lay]):.1e} / {max(f[1] for f in figures[lay]):.1e}" if figures[lay]
-             else "—" for lay in layouts]
-    lines.append("| largest loss / update difference of the `ok` cells | " + " | ".join(worst) + " |")
+        lines.append(
+            f"| `{family}` | " + " | ".join(cells[layout].state for layout in layouts) + " |"
+        )
+    notes = sorted(
+        {
+            f"- `{family}` {layout}: {c.markdown()}"
+            for family, (_, cells) in rows.items()
+            for layout, c in cells.items()
+            if c.state != "ok"
+        }
+    )
+    figures = {
+        layout: [
+            c.figures
+            for _, cells in rows.values()
+            for lay, c in cells.items()
+            if lay == layout and c.figures
+        ]
+        for layout in layouts
+    }
+    worst = [
+        f"{max(f[0] for f in figures[lay]):.1e} / {max(f[1] for f in figures[lay]):.1e}"
+        if figures[lay]
+        else "—"
+        for lay in layouts
+    ]
+    lines.append(
+        "| largest loss / update difference of the `ok` cells | " + " | ".join(worst) + " |"
+    )
     out = "\n".join(lines)
     if notes:
         out += "\n\nWhy each cell that is not `ok`:\n\n" + "\n".join(notes)
@@ -255,8 +316,10 @@ def save_rows(path: str, rows: dict[str, tuple[Optional[str], dict[str, Cell]]])
     import os
     from dataclasses import asdict
 
-    data = {family: {"reason": reason, "cells": {k: asdict(c) for k, c in cells.items()}}
-            for family, (reason, cells) in rows.items()}
+    data = {
+        family: {"reason": reason, "cells": {k: asdict(c) for k, c in cells.items()}}
+        for family, (reason, cells) in rows.items()
+    }
     with open(path + ".tmp", "w") as f:
         json.dump(data, f, indent=1)
     os.replace(path + ".tmp", path)
@@ -271,21 +334,32 @@ def load_rows(path: str) -> dict[str, tuple[Optional[str], dict[str, Cell]]]:
         return {}
     with open(path) as f:
         data = json.load(f)
-    return {family: (row["reason"], {k: Cell(c["state"], c["detail"], tuple(c["figures"]) if c["figures"] else None)
-                                     for k, c in row["cells"].items()}) for family, row in data.items()}
+    return {
+        family: (
+            row["reason"],
+            {
+                k: Cell(c["state"], c["detail"], tuple(c["figures"]) if c["figures"] else None)
+                for k, c in row["cells"].items()
+            },
+        )
+        for family, row in data.items()
+    }
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     import os
 
-    from lightning_3d.testing.hf_configs import registry_families
+    from lightning_3d.harness.hf_configs import registry_families
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--out", help="also write the table to this file")
-    parser.add_argument("--rows", help="a JSON file of rows: read first (rows of an earlier run), the families "
-                        "run now replace theirs, rewritten after each family; the table shows them all")
+    parser.add_argument(
+        "--rows",
+        help="a JSON file of rows: read first (rows of an earlier run), the families "
+        "run now replace theirs, rewritten after each family; the table shows them all",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("LIGHTNING3D_WORLD_START", "forkserver")
@@ -298,15 +372,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.rows:
             save_rows(args.rows, rows)
         states = " ".join(f"{k}={c.state}" for k, c in rows[family][1].items()) or rows[family][0]
-        print(f"[{index}/{len(families)} {time.monotonic() - start:.0f}s] {family}: {states}", file=sys.stderr,
-              flush=True)
-    rows = {f: rows[f] for f in sorted(rows, key=lambda f: order.index(f) if f in order else len(order))}
+        print(
+            f"[{index}/{len(families)} {time.monotonic() - start:.0f}s] {family}: {states}",
+            file=sys.stderr,
+            flush=True,
+        )
+    rows = {
+        f: rows[f] for f in sorted(rows, key=lambda f: order.index(f) if f in order else len(order))
+    }
     text = table(rows, args.layouts)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    bad = [f for f, (_, cells) in rows.items() for c in cells.values() if c.state in ("DIFFERS", "CRASH")]
+    bad = [
+        f
+        for f, (_, cells) in rows.items()
+        for c in cells.values()
+        if c.state in ("DIFFERS", "CRASH")
+    ]
     return 1 if bad else 0
 
 

@@ -24,8 +24,10 @@ def children(pid: Optional[int] = None) -> set[int]:
     import multiprocessing.resource_tracker as resource_tracker
 
     pid = os.getpid() if pid is None else pid
-    kept = {getattr(forkserver._forkserver, "_forkserver_pid", None),
-            getattr(resource_tracker._resource_tracker, "_pid", None)}
+    kept = {
+        getattr(forkserver._forkserver, "_forkserver_pid", None),
+        getattr(resource_tracker._resource_tracker, "_pid", None),
+    }
     found: set[int] = set()
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
@@ -53,7 +55,9 @@ class Leftovers:
 
     @classmethod
     def now(cls) -> Leftovers:
-        return cls(tuple((key, os.environ.get(key)) for key in LAUNCHER_KEYS), frozenset(children()))
+        return cls(
+            tuple((key, os.environ.get(key)) for key in LAUNCHER_KEYS), frozenset(children())
+        )
 
     def left_behind(self, grace_s: float = 10.0) -> list[str]:
         """What differs from then, each undone where it can be (the group destroyed, the

@@ -10,11 +10,11 @@ Two ways, each through Lightning's own cluster environment detection, none throu
   not needed). Lightning sees ``SLURMEnvironment`` and resolves the main address from the node list.
 
 Every process runs :func:`_worker`: it records which cluster environment a ``Trainer`` built with
-``num_nodes`` picked and the ranks it read, then trains :func:`~lightning_3d.testing.runs.fit_gpt_ranks`
+``num_nodes`` picked and the ranks it read, then trains :func:`~lightning_3d.harness.runs.fit_gpt_ranks`
 with ``num_nodes`` and returns its result and the size and rank of the world that trained.
 
 The rendezvous store is hosted by the calling process on a port the OS assigned
-(:func:`lightning_3d.launch.hosted_store`), so no port is chosen and bound later by someone else:
+(:func:`lightning_3d.app.launch.hosted_store`), so no port is chosen and bound later by someone else:
 the launchers join it as clients (``is_host=false``), and the SLURM ranks through
 ``TORCHELASTIC_USE_AGENT_STORE``. On a real SLURM cluster rank 0 would host it on ``MASTER_PORT``
 instead; that one step is torch's ``env://`` rendezvous, not Lightning's environment, and is not
@@ -38,14 +38,24 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from lightning_3d.launch import hosted_store
-from lightning_3d.testing.runs import Run
+from lightning_3d.app.launch import hosted_store
+from lightning_3d.harness.runs import Run
 
 POLL_S = 0.2
 # Variables of the calling environment that would make a child look launched already, or belong
 # to another world: the children get only what their launcher (or the simulated srun) gives them.
-_FOREIGN = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
-            "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID")
+_FOREIGN = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RUN_ID",
+)
 
 
 def _base_env(threads: int) -> dict[str, str]:
@@ -65,24 +75,43 @@ def _check(nodes: int, procs_per_node: int, timeout: float) -> None:
 
 def _write_run(run: Run, nodes: int, work: Path) -> Path:
     path = work / "run.pkl"
-    path.write_bytes(pickle.dumps(dataclasses.replace(run, trainer={**(run.trainer or {}), "num_nodes": nodes})))
+    path.write_bytes(
+        pickle.dumps(dataclasses.replace(run, trainer={**(run.trainer or {}), "num_nodes": nodes}))
+    )
     return path
 
 
-def torchrun_nodes(run: Run, nodes: int, procs_per_node: int, work: Path, timeout: float = 300.0) -> list[dict]:
+def torchrun_nodes(
+    run: Run, nodes: int, procs_per_node: int, work: Path, timeout: float = 300.0
+) -> list[dict]:
     """Train ``run`` on ``nodes`` ``torchrun`` launchers of ``procs_per_node`` processes each;
     return every rank's :func:`_worker` result in global rank order. ``work``: an empty directory
     for the results and logs."""
     _check(nodes, procs_per_node, timeout)
     run_file = _write_run(run, nodes, work)
     env = _base_env(threads=1)
-    rdzv_id = f"multinode-{uuid.uuid4().hex[:8]}"  # one per world: every launcher must give the same
+    rdzv_id = (
+        f"multinode-{uuid.uuid4().hex[:8]}"  # one per world: every launcher must give the same
+    )
     with hosted_store() as port:
         commands = [
-            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={procs_per_node}",
-             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}",
-             "--rdzv-conf=is_host=false", "--max-restarts=0", "--monitor-interval=0.2",
-             "-m", __name__, str(run_file), str(work)]
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nnodes={nodes}",
+                f"--nproc-per-node={procs_per_node}",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id={rdzv_id}",
+                "--rdzv-conf=is_host=false",
+                "--max-restarts=0",
+                "--monitor-interval=0.2",
+                "-m",
+                __name__,
+                str(run_file),
+                str(work),
+            ]
             for _ in range(nodes)
         ]
         _run_all([(c, env) for c in commands], work, timeout, "launcher")
@@ -108,16 +137,26 @@ def slurm_env(rank: int, nodes: int, procs_per_node: int, port: int, job_id: str
     }
 
 
-def slurm_nodes(run: Run, nodes: int, procs_per_node: int, work: Path, timeout: float = 300.0) -> list[dict]:
+def slurm_nodes(
+    run: Run, nodes: int, procs_per_node: int, work: Path, timeout: float = 300.0
+) -> list[dict]:
     """Train ``run`` on ``nodes * procs_per_node`` processes given ``srun``'s variables
     (:func:`slurm_env`); results in global rank order, as :func:`torchrun_nodes`."""
     _check(nodes, procs_per_node, timeout)
     run_file = _write_run(run, nodes, work)
-    slurm_tasks([sys.executable, "-m", __name__, str(run_file), str(work)], nodes, procs_per_node, work, timeout)
+    slurm_tasks(
+        [sys.executable, "-m", __name__, str(run_file), str(work)],
+        nodes,
+        procs_per_node,
+        work,
+        timeout,
+    )
     return _results(work, nodes * procs_per_node)
 
 
-def slurm_tasks(command: list[str], nodes: int, procs_per_node: int, work: Path, timeout: float = 300.0) -> None:
+def slurm_tasks(
+    command: list[str], nodes: int, procs_per_node: int, work: Path, timeout: float = 300.0
+) -> None:
     """Run ``command`` (in ``work``) as the ``nodes * procs_per_node`` tasks of a simulated ``srun``:
     each with its :func:`slurm_env`; raise ``RuntimeError`` with the failing task's log (``work /
     "rank<N>.log"``) should one fail or all not finish within ``timeout``."""
@@ -126,13 +165,18 @@ def slurm_tasks(command: list[str], nodes: int, procs_per_node: int, work: Path,
     with hosted_store() as port:
         jobs = []
         for rank in range(nodes * procs_per_node):
-            env = {**_base_env(threads=1), **slurm_env(rank, nodes, procs_per_node, port, job_id),
-                   "TORCHELASTIC_USE_AGENT_STORE": "True"}  # join the store hosted here (module docstring)
+            env = {
+                **_base_env(threads=1),
+                **slurm_env(rank, nodes, procs_per_node, port, job_id),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+            }  # join the store hosted here (module docstring)
             jobs.append((command, env))
         _run_all(jobs, work, timeout, "rank")
 
 
-def _run_all(jobs: list[tuple[list[str], dict[str, str]]], work: Path, timeout: float, what: str) -> None:
+def _run_all(
+    jobs: list[tuple[list[str], dict[str, str]]], work: Path, timeout: float, what: str
+) -> None:
     """Start every job in a session of its own; wait for all to succeed. On a failure or past
     ``timeout`` raise, after killing every job's and every recorded rank's process group."""
     procs, logs = [], []
@@ -140,16 +184,30 @@ def _run_all(jobs: list[tuple[list[str], dict[str, str]]], work: Path, timeout: 
         for index, (command, env) in enumerate(jobs):
             log = open(work / f"{what}{index}.log", "wb")  # noqa: SIM115 - closed below
             logs.append(log)
-            procs.append(subprocess.Popen(command, env=env, cwd=work, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    env=env,
+                    cwd=work,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         deadline = time.monotonic() + timeout
         while True:
             codes = [p.poll() for p in procs]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed or time.monotonic() > deadline:
                 first = failed[0] if failed else 0
-                why = f"{what} {first} exited with {codes[first]}" if failed else f"timed out after {timeout:g} s"
-                raise RuntimeError(f"{why}; last lines of {what} {first}'s log:\n{_tail(work / f'{what}{first}.log')}")
+                why = (
+                    f"{what} {first} exited with {codes[first]}"
+                    if failed
+                    else f"timed out after {timeout:g} s"
+                )
+                raise RuntimeError(
+                    f"{why}; last lines of {what} {first}'s log:\n{_tail(work / f'{what}{first}.log')}"
+                )
             if all(c == 0 for c in codes):
                 return
             time.sleep(POLL_S)
@@ -190,16 +248,25 @@ def _worker(run_file: str, work: str) -> None:
     import torch.distributed as dist
 
     from lightning_3d import ThreeDStrategy
-    from lightning_3d.testing.runs import fit_gpt_ranks
+    from lightning_3d.harness.runs import fit_gpt_ranks
 
     torch.set_num_threads(1)
     run: Run = pickle.loads(Path(run_file).read_bytes())
-    probe = L.Trainer(accelerator="cpu", devices=run.devices, num_nodes=run.trainer["num_nodes"],
-                      strategy=ThreeDStrategy(**run.strategy), logger=False, enable_progress_bar=False)
+    probe = L.Trainer(
+        accelerator="cpu",
+        devices=run.devices,
+        num_nodes=run.trainer["num_nodes"],
+        strategy=ThreeDStrategy(**run.strategy),
+        logger=False,
+        enable_progress_bar=False,
+    )
     seen: dict[str, Any] = {
         "environment": type(probe.strategy.cluster_environment).__name__,
-        "node_rank": probe.node_rank, "local_rank": probe.local_rank, "global_rank": probe.global_rank,
-        "world_size": probe.world_size, "num_nodes": probe.num_nodes,
+        "node_rank": probe.node_rank,
+        "local_rank": probe.local_rank,
+        "global_rank": probe.global_rank,
+        "world_size": probe.world_size,
+        "num_nodes": probe.num_nodes,
         "main_address": probe.strategy.cluster_environment.main_address,
     }
     result = fit_gpt_ranks(seen["global_rank"], run)

@@ -42,7 +42,9 @@ def weight_mismatches(
         rel = (diff.norm() / ref.norm().clamp_min(1e-12)).item()
         worst = diff.abs().max().item() if diff.numel() else 0.0
         if rel > rtol or worst > atol:
-            problems.append(f"{name}: relative error {rel:.2e} (max {rtol:.0e}), max abs {worst:.2e} (max {atol:.0e})")
+            problems.append(
+                f"{name}: relative error {rel:.2e} (max {rtol:.0e}), max abs {worst:.2e} (max {atol:.0e})"
+            )
     return problems
 
 
@@ -54,7 +56,13 @@ def assert_same_run(run: dict, reference: dict, rtol: float = 1e-5, atol: float 
         raise AssertionError("run differs from the reference:\n  " + "\n  ".join(problems))
 
 
-__all__ = ["assert_same_run", "loss_mismatches", "rank_state_mismatches", "update_mismatches", "weight_mismatches"]
+__all__ = [
+    "assert_same_run",
+    "loss_mismatches",
+    "rank_state_mismatches",
+    "update_mismatches",
+    "weight_mismatches",
+]
 
 
 def checkpoint_tensors(checkpoint: dict) -> dict:
@@ -68,7 +76,10 @@ def checkpoint_tensors(checkpoint: dict) -> dict:
 
 
 def update_mismatches(
-    state: dict[str, Tensor], reference: dict[str, Tensor], initial: dict[str, Tensor], rtol: float,
+    state: dict[str, Tensor],
+    reference: dict[str, Tensor],
+    initial: dict[str, Tensor],
+    rtol: float,
     atol: float = 0.0,
 ) -> list[str]:
     """Per tensor, the relative error of the *update*: ``||(a - w0) - (b - w0)|| / ||b - w0||``
@@ -83,7 +94,9 @@ def update_mismatches(
     bias the softmax ignores) is rounding noise far below Adam's ``eps``, so its update is a
     tiny step in a random direction, wrong by 100 % relative and by 1e-15 absolute."""
     if not state or not set(state) <= set(reference):
-        return [f"names not in the reference: {sorted(set(state) - set(reference))} (of {len(state)})"]
+        return [
+            f"names not in the reference: {sorted(set(state) - set(reference))} (of {len(state)})"
+        ]
     problems = []
     for name, got in state.items():
         if name not in initial:
@@ -94,12 +107,16 @@ def update_mismatches(
         err = (diff / want.norm().clamp_min(1e-30)).item()
         if not (err <= rtol or diff.item() <= atol * want.numel() ** 0.5):  # NaN fails too
             floor = f", or {atol:.0e} per element" if atol else ""
-            problems.append(f"{name}: update relative error {err:.2e} (max {rtol:.1e}{floor}; "
-                            f"|update| {want.norm().item():.1e})")
+            problems.append(
+                f"{name}: update relative error {err:.2e} (max {rtol:.1e}{floor}; "
+                f"|update| {want.norm().item():.1e})"
+            )
     return problems
 
 
-def rank_state_mismatches(runs: list[dict], reference: dict, rtol: float = 1e-5, atol: float = 1e-5) -> list[str]:
+def rank_state_mismatches(
+    runs: list[dict], reference: dict, rtol: float = 1e-5, atol: float = 1e-5
+) -> list[str]:
     """:func:`weight_mismatches` of every rank's own parameters (``fit_gpt_ranks`` or ``Run(rank_state=True)``)
     against the reference's, each rank under its own label: a rank whose copy is stale or wrong
     shows, not only rank 0's gathered weights."""

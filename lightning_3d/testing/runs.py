@@ -12,7 +12,9 @@ import dataclasses
 import tempfile
 from typing import Any, Optional
 
-TINY_MODEL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, warmup_steps=2, max_steps=20)
+TINY_MODEL = dict(
+    vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=32, warmup_steps=2, max_steps=20
+)
 TINY_DATA = dict(corpus="stdlib", block_size=32, batch_size=8, max_bytes=400_000, val_fraction=0.05)
 
 
@@ -69,19 +71,21 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
     import lightning as L
 
     from lightning_3d import ThreeDStrategy
-    from lightning_3d.callbacks import RNGStateCheckpoint, RunSummary
+    from lightning_3d.observe.summary import RNGStateCheckpoint, RunSummary
     from lightning_3d.data import TextDataModule
     from lightning_3d.models import LitGPT
     from lightning_3d.state import full_state_dict
-    from lightning_3d.testing.tiny_models import LitTinyLM
+    from lightning_3d.harness.tiny_models import LitTinyLM
 
     L.seed_everything(run.seed + (rank if run.rank_seeds else 0), verbose=False)
     kwargs = {**TINY_MODEL, **(run.model or {})}
     if run.arch == "gpt":
         module = LitGPT(**kwargs)
-    elif run.arch == "hf" or run.arch.startswith("hf_"):  # a tiny transformers model: hf_llama, hf_qwen2, ...
+    elif run.arch == "hf" or run.arch.startswith(
+        "hf_"
+    ):  # a tiny transformers model: hf_llama, hf_qwen2, ...
         from lightning_3d.models.hf import HFCausalLM
-        from lightning_3d.testing.hf_configs import tiny_hf_config
+        from lightning_3d.harness.hf_configs import tiny_hf_config
 
         # model={"hf": {...}} overrides keys of the tiny transformers config (arch="hf": it is the
         # whole config); model={"path": DIR} loads a saved directory instead (deferred: each rank
@@ -92,10 +96,14 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
             source = {"config": kwargs["hf"]}
         else:
             source = {"config": tiny_hf_config(run.arch[3:], **kwargs.get("hf", {}))}
-        module = HFCausalLM(**source, lr=kwargs.get("lr", 3e-3),
-                            warmup_steps=kwargs["warmup_steps"], max_steps=kwargs["max_steps"],
-                            optimizer=kwargs.get("optimizer", "adamw"),
-                            attn_implementation=kwargs.get("attn_implementation"))
+        module = HFCausalLM(
+            **source,
+            lr=kwargs.get("lr", 3e-3),
+            warmup_steps=kwargs["warmup_steps"],
+            max_steps=kwargs["max_steps"],
+            optimizer=kwargs.get("optimizer", "adamw"),
+            attn_implementation=kwargs.get("attn_implementation"),
+        )
     else:
         module = LitTinyLM(arch=run.arch, n_kv_head=kwargs.pop("n_kv_head", 2), **kwargs)
     initial_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
@@ -111,12 +119,24 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
 
         target = Path(run.save_to)
         if run.save_every_n_steps is None:
-            callbacks.append(ModelCheckpoint(dirpath=target.parent, filename=target.stem, save_on_train_epoch_end=True,
-                                             enable_version_counter=False))
+            callbacks.append(
+                ModelCheckpoint(
+                    dirpath=target.parent,
+                    filename=target.stem,
+                    save_on_train_epoch_end=True,
+                    enable_version_counter=False,
+                )
+            )
         else:
-            callbacks.append(ModelCheckpoint(dirpath=target.parent, filename=target.stem + "-{step}",
-                                             every_n_train_steps=run.save_every_n_steps, save_top_k=-1,
-                                             enable_version_counter=False))
+            callbacks.append(
+                ModelCheckpoint(
+                    dirpath=target.parent,
+                    filename=target.stem + "-{step}",
+                    every_n_train_steps=run.save_every_n_steps,
+                    save_top_k=-1,
+                    enable_version_counter=False,
+                )
+            )
     with tempfile.TemporaryDirectory() as root:
         fit = L.Trainer(
             accelerator=run.accelerator,
@@ -141,14 +161,30 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
             val = fit.validate(module, datamodule, verbose=False)[0]
             test = fit.test(module, datamodule, verbose=False)[0]
             predictions = fit.predict(module, datamodule)[0]
-    state = fit.strategy.full_state_dict() if isinstance(fit.strategy, ThreeDStrategy) else full_state_dict(module)
-    own = full_state_dict(fit.lightning_module) if run.rank_state else None  # a collective: every rank
-    scaler = getattr(fit.precision_plugin, "scaler", None)  # 16-mixed: the dynamic loss scale reached
-    return {"losses": summary.losses, "summary": summary.summary, "state": state if rank == 0 else None,
-            "val": val, "test": test, "predictions": predictions,
-            "loss_scale": float(scaler.get_scale()) if scaler is not None else None,
-            "local_losses": summary.local_losses, "initial_state": initial_state, "rank_state": own,
-            "ties": tie_report(module)}
+    state = (
+        fit.strategy.full_state_dict()
+        if isinstance(fit.strategy, ThreeDStrategy)
+        else full_state_dict(module)
+    )
+    own = (
+        full_state_dict(fit.lightning_module) if run.rank_state else None
+    )  # a collective: every rank
+    scaler = getattr(
+        fit.precision_plugin, "scaler", None
+    )  # 16-mixed: the dynamic loss scale reached
+    return {
+        "losses": summary.losses,
+        "summary": summary.summary,
+        "state": state if rank == 0 else None,
+        "val": val,
+        "test": test,
+        "predictions": predictions,
+        "loss_scale": float(scaler.get_scale()) if scaler is not None else None,
+        "local_losses": summary.local_losses,
+        "initial_state": initial_state,
+        "rank_state": own,
+        "ties": tie_report(module),
+    }
 
 
 def fit_gpt_ranks(rank: int, run: Run) -> dict[str, Any]:
@@ -162,7 +198,7 @@ def fit_layout(run: Run, world: int) -> dict[str, Any]:
     plain Lightning in this process (``devices=1``)."""
     if run.strategy is None:
         return fit_gpt(0, dataclasses.replace(run, devices=1))
-    from lightning_3d.testing.world import run_world
+    from lightning_3d.harness.world import run_world
 
     return run_world(fit_gpt, world, dataclasses.replace(run, devices=world))[0]
 
@@ -184,8 +220,11 @@ def tie_report(module: Any) -> list[dict[str, Any]]:
             except AttributeError:  # that module lives on another pipeline stage
                 continue
         params = list(held.values())
-        report.append({
-            "names": list(held), "one_parameter": all(p is params[0] for p in params),
-            "value": local_tensor(params[0]).detach().float().cpu().clone() if params else None,
-        })
+        report.append(
+            {
+                "names": list(held),
+                "one_parameter": all(p is params[0] for p in params),
+                "value": local_tensor(params[0]).detach().float().cpu().clone() if params else None,
+            }
+        )
     return report

@@ -20,12 +20,14 @@ from torch.distributed.pipelining import PipelineStage
 from lightning_3d.compat import static_stage_shapes
 from lightning_3d.parallel.pipeline import make_schedule
 from lightning_3d.parallel.stages import stage_ids
-from lightning_3d.testing.fake import fake_world
+from lightning_3d.parallel.fake_world import fake_world
 
 WIDTH, ROWS = 4, 2  # per micro-batch: ROWS x WIDTH activations
 
 
-def trace_rank(schedule: str, pp_size: int, virtual: int, micro_batches: int, rank: int) -> list[tuple[str, int, int]]:
+def trace_rank(
+    schedule: str, pp_size: int, virtual: int, micro_batches: int, rank: int
+) -> list[tuple[str, int, int]]:
     """The sequence of computations ``rank`` runs in one training step of ``schedule``."""
     actions: list[tuple[str, int, int]] = []
     num_stages = pp_size * virtual
@@ -33,11 +35,17 @@ def trace_rank(schedule: str, pp_size: int, virtual: int, micro_batches: int, ra
     with fake_world(rank, pp_size):
         stages = []
         for index in stage_ids(rank, pp_size, virtual):
-            stages.append(_RecordingStage(
-                nn.Linear(WIDTH, WIDTH), index, num_stages, torch.device("cpu"), group=dist.group.WORLD,
-                **static_stage_shapes((example,), (example,)),
-                actions=actions,
-            ))
+            stages.append(
+                _RecordingStage(
+                    nn.Linear(WIDTH, WIDTH),
+                    index,
+                    num_stages,
+                    torch.device("cpu"),
+                    group=dist.group.WORLD,
+                    **static_stage_shapes((example,), (example,)),
+                    actions=actions,
+                )
+            )
         runner = make_schedule(schedule, stages, micro_batches, lambda out, target: out.sum())
         batch = torch.randn(ROWS * micro_batches, WIDTH)
         holds_first = any(s.is_first for s in stages)
@@ -74,7 +82,9 @@ class _RecordingStage(PipelineStage):
         return torch.ones(1, dtype=torch.int32)
 
 
-def simulate(orders: dict[int, list[tuple[str, int, int]]], backward_cost: int = 2) -> dict[str, Any]:
+def simulate(
+    orders: dict[int, list[tuple[str, int, int]]], backward_cost: int = 2
+) -> dict[str, Any]:
     """Run every rank's recorded sequence against the pipeline's data dependencies.
 
     Costs: forward 1; full backward ``backward_cost``; when a schedule splits backward (``W``
@@ -92,9 +102,11 @@ def simulate(orders: dict[int, list[tuple[str, int, int]]], backward_cost: int =
     position = {rank: 0 for rank in orders}
 
     def ready(kind: str, stage: int, mb: int) -> Any:
-        needs = {"F": [("F", stage - 1, mb)] if stage > 0 else [],
-                 "B": [("F", stage, mb)] + ([("B", stage + 1, mb)] if stage < last else []),
-                 "W": [("B", stage, mb)]}[kind]
+        needs = {
+            "F": [("F", stage - 1, mb)] if stage > 0 else [],
+            "B": [("F", stage, mb)] + ([("B", stage + 1, mb)] if stage < last else []),
+            "W": [("B", stage, mb)],
+        }[kind]
         if any(n not in done for n in needs):
             return None
         return max([done[n] for n in needs], default=0.0)
@@ -113,11 +125,17 @@ def simulate(orders: dict[int, list[tuple[str, int, int]]], backward_cost: int =
             position[rank] += 1
             progressed = True
         if not progressed:
-            stuck = {r: order[position[r]] for r, order in orders.items() if position[r] < len(order)}
+            stuck = {
+                r: order[position[r]] for r, order in orders.items() if position[r] < len(order)
+            }
             raise RuntimeError(f"pipeline order deadlocks; ranks wait at {stuck}")
     makespan = max(clock.values())
     busy = {r: sum(cost[k] for k, _, _ in order) for r, order in orders.items()}
-    return {"makespan": makespan, "busy": busy, "bubble": {r: 1 - b / makespan for r, b in busy.items()}}
+    return {
+        "makespan": makespan,
+        "busy": busy,
+        "bubble": {r: 1 - b / makespan for r, b in busy.items()},
+    }
 
 
 def in_flight_peak(order: list[tuple[str, int, int]]) -> int:

@@ -36,7 +36,9 @@ class LlamaAttention(nn.Module):
         q = _rope(q.view(B, T, -1, self.head_dim).transpose(1, 2))  # (B, nh, T, hs)
         k = _rope(k.view(B, T, -1, self.head_dim).transpose(1, 2))  # (B, nkv, T, hs)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        repeat = q.shape[1] // k.shape[1]  # grouped-query attention: each k/v head serves `repeat` q heads
+        repeat = (
+            q.shape[1] // k.shape[1]
+        )  # grouped-query attention: each k/v head serves `repeat` q heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -83,7 +85,9 @@ class LlamaModel(nn.Module):
 class TinyLlama(nn.Module):
     """``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``, ..., ``lm_head``."""
 
-    def __init__(self, vocab: int = 256, d: int = 32, n_layer: int = 2, n_head: int = 4, n_kv_head: int = 2) -> None:
+    def __init__(
+        self, vocab: int = 256, d: int = 32, n_layer: int = 2, n_head: int = 4, n_kv_head: int = 2
+    ) -> None:
         super().__init__()
         self.model = LlamaModel(vocab, d, n_layer, n_head, n_kv_head)
         self.lm_head = nn.Linear(d, vocab, bias=False)
@@ -105,7 +109,9 @@ class GPT2Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # (B, T, nh * hs) each
         B, T, _ = q.shape
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        q, k, v = (
+            t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v)
+        )  # (B, nh, T, hs)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
@@ -151,7 +157,9 @@ class GPT2Transformer(nn.Module):
 class TinyGPT2(nn.Module):
     """``transformer.wte``, ``transformer.h.N.attn.c_attn``, ..., ``lm_head``."""
 
-    def __init__(self, vocab: int = 256, block_size: int = 32, d: int = 32, n_layer: int = 2, n_head: int = 4) -> None:
+    def __init__(
+        self, vocab: int = 256, block_size: int = 32, d: int = 32, n_layer: int = 2, n_head: int = 4
+    ) -> None:
         super().__init__()
         self.transformer = GPT2Transformer(vocab, block_size, d, n_layer, n_head)
         self.lm_head = nn.Linear(d, vocab, bias=False)

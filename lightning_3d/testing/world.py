@@ -18,7 +18,7 @@ it stays as it read it then: pass ``"spawn"`` for a rank that must start from no
 benchmarks' memory readings do).
 
 The rendezvous store is hosted by the calling process, as ``torchrun``'s agent hosts it
-(:func:`lightning_3d.launch.hosted_store`): a ``TCPStore`` created on port 0, so the OS picks a
+(:func:`lightning_3d.app.launch.hosted_store`): a ``TCPStore`` created on port 0, so the OS picks a
 port that it keeps listening on until the world is torn down, and every rank, rank 0 included,
 joins it as a client (``TORCHELASTIC_USE_AGENT_STORE=True``, which torch's ``env://`` rendezvous
 reads). Choosing a free port first and letting rank 0 bind it later is racy: another program
@@ -45,13 +45,13 @@ from typing import Any, Optional
 
 import torch.multiprocessing as mp
 
-from lightning_3d.launch import hosted_store, local_rank_env, signal_name
+from lightning_3d.app.launch import hosted_store, local_rank_env, signal_name
 
 
 START_METHOD_ENV = "LIGHTNING3D_WORLD_START"  # "spawn" (default) or "forkserver"
 START_METHODS = ("spawn", "forkserver")
 # What the fork server imports once for all the ranks it starts.
-PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_3d.testing.runs")
+PRELOAD = ("torch", "torch.distributed", "lightning.pytorch", "lightning_3d.harness.runs")
 
 
 def _context(start_method: Optional[str]) -> Any:
@@ -93,7 +93,9 @@ class _Caller:
     def now(cls) -> _Caller:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        return cls(dict(os.environ), os.getcwd(), list(sys.path), ((1, _CallerFd(1)), (2, _CallerFd(2))))
+        return cls(
+            dict(os.environ), os.getcwd(), list(sys.path), ((1, _CallerFd(1)), (2, _CallerFd(2)))
+        )
 
     def adopt(self) -> None:
         os.environ.clear()
@@ -105,8 +107,15 @@ class _Caller:
             os.close(fd.fd)
 
 
-def _entry(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results: Any,
-           caller: Optional[_Caller]) -> None:
+def _entry(
+    fn: Callable,
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    results: Any,
+    caller: Optional[_Caller],
+) -> None:
     if caller is not None:  # forked: the server's environment, directory and stdio until now
         caller.adopt()
     os.environ.update(local_rank_env(rank, world_size, port, threads=1, agent_store=True))
@@ -133,7 +142,12 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, args: tuple, res
 
 
 # Errors a rank sees only because another rank went away first: not the cause of a failure.
-_SECONDARY = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket closed")
+_SECONDARY = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Socket closed",
+)
 _GRACE_SECONDS = 15.0  # how long the other ranks get to report once one has failed
 _POLL_SECONDS = 1.0  # how often a waiting caller checks that every unreported rank is still alive
 
@@ -164,7 +178,9 @@ def _failure(errors: dict[int, str], procs: list[Any], outputs: dict[int, Any]) 
 
 def _died_silently(procs: list[Any], errors: dict[int, str], outputs: dict[int, Any]) -> bool:
     """A rank's process has ended without reporting (killed, or exited before its ``try``)."""
-    return any(p.exitcode is not None and r not in errors and r not in outputs for r, p in enumerate(procs))
+    return any(
+        p.exitcode is not None and r not in errors and r not in outputs for r, p in enumerate(procs)
+    )
 
 
 def _record(report: tuple[int, str, Any], errors: dict[int, str], outputs: dict[int, Any]) -> bool:
@@ -188,8 +204,13 @@ def _drain(results: Any, errors: dict[int, str], outputs: dict[int, Any], procs:
                 return
 
 
-def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0,
-              start_method: Optional[str] = None) -> list[Any]:
+def run_world(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 600.0,
+    start_method: Optional[str] = None,
+) -> list[Any]:
     """Call ``fn(rank, *args)`` on ``world_size`` processes; return the results in rank order.
 
     ``fn`` must be importable (a module-level function). Raises ``RuntimeError`` carrying the
@@ -206,7 +227,11 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0,
     caller = _Caller.now() if ctx.get_start_method() == "forkserver" else None
     with hosted_store() as port:  # listens until the processes are gone
         procs = [
-            ctx.Process(target=_entry, args=(fn, rank, world_size, port, args, results, caller), daemon=False)
+            ctx.Process(
+                target=_entry,
+                args=(fn, rank, world_size, port, args, results, caller),
+                daemon=False,
+            )
             for rank in range(world_size)
         ]
         outputs: dict[int, Any] = {}
@@ -217,16 +242,22 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0,
             deadline = time.monotonic() + timeout
             while len(outputs) < world_size:
                 try:
-                    report = results.get(timeout=min(_POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+                    report = results.get(
+                        timeout=min(_POLL_SECONDS, max(0.0, deadline - time.monotonic()))
+                    )
                 except queue.Empty:
                     if _died_silently(procs, errors, outputs):  # its peers may wait on it for ever
-                        _drain(results, errors, outputs, procs)  # (or its report is still in the pipe)
+                        _drain(
+                            results, errors, outputs, procs
+                        )  # (or its report is still in the pipe)
                         if errors or _died_silently(procs, errors, outputs):
                             raise _failure(errors, procs, outputs) from None
                     if time.monotonic() >= deadline:
                         waiting = [r for r in range(world_size) if r not in outputs]
-                        raise TimeoutError(f"world of {world_size} did not finish within {timeout}s "
-                                           f"(no result yet from ranks {waiting})") from None
+                        raise TimeoutError(
+                            f"world of {world_size} did not finish within {timeout}s "
+                            f"(no result yet from ranks {waiting})"
+                        ) from None
                     continue
                 if _record(report, errors, outputs):
                     _drain(results, errors, outputs, procs)
