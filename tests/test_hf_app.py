@@ -158,6 +158,24 @@ def _bad_cases(p):
             ["model=hf", model, "data=text", f"data.path={p['blank']}", block],
             [str(p["blank"]), "no text"],
         ),
+        # 302 training windows of 17 tokens: 75 batches of 2 per rank (dp2); was a rank's error
+        "val_check_interval_above_epoch": (
+            [
+                "model=hf",
+                model,
+                "data=text",
+                text,
+                block,
+                f"data.batch_size={BATCH}",
+                "trainer.val_check_interval=76",
+            ],
+            [
+                "trainer.val_check_interval=76",
+                "the 75 batches of an epoch",
+                "302 training windows",
+                f"data.batch_size={BATCH}",
+            ],
+        ),
         "block_size_above_positions": (
             ["model=hf", model, "data=text", text, "data.block_size=100"],
             ["data.block_size=100", str(MAX_POSITIONS)],
@@ -295,6 +313,7 @@ def test_finetune_app_offloads_from_model_directory(runs, files):
         "empty_data_path",
         "glob_matches_nothing",
         "no_text",
+        "val_check_interval_above_epoch",
         "block_size_above_positions",
         "neither_path_nor_config",
         "key_of_another_model",
@@ -364,6 +383,21 @@ def test_the_launchers_check_reads_every_line_not_one_batchs_worth(files, tmp_pa
             block_size=8,
             batch_size=2,
         )
+
+
+def test_the_launcher_counts_windows_as_the_ranks_split_them_and_no_further_than_needed(files):
+    """``split_windows`` counts what ``setup_for`` cuts (exact with no ``enough``), and stops
+    tokenizing once ``enough`` holds: a small interval is confirmed by the first documents."""
+    options = {"path": str(files["corpus"]), "tokenizer": str(files["model"]), "block_size": BLOCK}
+    data = TokenizedTextDataModule(**options, batch_size=BATCH)
+    data.setup_for(1, 0)
+    exact = (len(data.train_dataset), len(data.val_dataset))
+    assert TokenizedTextDataModule.split_windows(**options) == exact == (302, 15)
+    train, val = TokenizedTextDataModule.split_windows(
+        **options, enough=lambda t, v: t >= 12 and v >= 4
+    )
+    assert 12 <= train < exact[0] and 4 <= val < exact[1]
+    assert TokenizedTextDataModule.split_windows(**options, enough=lambda t, v: t > 302) == exact
 
 
 def test_documents_joined_with_eos_and_packed(files, tmp_path):
@@ -513,6 +547,7 @@ def test_layout_checked_against_the_directory_model_on_meta(files):
     its config.json instead, so the tensor-parallel plan and the pipeline split are checked too."""
     from lightning_3d.app.run import validate
 
+    # (An epoch of the corpus is 75 batches: the default val_check_interval=100 is refused.)
     base = [
         "model=hf",
         f"model.path={files['model']}",
@@ -520,6 +555,7 @@ def test_layout_checked_against_the_directory_model_on_meta(files):
         f"data.path={files['corpus']}",
         f"data.block_size={BLOCK}",
         f"data.batch_size={BATCH}",
+        "trainer.val_check_interval=25",
     ]
     with pytest.raises(ValueError, match=r"self_attn.k_proj: heads 2 is not divisible by tensor=4"):
         validate(_compose([*base, "parallelism.tensor=4", "trainer.devices=4"]))

@@ -192,8 +192,14 @@ def _run_ranks(
             # A session of their own: Ctrl-C in a terminal reaches the launcher only, which
             # forwards it once (a second SIGINT would interrupt a rank before it saves).
             procs.append(subprocess.Popen(command, env=env, start_new_session=True))
+        pids = [p.pid for p in procs]
         return _watch(
-            procs, received, grace_s, lambda code, codes: _reported(store, output_dir, code, codes)
+            procs,
+            received,
+            grace_s,
+            lambda code, codes, signalled: _reported(
+                store, output_dir, code, codes, signalled, pids
+            ),
         )
     finally:
         _end(procs, signal.SIGKILL, 0.0)
@@ -206,12 +212,12 @@ def _watch(
     procs: list[subprocess.Popen],
     received: list[int],
     grace_s: float,
-    reported: Callable[[int, list], int] = lambda code, codes: code,
+    reported: Callable[[int, list, set], int] = lambda code, codes, signalled: code,
 ) -> int:
     """Wait for the ranks; stop them all when one fails or this process is signalled. Once they
-    have all ended after a failure, ``reported(code, codes)`` (the first failed rank's, every
-    rank's) says what failed and returns the exit
-    code."""
+    have all ended after a failure, ``reported(code, codes, signalled)`` (the first failed
+    rank's exit code, ``128 + n`` for signal ``n``; every rank's return code; the ranks this
+    launcher had to signal) says what failed and returns the exit code."""
     while True:
         if received:
             signum = received[0]
@@ -229,35 +235,40 @@ def _watch(
         codes = [p.poll() for p in procs]
         for rank, code in enumerate(codes):
             if code not in (None, 0):
-                if code < 0:  # a signal: the rank could not say anything itself
+                if code < 0:  # a signal: the rank could not say anything itself (the report will)
                     print(
-                        f"error: rank {rank} (pid {procs[rank].pid}) was killed by "
-                        f"{signal_name(-code)} (out of memory, or by someone); stopping the other "
-                        "ranks",
+                        f"lightning_3d: launcher: rank {rank} (pid {procs[rank].pid}) was killed "
+                        f"by {signal_name(-code)}; stopping the other ranks",
                         file=sys.stderr,
                         flush=True,
                     )
                 # First a moment to fail by themselves (a lost peer fails their collective at once)
                 # and say why: a SIGTERM during their error handling would only interrupt it.
-                _end(
+                signalled = _end(
                     procs,
                     signal.SIGTERM,
                     FAILURE_GRACE_S,
                     received=received,
                     patience_s=FAILURE_GRACE_S,
                 )
-                return 128 - code if code < 0 else reported(code, [p.returncode for p in procs])
+                return reported(
+                    128 - code if code < 0 else code, [p.returncode for p in procs], signalled
+                )
         if all(code == 0 for code in codes):
             return 0
         time.sleep(POLL_S)
 
 
-def _reported(store: Any, output_dir: str, code: int, codes: list[int]) -> int:
+def _reported(
+    store: Any, output_dir: str, code: int, codes: list[int], signalled: set[int], pids: list[int]
+) -> int:
     """After a rank failed with ``code`` and every rank has ended (``codes``): the one
     ``error:`` line for what the ranks reported (:mod:`lightning_3d.app.rank_report`) and its exit
     code; ``code`` if none reported anything (a rank that printed its own ``error:`` line, such
     as a non-finite stop). A rank that exited without a report while the others only lost it
-    is named as the cause, with its exit code."""
+    is named as the cause, with its exit code; so is a rank killed by a signal this launcher
+    did not send (``signalled``: the ranks it stopped), with ``128 + n``, before the peers that
+    lost it, whose tracebacks go to the log like any rank's."""
     from lightning_3d.app.rank_report import collect, report
     from lightning_3d.runtime.exit_codes import PEER_LOST
 
@@ -280,6 +291,18 @@ def _reported(store: Any, output_dir: str, code: int, codes: list[int]) -> int:
                 "output, above, may); the other ranks lost it",
             }
         )
+    for rank, c in enumerate(codes):
+        if c is not None and c < 0 and rank not in signalled | reported:
+            records.append(
+                {
+                    "rank": rank,
+                    "code": 128 - c,
+                    "details": [],
+                    "traceback": "",
+                    "line": f"rank {rank} (pid {pids[rank]}) was killed by "
+                    f"{signal_name(-c)} (out of memory, or by someone)",
+                }
+            )
     return report(Path(output_dir), records) if records else code
 
 
@@ -290,24 +313,29 @@ def _end(
     received: Optional[list[int]] = None,
     patience_s: float = 0.0,
     handled: Optional[int] = None,
-) -> None:
+) -> set[int]:
     """After up to ``patience_s`` for the ranks to exit by themselves, send ``signum`` to those
     still running, wait up to ``grace_s``, then SIGKILL and reap every one; the waits end early
-    once ``received`` holds more than ``handled`` signals (default: as many as it holds now)."""
+    once ``received`` holds more than ``handled`` signals (default: as many as it holds now).
+    Returns the ranks (indices into ``procs``) that were sent a signal here."""
     count = handled if handled is not None else len(received) if received is not None else 0
     _wait(procs, patience_s, lambda: received is not None and len(received) > count)
-    for proc in procs:
+    signalled = set()
+    for rank, proc in enumerate(procs):
         if proc.poll() is None:
+            signalled.add(rank)
             _send(proc, signum)
             if signum != signal.SIGKILL:
                 _send(
                     proc, signal.SIGCONT
                 )  # a stopped (SIGSTOP) rank acts on it only once continued
     _wait(procs, grace_s, lambda: received is not None and len(received) > count)
-    for proc in procs:
+    for rank, proc in enumerate(procs):
         if proc.poll() is None:
+            signalled.add(rank)
             _send(proc, signal.SIGKILL)
         proc.wait()
+    return signalled
 
 
 def _wait(procs: list[subprocess.Popen], seconds: float, interrupted: Any) -> None:

@@ -243,13 +243,21 @@ def check_data_sizes(data: DictConfig, trainer: DictConfig, data_degree: int) ->
     """The data's splits against the batch size and the Trainer's validation interval, where the
     data module can count its windows (``split_windows``): at least one global batch in the
     validation split, and an integer ``trainer.val_check_interval`` within the batches of an
-    epoch (Lightning's own check, which it makes only once the ranks have loaded the data)."""
+    epoch (Lightning's own check, which it makes only once the ranks have loaded the data). A
+    module that counts by tokenizing (``data=text``) stops once the counts pass these checks."""
     split_windows = getattr(target_of(data, "data"), "split_windows", None)
     batch_size = data.get("batch_size")
     if split_windows is None or not isinstance(batch_size, int) or batch_size < data_degree:
         return
+    interval = _checked_interval(trainer)
+
+    def enough(train: int, val: int) -> bool:
+        batches = _epoch_batches(train, batch_size, data_degree, trainer)
+        return val >= batch_size and (interval is None or batches >= interval)
+
     options = OmegaConf.to_container(data, resolve=True)
-    sizes = split_windows(**{k: v for k, v in options.items() if k not in HYDRA_KEYS})
+    options = {k: v for k, v in options.items() if k not in HYDRA_KEYS}
+    sizes = split_windows(**options, enough=enough)
     if sizes is None:
         return
     train, val = sizes
@@ -259,6 +267,19 @@ def check_data_sizes(data: DictConfig, trainer: DictConfig, data_degree: int) ->
             f"data.block_size+1 positions, data.val_fraction={data.get('val_fraction')}); lower "
             "data.batch_size, or raise data.val_fraction or the data's size"
         )
+    batches = _epoch_batches(train, batch_size, data_degree, trainer)
+    if interval is not None and interval > batches:
+        raise ValueError(
+            f"trainer.val_check_interval={interval} is above the {batches} batches of an epoch "
+            f"({train} training windows, data.batch_size={batch_size}); give "
+            f"trainer.val_check_interval={batches} or less, a fraction of the epoch such as 0.5, "
+            "or trainer.limit_val_batches=0 for no validation"
+        )
+
+
+def _checked_interval(trainer: DictConfig) -> int | None:
+    """``trainer.val_check_interval`` where Lightning checks it against an epoch's batches (an
+    integer, validation by epoch, some validation batches); ``None`` elsewhere."""
     interval = trainer.get("val_check_interval", 1.0)
     limit_val = trainer.get("limit_val_batches", 1.0)
     if (
@@ -267,21 +288,21 @@ def check_data_sizes(data: DictConfig, trainer: DictConfig, data_degree: int) ->
         or trainer.get("check_val_every_n_epoch", 1) is None
         or not (isinstance(limit_val, (int, float)) and limit_val > 0)
     ):
-        return  # Lightning checks an integer interval only when it validates by epoch
+        return None
+    return interval
+
+
+def _epoch_batches(train: int, batch_size: int, data_degree: int, trainer: DictConfig) -> int:
+    """A rank's training batches per epoch of ``train`` windows, within
+    ``trainer.limit_train_batches``."""
     # Per rank, incomplete batches dropped (the sampler's and the loader's drop_last).
     batches = (train // data_degree) // (batch_size // data_degree)
     limit = trainer.get("limit_train_batches", 1.0)
     if isinstance(limit, int) and not isinstance(limit, bool):
-        batches = min(batches, limit)
-    elif isinstance(limit, float):
-        batches = int(batches * limit)
-    if interval > batches:
-        raise ValueError(
-            f"trainer.val_check_interval={interval} is above the {batches} batches of an epoch "
-            f"({train} training windows, data.batch_size={batch_size}); give "
-            f"trainer.val_check_interval={batches} or less, a fraction of the epoch such as 0.5, "
-            "or trainer.limit_val_batches=0 for no validation"
-        )
+        return min(batches, limit)
+    if isinstance(limit, float):
+        return int(batches * limit)
+    return batches
 
 
 def model_on_meta(model: DictConfig) -> Any:

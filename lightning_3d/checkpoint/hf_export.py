@@ -39,6 +39,7 @@ from lightning_3d.checkpoint.checks import (
     load_lightning_checkpoint,
     shapes_of,
 )
+from lightning_3d.checkpoint.export import output_errors_named
 from lightning_3d.checkpoint.files import (
     finish_file,
     fsync_dir,
@@ -131,7 +132,8 @@ def export_hf(
             tok.save_pretrained(temp)
             _check_tokenizer_round_trip(tok, source, temp, progress)
 
-    _write_dir(out_dir, write)
+    with output_errors_named(out_dir):  # a full or unwritable disk: out_dir named, not the temp
+        _write_dir(out_dir, write)
     progress(f"wrote {out_dir}")
     return HFExportResult(
         path=out_dir,

@@ -144,6 +144,18 @@ class ByteWindowDataset(Dataset):
         return chunk[:-1], chunk[1:]  # (T,), (T,)
 
 
+def split_counts(length: int, block_size: int, val_fraction: float) -> tuple[int, int]:
+    """(training windows, validation windows) of ``block_size + 1`` positions in a stream of
+    ``length`` ids, its tail ``val_fraction`` the validation split, as
+    :meth:`TextDataModule.setup_for` cuts it."""
+    n_val = int(length * val_fraction)
+    span = block_size + 1
+    train, val = (
+        0 if part < span else (part - span) // block_size + 1 for part in (length - n_val, n_val)
+    )
+    return train, val
+
+
 class TextDataModule(pl.LightningDataModule):
     """Byte windows of a built-in corpus, sharded over data-parallel ranks.
 
@@ -258,13 +270,7 @@ class TextDataModule(pl.LightningDataModule):
     ) -> tuple[int, int] | None:
         """(training windows, validation windows) of the corpus as :meth:`setup_for` splits it,
         for the launching process's checks; reads the corpus (the ranks read it again)."""
-        n = len(load_text_corpus(corpus, max_bytes))
-        n_val = int(n * val_fraction)
-        span = block_size + 1
-        train, val = (
-            0 if part < span else (part - span) // block_size + 1 for part in (n - n_val, n_val)
-        )
-        return train, val
+        return split_counts(len(load_text_corpus(corpus, max_bytes)), block_size, val_fraction)
 
     def _loader(
         self, dataset: ByteWindowDataset, shuffle: bool, resumable: bool = False

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import glob
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-from lightning_3d.data.text import TextDataModule
+from lightning_3d.data.text import TextDataModule, split_counts
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 # What a tokenizer directory holds (any one is enough for AutoTokenizer to try).
@@ -182,10 +182,25 @@ def tokenize_documents(
 def enough_tokens(count: int, block_size: int, batch_size: int, val_fraction: float) -> bool:
     """Whether a stream of ``count`` ids gives both splits one global batch of windows (what
     :meth:`TextDataModule.setup_for` needs); grows with ``count``, so a prefix can answer."""
-    span = block_size + 1
-    n_val = int(count * val_fraction)
-    windows = [(n - span) // block_size + 1 if n >= span else 0 for n in (count - n_val, n_val)]
-    return min(windows) >= batch_size
+    return min(split_counts(count, block_size, val_fraction)) >= batch_size
+
+
+def count_tokens(
+    documents: Iterator[str], tokenizer: Any, max_tokens: int | None, enough: Callable[[int], bool]
+) -> int:
+    """The length of the stream :func:`tokenize_documents` makes of ``documents``, tokenizing
+    only until ``enough(length)`` holds (then a lower bound; ``enough`` must grow with the
+    length, as a prefix answers for the whole stream). The rest of ``documents`` is read and
+    parsed, not tokenized, so a bad line is found wherever it is."""
+    total = count = 0
+    for piece in token_pieces(documents, tokenizer):
+        total += len(piece)
+        count = total if max_tokens is None else min(total, max_tokens)
+        if enough(count) or count == max_tokens:
+            break
+    for _ in documents:
+        pass
+    return count
 
 
 def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
@@ -256,10 +271,29 @@ class TokenizedTextDataModule(TextDataModule):
         return tokens
 
     @classmethod
-    def split_windows(cls, **_: Any) -> None:
-        """Not known before every file is tokenized (:meth:`check` tokenizes as much as one
-        global batch of each split needs): the ranks' own checks count them."""
-        return None
+    def split_windows(
+        cls,
+        path: str | None = None,
+        tokenizer: str | None = None,
+        block_size: int = 128,
+        val_fraction: float = 0.05,
+        max_tokens: int | None = None,
+        text_field: str = "text",
+        invalid_utf8: str = "error",
+        enough: Callable[[int, int], bool] | None = None,
+        **_: Any,
+    ) -> tuple[int, int]:
+        """(training windows, validation windows) of the files' token stream, for the launching
+        process's checks. Tokenizing stops once ``enough(training, validation)`` holds (then
+        the counts are lower bounds that satisfy it): the launcher tokenizes no more text than
+        the check it makes needs. ``None``: every file tokenized, the counts exact."""
+
+        def satisfied(count: int) -> bool:
+            return enough is not None and enough(*split_counts(count, block_size, val_fraction))
+
+        documents = read_documents(find_text_files(path), text_field, invalid_utf8)
+        count = count_tokens(documents, load_tokenizer(tokenizer), max_tokens, satisfied)
+        return split_counts(count, block_size, val_fraction)
 
     @classmethod
     def check(
@@ -287,17 +321,14 @@ class TokenizedTextDataModule(TextDataModule):
                 raise ValueError(f"data.{name}={value!r} must be a positive integer")
         files = find_text_files(path)
         loaded = load_tokenizer(tokenizer)
-        total = count = 0
         documents = read_documents(files, text_field, invalid_utf8)
-        for piece in token_pieces(documents, loaded):
-            total += len(piece)
-            count = total if max_tokens is None else min(total, max_tokens)
-            if enough_tokens(count, block_size, batch_size, val_fraction):
-                for _ in documents:  # the rest read and parsed, not tokenized
-                    pass
-                return len(loaded)
-            if count == max_tokens:
-                break
+
+        def enough(count: int) -> bool:
+            return enough_tokens(count, block_size, batch_size, val_fraction)
+
+        count = count_tokens(documents, loaded, max_tokens, enough)
+        if enough(count):
+            return len(loaded)
         if count == 0:
             raise ValueError(
                 f"data.path={path!r}: the files hold no text ({len(files)} file(s), all blank)"

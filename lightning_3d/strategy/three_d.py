@@ -423,6 +423,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         )
         named = self.watchdog.failure_line(exception) if self.watchdog is not None else None
         if os.environ.get(REPORTS_ENV):  # the app reports it, in one line for every rank
+            # The peer this rank lost, named first: by the watchdog now, or by its thread before.
+            named = named or (self.watchdog.verdict if self.watchdog is not None else None)
             try:
                 setattr(exception, LINES_ATTR, [line for line in (named, message) if line])
                 return
