@@ -192,10 +192,6 @@ def test_validate_accepts_default_config(compose):
             ["offload_params=True needs zero_stage=3", "zero_stage=0"],
         ),
         (["parallelism.ac_policy=half"], ["policy 'half'"]),
-        (
-            ["parallelism.activation_checkpointing=full"],
-            ["activation_checkpointing"],
-        ),  # an old name
         (["parallelism.checkpoint_format=zip"], ["checkpoint_format", "'zip'"]),
         # the tensor-parallel plan is checked against the model's shapes (built on meta)
         (
@@ -258,6 +254,13 @@ def test_validate_rejects(compose, overrides, named):
         validate(compose(*overrides))
     for part in named:
         assert part in str(err.value)
+
+
+def test_an_old_option_name_is_an_unknown_key(compose):
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="activation_checkpointing"):
+        compose("parallelism.activation_checkpointing=full")
 
 
 def test_explicit_tp_plan_from_hydra_builds_the_styles(compose):
