@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 from lightning_3d.checkpoint.__main__ import main as cli
 from lightning_3d.checkpoint.checks import check_against, inspect_checkpoint
-from lightning_3d.checkpoint.io import AtomicCheckpointIO, remove_stale_temps
+from lightning_3d.checkpoint.files import remove_stale_temps
+from lightning_3d.checkpoint.io import AtomicCheckpointIO
 from lightning_3d.checkpoint.pretrained import load_pretrained
 from lightning_3d.data import TextDataModule
 from lightning_3d.models import LitGPT

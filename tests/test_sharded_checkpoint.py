@@ -21,8 +21,7 @@ import torch
 from lightning_3d.checkpoint import sharded_files
 from lightning_3d.checkpoint.checks import inspect_checkpoint, load_lightning_checkpoint
 from lightning_3d.checkpoint.export import export_safetensors
-from lightning_3d.checkpoint.files import publish
-from lightning_3d.checkpoint.io import remove_stale_temps
+from lightning_3d.checkpoint.files import publish, remove_stale_temps
 from lightning_3d.harness.parity import assert_same_run, checkpoint_tensors, weight_mismatches
 from lightning_3d.harness.runs import Run, fit_gpt, fit_layout
 from lightning_3d.harness.world import run_world

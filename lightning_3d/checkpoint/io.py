@@ -23,12 +23,9 @@ from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
 from lightning_3d.checkpoint.checks import load_lightning_checkpoint
-from lightning_3d.checkpoint.files import atomic_write, remove_stale_temps
+from lightning_3d.checkpoint.files import atomic_write
 from lightning_3d.checkpoint.integrity import with_checksums
 from lightning_3d.runtime.failures import naming_path
-
-# remove_stale_temps lived here first (files.py now); callers still import it from this module.
-__all__ = ["AtomicCheckpointIO", "atomic_write", "remove_stale_temps"]
 
 
 def _is_local(path: _PATH) -> bool:
