@@ -22,15 +22,16 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import json
-import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
+from lightning_3d.app.spec import RunSpec
 from lightning_3d.checkpoint.resume import FINETUNE_RUNS
+from lightning_3d.options import hydra_group_values
 
 LATEST = "latest"
 
@@ -57,10 +58,11 @@ def resolve_pretrained(value: str, project_dir: str | Path) -> Path:
     return max(found, key=lambda p: p.stat().st_mtime)
 
 
-def check_pretrained(model_cfg: DictConfig, path: Path) -> None:
+def check_pretrained(model_cfg: DictConfig, path: Path, module: Any = None) -> None:
     """Raise ``ValueError`` (or ``FileNotFoundError``) unless ``path`` is a checkpoint that
     :func:`~lightning_3d.checkpoint.pretrained.load_pretrained` can load into ``model_cfg``'s
-    model: the same names and shapes. Reads only the file's header / weights index."""
+    model: the same names and shapes. Reads only the file's header / weights index. ``module``:
+    that model built on ``meta`` already (else it is built here)."""
     import torch
     from hydra.utils import instantiate
 
@@ -72,11 +74,12 @@ def check_pretrained(model_cfg: DictConfig, path: Path) -> None:
     from lightning_3d.checkpoint.pretrained import map_names
 
     info = inspect_checkpoint(path)  # missing, a directory, not a checkpoint, truncated
-    try:
-        with torch.device("meta"):
-            module = instantiate(model_cfg)
-    except Exception:  # noqa: BLE001 -- a module not buildable on meta is checked by load_pretrained on the rank
-        return
+    if module is None:
+        try:
+            with torch.device("meta"):
+                module = instantiate(model_cfg)
+        except Exception:  # noqa: BLE001 -- not buildable on meta: load_pretrained checks it on the rank
+            return
     own = shapes_of(module.state_dict())
     names = map_names(list(info["shapes"]), list(own), info["format"])
     check_against(own, {names[n]: shape for n, shape in info["shapes"].items()}, source=str(path))
@@ -97,21 +100,21 @@ def own_weights(model_cfg: DictConfig) -> Optional[Path]:
     return Path(str(path)).expanduser().resolve() if path is not None else None
 
 
-def prepare(cfg: DictConfig, project_dir: str | Path) -> Optional[Path]:
+def prepare(cfg: DictConfig, project_dir: str | Path, module: Any = None) -> Optional[Path]:
     """Resolve and check ``cfg.finetune.pretrained``, then pin it in ``cfg`` as an absolute path
     (so every rank loads the same file); return where the starting weights come from.
 
     A model that brings its own weights (``model=hf model.path=DIR``) starts from them under the
     default ``"latest"``; ``null`` loads nothing either (a random init, or the model's own).
-    Then ``cfg.finetune.pretrained`` becomes ``None``. ``ValueError`` / ``FileNotFoundError``
-    on bad input."""
+    Then ``cfg.finetune.pretrained`` becomes ``None``. ``module``: the model built on ``meta``
+    already, if it was. ``ValueError`` / ``FileNotFoundError`` on bad input."""
     own = own_weights(cfg.model)
     value = cfg.finetune.pretrained
     if value is None or (value == LATEST and own is not None):
         cfg.finetune.pretrained = None
         return own
     path = resolve_pretrained(str(value), project_dir).resolve()
-    check_pretrained(cfg.model, path)
+    check_pretrained(cfg.model, path, module)
     cfg.finetune.pretrained = str(path)
     return path
 
@@ -124,9 +127,9 @@ def pretrained_module(module: Any, path: str) -> Any:
     return module
 
 
-def finetune(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
+def finetune(spec: RunSpec, output_dir: str) -> dict[str, Any]:
     """Per-rank body for :func:`lightning_3d.app.run`: :func:`~lightning_3d.app.run.train` with the
-    model's weights loaded from ``cfg.finetune.pretrained`` before ``trainer.fit``.
+    model's weights loaded from ``spec.pretrained`` before ``trainer.fit``.
 
     Returns the run summary with ``"pretrained"`` (the file's absolute path) and ``"offload"``
     (the offload config) added, also written to ``output_dir/summary.json``.
@@ -135,24 +138,18 @@ def finetune(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
 
     from lightning_3d.app.run import train
 
-    cfg = copy.deepcopy(cfg)
-    OmegaConf.resolve(
-        cfg
-    )  # data.block_size etc. refer to ${model.*}, which moves into model.module
-    source = cfg.finetune.pretrained or own_weights(cfg.model)  # None: a random init
-    if cfg.finetune.pretrained is not None:
-        with open_dict(cfg):
-            # app.train builds cfg.model with hydra's instantiate, which builds the nested module
-            # first and hands it to pretrained_module: the weights are in before trainer.fit.
-            cfg.model = {
-                "_target_": f"{__name__}.pretrained_module",
-                "module": cfg.model,
-                "path": str(cfg.finetune.pretrained),
-            }
+    source = spec.pretrained or own_weights(spec.model)  # None: a random init
+    if spec.pretrained is not None:
+        # app.train builds spec.model with hydra's instantiate, which builds the nested module
+        # first and hands it to pretrained_module: the weights are in before trainer.fit.
+        # (Resolved first: its ${...} references stay with the config it came from.)
+        module = OmegaConf.to_container(spec.model, resolve=True)
+        wrapped = {"_target_": f"{__name__}.pretrained_module", "module": module}
+        spec = replace(spec, model=OmegaConf.create({**wrapped, "path": str(spec.pretrained)}))
     summary = {
-        **train(cfg, output_dir),
+        **train(spec, output_dir),
         "pretrained": str(source) if source is not None else None,
-        "offload": OmegaConf.to_container(cfg.offload),
+        "offload": hydra_group_values(spec.plan, "offload"),
     }
     if rank_zero_only.rank == 0:
         (Path(output_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -160,25 +157,23 @@ def finetune(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
 
 
 def main(cfg: DictConfig, script: str) -> int:
-    """``examples/finetune.py``'s entry point: check the configuration (model, data, layout), then
-    the pretrained file against the model, then :func:`lightning_3d.app.run` with
-    :func:`finetune`; returns the exit code (2: bad input)."""
-    from hydra.core.hydra_config import HydraConfig
+    """``examples/finetune.py``'s entry point: :func:`lightning_3d.app.run` with :func:`finetune`
+    on every rank and, once the configuration (model, data, layout) is checked, the pretrained
+    file checked against the model (:func:`prepare`); returns the exit code (2: bad input)."""
     from hydra.utils import get_original_cwd
 
-    from lightning_3d.app.run import discard_run_dir, run, validate
+    from lightning_3d.app.run import run
 
-    try:
-        validate(
-            cfg
-        )  # first: a wrong model is named as such, not as a checkpoint that does not fit it
-        path = prepare(cfg, get_original_cwd())
-    except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        hydra_cfg = HydraConfig.get()
-        discard_run_dir(Path(hydra_cfg.runtime.output_dir), hydra_cfg.job.name)
-        return 2
-    print(
-        f"fine-tuning from {path if path is not None else 'a random init (finetune.pretrained=null)'}"
-    )
-    return run(cfg, script, body=finetune, validated=True)
+    def pinned(spec: RunSpec, module: Any) -> RunSpec:
+        # After validate: a wrong model is named as such, not as a checkpoint that does not fit it.
+        try:
+            path = prepare(cfg, get_original_cwd(), module)
+        except OSError as err:  # one error: line, as a bad value
+            raise ValueError(str(err)) from None
+        print(
+            f"fine-tuning from {path if path is not None else 'a random init (finetune.pretrained=null)'}"
+        )
+        pretrained = cfg.finetune.pretrained
+        return replace(spec, pretrained=Path(pretrained) if pretrained is not None else None)
+
+    return run(cfg, script, body=finetune, prepare=pinned)

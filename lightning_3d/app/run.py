@@ -7,6 +7,7 @@ exit code 2 instead of a traceback from every rank.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -20,76 +21,56 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_3d.app.config import (
     HYDRA_KEYS,
-    build_strategy,
     check_target_keys,
     model_limits,
-    plan_of,
     target_of,
     without_weights,
-    world_size_of,
 )
 from lightning_3d.app.launch import already_launched, launch_job, quoted
 from lightning_3d.app.rank_report import report_here, send
 from lightning_3d.app.run_dir import RunDirInUse, hold
+from lightning_3d.app.spec import RunSpec, check_trainer_counts, read_spec, with_auto
 from lightning_3d.checkpoint.resume import (
     PeriodicCheckpoint,
-    check_every_n_steps,
     check_fits,
     check_steps_left,
-    resolve_resume,
     resume_hint,
     resume_override,
     written_checkpoint,
 )
+from lightning_3d.options import Plan
 from lightning_3d.parallel.model_check import check
 from lightning_3d.runtime.failures import REPORTS_ENV
 from lightning_3d.runtime.nonfinite import NonFiniteError
 from lightning_3d.runtime.preemption import Preempted
 from lightning_3d.runtime.watchdog import LAUNCHER_PID_ENV
-from lightning_3d.strategy.auto import plan_for_app, record_planned
+from lightning_3d.strategy.auto import record_planned
+from lightning_3d.strategy.three_d import ThreeDStrategy
 
-# The apps' top-level keys (conf/train.yaml, conf/finetune.yaml): any other (``+ckpt_path=...``)
-# would be read by nothing, so it is refused instead of being silently ignored.
-APP_KEYS = frozenset(
-    {
-        "model",
-        "data",
-        "parallelism",
-        "offload",
-        "trainer",
-        "seed",
-        "checkpoint",
-        "resume",
-        "finetune",
-        "overwrite",
-    }
-)
-CHECKPOINT_KEYS = frozenset({"every_n_steps"})
+# The launcher's own step after validation (examples/finetune.py: the pretrained file), given
+# the spec and the model built on meta (None: none); returns the spec the ranks train.
+Prepare = Callable[[RunSpec, Any], RunSpec]
 
 
-def validate(cfg: DictConfig) -> None:
+def validate(cfg: DictConfig | RunSpec) -> RunSpec:
     """Raise ``ValueError`` for any inconsistent value in ``cfg`` (no side effects): the app's
     keys, the periodic checkpoints and the checkpoint to resume from (``resume=``: it exists, and
     its names and shapes are the model's), the layout, the model's and the data's keys and values
-    (the model built on ``meta``, the data module built), the plan against the model's shapes,
-    and the Trainer's arguments."""
-    check_app_keys(cfg)
-    check_seed(cfg.get("seed"))
-    resume = resolve_resume(cfg.get("resume"), project_dir(), finetune="finetune" in cfg)
-    world = world_size_of(cfg.trainer)
-    max_steps = cfg.trainer.get("max_steps", -1)
-    if max_steps == 0 or (isinstance(max_steps, int) and max_steps < -1):
-        raise ValueError(
-            f"trainer.max_steps={max_steps} trains no step (the run would save untrained weights as "
-            "final.ckpt); give a positive number of steps, or -1 to let trainer.max_epochs decide"
-        )
-    check_trainer_counts(cfg.trainer)  # max_steps=2.5 (Lightning would train 3)
-    plan = plan_of(cfg.parallelism, cfg.get("offload")).resolved(world)
+    (the model built on meta, the data module built), the plan against the model's shapes,
+    and the Trainer's arguments. Returns the run's spec (:func:`~lightning_3d.app.spec.read_spec`)."""
+    spec = cfg if isinstance(cfg, RunSpec) else read_spec(cfg)
+    check_spec(spec)
+    return spec
+
+
+def check_spec(spec: RunSpec, model: Any = None) -> Any:
+    """:func:`validate`'s checks after the config was read: ``model`` is the model built on meta
+    where the caller has built it already (``parallelism=auto`` planned on it), else it is built
+    here. Returns that model (``None``: no model, or one that cannot be built on meta)."""
+    plan = spec.plan.resolved(spec.world)
     layout = plan.layout
-    batch_size = cfg.data.get("batch_size") if "data" in cfg else None
-    unplanned = (
-        plan.auto.enabled
-    )  # parallelism=auto left to the ranks: the planner picks dividing sizes
+    batch_size = spec.data.get("batch_size") if spec.data is not None else None
+    unplanned = plan.auto.enabled  # parallelism=auto left to the ranks: the planner picks sizes
     if (
         not unplanned
         and isinstance(batch_size, int)
@@ -97,7 +78,8 @@ def validate(cfg: DictConfig) -> None:
         and batch_size % layout.data
     ):
         raise ValueError(
-            f"global data.batch_size ({batch_size}) is not divisible by data-parallel size ({layout.data})"
+            f"global data.batch_size ({batch_size}) is not divisible by data-parallel size "
+            f"({layout.data})"
         )
     if (
         not unplanned
@@ -107,94 +89,30 @@ def validate(cfg: DictConfig) -> None:
         and (batch_size // layout.data) % plan.pp.micro_batches
     ):
         raise ValueError(
-            f"per-rank batch {batch_size // layout.data} (data.batch_size {batch_size} / data {layout.data}) "
-            f"is not divisible by micro_batches={plan.pp.micro_batches}"
+            f"per-rank batch {batch_size // layout.data} (data.batch_size {batch_size} / data "
+            f"{layout.data}) is not divisible by micro_batches={plan.pp.micro_batches}"
         )
-    if "data" in cfg and not unplanned:
-        check_data_layout(cfg.data, layout)
-    if "model" in cfg:
-        check_target_keys(cfg.model, "model")
-        model_limits(cfg.model)  # a Hugging Face model's directory or config, said as such
-        model = model_on_meta(cfg.model)
+    if spec.data is not None and not unplanned:
+        check_data_layout(spec.data, layout)
+    if spec.model is not None:
+        check_target_keys(spec.model, "model")
+        model_limits(spec.model)  # a Hugging Face model's directory or config, said as such
+        model = model if model is not None else model_on_meta(spec.model)
         if model is not None and (layout.tensor > 1 or layout.pipeline > 1):
-            check(model, plan, world)
+            check(model, plan, spec.world)
         if model is not None and plan.offload.device == "nvme":
             _check_offload_room(model, plan)
-        if model is not None and resume is not None:
-            check_fits(resume, model)
-    if resume is not None:
-        check_steps_left(resume, max_steps)
-    if "model" in cfg and "data" in cfg:
-        check_model_and_data(cfg.model, cfg.data)
-    check_trainer(cfg.trainer, cfg.parallelism, cfg.get("offload"))
+        if model is not None and spec.resume is not None:
+            check_fits(spec.resume, model)
+    if spec.resume is not None:
+        check_steps_left(spec.resume, spec.max_steps)
+    if spec.model is not None and spec.data is not None:
+        check_model_and_data(spec.model, spec.data)
+    check_trainer(spec.trainer, spec.plan)
     # (A resumed epoch is shorter, and an unplanned layout unknown yet: the ranks check those.)
-    if "data" in cfg and resume is None and not unplanned:
-        check_data_sizes(cfg.data, cfg.trainer, layout.data)
-
-
-def check_app_keys(cfg: DictConfig) -> None:
-    """Every top-level key (and every ``checkpoint.*`` key) is one the app reads;
-    ``trainer.enable_checkpointing`` is ``checkpoint.every_n_steps``'s to set."""
-    unknown = sorted(str(k) for k in cfg.keys() if k not in APP_KEYS)
-    if "ckpt_path" in unknown:
-        raise ValueError(
-            "ckpt_path is not a key of this app: to resume, pass resume=last (the newest checkpoint of "
-            "the app's earlier runs under ./outputs) or resume=PATH"
-        )
-    if unknown:
-        one = len(unknown) == 1
-        raise ValueError(
-            f"{', '.join(unknown)}: not {'a key' if one else 'keys'} of this app, nothing would read "
-            f"{'it' if one else 'them'} (its keys: {', '.join(sorted(APP_KEYS))})"
-        )
-    checkpoint = cfg.get("checkpoint")
-    if checkpoint is not None:
-        extra = sorted(str(k) for k in checkpoint.keys() if k not in CHECKPOINT_KEYS)
-        if extra:
-            raise ValueError(
-                f"{', '.join(f'checkpoint.{k}' for k in extra)}: not a key of the checkpoint block (its "
-                f"keys: {', '.join(sorted(CHECKPOINT_KEYS))})"
-            )
-        check_every_n_steps(checkpoint.get("every_n_steps"))
-    if "enable_checkpointing" in cfg.trainer:
-        raise ValueError(
-            "trainer.enable_checkpointing: set checkpoint.every_n_steps instead (a number of steps, or "
-            "null for no periodic checkpoints)"
-        )
-
-
-def check_trainer_counts(trainer: DictConfig) -> None:
-    """The Trainer's counts are whole numbers (Lightning takes ``max_steps=2.5`` and trains 3)."""
-    for key, least in (
-        ("log_every_n_steps", 0),
-        ("num_sanity_val_steps", -1),
-        ("max_steps", -1),
-        ("min_steps", 0),
-        ("max_epochs", -1),
-        ("min_epochs", 0),
-    ):
-        value = trainer.get(key, 0)
-        if value is None and key != "log_every_n_steps":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"trainer.{key}={value!r} must be an integer >= {least}")
-
-
-def check_seed(seed: Any) -> None:
-    """``seed``: a whole number in [0, 2**32 - 1], what ``seed_everything`` and numpy take."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
-        raise ValueError(f"seed={seed!r} must be a whole number in [0, {2**32 - 1}]")
-
-
-def project_dir() -> str:
-    """Where the app was started (relative ``resume=`` paths and ``./outputs`` are taken from there)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        from hydra.utils import get_original_cwd
-
-        return get_original_cwd()
-    return os.getcwd()
+    if spec.data is not None and spec.resume is None and not unplanned:
+        check_data_sizes(spec.data, spec.trainer, layout.data)
+    return model
 
 
 def check_model_and_data(model: DictConfig, data: DictConfig) -> None:
@@ -344,7 +262,7 @@ def _check_offload_room(model: Any, plan: Any) -> None:
     check_offload_path(plan.offload.path, 8 * sum(p.numel() for p in model.parameters()) // shards)
 
 
-def check_trainer(trainer: DictConfig, parallelism: Any, offload: Any = None) -> None:
+def check_trainer(trainer: DictConfig, plan: Plan) -> None:
     """The Trainer's arguments: Lightning's own checks (precision, max_steps, val_check_interval,
     an unknown argument, ...) by building the Trainer here, with the strategy, without starting
     anything, plus those Lightning leaves to the first step (``accumulate_grad_batches >= 1``,
@@ -375,7 +293,7 @@ def check_trainer(trainer: DictConfig, parallelism: Any, offload: Any = None) ->
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # "GPU available: ..." belongs to the ranks' output
     try:
-        L.Trainer(**{**kwargs, "logger": False}, strategy=build_strategy(parallelism, offload))
+        L.Trainer(**{**kwargs, "logger": False}, strategy=ThreeDStrategy(plan))
     except Exception as err:  # noqa: BLE001 -- ValueError, MisconfigurationException, TypeError, a missing accelerator
         text = str(err).strip().splitlines()
         raise ValueError(f"trainer: {text[0] if text else type(err).__name__}") from None
@@ -383,33 +301,33 @@ def check_trainer(trainer: DictConfig, parallelism: Any, offload: Any = None) ->
         quiet.setLevel(level)
 
 
-def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
+def train(spec: RunSpec, output_dir: str) -> dict[str, Any]:
     """Train on this rank (the world is already launched, or has one process)."""
     import lightning as L
     from hydra.utils import instantiate
 
     from lightning_3d.observe.summary import RNGStateCheckpoint, RunSummary
 
-    L.seed_everything(cfg.seed, verbose=False)
-    model = instantiate(cfg.model)
-    datamodule = instantiate(cfg.data)
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    L.seed_everything(spec.seed, verbose=False)
+    model = instantiate(spec.model)
+    datamodule = instantiate(spec.data)
+    trainer_kwargs = spec.trainer_kwargs()
     summary = RunSummary(
         out_dir=output_dir, peak_tflops=trainer_kwargs.pop("peak_tflops", None)
     )  # ours, for MFU
     callbacks = [summary, RNGStateCheckpoint()]  # a resume from its checkpoints continues exactly
-    every_n_steps = (cfg.get("checkpoint") or {}).get("every_n_steps")
-    if every_n_steps is not None:  # <run dir>/last.ckpt; preempted.ckpt goes next to it
-        callbacks.append(PeriodicCheckpoint(output_dir, every_n_steps))
+    if spec.every_n_steps is not None:  # <run dir>/last.ckpt; preempted.ckpt goes next to it
+        callbacks.append(PeriodicCheckpoint(output_dir, spec.every_n_steps))
     trainer = L.Trainer(
         **trainer_kwargs,
-        enable_checkpointing=every_n_steps is not None,
-        strategy=build_strategy(cfg.parallelism, cfg.get("offload")),
+        enable_checkpointing=spec.every_n_steps is not None,
+        strategy=ThreeDStrategy(spec.plan),
         callbacks=callbacks,
         default_root_dir=output_dir,
     )
-    # resume: pinned to one file by run(); a launcher of our own (torchrun) may leave "last" to each rank.
-    resume = resolve_resume(cfg.get("resume"), project_dir(), finetune="finetune" in cfg)
+    # spec.resume: one file, found by the launcher (our launcher hands it to its ranks; under
+    # torchrun or SLURM each rank finds "last" itself).
+    resume = spec.resume
     try:
         with warnings.catch_warnings():
             # A resumed run saves into its own new directory, which Lightning would warn about.
@@ -426,45 +344,45 @@ def train(cfg: DictConfig, output_dir: str) -> dict[str, Any]:
 def run(
     cfg: DictConfig,
     script: str,
-    body: Callable[[DictConfig, str], dict[str, Any]] | None = None,
-    validated: bool = False,
+    body: Callable[[RunSpec, str], dict[str, Any]] | None = None,
+    prepare: Prepare | None = None,
 ) -> int:
-    """Entry point shared by the example apps; returns the process exit code. ``body`` runs on
-    every rank once the world exists (default :func:`train`); ``validated``: the caller has run
-    :func:`validate` on ``cfg`` already."""
+    """Entry point shared by the example apps; returns the process exit code. ``cfg`` is read
+    once (:func:`~lightning_3d.app.spec.read_spec`: ``resume=last`` names the newest checkpoint
+    now, before this run writes any, so every rank and a relaunch resume from the same file),
+    ``parallelism=auto`` planned, the run validated, then ``prepare`` (the app's own launcher
+    step: the pretrained file) runs; ``body`` runs on every rank once the world exists (default
+    :func:`train`)."""
     from hydra.core.hydra_config import HydraConfig
 
     hydra_cfg = HydraConfig.get()
     output_dir = hydra_cfg.runtime.output_dir
     try:
+        spec = read_spec(cfg)
+        chosen: list[str] = []
+        planned, model = None, None
         # parallelism=auto: chosen here, once, and handed to the ranks as overrides (a rank of
         # torchrun / SLURM leaves it to its strategy, which plans on rank 0 for the whole world).
-        chosen, planned = ([], None) if already_launched() else _resolve_auto(cfg)
+        if spec.plan.auto.enabled and not already_launched():
+            model = model_on_meta(spec.model)
+            spec, chosen, planned = with_auto(spec, model)
         if not already_launched():
             quoted(output_dir)  # the ranks get it as a Hydra override: refused here if it cannot be
-        if not validated:
-            validate(cfg)
-        # resume=last names the newest checkpoint now, before this run writes any: every rank
-        # (and a relaunch) resumes from the same file.
-        resume = resolve_resume(cfg.get("resume"), project_dir(), finetune="finetune" in cfg)
+        model = check_spec(spec, model)
+        if prepare is not None:
+            spec = prepare(spec, model)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         discard_run_dir(Path(output_dir), hydra_cfg.job.name)
         return 2
+    launch = functools.partial(_launch_or_train, spec, script, body, hydra_cfg, chosen, planned)
     if already_launched():  # a rank: its launcher holds the run directory
-        return _reporting(
-            output_dir,
-            lambda: _launch_or_train(cfg, script, body, hydra_cfg, resume, chosen, planned),
-        )
-    overwrite = cfg.get("overwrite", False)
+        return _reporting(output_dir, launch)
     try:
-        if not isinstance(overwrite, bool):
-            raise RunDirInUse(f"overwrite={overwrite!r} must be true or false")
-        with hold(Path(output_dir), resuming=resume is not None, overwrite=overwrite):
-            return _reporting(
-                output_dir,
-                lambda: _launch_or_train(cfg, script, body, hydra_cfg, resume, chosen, planned),
-            )
+        if not isinstance(spec.overwrite, bool):
+            raise RunDirInUse(f"overwrite={spec.overwrite!r} must be true or false")
+        with hold(Path(output_dir), resuming=spec.resume is not None, overwrite=spec.overwrite):
+            return _reporting(output_dir, launch)
     except RunDirInUse as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -499,57 +417,40 @@ def _reporting(output_dir: str, call: Callable[[], int]) -> int:
 
 
 def _launch_or_train(
-    cfg: DictConfig,
+    spec: RunSpec,
     script: str,
-    body: Callable[[DictConfig, str], dict[str, Any]] | None,
+    body: Callable[[RunSpec, str], dict[str, Any]] | None,
     hydra_cfg: Any,
-    resume: Path | None,
     chosen: list[str],
     planned: dict[str, Any] | None,
 ) -> int:
     """Start the ranks of a world of more than one process, or train in this one."""
     output_dir = hydra_cfg.runtime.output_dir
-    world = world_size_of(cfg.trainer)
-    if world > 1 and not already_launched():
-        if cfg.trainer.get("num_nodes", 1) > 1:
+    if spec.world > 1 and not already_launched():
+        if spec.trainer.get("num_nodes", 1) > 1:
             print(
                 "error: multi-node runs are started by torchrun or SLURM, one launcher per node",
                 file=sys.stderr,
             )
             return 2
-        threads = max(1, (os.cpu_count() or 1) // world)
+        threads = max(1, (os.cpu_count() or 1) // spec.world)
         overrides = [
             o for o in hydra_cfg.overrides.task if o.split("=", 1)[0].lstrip("+~") != "resume"
         ] + chosen
-        if resume is not None:
-            overrides.append(resume_override(resume))
-        code = launch_job(world, script, overrides, output_dir, threads)
+        if spec.resume is not None:
+            overrides.append(resume_override(spec.resume))
+        code = launch_job(spec.world, script, overrides, output_dir, threads)
         if code == 0:
             record_planned(
                 Path(output_dir) / "summary.json", planned
             )  # the ranks did not plan: add it
             _report(Path(output_dir) / "summary.json")
         return code
-    if resume is not None:
-        cfg.resume = str(resume)
-    summary = (body or train)(cfg, output_dir)
-    if world == 1:
+    summary = (body or train)(spec, output_dir)
+    if spec.world == 1:
         record_planned(Path(output_dir) / "summary.json", planned)
         _report(Path(output_dir) / "summary.json", summary)
     return 0
-
-
-def _resolve_auto(cfg: DictConfig) -> tuple[list[str], dict[str, Any] | None]:
-    """``parallelism=auto``: the planner's choice written into ``cfg``, as the ranks' overrides,
-    and its predictions for ``summary.json``; ``([], None)`` without auto."""
-    if not cfg.parallelism.get("auto"):
-        return [], None
-    return plan_for_app(
-        cfg,
-        plan_of(cfg.parallelism, cfg.get("offload")),
-        model_on_meta(cfg.model),
-        world_size_of(cfg.trainer),
-    )
 
 
 def discard_run_dir(path: Path, job_name: str) -> None:

@@ -19,8 +19,8 @@ directory under ``./outputs`` of the same app: ``examples/train.py``'s runs are
 a new directory, with its own ``last.ckpt``; it may change the layout (``trainer.devices``,
 ``parallelism.*``) and ``trainer.max_steps``, and should keep everything else.
 
-Resolved in the launching process (:func:`resolve_resume`, called by
-:func:`lightning_3d.app.run.validate` and pinned by :func:`lightning_3d.app.run`), so a missing file
+Resolved in the launching process (:func:`resolve_resume`, called once by
+:func:`lightning_3d.app.spec.read_spec`, the run's one reading of its config), so a missing file
 or no earlier checkpoint is one ``error:`` line and exit code 2, and every rank resumes from the
 same file.
 """

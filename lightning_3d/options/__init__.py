@@ -549,6 +549,29 @@ def from_hydra(parallelism: Mapping[str, Any], offload: Optional[Mapping[str, An
     return Plan.from_options(**options)
 
 
+def hydra_overrides(plan: Plan, names: Sequence[str]) -> dict[str, Any]:
+    """The options ``names`` of ``plan`` keyed as Hydra overrides spell them
+    (``"<group>.<key>"``, e.g. ``offload_params`` -> ``offload.params``); ``ValueError`` for a
+    name that has no Hydra key."""
+    by_name = {option.name: option for option in OPTIONS}
+    values = plan.options()
+    unknown = [name for name in names if name not in by_name or not by_name[name].hydra_group]
+    if unknown:
+        raise ValueError(f"{unknown}: not options of a Hydra group")
+    return {f"{by_name[n].hydra_group}.{by_name[n].key}": values[n] for n in names}
+
+
+def hydra_group_values(plan: Plan, group: str) -> dict[str, Any]:
+    """The Hydra group ``group`` (``"parallelism"`` or ``"offload"``) of ``plan`` as it was given
+    (keys and unresolved values, e.g. ``path: None``): the inverse of :func:`from_hydra`."""
+    given = plan.given or plan.options()
+    return {
+        option.key: given.get(option.name, option.default)
+        for option in OPTIONS
+        if option.hydra_group == group
+    }
+
+
 def options_table() -> str:
     """The option table of docs/options.md (rendered by lightning_3d.options.docs_page)."""
     rows = ["| option | default | Hydra key | meaning |", "|---|---|---|---|"]

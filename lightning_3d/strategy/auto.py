@@ -246,6 +246,44 @@ def planned(plan: Plan, choice: Choice) -> Plan:
     return plan.updated(**choice.options(), auto=False)
 
 
+@dataclass(frozen=True)
+class AutoChoice:
+    """The planner's choice for a run: the plan to run and what to say and record about it."""
+
+    plan: Plan  # the chosen layout, auto off (every other option kept)
+    figures: Mapping[str, Any]  # planned_figures: for summary.json
+    line: str  # describe: the info line, logged once
+
+
+def choose_plan(
+    module: Any,
+    plan: Plan,
+    cluster: Cluster,
+    *,
+    batch_size: Optional[int],
+    seq_len: Optional[int],
+    accumulate: int,
+    precision: str,
+    device_type: str,
+) -> AutoChoice:
+    """``auto`` resolved: :func:`choose`'s layout as a plan, with its figures and info line. The
+    one resolution of both callers: the strategy's ranks (:func:`resolve_for_strategy`) and the
+    Hydra app's launching process (``lightning_3d.app.spec.with_auto``)."""
+    best = choose(
+        module,
+        cluster,
+        plan,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        accumulate=accumulate,
+        precision=precision,
+        device_type=device_type,
+    )
+    return AutoChoice(
+        planned(plan, best.choice), planned_figures(best, cluster), describe(best, cluster)
+    )
+
+
 def describe(candidate: Candidate, cluster: Cluster) -> str:
     """The info line: the choice and its predicted figures."""
     c, memory = candidate.choice, candidate.memory
@@ -334,30 +372,28 @@ def resolve_for_strategy(strategy: Any) -> Plan:
             cluster = found_cluster(
                 strategy.num_processes, strategy.num_nodes, device_type, precision
             )
-            best = choose(
+            chosen = choose_plan(
                 strategy.lightning_module,
-                cluster,
                 strategy.plan,
-                accumulate=accumulate,
+                cluster,
                 batch_size=batch * accumulate if batch else None,
                 seq_len=seq_len,
+                accumulate=accumulate,
                 precision=precision,
                 device_type=device_type,
             )
-            payload = [
-                ("ok", (best.choice, planned_figures(best, cluster)), describe(best, cluster))
-            ]
+            payload = [("ok", chosen)]
         except ValueError as err:
-            payload = [("error", str(err), None)]
+            payload = [("error", str(err))]
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         device = strategy.root_device if strategy.root_device.type == "cuda" else None
         dist.broadcast_object_list(payload, src=0, device=device)
-    kind, value, line = payload[0]
+    kind, value = payload[0]
     if kind == "error":
         raise ValueError(value)
-    rank_zero_info(line)
-    choice, strategy.planned = value
-    return planned(strategy.plan, choice)
+    rank_zero_info(value.line)
+    strategy.planned = dict(value.figures)
+    return value.plan
 
 
 def record_planned(summary_path: Any, figures: Optional[Mapping[str, Any]]) -> None:
@@ -372,68 +408,3 @@ def record_planned(summary_path: Any, figures: Optional[Mapping[str, Any]]) -> N
     summary = json.loads(path.read_text())
     summary["planned"] = dict(figures)
     path.write_text(json.dumps(summary, indent=2))
-
-
-def plan_for_app(cfg: Any, plan: Plan, model: Any, world: int) -> tuple[list[str], dict[str, Any]]:
-    """``parallelism=auto`` in the launching process of the Hydra app (``plan``: of ``cfg``'s
-    ``parallelism`` and ``offload``; ``model``: built on meta; ``world``: trainer.devices x
-    num_nodes): the choice written into ``cfg`` (``parallelism.*`` and ``offload.*``,
-    ``parallelism.auto=false``) and returned as the overrides that give the ranks the same
-    layout, with its predictions (:func:`planned_figures`, for :func:`record_planned`)."""
-    import torch
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
-    from omegaconf import OmegaConf
-
-    nodes = cfg.trainer.get("num_nodes", 1) or 1
-    if model is None:
-        raise ValueError(
-            f"parallelism.auto: model ({cfg.model.get('_target_')}) cannot be built on meta to plan; "
-            "choose the layout by hand"
-        )
-    accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    device_type = (
-        "cuda" if accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available() else "cpu"
-    )
-    precision = str(cfg.trainer.get("precision", "32-true"))
-    data = cfg.get("data") or {}
-    batch = data.get("batch_size")
-    accumulate = cfg.trainer.get("accumulate_grad_batches", 1) or 1
-    cluster = found_cluster(world // nodes, nodes, device_type, precision)
-    best = choose(
-        model,
-        cluster,
-        plan,
-        batch_size=batch * accumulate if isinstance(batch, int) else None,
-        seq_len=data.get("block_size"),
-        accumulate=accumulate,
-        precision=precision,
-        device_type=device_type,
-    )
-    rank_zero_info(describe(best, cluster))
-    chosen = planned(plan, best.choice)
-    values = {
-        "parallelism.auto": False,
-        "parallelism.data": chosen.layout.data,
-        "parallelism.tensor": chosen.layout.tensor,
-        "parallelism.pipeline": chosen.layout.pipeline,
-        "parallelism.zero_stage": chosen.layout.zero_stage,
-        "parallelism.ac_policy": chosen.ac.policy,
-    }
-    if chosen.layout.pipeline > 1:
-        values.update(
-            {
-                "parallelism.micro_batches": chosen.pp.micro_batches,
-                "parallelism.schedule": chosen.pp.schedule,
-            }
-        )
-    if "offload" in cfg:
-        values.update(
-            {"offload.device": chosen.offload.device, "offload.params": chosen.offload.params}
-        )
-    for key, value in values.items():
-        OmegaConf.update(cfg, key, value, merge=False)
-    overrides = [
-        f"{key}={str(value).lower() if isinstance(value, bool) else value}"
-        for key, value in values.items()
-    ]
-    return overrides, planned_figures(best, cluster)
