@@ -93,7 +93,7 @@ BASE = {"lightning_3d.compat", "lightning_3d.layout", "lightning_3d.runtime.exit
 CORE = ("parallel", "offload", "checkpoint", "runtime", "observe", "models", "data", "options")
 LAYERS = ("base", "core", "planner", "strategy", "tools")
 TOOLS = ("app", "bench", "harness", "calibration")
-MODULE_BUDGET = 70  # what ``import lightning_3d`` may load (64 when this was written)
+MODULE_BUDGET = 70  # what ``import lightning_3d`` may load (65 when this was written)
 
 
 def layer_of(module: str) -> str:
