@@ -95,7 +95,8 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
         module = HFCausalLM(**source, lr=kwargs.get("lr", 3e-3),
                             warmup_steps=kwargs["warmup_steps"], max_steps=kwargs["max_steps"],
                             optimizer=kwargs.get("optimizer", "adamw"),
-                            attn_implementation=kwargs.get("attn_implementation"))
+                            attn_implementation=kwargs.get("attn_implementation"),
+                            adapter=kwargs.get("adapter"))
     else:
         module = LitTinyLM(arch=run.arch, n_kv_head=kwargs.pop("n_kv_head", 2), **kwargs)
     initial_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
