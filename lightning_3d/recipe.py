@@ -200,6 +200,9 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torc
         # ZeRO 0-2's buckets broadcast over dp themselves: here only what they do not cover.
         axes = (MeshAxis.TENSOR, MeshAxis.DATA) if layout.zero_stage == 3 else (MeshAxis.TENSOR,)
         broadcast_start(module, [mesh[axis.value].get_group() for axis in axes])
+    if not has_meta(module) and layout.zero_stage < 3:
+        # A frozen weight (a LoRA base) is in no ZeRO 0-2 bucket: rank 0's, broadcast over dp here.
+        broadcast_start(module, [mesh[MeshAxis.DATA.value].get_group()], frozen_only=True)
     step("tensor parallelism")
     if layout.tensor > 1:
         # Under a pipeline, patterns for other stages' modules (the head, say) match nothing here.

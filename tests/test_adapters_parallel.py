@@ -1,0 +1,115 @@
+"""LoRA adapters under every layout reproduce one process running LoRA (gloo worlds).
+
+The parity standard of the project (``lightning_3d.testing.parity``): the same losses, and the
+same adapter updates tensor by tensor (relative error of ``final - initial`` per tensor), with
+the base bit-for-bit the initial weights on every rank. Tiny random Llama (grouped-query
+attention, untied head), fp32, ``gradient_clip_val`` always hit so a norm that counts a shard
+twice or misses one shows."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from lightning_3d.adapters import is_adapter_name  # noqa: E402
+from lightning_3d.testing.parity import loss_mismatches, update_mismatches  # noqa: E402
+from lightning_3d.testing.runs import Run, fit_gpt, fit_gpt_ranks  # noqa: E402
+from lightning_3d.testing.world import run_world  # noqa: E402
+
+LORA = {"method": "lora", "r": 4, "lora_alpha": 8}
+STEPS, SEED = 4, 1234
+TRAINER = {"gradient_clip_val": 0.05}
+
+
+def lora_run(strategy, **changes) -> Run:
+    model = {"adapter": LORA, "lr": 1e-2, **changes.pop("model", {})}
+    return Run(
+        **{
+            "strategy": strategy,
+            "steps": STEPS,
+            "seed": SEED,
+            "arch": "hf_llama",
+            "model": model,
+            "trainer": TRAINER,
+            **changes,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return fit_gpt(0, lora_run(None))
+
+
+def assert_same_lora_run(world: list[dict], ref: dict, rtol: float = 1e-4) -> None:
+    """Rank 0's losses and gathered adapters against one process; every rank's own copy of the
+    base equal to the initial weights, bit for bit."""
+    run, initial = world[0], ref["initial_state"]
+    problems = loss_mismatches(run["losses"], ref["losses"], rtol=1e-5)
+    adapters = {k: v for k, v in run["state"].items() if is_adapter_name(k)}
+    assert len(adapters) == 28, sorted(adapters)
+    problems += update_mismatches(adapters, ref["state"], initial, rtol)
+    for rank, result in enumerate(world):
+        for name, value in (result["rank_state"] or {}).items():
+            if not is_adapter_name(name) and name in initial:
+                if not torch.equal(value, initial[name]):
+                    problems.append(f"rank {rank}: base weight {name} changed")
+    assert not problems, "LoRA run differs from one process:\n  " + "\n  ".join(problems)
+
+
+LAYOUTS = {
+    "one_device_3d": (1, {}),
+    "one_device_offload": (1, {"offload": "cpu"}),
+    "dp2_zero1": (2, {"data": 2, "zero_stage": 1}),
+    "dp2_zero2": (2, {"data": 2, "zero_stage": 2}),
+    "dp2_zero3": (2, {"data": 2, "zero_stage": 3}),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_under_data_parallel_layouts_matches_one_process(reference, layout):
+    """Catches: frozen base weights handed to a ZeRO engine or sharded optimizer (updated, or
+    given state); adapters' gradients not averaged over data ranks (the update doubles); a
+    ZeRO-3 base left unsharded or a clip norm over one rank's adapters only."""
+    world_size, strategy = LAYOUTS[layout]
+    run = lora_run(strategy, devices=world_size)
+    world = run_world(fit_gpt_ranks, world_size, run)
+    assert_same_lora_run(world, reference)
+    assert_adapter_state_only(
+        world, reference, strategy.get("data", 1), strategy.get("zero_stage", 0)
+    )
+
+
+def assert_adapter_state_only(world: list[dict], ref: dict, dp: int, zero_stage: int) -> None:
+    """Each rank's gradients and optimizer state are the adapters' (its share of them under
+    ZeRO), never the base's; under ZeRO-3 the frozen base is sharded over ``dp`` too (bytes the
+    strategy's run summary counts from the tensors themselves)."""
+    initial = ref["initial_state"]
+    adapter_bytes = sum(4 * v.numel() for k, v in initial.items() if is_adapter_name(k))
+    total_bytes = sum(4 * v.numel() for v in initial.values())
+    for rank, result in enumerate(world):
+        held = result["summary"]["ranks"][rank]
+        assert held["grad_bytes"] <= adapter_bytes, (rank, held)
+        steps = 8 * 28  # Adam's step counters
+        assert (
+            held["optimizer_state_bytes"] <= 2 * adapter_bytes // (dp if zero_stage else 1) + steps
+        )
+        if zero_stage == 3:
+            assert held["unsharded_param_bytes"] == 0, (rank, held)
+            assert held["param_bytes"] <= total_bytes // dp + 1024, (rank, held, total_bytes)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_ranks_seeded_apart_train_rank_zeros_base(reference, zero_stage):
+    """A script that seeds by rank builds another random base on every rank: the frozen base is
+    in no ZeRO bucket and no optimizer, so nothing else would make rank 0's everyone's. Catches:
+    the start broadcast covering only the optimizer's parameters (rank 1 trains its adapters on
+    its own base: the losses and the adapter updates differ from one process)."""
+    run = lora_run({"data": 2, "zero_stage": zero_stage}, devices=2, rank_seeds=True)
+    world = run_world(fit_gpt_ranks, 2, run)
+    assert_same_lora_run(world, reference)
