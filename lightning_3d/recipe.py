@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_3d.adapters.tensor import adapter_tensor_plan
 from lightning_3d.layout import MeshAxis
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -165,6 +166,7 @@ def check(module: nn.Module, plan: Plan, world_size: int) -> None:
     layout = plan.layout.resolve(world_size)
     if layout.tensor > 1:
         styles = build_plan(module, plan.tp.plan, plan.tp.sequence_parallel)
+        styles = adapter_tensor_plan(module, styles)
         check_tied_styles(module, resolve_plan(module, styles, layout.tensor), find_tied(module))
     if layout.pipeline > 1:
         virtual = plan.pp.virtual_stages
@@ -187,6 +189,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torc
     record_aliases(module, ties)
     if layout.tensor > 1:  # recognise the architecture while the model is still whole
         styles = build_plan(module, plan.tp.plan, plan.tp.sequence_parallel)
+        styles = adapter_tensor_plan(module, styles)  # LoRA adapters split beside their base
     step("the pipeline split")
     spec = None
     if layout.pipeline > 1:

@@ -10,6 +10,8 @@ module's own name gains ``.base_layer`` only for the base weight.
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 from lightning_3d.adapters.options import AdapterOptions, require_peft
@@ -37,9 +39,10 @@ def apply_adapter(model: nn.Module, options: AdapterOptions) -> list[str]:
 
 def adapted_modules(model: nn.Module) -> list[str]:
     """Names of the modules that hold a LoRA adapter (their ``base_layer`` is the base)."""
-    from peft.tuners.lora import LoraLayer
-
-    return [name for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+    lora = sys.modules.get("peft.tuners.lora")  # never imported: no model holds its layers
+    if lora is None:
+        return []
+    return [name for name, module in model.named_modules() if isinstance(module, lora.LoraLayer)]
 
 
 def is_adapter_name(name: str) -> bool:

@@ -36,7 +36,8 @@ WEIGHTS = 17  # the weighted sum's period: positions i and i + 17 weigh alike
 
 
 @torch.no_grad()
-def broadcast_start(module: torch.nn.Module, groups: Iterable[Any], frozen_only: bool = False) -> None:
+def broadcast_start(module: torch.nn.Module, groups: Iterable[Any],
+                    frozen_only: bool = False) -> None:
     """Make the first rank's parameters and buffers everyone's, over each group of ``groups`` in
     turn (the tensor group, then the data group: afterwards the (dp, tp) slab of a pipeline stage
     holds its first rank's). A script that seeds by rank, or not at all, builds other weights on
@@ -46,7 +47,8 @@ def broadcast_start(module: torch.nn.Module, groups: Iterable[Any], frozen_only:
     ``frozen_only``: only the parameters that do not train (ZeRO 0-2's buckets hold the others)."""
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta"]
     if frozen_only:
-        tensors = [t for t in module.parameters() if not t.requires_grad and t.device.type != "meta"]
+        tensors = [t for t in module.parameters()
+                   if not t.requires_grad and t.device.type != "meta"]
     for group in groups:
         if group is None or dist.get_world_size(group) == 1:
             continue
