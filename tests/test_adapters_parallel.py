@@ -188,12 +188,21 @@ def test_adapters_split_beside_their_base():
 
 
 def test_sequence_parallel_adapters_are_refused_naming_the_module():
+    """The family's translated plan refuses sequence parallelism over the adapters' unsplit
+    weights; a hand-written plan whose row-parallel output stays a ``DTensor`` is refused by the
+    adapter split itself."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
     from lightning_3d.adapters.tensor import adapter_tensor_plan
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.plans import build_plan
     from lightning_3d.testing.hf_configs import tiny_hf_config
 
     module = HFCausalLM(config=tiny_hf_config("llama"), adapter=LORA)
-    with pytest.raises(ValueError, match=r"sequence_parallel=False\): model\.model\.layers\.0\."
-                                         r"self_attn\.o_proj \(RowwiseConv1DParallel"):
-        adapter_tensor_plan(module, build_plan(module, None, True))
+    attention = r"model\.model\.layers\.0\.self_attn \(LlamaAttention\) would see a shard"
+    with pytest.raises(ValueError, match=attention + r".*sequence_parallel=False"):
+        build_plan(module, None, True)
+    plan = {"model.layers.*.self_attn.o_proj": RowwiseParallel(use_local_output=False)}
+    o_proj = r"model\.model\.layers\.0\.self_attn\.o_proj"
+    with pytest.raises(ValueError, match=o_proj + r" \(RowwiseParallel, use_local_output=False"):
+        adapter_tensor_plan(module, {f"model.{k}": v for k, v in plan.items()})
