@@ -206,3 +206,68 @@ def test_sequence_parallel_adapters_are_refused_naming_the_module():
     o_proj = r"model\.model\.layers\.0\.self_attn\.o_proj"
     with pytest.raises(ValueError, match=o_proj + r" \(RowwiseParallel, use_local_output=False"):
         adapter_tensor_plan(module, {f"model.{k}": v for k, v in plan.items()})
+
+
+PIPELINE_LAYOUTS = {
+    "llama-pp2": (2, {"pipeline": 2}),
+    "qwen2-pp2": (2, {"pipeline": 2}),  # tied embedding / head on both stages
+    "llama-pp2_tp2": (4, {"pipeline": 2, "tensor": 2}),
+    "llama-pp2_dp2_zero3": (4, {"pipeline": 2, "data": 2, "zero_stage": 3}),
+}
+
+
+@pytest.mark.parametrize("layout", list(PIPELINE_LAYOUTS))
+def test_lora_under_pipeline_layouts_matches_one_process(references, layout):
+    """Each stage holds its blocks' adapters; stages run the model's own (adapted) modules.
+    Catches: a stage that rebuilds its blocks without the adapters, or hands the optimizer its
+    frozen base; a checkpoint or gathered state that drops one stage's adapters."""
+    world_size, strategy = PIPELINE_LAYOUTS[layout]
+    family = layout.split("-")[0]
+    run = lora_run(strategy, devices=world_size, arch=f"hf_{family}")
+    assert_same_lora_run(run_world(fit_gpt_ranks, world_size, run), references(family))
+
+
+@pytest.mark.slow
+def test_lora_in_three_dimensions_matches_one_process(reference):
+    """dp2 x tp2 x pp2 with ZeRO-3: eight processes."""
+    strategy = {"data": 2, "tensor": 2, "pipeline": 2, "zero_stage": 3}
+    world = run_world(fit_gpt_ranks, 8, lora_run(strategy, devices=8))
+    assert_same_lora_run(world, reference)
+
+
+@pytest.mark.parametrize(
+    "saved_in, resumed_in, fmt",
+    [
+        ((2, {"data": 2, "zero_stage": 3}), (2, {"tensor": 2}), "consolidated"),
+        ((2, {"data": 2, "zero_stage": 3}), (2, {"pipeline": 2}), "sharded"),
+    ],
+    ids=["zero3-to-tp2-consolidated", "zero3-to-pp2-sharded"],
+)
+def test_adapter_checkpoint_resumes_in_another_layout(
+    tmp_path, reference, saved_in, resumed_in, fmt
+):
+    """Stop after 2 steps in one layout, resume in another to 4: the same losses and adapters
+    as one uninterrupted process. The checkpoint's model part is the adapters alone. Catches:
+    the base written into it; an adapter optimizer state keyed by the base's parameter indices
+    (it would land on other adapters on resume)."""
+    from lightning_3d.checkpoint import sharded
+
+    (n, first), (m, second) = saved_in, resumed_in
+    save = lora_run(
+        {**first, "checkpoint_format": fmt},
+        devices=n,
+        steps=2,
+        save_to=str(tmp_path / "lora.ckpt"),
+        save_every_n_steps=2,
+    )
+    first_half = run_world(fit_gpt_ranks, n, save)[0]
+    path = tmp_path / "lora-step=2.ckpt"
+    if fmt == "sharded":
+        names = set(sharded.tensor_entries(sharded.read_metadata(path), sharded.MODEL))
+    else:
+        names = set(torch.load(path, map_location="cpu", weights_only=False)["state_dict"])
+    assert names and all(is_adapter_name(n) for n in names), sorted(names)[:4]
+    resume = lora_run(second, devices=m, resume_from=str(path))
+    world = run_world(fit_gpt_ranks, m, resume)
+    world[0]["losses"] = first_half["losses"] + world[0]["losses"]
+    assert_same_lora_run(world, reference)

@@ -315,6 +315,8 @@ def resolve_plan(
     unmatched = []
     for pattern, style in plan.items():
         hits = [n for n in names if name_matches(n, pattern)]
+        if not require_all:  # a pipeline stage: another stage's module left a weightless stand-in
+            hits = [n for n in hits if _has_weights(module.get_submodule(n))]
         if not hits:
             unmatched.append(pattern)
         for name in hits:
@@ -329,6 +331,10 @@ def resolve_plan(
     if problems:
         raise ValueError(f"tensor={tp} does not divide the model: " + "; ".join(problems))
     return resolved
+
+
+def _has_weights(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
 
 
 def _for_layer(style: ParallelStyle, module: nn.Module) -> ParallelStyle:
