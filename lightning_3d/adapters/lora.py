@@ -34,6 +34,10 @@ def apply_adapter(model: nn.Module, options: AdapterOptions) -> list[str]:
             f"adapter target_modules={targets!r} for {type(model).__name__}: "
             f"{str(err).strip().splitlines()[0]}"
         ) from None
+    if options.method == "qlora":
+        from lightning_3d.adapters.qlora import quantize_base
+
+        quantize_base(model, adapted_modules(model))
     return adapted_modules(model)
 
 

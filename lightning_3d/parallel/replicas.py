@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_3d.parallel.tensor import local_tensor
+from lightning_3d.parallel.tensor import local_tensor, plain_parts
 
 RTOL = 1e-5  # replicas computed alike are equal bit for bit; a plan mistake moves them by O(1)
 WEIGHTS = 17  # the weighted sum's period: positions i and i + 17 weigh alike
@@ -54,7 +54,8 @@ def broadcast_start(module: torch.nn.Module, groups: Iterable[Any],
             continue
         src = dist.get_global_rank(group, 0)
         for t in tensors:
-            dist.broadcast(t.data, src=src, group=group)
+            for part in plain_parts(t.data):  # an NF4Tensor's codes and scales
+                dist.broadcast(part, src=src, group=group)
 
 
 class ReplicaMismatch(RuntimeError):

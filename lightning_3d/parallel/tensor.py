@@ -271,6 +271,19 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``t``'s values: ``t`` itself, or each inner tensor of a
+    wrapper subclass (a DTensor's local shard; torchao's ``NF4Tensor``: codes and scales)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    t = local_tensor(t)
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    inner = [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+    return [part for value in inner if isinstance(value, torch.Tensor)
+            for part in plain_parts(value)]
+
+
 def by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     """This rank's parts of ``tensors`` (:func:`local_tensor`) grouped by device and dtype, in
     order: the unit of one fused ``torch._foreach_*`` call."""
