@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_3d.adapters.qlora import check_qlora_plan
 from lightning_3d.adapters.tensor import adapter_tensor_plan
 from lightning_3d.layout import MeshAxis
 from lightning_3d.offload import OffloadedAdam
@@ -164,6 +165,7 @@ def check(module: nn.Module, plan: Plan, world_size: int) -> None:
     splits tied weights alike, the pipeline split has enough blocks and valid split points.
     ``ValueError`` naming the problem."""
     layout = plan.layout.resolve(world_size)
+    check_qlora_plan(module, plan)
     if layout.tensor > 1:
         styles = build_plan(module, plan.tp.plan, plan.tp.sequence_parallel)
         styles = adapter_tensor_plan(module, styles)
@@ -184,6 +186,7 @@ def parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan, *, device: torc
     from torch.distributed.tensor.parallel import parallelize_module
 
     layout = plan.layout
+    check_qlora_plan(module, plan)  # what an NF4 base (adapter method="qlora") cannot take
     made = Parallelized(module, mesh, list(module.state_dict()), [n for n, _ in module.named_parameters()])
     ties = find_tied(module)
     record_aliases(module, ties)

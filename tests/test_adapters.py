@@ -205,8 +205,10 @@ def test_config_only_checkpoint_cannot_be_merged(tmp_path, capsys):
     assert not (tmp_path / "merged").exists()
 
 
-def test_hydra_adapter_group_reaches_the_model():
+def test_hydra_adapter_group_reaches_the_model(tmp_path, monkeypatch):
     from lightning_3d.testing.apps import compose_config
+
+    monkeypatch.chdir(tmp_path)  # composing makes the run directories (unique_dir) here
 
     cfg = compose_config("train", "model=hf", "adapter=lora", "model.adapter.r=4")
     assert AdapterOptions.parse(dict(cfg.model.adapter)) == AdapterOptions(method="lora", r=4)

@@ -117,11 +117,28 @@ def test_qlora_layouts_match_one_process(reference, initial_base, layout):
 
 def test_qlora_under_tensor_parallelism_is_refused():
     with pytest.raises(
-        RuntimeError,
-        match=r"adapter method='qlora' cannot run under tensor "
-        r"parallelism: the NF4 base weights",
+        RuntimeError, match=r"adapter method='qlora' cannot run with tensor=2: the NF4 base"
     ):
         run_world(fit_gpt, 2, qlora_run({"tensor": 2}, devices=2, steps=1))
+
+
+def test_qlora_layouts_that_cannot_work_are_refused_naming_every_option():
+    from lightning_3d.adapters.qlora import check_qlora_plan
+    from lightning_3d.models.hf import HFCausalLM
+    from lightning_3d.plan import Plan
+    from lightning_3d.testing.hf_configs import tiny_hf_config
+
+    module = HFCausalLM(config=tiny_hf_config("llama", **WIDE), adapter=QLORA)
+    plan = Plan.from_options(tensor=2, zero_stage=3, offload="cpu", offload_params=True)
+    with pytest.raises(
+        ValueError,
+        match=r"cannot run with tensor=2: .*; zero_stage=3 with "
+        r"offload_params=True: FSDP2's CPU offload",
+    ):
+        check_qlora_plan(module, plan)
+    check_qlora_plan(module, Plan.from_options(zero_stage=3, offload="cpu"))  # state only: fine
+    lora = HFCausalLM(config=tiny_hf_config("llama", **WIDE), adapter={**QLORA, "method": "lora"})
+    check_qlora_plan(lora, plan)  # a dense base takes every layout
 
 
 def test_qlora_refuses_bases_torchao_cannot_hold():

@@ -60,3 +60,25 @@ def has_nf4(module: nn.Module) -> bool:
 
     nf4 = sys.modules.get("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
     return nf4 is not None and any(isinstance(p, nf4.NF4Tensor) for p in module.parameters())
+
+
+def check_qlora_plan(module: nn.Module, plan: Any) -> None:
+    """``ValueError`` naming the options when ``module`` holds an NF4 base and ``plan`` (a
+    :class:`~lightning_3d.plan.Plan`) asks for what it cannot take: tensor parallelism (an
+    ``NF4Tensor`` does not split into DTensor shards) or ZeRO-3 parameters offloaded to CPU
+    (FSDP2's offload re-wraps each shard as a plain parameter; torchao 0.18's NF4 breaks there)."""
+    if not has_nf4(module):
+        return
+    layout, problems = plan.layout, []
+    if layout.tensor > 1:
+        problems.append(
+            f"tensor={layout.tensor}: the NF4 base weights do not split into DTensor "
+            "shards (use data or pipeline parallelism, or adapter method='lora')"
+        )
+    if layout.zero_stage == 3 and plan.offload.params:
+        problems.append(
+            "zero_stage=3 with offload_params=True: FSDP2's CPU offload cannot move "
+            "NF4 shards (offload the optimizer state only: offload_params=False)"
+        )
+    if problems:
+        raise ValueError("adapter method='qlora' cannot run with " + "; ".join(problems))

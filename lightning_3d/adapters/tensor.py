@@ -23,7 +23,6 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_3d.adapters.lora import adapted_modules
-from lightning_3d.adapters.qlora import has_nf4
 from lightning_3d.parallel.tensor import name_matches
 
 
@@ -36,13 +35,6 @@ def adapter_tensor_plan(
     adapted = {name: module.get_submodule(name) for name in adapted_modules(module)}
     if not adapted:
         return dict(plan)
-    quantized = [name for name, layer in adapted.items() if has_nf4(layer.get_base_layer())]
-    if quantized:
-        raise ValueError(
-            f"adapter method='qlora' cannot run under tensor parallelism: the NF4 base "
-            f"weights ({quantized[0]}, ... {len(quantized)} modules) do not split into "
-            "DTensor shards; use data or pipeline parallelism, or adapter method='lora'"
-        )
     out: dict[str, ParallelStyle] = {}
     problems = []
     for pattern, style in plan.items():
