@@ -181,6 +181,7 @@ def test_checkpoint_exports_on_the_command_line(tmp_path):
     assert main([str(tmp_path / "lora.ckpt"), str(tmp_path / "merged"), "--merged"]) == 0
     assert main([str(tmp_path / "lora.ckpt"), str(tmp_path / "adapter")]) == 0
     trained = HFCausalLM(path=str(tmp_path / "base"), adapter=LORA)
+    trained.load_weights()  # built on meta: storage first, then the trained adapters
     trained.load_state_dict({k: v for k, v in run["state"].items() if k in trained.state_dict()})
     ids = torch.randint(3, 256, (2, 16))
     with torch.no_grad():

@@ -271,3 +271,41 @@ def test_adapter_checkpoint_resumes_in_another_layout(
     world = run_world(fit_gpt_ranks, m, resume)
     world[0]["losses"] = first_half["losses"] + world[0]["losses"]
     assert_same_lora_run(world, reference)
+
+
+@pytest.fixture(scope="module")
+def directory_reference(tmp_path_factory):
+    """A tiny Qwen2 directory (tied embedding and head) and one process running LoRA on it, the
+    model built on ``meta`` and its weights read where they land; ``initial_state`` is the
+    materialised start (``fit_gpt``'s own is still on ``meta``)."""
+    import lightning as L
+
+    from lightning_3d.models.hf import HFCausalLM
+    from lightning_3d.testing.hf_configs import tiny_hf_config
+
+    directory = tmp_path_factory.mktemp("qwen2")
+    HFCausalLM(config=tiny_hf_config("qwen2")).model.save_pretrained(directory)
+    ref = fit_gpt(0, lora_run(None, arch="hf_qwen2", model={"path": str(directory)}))
+    L.seed_everything(SEED, verbose=False)
+    start = HFCausalLM(path=str(directory), adapter=LORA)
+    start.load_weights()
+    ref["initial_state"] = {k: v.clone() for k, v in start.state_dict().items()}
+    return directory, ref
+
+
+@pytest.mark.parametrize("layout", ["dp2_zero3", "tp2", "pp2"])
+def test_lora_on_a_directory_read_in_place_matches_one_process(directory_reference, layout):
+    """The base read from the files into each rank's slices under its peft names, the adapters
+    filled from their own record (every rank the same). Catches: base weights left unread (the
+    record still naming ``q_proj.weight``: materialising refuses, or fills nothing); adapters
+    drawn differently on different ranks or left empty."""
+    directory, ref = directory_reference
+    strategy = {
+        "dp2_zero3": {"data": 2, "zero_stage": 3},
+        "tp2": {"tensor": 2},
+        "pp2": {"pipeline": 2},
+    }[layout]
+    run = lora_run(strategy, devices=2, arch="hf_qwen2", model={"path": str(directory)})
+    assert_same_lora_run(run_world(fit_gpt_ranks, 2, run), ref)
+    lora_a = ref["initial_state"]["model.model.layers.0.self_attn.q_proj.lora_A.default.weight"]
+    assert lora_a.abs().min() > 0 or lora_a.abs().mean() > 1e-3  # filled, not left empty

@@ -26,14 +26,19 @@ def apply_adapter(model: nn.Module, options: AdapterOptions) -> list[str]:
     if not options.enabled:
         return []
     peft = require_peft()
+    deferred = getattr(model, "deferred_init", None) is not None  # on meta: weights read later
     try:
-        peft.inject_adapter_in_model(options.lora_config(), model)
+        peft.inject_adapter_in_model(options.lora_config(), model, low_cpu_mem_usage=deferred)
     except ValueError as err:
         targets = options.target_modules
         raise ValueError(
             f"adapter target_modules={targets!r} for {type(model).__name__}: "
             f"{str(err).strip().splitlines()[0]}"
         ) from None
+    if deferred:
+        from lightning_3d.adapters.deferred import defer_adapters
+
+        defer_adapters(model, adapted_modules(model))
     if options.method == "qlora":
         from lightning_3d.adapters.qlora import quantize_base
 

@@ -182,9 +182,9 @@ class HFCausalLM(pl.LightningModule):
                 raise ValueError("give one of path=, config= or model=, not several")
             self.model = model
         else:
-            # An adapted model is built whole: its adapters have no deferred fills.
+            # QLoRA quantizes the base as it is built: its values are needed now.
             self.model = build_hf_model(path, config, attn_implementation,
-                                        deferred_init and not self.adapter.enabled)
+                                        deferred_init and self.adapter.method != "qlora")
         apply_adapter(self.model, self.adapter)
         self.strict_loading = not self.adapter.enabled  # adapter checkpoints lack the base
         self.model.config.use_cache = False  # training: no key/value cache
