@@ -309,3 +309,24 @@ def test_lora_on_a_directory_read_in_place_matches_one_process(directory_referen
     assert_same_lora_run(run_world(fit_gpt_ranks, 2, run), ref)
     lora_a = ref["initial_state"]["model.model.layers.0.self_attn.q_proj.lora_A.default.weight"]
     assert lora_a.abs().min() > 0 or lora_a.abs().mean() > 1e-3  # filled, not left empty
+
+
+def test_adapters_on_some_layers_only_split_with_the_rest():
+    """``target_modules`` naming one layer's q_proj: that one splits as adapted, the other
+    layers' q_proj as plain column-parallel ``Linear`` s. Catches a pattern rewritten for the
+    adapted module only, which leaves its unadapted namesakes whole (their k/v split: wrong
+    shapes)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from lightning_3d.adapters.tensor import adapter_tensor_plan
+    from lightning_3d.models.hf import HFCausalLM
+    from lightning_3d.plans import build_plan
+    from lightning_3d.testing.hf_configs import tiny_hf_config
+
+    one = {**LORA, "target_modules": ["model.layers.0.self_attn.q_proj"]}
+    module = HFCausalLM(config=tiny_hf_config("llama"), adapter=one)
+    plan = adapter_tensor_plan(module, build_plan(module, None, False))
+    q0, q1 = "model.model.layers.0.self_attn.q_proj", "model.model.layers.1.self_attn.q_proj"
+    assert isinstance(plan[f"{q0}.base_layer"], ColwiseParallel)
+    assert isinstance(plan[f"{q0}.lora_B.default"], ColwiseParallel)
+    assert f"{q0}.lora_A.default" not in plan and isinstance(plan[q1], ColwiseParallel)

@@ -49,9 +49,16 @@ def adapter_tensor_plan(
                 f"{getattr(style, 'use_local_output', None)})"
             )
             continue
-        out[f"{pattern}.base_layer"] = style
-        for key in adapted[hits[0]].lora_A:  # the adapter names ("default")
-            out[f"{pattern}.{'lora_B' if column else 'lora_A'}.{key}"] = style
+        # Every module the pattern names, by name: some may be adapted and others not (a
+        # target_modules list that names only some layers).
+        names = [n for n, _ in module.named_modules() if n and name_matches(n, pattern)]
+        for name in names:
+            if name not in adapted:
+                out[name] = style
+                continue
+            out[f"{name}.base_layer"] = style
+            for key in adapted[name].lora_A:  # the adapter names ("default")
+                out[f"{name}.{'lora_B' if column else 'lora_A'}.{key}"] = style
     if problems:
         raise ValueError(
             "LoRA adapters split only beside a column- or row-parallel base with local "
