@@ -90,10 +90,20 @@ def test_the_package_import_graph_has_no_cycle():
 # The layers, bottom to top: a module imports only from its own layer or those below it
 # (function-level imports included). Every ``__main__`` is a tool: an entry point, not a library.
 BASE = {"lightning_3d.compat", "lightning_3d.layout", "lightning_3d.runtime.exit_codes"}
-CORE = ("parallel", "offload", "checkpoint", "runtime", "observe", "models", "data", "options")
+CORE = (
+    "parallel",
+    "offload",
+    "checkpoint",
+    "runtime",
+    "observe",
+    "models",
+    "data",
+    "options",
+    "adapters",
+)
 LAYERS = ("base", "core", "planner", "strategy", "tools")
 TOOLS = ("app", "bench", "harness", "calibration")
-MODULE_BUDGET = 70  # what ``import lightning_3d`` may load (65 when this was written)
+MODULE_BUDGET = 75  # what ``import lightning_3d`` may load (70 when this was written)
 
 
 def layer_of(module: str) -> str:

@@ -235,3 +235,17 @@ def _fit_module_with_plan(rank: int, plan: dict) -> None:
             strategy={"tensor": 2, "tp_plan": plan}, devices=2, steps=1, seed=SEED, arch="hf_qwen2"
         ),
     )
+
+
+def test_pipeline_times_tensor_skips_other_stages_stand_ins(reference):
+    """pp2 x tp2: a stage's plan entries that match another stage's weightless stand-ins (the
+    head, the embedding) are skipped rather than refused as modules the style cannot split."""
+    run = Run(
+        strategy={"pipeline": 2, "tensor": 2},
+        devices=4,
+        steps=STEPS,
+        seed=SEED,
+        trainer=TRAINER,
+        arch="hf_llama",
+    )
+    assert_matches(run_world(fit_gpt, 4, run)[0], reference("llama"))

@@ -62,6 +62,8 @@ def to_full(value: Any, fused: Fused = None, to_cpu: bool = True) -> Any:
     if not isinstance(value, Tensor):
         return value
     full = value.full_tensor() if isinstance(value, DTensor) else value
+    if callable(getattr(full, "get_original_weight", None)):  # torchao's NF4: dequantized values
+        full = full.get_original_weight()
     if fused is not None and full.dim() >= 1:
         full = regroup_fused_rows(full, *fused, inverse=True)
     full = full.detach()

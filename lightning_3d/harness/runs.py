@@ -103,6 +103,7 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
             max_steps=kwargs["max_steps"],
             optimizer=kwargs.get("optimizer", "adamw"),
             attn_implementation=kwargs.get("attn_implementation"),
+            adapter=kwargs.get("adapter"),
         )
     else:
         module = LitTinyLM(arch=run.arch, n_kv_head=kwargs.pop("n_kv_head", 2), **kwargs)

@@ -186,6 +186,10 @@ class HFCausalLM(pl.LightningModule):
             :class:`lightning_3d.models.LitGPT` (AdamW or momentum SGD, warmup + cosine).
         attn_implementation: ``None`` (default: the model's own, ``sdpa`` where the family has
             it), ``"sdpa"`` or ``"eager"``.
+        adapter: ``None`` / ``"none"`` (full fine-tune), ``"lora"``, or a mapping of
+            :class:`~lightning_3d.adapters.AdapterOptions` (``method``, ``r``, ``lora_alpha``,
+            ``lora_dropout``, ``target_modules``): peft's LoRA on a frozen base; checkpoints
+            then hold only the adapters (see ``docs/adapters.md``).
         deferred_init: with ``path=``, build on ``meta`` and read the weights where the model
             ends up (each rank its own slices under ``ThreeDStrategy``); ``False`` loads the
             whole model on construction.
@@ -205,8 +209,12 @@ class HFCausalLM(pl.LightningModule):
         optimizer: str = "adamw",
         attn_implementation: Optional[str] = None,
         deferred_init: bool = True,
+        adapter: Any = None,
     ) -> None:
         super().__init__()
+        from lightning_3d.adapters import AdapterOptions, apply_adapter
+
+        self.adapter = AdapterOptions.parse(adapter)
         check_training_options(
             lr, weight_decay, betas, warmup_steps, max_steps, min_lr_ratio, optimizer
         )
@@ -215,7 +223,12 @@ class HFCausalLM(pl.LightningModule):
                 raise ValueError("give one of path=, config= or model=, not several")
             self.model = model
         else:
-            self.model = build_hf_model(path, config, attn_implementation, deferred_init)
+            # QLoRA quantizes the base as it is built: its values are needed now.
+            self.model = build_hf_model(
+                path, config, attn_implementation, deferred_init and self.adapter.method != "qlora"
+            )
+        apply_adapter(self.model, self.adapter)
+        self.strict_loading = not self.adapter.enabled  # adapter checkpoints lack the base
         self.model.config.use_cache = False  # training: no key/value cache
         self.model.train()  # from_pretrained returns it in eval mode: dropout would be off
         self.save_hyperparameters(ignore=["model"])
@@ -225,6 +238,12 @@ class HFCausalLM(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The full config travels with every checkpoint: export-hf rebuilds the model from it.
         checkpoint[HF_CONFIG_KEY] = self.model.config.to_dict()
+        if self.adapter.enabled:  # the base is the model's own weights: only the adapters are saved
+            from lightning_3d.adapters import adapter_state
+            from lightning_3d.adapters.checkpoint import ADAPTER_KEY
+
+            checkpoint["state_dict"] = adapter_state(checkpoint["state_dict"])
+            checkpoint[ADAPTER_KEY] = self.adapter.as_dict()
 
     def configure_model(self) -> None:
         # Weights still on meta under a strategy that does not place them itself (ThreeDStrategy
@@ -235,6 +254,10 @@ class HFCausalLM(pl.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.load_weights()  # HFCausalLM.load_from_checkpoint: the tensors need storage first
+        if self.adapter.enabled:
+            from lightning_3d.adapters.checkpoint import check_adapter_checkpoint
+
+            check_adapter_checkpoint(self, checkpoint)
 
     def load_weights(self, device: Optional[torch.device] = None) -> None:
         """Read the directory's weights into a model still on ``meta`` (a no-op otherwise)."""

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_3d.parallel.tensor import local_tensor as _local
+from lightning_3d.parallel.tensor import plain_parts
 
 
 def _storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
@@ -24,11 +25,12 @@ def _storage_bytes(tensors: Iterable[Tensor], seen: set[int]) -> int:
     for t in tensors:
         if t is None:
             continue
-        storage = _local(t).untyped_storage()
-        if storage.data_ptr() in seen or storage.nbytes() == 0:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
+        for part in plain_parts(t):  # an NF4Tensor's codes and scales too
+            storage = part.untyped_storage()
+            if storage.data_ptr() in seen or storage.nbytes() == 0:
+                continue
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
     return total
 
 

@@ -27,8 +27,6 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from lightning_3d.parallel.tensor import local_tensor
-
 # Context-local, like torch's own hook stacks: the meters counting now (their ``hooks()``
 # context is open) and whether counting is paused.
 _ACTIVE: ContextVar[tuple[ActivationMeter, ...]] = ContextVar(
@@ -94,7 +92,7 @@ class ActivationMeter:
 
     def reset(self, params: Any = ()) -> None:
         self.peak, self.in_flight_peak, self.in_flight = self.live, 0, 0
-        self._param_storages = {local_tensor(p).untyped_storage().data_ptr() for p in params}
+        self._param_storages = {_innermost(p).untyped_storage().data_ptr() for p in params}
         self.block_bytes = dict.fromkeys(self.block_bytes, 0)
 
     def forward_done(self) -> None:
@@ -131,9 +129,8 @@ class ActivationMeter:
         return unwatch
 
     def _enter(self, name: str, block: nn.Module, args: Any) -> None:
-        self._running.append(
-            (name, {local_tensor(p).untyped_storage().data_ptr() for p in block.parameters()})
-        )
+        held = {_innermost(p).untyped_storage().data_ptr() for p in block.parameters()}
+        self._running.append((name, held))
 
     def _leave(self, block: nn.Module, args: Any, output: Any) -> None:
         if self._running:

@@ -7,6 +7,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_3d.adapters.qlora import check_qlora_plan
+from lightning_3d.adapters.tensor import adapter_tensor_plan
 from lightning_3d.options import Plan
 from lightning_3d.parallel.plans import build_plan
 from lightning_3d.parallel.stages import plan_stages
@@ -30,8 +32,10 @@ def check(module: nn.Module, plan: Plan, world_size: int) -> None:
     splits tied weights alike, the pipeline split has enough blocks and valid split points.
     ``ValueError`` naming the problem."""
     layout = plan.layout.resolve(world_size)
+    check_qlora_plan(module, plan)
     if layout.tensor > 1:
         styles = build_plan(module, plan.tp.plan, plan.tp.sequence_parallel)
+        styles = adapter_tensor_plan(module, styles)
         check_tied_styles(module, resolve_plan(module, styles, layout.tensor), find_tied(module))
     if layout.pipeline > 1:
         virtual = plan.pp.virtual_stages

@@ -29,27 +29,35 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_3d.parallel.tensor import local_tensor
+from lightning_3d.parallel.tensor import local_tensor, plain_parts
 
 RTOL = 1e-5  # replicas computed alike are equal bit for bit; a plan mistake moves them by O(1)
 WEIGHTS = 17  # the weighted sum's period: positions i and i + 17 weigh alike
 
 
 @torch.no_grad()
-def broadcast_start(module: torch.nn.Module, groups: Iterable[Any]) -> None:
+def broadcast_start(
+    module: torch.nn.Module, groups: Iterable[Any], frozen_only: bool = False
+) -> None:
     """Make the first rank's parameters and buffers everyone's, over each group of ``groups`` in
     turn (the tensor group, then the data group: afterwards the (dp, tp) slab of a pipeline stage
     holds its first rank's). A script that seeds by rank, or not at all, builds other weights on
     every rank; tensor parallelism scatters only the tensors its plan splits, FSDP2 shards each
     rank's own values, so without this each rank would train a part of another model. Call it
-    on materialised tensors (a module on ``meta`` is filled alike later), before sharding."""
+    on materialised tensors (a module on ``meta`` is filled alike later), before sharding.
+    ``frozen_only``: only the parameters that do not train (ZeRO 0-2's buckets hold the others)."""
     tensors = [t for t in (*module.parameters(), *module.buffers()) if t.device.type != "meta"]
+    if frozen_only:
+        tensors = [
+            t for t in module.parameters() if not t.requires_grad and t.device.type != "meta"
+        ]
     for group in groups:
         if group is None or dist.get_world_size(group) == 1:
             continue
         src = dist.get_global_rank(group, 0)
         for t in tensors:
-            dist.broadcast(t.data, src=src, group=group)
+            for part in plain_parts(t.data):  # an NF4Tensor's codes and scales
+                dist.broadcast(part, src=src, group=group)
 
 
 class ReplicaMismatch(RuntimeError):

@@ -298,6 +298,20 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``t``'s values: ``t`` itself, or each inner tensor of a
+    wrapper subclass (a DTensor's local shard; torchao's ``NF4Tensor``: codes and scales)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    t = local_tensor(t)
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    inner = [getattr(t, name) for name in t.__tensor_flatten__()[0]]
+    return [
+        part for value in inner if isinstance(value, torch.Tensor) for part in plain_parts(value)
+    ]
+
+
 def by_device_and_dtype(
     tensors: Iterable[torch.Tensor],
 ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
@@ -346,6 +360,8 @@ def resolve_plan(
     unmatched = []
     for pattern, style in plan.items():
         hits = [n for n in names if name_matches(n, pattern)]
+        if not require_all:  # a pipeline stage: another stage's module left a weightless stand-in
+            hits = [n for n in hits if _has_weights(module.get_submodule(n))]
         if not hits:
             unmatched.append(pattern)
         for name in hits:
@@ -371,6 +387,10 @@ def resolve_plan(
     if problems:
         raise ValueError(f"tensor={tp} does not divide the model: " + "; ".join(problems))
     return resolved
+
+
+def _has_weights(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
 
 
 def _for_layer(style: ParallelStyle, module: nn.Module) -> ParallelStyle:

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_3d.adapters.qlora import check_qlora_plan
+from lightning_3d.adapters.tensor import adapter_tensor_plan
 from lightning_3d.layout import MeshAxis
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.options import Plan
@@ -186,6 +188,7 @@ def parallelize(
     from torch.distributed.tensor.parallel import parallelize_module
 
     layout = plan.layout
+    check_qlora_plan(module, plan)  # what an NF4 base (adapter method="qlora") cannot take
     made = Parallelized(
         module, mesh, list(module.state_dict()), [n for n, _ in module.named_parameters()]
     )
@@ -193,6 +196,7 @@ def parallelize(
     record_aliases(module, ties)
     if layout.tensor > 1:  # recognise the architecture while the model is still whole
         styles = build_plan(module, plan.tp.plan, plan.tp.sequence_parallel)
+        styles = adapter_tensor_plan(module, styles)  # LoRA adapters split beside their base
     step("the pipeline split")
     spec = None
     if layout.pipeline > 1:
@@ -212,6 +216,9 @@ def parallelize(
         # ZeRO 0-2's buckets broadcast over dp themselves: here only what they do not cover.
         axes = (MeshAxis.TENSOR, MeshAxis.DATA) if layout.zero_stage == 3 else (MeshAxis.TENSOR,)
         broadcast_start(module, [mesh[axis.value].get_group() for axis in axes])
+    if not has_meta(module) and layout.zero_stage < 3:
+        # A frozen weight (a LoRA base) is in no ZeRO 0-2 bucket: rank 0's, broadcast over dp here.
+        broadcast_start(module, [mesh[MeshAxis.DATA.value].get_group()], frozen_only=True)
     step("tensor parallelism")
     if layout.tensor > 1:
         # Under a pipeline, patterns for other stages' modules (the head, say) match nothing here.
