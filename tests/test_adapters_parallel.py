@@ -250,7 +250,7 @@ def test_adapter_checkpoint_resumes_in_another_layout(
     as one uninterrupted process. The checkpoint's model part is the adapters alone. Catches:
     the base written into it; an adapter optimizer state keyed by the base's parameter indices
     (it would land on other adapters on resume)."""
-    from lightning_3d.checkpoint import sharded
+    from lightning_3d.checkpoint import sharded_files
 
     (n, first), (m, second) = saved_in, resumed_in
     save = lora_run(
@@ -263,7 +263,9 @@ def test_adapter_checkpoint_resumes_in_another_layout(
     first_half = run_world(fit_gpt_ranks, n, save)[0]
     path = tmp_path / "lora-step=2.ckpt"
     if fmt == "sharded":
-        names = set(sharded.tensor_entries(sharded.read_metadata(path), sharded.MODEL))
+        names = set(
+            sharded_files.tensor_entries(sharded_files.read_metadata(path), sharded_files.MODEL)
+        )
     else:
         names = set(torch.load(path, map_location="cpu", weights_only=False)["state_dict"])
     assert names and all(is_adapter_name(n) for n in names), sorted(names)[:4]
