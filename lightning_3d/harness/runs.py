@@ -38,6 +38,8 @@ class Run:
     ``rank_seeds=True``: each rank builds its model under its own seed (``seed + rank``), as a
     script that seeds by rank would, then every rank goes on from ``seed``: an engine that says
     replicas start alike must make rank 0's initial weights everyone's.
+    ``initial_state=False``: no copy of the initial weights (a benchmark's peak RSS would count it).
+    ``summary_warmup``: the steps ``RunSummary`` leaves out of its medians (tokens/s).
     """
 
     strategy: Optional[dict[str, Any]] = None
@@ -55,6 +57,8 @@ class Run:
     rank_state: bool = False
     accelerator: str = "cpu"
     rank_seeds: bool = False
+    initial_state: bool = True
+    summary_warmup: int = 3
 
 
 def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
@@ -107,11 +111,15 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
         )
     else:
         module = LitTinyLM(arch=run.arch, n_kv_head=kwargs.pop("n_kv_head", 2), **kwargs)
-    initial_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    initial_state = (
+        {k: v.detach().clone() for k, v in module.state_dict().items()}
+        if run.initial_state
+        else None
+    )
     if run.rank_seeds:
         L.seed_everything(run.seed, verbose=False)
     datamodule = TextDataModule(seed=run.seed, **{**TINY_DATA, **(run.data or {})})
-    summary = RunSummary()
+    summary = RunSummary(warmup_steps=run.summary_warmup)
     callbacks: list = [summary, RNGStateCheckpoint()]
     if run.save_to is not None:
         from pathlib import Path
