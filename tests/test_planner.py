@@ -266,7 +266,7 @@ def _plan_app(*overrides):
 def test_app_prints_a_ranked_table(capsys):
     assert _plan_app("cluster=workstation_24gb") == 0
     out = capsys.readouterr().out
-    assert "| 1 | 1×1×1 |" in out and "first choice: ThreeDStrategy(" in out
+    assert "| 1 | none | 1×1×1 |" in out and "first choice: ThreeDStrategy(" in out
 
 
 @pytest.mark.parametrize(

@@ -325,3 +325,113 @@ def test_a_block_that_cannot_run_alone_leaves_its_sequence_parallel_layouts_unme
     sp = [c for c in cands if c.choice.sequence_parallel]
     assert sp and all(c.kind == "activations not measured" for c in sp)
     assert any(c.fits and c.choice.tensor == 2 for c in cands)
+
+
+# Fine-tune methods: the adapters on every linear projection of the blocks (planner/methods.py).
+
+
+def _linear_weights(module):
+    """(in, out) of every nn.Linear of the model's blocks: what peft's all-linear adapts."""
+    from lightning_3d.parallel.activation_checkpoint import transformer_blocks
+
+    return [
+        (m.in_features, m.out_features)
+        for _, block in transformer_blocks(module)
+        for m in block.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
+
+
+def test_lora_and_qlora_model_state_follow_their_formulas(facts):
+    """On the tiny GPT's facts (bf16-mixed: fp32 parameters): a full fine-tune keeps 16Ψ, LoRA
+    4Ψ + 16Φ and QLoRA 0.516Ψq + 4(Ψ − Ψq) + 16Φ, to the byte, with Φ = r·(in + out) and Ψq
+    counted from the module's own nn.Linear layers; QLoRA's projections at most 0.3 of bf16's."""
+    from lightning_3d.adapters.qlora import NF4_BYTES_PER_VALUE
+    from lightning_3d.planner.memory import stage_block_parts
+
+    r = 8
+    linears = _linear_weights(_tiny())
+    phi = sum(r * (i + o) for i, o in linears)
+    psi_q = sum(i * o for i, o in linears)
+    psi = facts.num_params
+    ((part, _),) = stage_parts(facts, 1)
+    (blocks,) = stage_block_parts(facts, 1)
+
+    def state(adapter, data=1, zero=0):
+        return model_state(facts, Choice(data, 1, 1, zero, adapter=adapter), part, 0, blocks, r)
+
+    assert sum(state("none")[:3]) == 16 * psi
+    params, grads, optimizer, _, _ = state("lora")
+    assert (params, grads, optimizer) == (4 * psi + 4 * phi, 4 * phi, 8 * phi)
+    params, grads, optimizer, _, _ = state("qlora")
+    assert params + grads + optimizer == pytest.approx(
+        NF4_BYTES_PER_VALUE * psi_q + 4 * (psi - psi_q) + 16 * phi, abs=1e-6
+    )
+    assert (params - 4 * phi - 4 * (psi - psi_q)) <= 0.3 * 2 * psi_q  # vs the projections in bf16
+    # ZeRO 1: the adapters' Adam state sharded, the frozen base whole; ZeRO 3: the base sharded too.
+    assert state("lora", 2, 1)[:3] == (4 * psi + 4 * phi, 4 * phi, 4 * phi)
+    assert state("lora", 2, 3)[0] == pytest.approx((4 * psi + 4 * phi) / 2, rel=0.02)
+
+
+def test_adapters_of_llama_3_8b_are_peft_s_count():
+    """Φ from the shapes alone, on Llama-3-8B's projections (q, k, v, o, gate, up, down; the
+    plan's column / row split): 20,971,520 at r = 8, peft's trainable-parameter count for
+    all-linear; the tensor-parallel share keeps A beside a column-parallel base and B beside a
+    row-parallel one whole."""
+    from lightning_3d.planner.facts import Part
+    from lightning_3d.planner.methods import adapter_part, projections
+
+    d, kv, ff = 4096, 1024, 14336
+    shapes = {(d, d * d, 0): 1, (kv, kv * d, 0): 2, (d, d * d, 1): 1, (ff, ff * d, 0): 2}
+    shapes[(d, d * ff, 1)] = 1
+    shapes[(d, d, -1)] = 2  # the norms: not projections
+    block = Part(tensors=tuple(sorted(shapes.items())))
+    assert adapter_part(block, 8).params * 32 == 20_971_520
+    assert projections(block).params == 2 * d * d + 2 * kv * d + 3 * d * ff
+    whole = 8 * d * (5 + 2)  # A of the five column bases (in: d), B of the two row ones (out: d)
+    assert adapter_part(block, 8).local(2) == (adapter_part(block, 8).params + whole) / 2
+
+
+def test_the_search_enumerates_methods_only_when_asked(facts):
+    cluster = Cluster(nodes=1, devices_per_node=2, device_memory_gb=80)
+    default = plan_layouts(facts, cluster, PlannerOptions(offloads=("none",)))
+    assert {c.choice.adapter for c in default} == {"none"}
+    lora = plan_layouts(facts, cluster, PlannerOptions(offloads=("none",), adapters=("lora",)))
+    assert {c.choice.adapter for c in lora} == {"lora"}
+    assert not any(c.choice.sequence_parallel for c in lora)  # refused by the project
+    assert any(c.fits and c.choice.tensor == 2 for c in lora)
+    # LoRA's fastest layout beats the full fine-tune's: no weight gradients, Adam over Φ alone.
+    assert lora[0].tokens_per_s > default[0].tokens_per_s
+    assert lora[0].time.optimizer < default[0].time.optimizer / 3
+    both = plan_layouts(facts, cluster, PlannerOptions(adapters=("none", "lora")))
+    assert {c.choice.adapter for c in both if c.fits} == {"none", "lora"}
+
+
+@pytest.fixture(scope="module")
+def nf4_facts():
+    """A GPT whose projections NF4 can hold (128 wide: every weight a multiple of 64 × 256)."""
+    from lightning_3d.models import LitGPT
+    from lightning_3d.planner.facts import model_facts
+
+    with torch.device("meta"):
+        module = LitGPT(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=128)
+    return model_facts(module, precision="bf16-mixed", tp_sizes=(1, 2), policies=("none",))
+
+
+def test_qlora_with_tensor_parallelism_is_refused_with_the_projects_reason(nf4_facts, facts):
+    options = PlannerOptions(adapters=("qlora",), ac_policies=("none",), offloads=("none",))
+    cands = plan_layouts(
+        nf4_facts, Cluster(nodes=1, devices_per_node=2, device_memory_gb=80), options
+    )
+    tp2 = [c for c in cands if c.choice.tensor == 2]
+    assert tp2 and not any(c.fits for c in tp2)
+    assert all(
+        c.kind == "plan check"
+        and c.reason.startswith("adapter method='qlora' cannot run with tensor=2: the NF4 base")
+        for c in tp2
+    )
+    assert any(c.fits for c in cands if c.choice.tensor == 1)
+    # A model whose projections NF4 cannot hold (the tiny GPT's 32 × 32) is refused as the project does.
+    tiny = plan_layouts(facts, Cluster(nodes=1, devices_per_node=1, device_memory_gb=80), options)
+    assert {c.kind for c in tiny} == {"NF4 shapes"}
+    assert "multiple of 16384 elements in NF4" in tiny[0].reason and "(32, 32)" in tiny[0].reason

@@ -19,6 +19,9 @@ BLOCK_SIZE = 64  # elements per scale (torchao's and the QLoRA paper's default)
 SCALER_BLOCK_SIZE = 256  # scales per second-level scale (torchao's default)
 # torchao 0.18's NF4Tensor.clone re-quantizes with the defaults: a weight must fit them.
 MULTIPLE = BLOCK_SIZE * SCALER_BLOCK_SIZE
+# Bytes one NF4 value costs: a 4-bit code, its share of an 8-bit scale per BLOCK_SIZE values and of
+# a bf16 factor per SCALER_BLOCK_SIZE scales (0.5 + 1/64 + 1/8192 = 0.5157; the planner's figure).
+NF4_BYTES_PER_VALUE = 0.5 + 1 / BLOCK_SIZE + 2 / (BLOCK_SIZE * SCALER_BLOCK_SIZE)
 
 
 def require_nf4() -> Any:
@@ -64,11 +67,16 @@ def has_nf4(module: nn.Module) -> bool:
 
 def check_qlora_plan(module: nn.Module, plan: Any) -> None:
     """``ValueError`` naming the options when ``module`` holds an NF4 base and ``plan`` (a
-    :class:`~lightning_3d.options.Plan`) asks for what it cannot take: tensor parallelism (an
-    ``NF4Tensor`` does not split into DTensor shards) or ZeRO-3 parameters offloaded to CPU
-    (FSDP2's offload re-wraps each shard as a plain parameter; torchao 0.18's NF4 breaks there)."""
-    if not has_nf4(module):
-        return
+    :class:`~lightning_3d.options.Plan`) asks for what it cannot take: :func:`refuse_qlora_plan`."""
+    if has_nf4(module):
+        refuse_qlora_plan(plan)
+
+
+def refuse_qlora_plan(plan: Any) -> None:
+    """``ValueError`` naming the options a QLoRA model cannot run ``plan`` with: tensor
+    parallelism (an ``NF4Tensor`` does not split into DTensor shards) or ZeRO-3 parameters
+    offloaded to CPU (FSDP2's offload re-wraps each shard as a plain parameter; torchao 0.18's
+    NF4 breaks there). The planner asks this of every QLoRA layout before the model exists."""
     layout, problems = plan.layout, []
     if layout.tensor > 1:
         problems.append(

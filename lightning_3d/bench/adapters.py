@@ -53,12 +53,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_3d.adapters.qlora import NF4_BYTES_PER_VALUE
 from lightning_3d.harness.runs import Run, fit_gpt
 from lightning_3d.harness.world import run_world
 
 METHODS = ("full", "lora", "qlora")
 DEFAULT_OUT = Path("bench_out") / "adapters"
-NF4_BYTES_PER_VALUE = 0.5 + 1 / 64 + 2 / (64 * 256)  # codes, 8-bit scales, bf16 factors
 
 
 def llama_config(hidden: int, layers: int, vocab: int, seq: int) -> dict[str, Any]:

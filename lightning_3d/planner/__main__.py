@@ -36,7 +36,12 @@ def plan(cfg: DictConfig) -> int:
     from lightning_3d.app.run import model_on_meta
     from lightning_3d.planner import Cluster
     from lightning_3d.planner.search import plan_candidates
-    from lightning_3d.planner.table import nothing_fits, ranked_table, rejected_summary
+    from lightning_3d.planner.table import (
+        method_summary,
+        nothing_fits,
+        ranked_table,
+        rejected_summary,
+    )
 
     started = time.perf_counter()
     validate = bool(cfg.get("validate", False))
@@ -92,7 +97,10 @@ def plan(cfg: DictConfig) -> int:
     best = candidates[0]
     options_text = ", ".join(f"{k}={v!r}" for k, v in best.choice.options().items())
     trainer = "".join(f", Trainer({k}={v!r})" for k, v in best.choice.trainer_options().items())
-    print(f"\nfirst choice: ThreeDStrategy({options_text}){trainer}")
+    method = f", adapter={best.choice.adapter}" if best.choice.adapter != "none" else ""
+    print(f"\nfirst choice: ThreeDStrategy({options_text}){trainer}{method}")
+    if len(options.adapters) > 1:
+        print(method_summary(candidates, options.adapters))
     print(rejected_summary(candidates))
     if validate:
         return validated(

@@ -16,6 +16,9 @@ from lightning_3d.parallel.activation_checkpoint import POLICIES
 from lightning_3d.parallel.pipeline import MULTI_STAGE, SCHEDULES
 from lightning_3d.planner.facts import PRECISIONS
 
+# How the model is fine-tuned: every weight, LoRA adapters, or LoRA on an NF4 base
+# (lightning_3d.adapters; HFCausalLM(adapter=...)). The planner's model: planner/methods.py.
+ADAPTERS = ("none", "lora", "qlora")
 # Where Adam's state goes; "+params": ZeRO-3's parameter and gradient shards in host memory too.
 OFFLOADS = ("none", "cpu", "cpu+params", "nvme", "nvme+params")
 # The schedules, the simpler first: the default enumeration order, which breaks the last ties
@@ -39,6 +42,9 @@ class Choice:
     virtual_stages: int = 1  # stages per pipeline rank (the interleaved schedules: more than 1)
     sequence_parallel: bool = (
         False  # tensor > 1: norms, dropout and the residual stream sharded by sequence
+    )
+    adapter: str = (
+        "none"  # one of ADAPTERS: the model's option (HFCausalLM(adapter=...)), not the strategy's
     )
 
     @property
@@ -94,9 +100,10 @@ class Choice:
         if self.virtual_stages > 1:
             sched += f" v={self.virtual_stages}"
         sp = " sp" if self.sequence_parallel else ""
+        method = f"{self.adapter} " if self.adapter != "none" else ""
         return (
-            f"dp={self.data} tp={self.tensor}{sp} pp={self.pipeline} zero={self.zero_stage} {sched} "
-            f"mb={self.micro_batch_size} ac={self.ac_policy} offload={self.offload}"
+            f"{method}dp={self.data} tp={self.tensor}{sp} pp={self.pipeline} zero={self.zero_stage} "
+            f"{sched} mb={self.micro_batch_size} ac={self.ac_policy} offload={self.offload}"
         )
 
 
@@ -136,7 +143,11 @@ class PlannerOptions:
     What is enumerated: ``zero_stages``, ``ac_policies``, ``offloads`` (:data:`OFFLOADS`),
     ``schedules`` (with a pipeline; the interleaved ones with each of ``virtual_stages`` stages
     per rank), ``sequence_parallel`` (also each tensor-parallel layout with it) and micro-batches
-    up to ``max_micro_batches``.
+    up to ``max_micro_batches``, and the fine-tune method, ``adapters`` (:data:`ADAPTERS`:
+    ``none`` trains every weight; ``lora`` / ``qlora`` adapters of rank ``lora_r`` on every
+    linear projection of the blocks, :mod:`lightning_3d.planner.methods`). QLoRA layouts with
+    tensor parallelism are refused as the project refuses them; adapters are not tried with
+    sequence parallelism (the project refuses that pair too).
     """
 
     batch_size: Optional[int] = None
@@ -163,6 +174,8 @@ class PlannerOptions:
     virtual_stages: tuple[int, ...] = (2,)  # stages per rank tried with the interleaved schedules
     sequence_parallel: bool = True  # also try each tensor-parallel layout with sequence parallelism
     max_micro_batches: int = 64
+    adapters: tuple[str, ...] = ("none",)  # what parallelism=auto plans: the run's own method
+    lora_r: int = 8  # rank of every adapter (peft's r)
 
     def __post_init__(self) -> None:
         problems = []
@@ -210,6 +223,7 @@ class PlannerOptions:
             ("ac_policies", policies),
             ("offloads", OFFLOADS),
             ("schedules", SCHEDULES),
+            ("adapters", ADAPTERS),
         ):
             values = tuple(getattr(self, name))
             bad = [v for v in values if v not in allowed]
@@ -232,11 +246,20 @@ class PlannerOptions:
             problems.append(
                 f"virtual_stages={list(virtual)!r} must be a non-empty list of integers >= 2"
             )
+        if not isinstance(self.lora_r, int) or isinstance(self.lora_r, bool) or self.lora_r < 1:
+            problems.append(f"lora_r={self.lora_r!r} must be a positive integer")
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel={self.sequence_parallel!r} must be true or false")
         if problems:
             raise ValueError("; ".join(problems))
-        for name in ("zero_stages", "ac_policies", "offloads", "schedules", "virtual_stages"):
+        for name in (
+            "zero_stages",
+            "ac_policies",
+            "offloads",
+            "schedules",
+            "virtual_stages",
+            "adapters",
+        ):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     def global_batch(self, world_size: int) -> int:

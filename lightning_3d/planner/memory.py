@@ -13,6 +13,10 @@ plus an fp32 master of every parameter held on the device, fp32 ones too:
 :func:`~lightning_3d.planner.facts.offloaded_state_bytes`) to host memory; ``cpu+params`` moves
 ZeRO-3's parameter and gradient shards there too (fp32 shards in host memory are their own master).
 
+A fine-tune method (``Choice.adapter``: LoRA, QLoRA) trains its adapters alone: the frozen base
+counts as parameters only, and gradients, optimizer state and offload follow the adapters
+(:mod:`lightning_3d.planner.methods`).
+
 Under an interleaved schedule a rank holds ``virtual_stages`` stages (``r``, ``r + p``, ...), the
 first on rank 0 and the last on rank ``p − 1``. Offload to ``nvme`` keeps Adam's state on the
 drive (``MemorySplit.disk``) and in host memory only its streaming window.
@@ -38,6 +42,13 @@ from lightning_3d.offload.optimizer import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW
 from lightning_3d.parallel.stages import stage_blocks, stage_ids
 from lightning_3d.planner.choice import Choice, PlannerOptions
 from lightning_3d.planner.facts import ModelFacts, Part, offloaded_state_bytes
+from lightning_3d.planner.methods import (
+    adapter_activation_bytes,
+    adapter_part,
+    frozen_bytes,
+    projections,
+    trained_part,
+)
 from lightning_3d.planner.schedule import in_flight_chunks
 
 GB = 1e9
@@ -101,17 +112,46 @@ def stage_parts(facts: ModelFacts, pipeline: int, virtual: int = 1) -> list[tupl
     return out
 
 
+def stage_block_parts(facts: ModelFacts, pipeline: int, virtual: int = 1) -> list[Part]:
+    """The blocks' parameters (no embedding, no head) of each pipeline rank, as :func:`stage_parts`."""
+    runs = stage_blocks(facts.n_layer, pipeline * virtual)
+    out = []
+    for rank in range(pipeline):
+        part = Part()
+        for s in stage_ids(rank, pipeline, virtual):
+            for i in runs[s]:
+                part = part + facts.blocks[i]
+        out.append(part)
+    return out
+
+
 def model_state(
-    facts: ModelFacts, choice: Choice, part: Part, dp_rank: int = 0
+    facts: ModelFacts,
+    choice: Choice,
+    part: Part,
+    dp_rank: int = 0,
+    blocks: Part | None = None,
+    lora_r: int = 8,
 ) -> tuple[float, float, float, float, float]:
     """(params, grads, optimizer, host, disk) bytes of data rank ``dp_rank`` holding ``part`` of
-    the model. ZeRO 1-2 slice flat buckets evenly; ZeRO-3 chunks each parameter's dim 0
-    (:meth:`Part.sharded`: rank 0, the default, holds the most)."""
+    the model (``blocks``: its blocks' share, which an adapter method needs). ZeRO 1-2 slice flat
+    buckets evenly; ZeRO-3 chunks each parameter's dim 0 (:meth:`Part.sharded`: rank 0, the
+    default, holds the most), the frozen base's like the rest."""
     p_b, g_b, o_b, _ = facts.bytes
-    n = part.local(choice.tensor)
-    dp, z = choice.data, choice.zero_stage
-    shard = part.sharded(choice.tensor, dp, dp_rank) if z == 3 else n / dp
-    params = shard * p_b if z == 3 else n * p_b
+    dp, z, tp = choice.data, choice.zero_stage, choice.tensor
+
+    def held(p: Part) -> float:
+        return p.sharded(tp, dp, dp_rank) if z == 3 else p.local(tp)
+
+    frozen = 0.0
+    if choice.adapter != "none":
+        if blocks is None:
+            raise ValueError(f"adapter={choice.adapter!r}: model_state needs the stage's blocks")
+        frozen = frozen_bytes(choice.adapter, held(part), held(projections(blocks)), p_b)
+    trained = trained_part(choice.adapter, part, blocks, lora_r)
+    n = trained.local(tp)
+    shard = trained.sharded(tp, dp, dp_rank) if z == 3 else n / dp
+    params = frozen + (shard * p_b if z == 3 else n * p_b)
     grads = shard * g_b if z >= 2 else n * g_b
     optimizer = shard * o_b if z >= 1 else n * o_b
     host = disk = 0.0
@@ -128,20 +168,29 @@ def model_state(
     return params, grads, optimizer, host, disk
 
 
-def activation_bytes(facts: ModelFacts, choice: Choice, stage: int, blocks: int) -> float:
+def activation_bytes(
+    facts: ModelFacts, choice: Choice, stage: int, blocks: int, lora_r: int = 8
+) -> float:
     """Saved activations of pipeline rank ``stage`` (holding ``blocks`` blocks) at their peak
-    (see the module docstring)."""
+    (see the module docstring); an adapter method adds its ``r``-wide outputs to every block it
+    does not checkpoint whole."""
     seq = facts.seq_len
     mb = choice.micro_batch_size
     fit = facts.activation(choice.ac_policy, choice.tensor, choice.sequence_parallel)
-    per_block = fit.bytes_per_sample(seq) * mb
+    extra = adapter_activation_bytes(choice.adapter, facts.blocks[0], lora_r, seq, facts.bytes[3])
+    per_block = (fit.bytes_per_sample(seq) + (extra if choice.ac_policy != "full" else 0)) * mb
     m, p, v = choice.micro_batches, choice.pipeline, choice.virtual_stages
     chunks = in_flight_chunks(choice.schedule, p, m, stage, v)
     total = per_block * blocks / v * chunks
     if choice.ac_policy != "none" and blocks:  # one block recomputed at a time in backward
         total += max(
             0.0,
-            facts.activation("none", choice.tensor, choice.sequence_parallel).bytes_per_sample(seq)
+            (
+                facts.activation("none", choice.tensor, choice.sequence_parallel).bytes_per_sample(
+                    seq
+                )
+                + extra
+            )
             * mb
             - per_block,
         )
@@ -153,14 +202,30 @@ def activation_bytes(facts: ModelFacts, choice: Choice, stage: int, blocks: int)
 
 
 def buffer_bytes(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> float:
+    """The module's buffers; ZeRO 0-2's gradient bucket in flight (no larger than what trains);
+    ZeRO-3's gathered block, this one and the prefetched next (the base at its compute dtype, or
+    NF4), and one block's unsharded gradients; a pipeline's send and receive activations;
+    QLoRA's one projection dequantized for its matmul."""
     p_b, g_b, _, act = facts.bytes
+    tp, r = choice.tensor, options.lora_r
     total = float(facts.buffer_bytes)
+    compute = act if facts.precision.endswith("mixed") else p_b
     if choice.data > 1 and choice.zero_stage < 3:
-        total += options.bucket_size_mb * 2**20
+        bucket = options.bucket_size_mb * 2**20
+        if choice.adapter != "none":
+            bucket = min(bucket, adapter_part(sum(facts.blocks, Part()), r).local(tp) * g_b)
+        total += bucket
     if choice.zero_stage == 3 and (choice.data > 1 or choice.offload_params):
-        largest = max(b.local(choice.tensor) for b in facts.blocks)
-        compute = act if facts.precision.endswith("mixed") else p_b
-        total += largest * (2 * compute + g_b)
+        if choice.adapter == "none":
+            total += max(b.local(tp) for b in facts.blocks) * (2 * compute + g_b)
+        else:
+            block = max(facts.blocks, key=lambda b: b.params)
+            base = frozen_bytes(
+                choice.adapter, block.local(tp), projections(block).local(tp), compute
+            )
+            total += 2 * base + adapter_part(block, r).local(tp) * (2 * compute + g_b)
+    if choice.adapter == "qlora":
+        total += max((n for (_, n, _), _ in projections(facts.blocks[0]).tensors), default=0) * act
     if choice.pipeline > 1:
         total += 2 * choice.micro_batch_size * facts.seq_len * facts.d_model * act
     return total
@@ -170,15 +235,18 @@ def rank_memory(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> M
     """The largest stage's per-rank memory (by device total)."""
     best = None
     buffers = buffer_bytes(facts, choice, options)
+    block_parts = stage_block_parts(facts, choice.pipeline, choice.virtual_stages)
     for stage, (part, blocks) in enumerate(
         stage_parts(facts, choice.pipeline, choice.virtual_stages)
     ):
-        params, grads, optimizer, host, disk = model_state(facts, choice, part)
+        params, grads, optimizer, host, disk = model_state(
+            facts, choice, part, blocks=block_parts[stage], lora_r=options.lora_r
+        )
         split = MemorySplit(
             params,
             grads,
             optimizer,
-            activation_bytes(facts, choice, stage, blocks),
+            activation_bytes(facts, choice, stage, blocks, options.lora_r),
             buffers,
             host,
             stage,

@@ -9,7 +9,10 @@ dividing the head count; pipeline dividing the block count), ZeRO stages, micro-
 of two dividing the per-rank batch, at least ``pipeline`` for 1F1B as torch requires; without a
 pipeline they are gradient accumulation steps), schedules (the interleaved ones with each of
 ``virtual_stages`` stages per rank), sequence parallelism (with ``tensor > 1``, where measured),
-activation checkpointing and offload (to host memory or NVMe, with ZeRO-3's parameters or without).
+activation checkpointing, offload (to host memory or NVMe, with ZeRO-3's parameters or without)
+and the fine-tune method (``PlannerOptions.adapters``: full, LoRA, QLoRA; adapters without
+sequence parallelism, which the project refuses for them; QLoRA's own refusals asked of
+:func:`lightning_3d.adapters.qlora.refuse_qlora_plan`).
 Every candidate is built as a :class:`~lightning_3d.options.Plan` (``Plan.from_options``), and,
 given ``check`` (:func:`lightning_3d.parallel.model_check.check` bound to the model on ``meta``), checked
 against the model's shapes; their ``ValueError`` is the rejection's reason. A split that is
@@ -25,12 +28,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from lightning_3d.adapters.qlora import refuse_qlora_plan
 from lightning_3d.options import Plan
 from lightning_3d.parallel.pipeline import MULTI_STAGE
-from lightning_3d.planner.choice import OFFLOADS, Choice, PlannerOptions
+from lightning_3d.planner.choice import ADAPTERS, OFFLOADS, Choice, PlannerOptions
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.facts import ModelFacts
 from lightning_3d.planner.memory import GB, MemorySplit, human, rank_memory
+from lightning_3d.planner.methods import qlora_problem
 from lightning_3d.planner.timing import StepTime, mfu, step_time
 
 Check = Callable[[Plan, int], None]  # raises ValueError for a plan the model cannot take
@@ -114,6 +119,16 @@ def _schedules(pp: int, n_layer: int, options: PlannerOptions) -> Iterator[tuple
 def _choices(
     dp: int, tp: int, pp: int, batch_per_rank: int, n_layer: int, options: PlannerOptions
 ) -> Iterator[Choice]:
+    for adapter in options.adapters:
+        for choice in _layout_choices(dp, tp, pp, batch_per_rank, n_layer, options):
+            if adapter != "none" and choice.sequence_parallel:
+                continue  # the project refuses adapters beside a sequence-parallel plan
+            yield replace(choice, adapter=adapter)
+
+
+def _layout_choices(
+    dp: int, tp: int, pp: int, batch_per_rank: int, n_layer: int, options: PlannerOptions
+) -> Iterator[Choice]:
     for zero in options.zero_stages:
         for offload in options.offloads:
             params = offload.endswith("+params")
@@ -162,6 +177,7 @@ def plan_layouts(
     device_budget = cluster.device_bytes - options.reserve_gb * GB
     fitting, rejected = [], []
     checked: dict[tuple, Optional[str]] = {}
+    nf4_problem = qlora_problem(facts.blocks[0]) if "qlora" in options.adapters else None
     for dp, tp, pp in _splits(world):
         problem = _split_problem(facts, cluster, batch, dp, tp, pp)
         if problem is not None:
@@ -177,6 +193,9 @@ def plan_layouts(
             if pp > 1 and choice.schedule != "gpipe" and choice.micro_batches < pp:
                 # torch's Schedule1F1B refuses fewer micro-batches than stages; the interleaved
                 # schedules run them, but their bubble is then far above (p - 1) / (v·m): not modelled
+                continue
+            if choice.adapter == "qlora" and nf4_problem is not None:
+                rejected.append(Candidate(choice, kind="NF4 shapes", reason=nf4_problem))
                 continue
             error = _plan_error(choice, world, check, checked)
             if error is not None:
@@ -201,7 +220,12 @@ def plan_layouts(
                 continue
             memory = rank_memory(facts, choice, options)
             time = step_time(facts, choice, cluster, options)
-            cand = Candidate(choice, memory, time, mfu(facts, time, cluster, world))
+            cand = Candidate(
+                choice,
+                memory,
+                time,
+                mfu(facts, time, cluster, world, choice.adapter, options.lora_r),
+            )
             if memory.total > device_budget:
                 reserve = f" (+{options.reserve_gb:g} GB reserved)" if options.reserve_gb else ""
                 cand = replace(
@@ -265,6 +289,7 @@ def _rank_key(c: Candidate) -> tuple:
     offload, fewer micro-batches), then the one with more memory to spare."""
     ch = c.choice
     simpler = (
+        ADAPTERS.index(ch.adapter),
         ch.zero_stage,
         ("none", "selective", "full").index(ch.ac_policy),
         OFFLOADS.index(ch.offload),
@@ -285,10 +310,12 @@ def _plan_error(choice: Choice, world: int, check: Optional[Check], cache: dict)
     options = choice.options()
     if choice.offload_device == "nvme":
         options["offload_path"] = tempfile.gettempdir()
-    key = tuple(sorted(options.items()))
+    key = (choice.adapter, *sorted(options.items()))
     if key not in cache:
         try:
             plan = Plan.from_options(**options)
+            if choice.adapter == "qlora":
+                refuse_qlora_plan(plan)
             # What the model check depends on: sequence parallelism builds another tensor plan.
             shape_key = (
                 "shape",

@@ -9,7 +9,7 @@ from lightning_3d.planner.memory import GB, human
 from lightning_3d.planner.search import Candidate, least_memory
 
 HEADER = (
-    "| # | dp×tp×pp | ZeRO | micro-batches | AC | offload | params | grads | optim | activ | buffers | "
+    "| # | method | dp×tp×pp | ZeRO | micro-batches | AC | offload | params | grads | optim | activ | buffers | "
     "total GB | compute | comm | bubble | optim step | offload | fixed | step | tokens/s | MFU |"
 )
 
@@ -37,7 +37,8 @@ def ranked_table(candidates: list[Candidate], top: int = 10) -> str:
         micro += f" v{ch.virtual_stages}" if ch.virtual_stages > 1 else ""
         sp = " sp" if ch.sequence_parallel else ""
         rows.append(
-            f"| {i} | {ch.data}×{ch.tensor}{sp}×{ch.pipeline} | {ch.zero_stage} | {micro} | {ch.ac_policy} | "
+            f"| {i} | {ch.adapter} | {ch.data}×{ch.tensor}{sp}×{ch.pipeline} | {ch.zero_stage} | "
+            f"{micro} | {ch.ac_policy} | "
             f"{ch.offload} | "
             f"{_gb(m.params)} | {_gb(m.grads)} | {_gb(m.optimizer)} | {_gb(m.activations)} | {_gb(m.buffers)} | "
             f"{_gb(m.total)} | {_ms(t.compute)} | {_ms(t.comm)} | {_ms(t.bubble)} | {_ms(t.optimizer)} | "
@@ -45,6 +46,31 @@ def ranked_table(candidates: list[Candidate], top: int = 10) -> str:
             f"{_ms(t.total)} | {c.tokens_per_s:,.0f} | {100 * c.mfu:.1f}% |"
         )
     return "\n".join(rows)
+
+
+def method_summary(candidates: list[Candidate], methods: tuple[str, ...]) -> str:
+    """One line per fine-tune method: its fastest fitting layout, or the least memory it needs."""
+    lines = ["per method:"]
+    for method in methods:
+        mine = [c for c in candidates if c.choice.adapter == method]
+        fitting = [c for c in mine if c.fits]
+        if fitting:
+            c = fitting[0]
+            lines.append(
+                f"  {method}: fits, {_gb(c.memory.total)} GB per rank, {c.tokens_per_s:,.0f} tokens/s "
+                f"({c.choice.label()})"
+            )
+            continue
+        least = least_memory(mine)
+        lines.append(
+            f"  {method}: nothing fits"
+            + (
+                f"; the least it needs is {human(least.memory.total)} per rank ({least.choice.label()})"
+                if least is not None
+                else ""
+            )
+        )
+    return "\n".join(lines)
 
 
 def rejected_summary(candidates: list[Candidate], examples: int = 2) -> str:

@@ -37,6 +37,13 @@ slower, as the store streams while Adam steps), plus gradients down and paramete
 host link. Sequence parallelism moves the same activation bytes as tensor parallelism's
 all-reduces (a reduce-scatter and an all-gather each), so its time is tensor parallelism's.
 
+**Fine-tune methods** (``Choice.adapter``): a frozen weight needs no gradient of its own, so its
+matmuls cost 4 FLOPs per token (forward 2, input gradient 2) where a trained one costs 6; the
+adapters cost 6 per parameter. Gradient communication, the optimizer step and offload move the
+adapters alone; ZeRO-3 still gathers the frozen base (NF4 under QLoRA) for every forward and
+backward. Not modelled: QLoRA's dequantization of each projection before its matmul (a
+memory-bound pass over the weight, small beside the matmul at training batch sizes).
+
 MFU counts the model's FLOPs (without recomputation) per second over the world's peak.
 
 **Calibrated against measured runs** (``python -m lightning_3d.calibration.memory --time``:
@@ -80,8 +87,9 @@ from dataclasses import dataclass
 from lightning_3d.parallel.stages import stage_blocks, stage_ids
 from lightning_3d.planner.choice import Choice, PlannerOptions
 from lightning_3d.planner.cluster import Cluster
-from lightning_3d.planner.facts import ModelFacts, offloaded_state_bytes
-from lightning_3d.planner.memory import stage_parts
+from lightning_3d.planner.facts import ModelFacts, Part, offloaded_state_bytes
+from lightning_3d.planner.memory import stage_block_parts, stage_parts
+from lightning_3d.planner.methods import adapter_part, frozen_bytes, projections, trained_part
 from lightning_3d.planner.schedule import bubble_share, messages
 
 
@@ -108,8 +116,14 @@ class StepTime:
         return self.tokens / self.total if self.total > 0 else 0.0
 
 
-def model_flops_per_token(facts: ModelFacts) -> float:
-    return 6 * facts.flop_params + 12 * facts.n_layer * facts.d_model * facts.seq_len
+def model_flops_per_token(facts: ModelFacts, adapter: str = "none", lora_r: int = 8) -> float:
+    """Training FLOPs per token: 6 per trained matmul weight, 4 per frozen one (an adapter
+    method's base), and attention's scores."""
+    attention = 12 * facts.n_layer * facts.d_model * facts.seq_len
+    if adapter == "none":
+        return 6 * facts.flop_params + attention
+    phi = adapter_part(sum(facts.blocks, Part()), lora_r).params
+    return 4 * facts.flop_params + 6 * phi + attention
 
 
 def _ring(n: int) -> float:
@@ -131,27 +145,42 @@ def step_time(
     speed = cluster.peak_tflops * 1e12 * options.efficiency
     v = choice.virtual_stages
     stages = stage_parts(facts, pp, v)
+    block_parts = stage_block_parts(facts, pp, v)
+    trained = [
+        trained_part(choice.adapter, part, block_parts[s], options.lora_r)
+        for s, (part, _) in enumerate(stages)
+    ]
     runs = stage_blocks(facts.n_layer, pp * v)
+    weight = 6 if choice.adapter == "none" else 4  # a frozen weight has no gradient of its own
     compute = 0.0
     for s, (part, blocks) in enumerate(stages):
         block_flops = sum(facts.blocks[i].flop_params for k in stage_ids(s, pp, v) for i in runs[k])
         other = part.flop_params - block_flops  # the head (embedding lookups have no matmul)
         attention = 12 * blocks * d * seq
+        adapters = 6 * trained[s].flop_params if choice.adapter != "none" else 0
         # The plans split every matmul weight of a block and the head across the tensor ranks.
-        per_token = ((6 * block_flops + attention) * recompute * split_cost + 6 * other) / tp
+        per_token = (
+            (weight * block_flops + adapters + attention) * recompute * split_cost + weight * other
+        ) / tp
         launches = m * blocks * options.launch_overhead_us * 1e-6
         compute = max(compute, tokens_rank * per_token / speed + launches)
-    # Data-parallel gradient sync of the largest stage.
-    elements = max(part.local(tp) for part, _ in stages)
+    # Data-parallel gradient sync of the largest stage (what trains: under LoRA the adapters).
+    elements = max(t.local(tp) for t in trained)
     ring = _ring(dp)
     gathered = act if facts.precision.endswith("mixed") else p_b
+    # ZeRO-3 gathers every parameter (elements at the compute dtype, a frozen base as it is held).
+    gathered_bytes = max(
+        t.local(tp) * gathered
+        + frozen_bytes(choice.adapter, part.local(tp), projections(b).local(tp), gathered)
+        for t, (part, _), b in zip(trained, stages, block_parts)
+    )
     # Bytes at the all-reduce's rate: a reduce-scatter's and an all-gather's count 1/efficiency each.
     scatter, gather = g_b / options.reduce_scatter_efficiency, 1 / options.all_gather_efficiency
     volume = {
         0: 2 * ring * elements * g_b,
         1: ring * elements * (scatter + p_b * gather),
         2: ring * elements * (scatter + p_b * gather),
-        3: ring * elements * (scatter + 2 * gathered * gather),
+        3: ring * (elements * scatter + 2 * gathered_bytes * gather),
     }[choice.zero_stage]
     inside = dp * tp <= cluster.devices_per_node
     dp_bw = (
@@ -206,7 +235,8 @@ def step_time(
         if (
             choice.offload_params
         ):  # per micro-batch: shards up for forward and backward, gradients down
-            offload += m * shard * (2 * p_b + g_b) / (cluster.host_link_gbps * 1e9)
+            up = gathered_bytes / gathered * p_b / dp  # this rank's shards at their own dtype
+            offload += m * (2 * up + shard * g_b) / (cluster.host_link_gbps * 1e9)
     tokens = choice.batch_per_rank * dp * seq
     return StepTime(
         compute,
@@ -219,7 +249,14 @@ def step_time(
     )
 
 
-def mfu(facts: ModelFacts, time: StepTime, cluster: Cluster, world_size: int) -> float:
-    return (
-        model_flops_per_token(facts) * time.tokens_per_s / (world_size * cluster.peak_tflops * 1e12)
-    )
+def mfu(
+    facts: ModelFacts,
+    time: StepTime,
+    cluster: Cluster,
+    world_size: int,
+    adapter: str = "none",
+    lora_r: int = 8,
+) -> float:
+    """The method's own training FLOPs (no recomputation) per second over the world's peak."""
+    flops = model_flops_per_token(facts, adapter, lora_r)
+    return flops * time.tokens_per_s / (world_size * cluster.peak_tflops * 1e12)
