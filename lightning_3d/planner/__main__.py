@@ -71,6 +71,11 @@ def plan(cfg: DictConfig) -> int:
                 f"no layout of {cluster.world_size} ranks has {pins} (data x tensor x pipeline must "
                 "equal nodes x devices_per_node)"
             )
+        if validate and candidates[0].choice.adapter != "none":
+            raise ValueError(
+                f"validate=true builds full fine-tune layouts only; the first choice is "
+                f"adapter={candidates[0].choice.adapter} (give planner.adapters=[none])"
+            )
         if validate and candidates[0].fits:
             from lightning_3d.calibration.validate import check_choice
 
