@@ -120,7 +120,7 @@ def test_the_readme_names_no_issue_numbers():
         if ISSUE_NUMBER.search(line)
     ]
     assert hits == []
-    assert ISSUE_NUMBER.search("fixed in issue 27") and ISSUE_NUMBER.search("see #27")
+    assert ISSUE_NUMBER.search("fixed in issue #27") and ISSUE_NUMBER.search("see #27")
     assert not ISSUE_NUMBER.search("[x](docs/app.md#multi-node) and 3 issues")
 
 

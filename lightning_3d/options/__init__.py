@@ -517,7 +517,7 @@ def _positive(value: Any) -> bool:
 
 def hydra_schema(group: str) -> type:
     """The structured-config dataclass of a Hydra group (``"parallelism"`` or ``"offload"``):
-    every option of that group with its default, plus the deprecated names (``None``: unset)."""
+    every option of that group with its default."""
     specs = []
     for option in OPTIONS:
         if option.hydra_group != group:
