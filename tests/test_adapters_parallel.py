@@ -125,6 +125,21 @@ def test_ranks_seeded_apart_train_rank_zeros_base(reference, zero_stage):
     assert_same_lora_run(world, reference)
 
 
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_lora_dropout_under_data_parallelism_matches_lightnings_ddp(zero_stage):
+    """``lora_dropout=0.1``: every data rank draws its masks as it would under Lightning's own
+    DDP (same seed, same order), so that independent implementation is the reference (one
+    process cannot be: it draws one stream for the whole batch). Catches: the adapters' dropout
+    off in training (the losses equal the run without it), masks drawn in another order."""
+    model = {"adapter": {**LORA, "lora_dropout": 0.1}}
+    ddp = run_world(fit_gpt_ranks, 2, lora_run(None, devices=2, model=model))
+    if zero_stage == 1:  # the dropout is on (once is enough)
+        plain = run_world(fit_gpt_ranks, 2, lora_run(None, devices=2))
+        assert ddp[0]["losses"] != plain[0]["losses"]
+    run = lora_run({"data": 2, "zero_stage": zero_stage}, devices=2, model=model)
+    assert_same_lora_run(run_world(fit_gpt_ranks, 2, run), ddp[0])
+
+
 TENSOR_LAYOUTS = {
     "llama-tp2": (2, {"tensor": 2}),
     "llama-tp2_zero3": (2, {"tensor": 2, "zero_stage": 3}),

@@ -17,6 +17,7 @@ from torch import nn
 from lightning_3d.adapters.options import AdapterOptions, require_peft
 
 ADAPTER_PARTS = ("lora_A", "lora_B")  # the submodules peft adds that hold trained weights
+BASE_PART = "base_layer"  # where peft moves the adapted module's own weight and bias
 
 
 def apply_adapter(model: nn.Module, options: AdapterOptions) -> list[str]:
@@ -62,3 +63,14 @@ def is_adapter_name(name: str) -> bool:
 def adapter_state(state: dict) -> dict:
     """The adapter entries of a state dict."""
     return {name: value for name, value in state.items() if is_adapter_name(name)}
+
+
+def base_view(names: list[str]) -> dict[str, str]:
+    """The base's tensors under the names the model had before its adapters went in
+    (``q_proj.weight``) -> their names now (``q_proj.base_layer.weight``); the adapters' left
+    out. A model without adapters: each name to itself."""
+    return {
+        ".".join(part for part in name.split(".") if part != BASE_PART): name
+        for name in names
+        if not is_adapter_name(name)
+    }

@@ -71,7 +71,8 @@ def check_pretrained(model_cfg: DictConfig, path: Path, module: Any = None) -> N
         inspect_checkpoint,
         shapes_of,
     )
-    from lightning_3d.checkpoint.pretrained import map_names
+    from lightning_3d.checkpoint.pretrained import map_names, matched_view
+    from lightning_3d.models.hf_load import tied_partners
 
     info = inspect_checkpoint(path)  # missing, a directory, not a checkpoint, truncated
     if module is None:
@@ -81,8 +82,16 @@ def check_pretrained(model_cfg: DictConfig, path: Path, module: Any = None) -> N
         except Exception:  # noqa: BLE001 -- not buildable on meta: load_pretrained checks it on the rank
             return
     own = shapes_of(module.state_dict())
-    names = map_names(list(info["shapes"]), list(own), info["format"])
-    check_against(own, {names[n]: shape for n, shape in info["shapes"].items()}, source=str(path))
+    view = matched_view(list(own), list(info["shapes"]), path)  # LoRA: the base, or its adapters
+    names = map_names(list(info["shapes"]), list(view), info["format"])
+    stored = {names[n]: shape for n, shape in info["shapes"].items()}
+    ties = tied_partners(module)  # a tied weight stored once (an HF file without its head)
+    expected = {
+        n: own[view[n]]
+        for n in view
+        if n in stored or not any(p in stored for p in ties.get(view[n], ()))
+    }
+    check_against(expected, stored, source=str(path))
 
 
 def own_weights(model_cfg: DictConfig) -> Optional[Path]:

@@ -26,7 +26,6 @@ from lightning_3d.checkpoint.checks import (
     PathLike,
     check_against,
     read_tensors,
-    shapes_of,
     shared_prefix,
 )
 
@@ -96,15 +95,78 @@ def load_pretrained(
         >>> loaded[0]
         'model.tok_emb.weight'
     """
+    owner = _deferred_owner(module)
+    if owner is not None:  # built on meta, its weights read later: read them from this file
+        return _defer_to_file(module, owner, Path(path))
     _refuse_unloadable(module)
     kind, tensors = read_tensors(
         path, mmap=True
     )  # a .ckpt: only the weights are read, not the optimizer state
     own = module.state_dict()
-    names = map_names(list(tensors), list(own), kind, prefix)
-    state = {names[name]: tensor for name, tensor in tensors.items()}
-    check_against(shapes_of(own), shapes_of(state), strict=strict, source=str(Path(path)))
-    if not strict:
-        state = {name: tensor for name, tensor in state.items() if name in own}
-    module.load_state_dict(state, strict=strict)
+    view = matched_view(list(own), list(tensors), Path(path))
+    names = map_names(list(tensors), list(view), kind, prefix)
+    check_against(
+        {name: tuple(own[view[name]].shape) for name in view},
+        {names[name]: tuple(tensor.shape) for name, tensor in tensors.items()},
+        strict=strict,
+        source=str(Path(path)),
+    )
+    state = {view[names[n]]: t for n, t in tensors.items() if names[n] in view}
+    state = {name: _as_stored(own[name], value) for name, value in state.items()}
+    module.load_state_dict(state, strict=strict and len(view) == len(own))
     return [name for name in own if name in state]
+
+
+def matched_view(own: list[str], stored: list[str], source: Path) -> dict[str, str]:
+    """What a file's tensors are matched against: name -> the module's name for it. A model with
+    LoRA adapters takes a whole model's file as its base (``q_proj.weight`` into
+    ``q_proj.base_layer.weight``; the adapters keep their init) and an adapters-only file as its
+    adapters; an adapters-only file into a model without adapters is refused, naming both ways
+    to use it."""
+    from lightning_3d.adapters.lora import base_view, is_adapter_name
+
+    adapted = [name for name in own if is_adapter_name(name)]
+    only_adapters = bool(stored) and all(is_adapter_name(name) for name in stored)
+    if only_adapters and not adapted:
+        raise ValueError(
+            f"{source} holds only LoRA adapters ({len(stored)} tensors, no base weights): "
+            "fine-tune with the same adapter (adapter=lora, its r and targets) to continue "
+            f"from them, or merge them into the base first (python -m lightning_3d.adapters "
+            f"{source} DIR --merged)"
+        )
+    return {name: name for name in adapted} if only_adapters else base_view(own)
+
+
+def _as_stored(target: Tensor, value: Tensor) -> Tensor:
+    """``value`` as ``target`` stores it: an NF4 base (QLoRA) is quantized from bf16, as when
+    the model was built."""
+    if type(target).__name__ == "NF4Tensor":
+        return value.to(torch.bfloat16)
+    return value
+
+
+def _deferred_owner(module: nn.Module) -> nn.Module | None:
+    """The submodule on ``meta`` whose weights a record will read later (``HFCausalLM(path=DIR)``)."""
+    return next(
+        (m for m in module.modules() if getattr(m, "deferred_init", None) is not None), None
+    )
+
+
+def _defer_to_file(module: nn.Module, owner: nn.Module, path: Path) -> list[str]:
+    """Point ``owner``'s record at ``path`` for the tensors the file holds: each rank still
+    reads only its own slices when the strategy materialises the model."""
+    from lightning_3d.checkpoint.file_record import file_record
+
+    record, names = file_record(owner, path)
+    current = owner.deferred_init
+    if hasattr(current, "base") and hasattr(current, "adapters"):  # adapters on a model on meta
+        from lightning_3d.adapters.lora import is_adapter_name
+
+        if all(is_adapter_name(name) for name in names):
+            current.adapters = record
+        else:
+            current.base = record
+    else:
+        owner.deferred_init = record
+    inner = {id(owner): n for n, m in module.named_modules() if m is owner}[id(owner)]
+    return [f"{inner}.{name}" if inner else name for name in names]

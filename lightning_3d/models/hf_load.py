@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -101,9 +101,20 @@ class PretrainedWeights:
         directory: Path,
         model: nn.Module,
         headers: dict[str, tuple[Path, tuple[int, ...], str]],
+        keys: Optional[dict[str, str]] = None,
+        open_file: Optional[Callable[[Path], Any]] = None,
     ) -> None:
+        """``keys``: model name -> stored name, when the caller has matched them (a checkpoint
+        file under other names, covering part of the model); by default every tensor the model
+        stores is matched by name (or a tie's) and a missing one is refused. ``open_file``: a
+        context manager giving a handle with ``get_slice`` / ``get_tensor`` (safetensors')."""
         self.directory = Path(directory)
         self.headers = headers
+        self.open_file = open_file or _open_safetensors
+        if keys is not None:
+            self.keys = dict(keys)
+            self.check(model)
+            return
         partners = tied_partners(model)
         self.keys: dict[str, str] = {}  # model name -> file key
         for name in _stored(model):
@@ -144,8 +155,6 @@ class PretrainedWeights:
 
     def fill(self, owner: nn.Module) -> int:
         """Copy this rank's part of every tensor ``owner`` still holds from the files."""
-        from safetensors import safe_open
-
         fused = {
             id(p): getattr(m, FUSED_ROWS_ATTR)
             for m in owner.modules()
@@ -161,7 +170,7 @@ class PretrainedWeights:
                     continue
                 file = self.headers[key][0]
                 if file not in handles:
-                    handles[file] = stack.enter_context(safe_open(str(file), "pt"))
+                    handles[file] = stack.enter_context(self.open_file(file))
                 local = local_tensor(tensor)
                 part = _read_part(handles[file], key, tensor, fused.get(id(tensor)))
                 if part is None:
@@ -171,6 +180,12 @@ class PretrainedWeights:
                 local.copy_(part)
                 filled += 1
         return filled
+
+
+def _open_safetensors(file: Path) -> Any:
+    from safetensors import safe_open
+
+    return safe_open(str(file), "pt")
 
 
 def _read_part(
