@@ -71,7 +71,7 @@ def check_pretrained(model_cfg: DictConfig, path: Path, module: Any = None) -> N
         inspect_checkpoint,
         shapes_of,
     )
-    from lightning_3d.checkpoint.pretrained import map_names, matched_view
+    from lightning_3d.checkpoint.names import map_names, matched_view
     from lightning_3d.models.hf_load import tied_partners
 
     info = inspect_checkpoint(path)  # missing, a directory, not a checkpoint, truncated

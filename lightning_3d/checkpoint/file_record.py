@@ -21,6 +21,7 @@ from lightning_3d.checkpoint.checks import (
     detect_format,
     read_tensors,
 )
+from lightning_3d.checkpoint.names import map_names, matched_view
 from lightning_3d.models.hf_load import PretrainedWeights, tied_partners
 
 
@@ -55,8 +56,6 @@ def file_record(owner: nn.Module, path: Path) -> tuple[PretrainedWeights, list[s
     """The record reading ``path`` into ``owner`` (on ``meta``) and the names it fills.
     ``ValueError`` naming every missing, unexpected or mis-shaped tensor (a tied weight stored
     once counts for both names)."""
-    from lightning_3d.checkpoint.pretrained import map_names, matched_view
-
     headers, open_file = _headers(path)
     own = owner.state_dict(keep_vars=True)
     view = matched_view(list(own), list(headers), path)

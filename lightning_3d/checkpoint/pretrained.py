@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -22,37 +21,11 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_3d.checkpoint.checks import (
-    LIGHTNING,
     PathLike,
     check_against,
     read_tensors,
-    shared_prefix,
 )
-
-
-def _renamed(names: Sequence[str], strip: str, add: str) -> list[str]:
-    return [add + name[len(strip) :] for name in names]
-
-
-def map_names(
-    ckpt_names: Sequence[str], module_names: Sequence[str], kind: str, prefix: str | None = None
-) -> dict[str, str]:
-    """Checkpoint name → module name.
-
-    ``prefix`` says where the plain model's names sit inside ``module`` (``"model."`` for LitGPT,
-    ``""`` for the plain model itself); the checkpoint's names are taken as plain names, after
-    stripping a Lightning checkpoint's shared attribute prefix. ``None`` picks, among "as is",
-    "strip the checkpoint's shared prefix" and "add the module's shared prefix" (and both), the
-    renaming that matches the most module names (ties: as is).
-    """
-    ckpt_prefix, module_prefix = shared_prefix(ckpt_names), shared_prefix(module_names)
-    if prefix is not None:
-        strip = ckpt_prefix if kind == LIGHTNING else ""
-        return dict(zip(ckpt_names, _renamed(ckpt_names, strip, prefix)))
-    wanted = set(module_names)
-    candidates = [("", ""), (ckpt_prefix, module_prefix), ("", module_prefix), (ckpt_prefix, "")]
-    best = max(candidates, key=lambda c: len(wanted.intersection(_renamed(ckpt_names, *c))))
-    return dict(zip(ckpt_names, _renamed(ckpt_names, *best)))
+from lightning_3d.checkpoint.names import map_names, matched_view
 
 
 def _refuse_unloadable(module: nn.Module) -> None:
@@ -115,26 +88,6 @@ def load_pretrained(
     state = {name: _as_stored(own[name], value) for name, value in state.items()}
     module.load_state_dict(state, strict=strict and len(view) == len(own))
     return [name for name in own if name in state]
-
-
-def matched_view(own: list[str], stored: list[str], source: Path) -> dict[str, str]:
-    """What a file's tensors are matched against: name -> the module's name for it. A model with
-    LoRA adapters takes a whole model's file as its base (``q_proj.weight`` into
-    ``q_proj.base_layer.weight``; the adapters keep their init) and an adapters-only file as its
-    adapters; an adapters-only file into a model without adapters is refused, naming both ways
-    to use it."""
-    from lightning_3d.adapters.lora import base_view, is_adapter_name
-
-    adapted = [name for name in own if is_adapter_name(name)]
-    only_adapters = bool(stored) and all(is_adapter_name(name) for name in stored)
-    if only_adapters and not adapted:
-        raise ValueError(
-            f"{source} holds only LoRA adapters ({len(stored)} tensors, no base weights): "
-            "fine-tune with the same adapter (adapter=lora, its r and targets) to continue "
-            f"from them, or merge them into the base first (python -m lightning_3d.adapters "
-            f"{source} DIR --merged)"
-        )
-    return {name: name for name in adapted} if only_adapters else base_view(own)
 
 
 def _as_stored(target: Tensor, value: Tensor) -> Tensor:
