@@ -141,6 +141,29 @@ def test_qlora_layouts_that_cannot_work_are_refused_naming_every_option():
     check_qlora_plan(lora, plan)  # a dense base takes every layout
 
 
+def test_qlora_under_zero3_refuses_nf4_weights_that_do_not_split_over_the_data_ranks():
+    """torchao shards an NF4 weight's codes and both levels of scales in ``data`` equal parts:
+    a 256 x 256 weight (4 x 16384 values) splits over 2 or 4 ranks, not 8. Catches: the check
+    missing (FSDP2 dies on every rank in torchao's chunk with "quantization_factor.numel() not
+    divisible by 8")."""
+    from lightning_3d.adapters.qlora import check_qlora_plan
+    from lightning_3d.harness.hf_configs import tiny_hf_config
+    from lightning_3d.models.hf import HFCausalLM
+    from lightning_3d.options import Plan
+
+    module = HFCausalLM(config=tiny_hf_config("llama", **WIDE), adapter=QLORA)
+    zero3 = Plan.from_options(zero_stage=3)
+    for data in (2, 4):
+        check_qlora_plan(module, zero3, data)
+    check_qlora_plan(module, Plan.from_options(zero_stage=2), 8)  # ZeRO 1-2: weights whole
+    with pytest.raises(
+        ValueError,
+        match=r"zero_stage=3 over data=8 ranks .* multiple of 8 x 16384 values; these do not: "
+        r"model\.model\.layers\.0\.self_attn\.q_proj\.base_layer\.weight \(\(256, 256\): 65536",
+    ):
+        check_qlora_plan(module, zero3, 8)
+
+
 def test_qlora_refuses_bases_torchao_cannot_hold():
     from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM

@@ -65,11 +65,31 @@ def has_nf4(module: nn.Module) -> bool:
     return nf4 is not None and any(isinstance(p, nf4.NF4Tensor) for p in module.parameters())
 
 
-def check_qlora_plan(module: nn.Module, plan: Any) -> None:
+def check_qlora_plan(module: nn.Module, plan: Any, data: Any = None) -> None:
     """``ValueError`` naming the options when ``module`` holds an NF4 base and ``plan`` (a
-    :class:`~lightning_3d.options.Plan`) asks for what it cannot take: :func:`refuse_qlora_plan`."""
-    if has_nf4(module):
-        refuse_qlora_plan(plan)
+    :class:`~lightning_3d.options.Plan`) asks for what it cannot take: :func:`refuse_qlora_plan`,
+    and under ZeRO-3 over ``data`` ranks (``plan.layout.data`` when not given) an NF4 weight
+    whose second-level scales do not split evenly over them (torchao shards each of its parts
+    in ``data`` equal chunks: a weight must hold a multiple of ``data`` × 16384 values)."""
+    if not has_nf4(module):
+        return
+    refuse_qlora_plan(plan)
+    data = plan.layout.data if data is None else data
+    if plan.layout.zero_stage != 3 or not isinstance(data, int) or data < 2:
+        return
+    uneven = [
+        f"{name} ({tuple(p.shape)}: {p.numel()} values)"
+        for name, p in module.named_parameters()
+        if type(p).__name__ == "NF4Tensor" and p.numel() % (data * MULTIPLE)
+    ]
+    if uneven:
+        raise ValueError(
+            f"adapter method='qlora' with zero_stage=3 over data={data} ranks shards each NF4 "
+            f"weight in {data} equal parts: a weight must hold a multiple of {data} x "
+            f"{MULTIPLE} values; these do not: {', '.join(uneven[:4])}"
+            + (f" (and {len(uneven) - 4} more)" if len(uneven) > 4 else "")
+            + " (use zero_stage 1 or 2, fewer data ranks, or adapter method='lora')"
+        )
 
 
 def refuse_qlora_plan(plan: Any) -> None:

@@ -2,16 +2,17 @@
 formula, peak RSS and tokens/s, one process per method.
 
     python -m lightning_3d.bench.adapters [--hidden 512 --layers 8 --vocab 8192] [--steps 4] \\
-        [--batch 4 --seq 128] [--r 8] [--out DIR]
+        [--batch 4 --seq 128] [--r 8] [--data 2 --zero-stage 3] [--out DIR]
 
 The model is ``HFCausalLM(config=...)`` of a ``transformers`` Llama config built here (no
 download): ``--hidden`` wide (64-wide heads, as many key/value heads as query heads), MLP width
 8/3 of it rounded up to a multiple of 256, ``--layers`` blocks, ``--vocab`` tokens, untied head;
 the defaults are 35.6 M parameters. Each method trains ``1 + --steps`` AdamW steps through
-``ThreeDStrategy()`` on one CPU device at ``32-true`` (the project's reference run,
-:func:`lightning_3d.harness.runs.fit_gpt`) in a process of its own (``run_world``, spawned), so
-its peak RSS is its own; the methods run one after another, one intra-op thread each, workers
-with ``MALLOC_MMAP_THRESHOLD_=1048576`` (freed large tensors go back to the OS).
+``ThreeDStrategy()`` on one CPU device (``--data N --zero-stage S``: N gloo processes) at
+``32-true`` (the project's reference run, :func:`lightning_3d.harness.runs.fit_gpt`) in a
+process of its own (``run_world``, spawned), so its peak RSS is its own; the methods run one
+after another, one intra-op thread each, workers with ``MALLOC_MMAP_THRESHOLD_=1048576`` (freed
+large tensors go back to the OS).
 
 Rows: ``full`` (every weight trains), ``lora`` and ``qlora`` (``adapter=`` with ``r=--r``,
 ``lora_alpha=2r``, ``target_modules=all-linear``: every projection of the blocks; the embedding,
@@ -35,9 +36,12 @@ norms and head stay frozen as they are). Columns:
 - tokens/s: the median over the timed steps (the first step, which creates Adam's state, is not
   timed; ``RunSummary``'s ``tokens_per_s``).
 
-The adapters' own share of a step is not measured: timing peft's layers apart would need hooks
-(or a profiler) around every adapted module, which costs more than the adapters themselves at
-this size.
+- worst rank / formula: the rank holding the most against the same per-rank formula (with
+  ``--data N --zero-stage S``: N processes, each stage dividing what it shards by N — Adam's
+  moments from 1, gradients from 2, weights at 3 — so ``--data 2 --zero-stage 3`` expects half
+  of each method's bytes on every rank);
+- adapters' share: the adapter modules' part of a forward + backward, timed by hooks on a fresh
+  copy of the model after training (``lightning_3d.bench.adapter_share``, one process).
 
 Writes OUT/adapters.md (the table) and OUT/adapters.json (every figure and the settings); default
 OUT is ``bench_out/adapters``.
@@ -86,7 +90,8 @@ def method_run(method: str, args: argparse.Namespace) -> Run:
         None if method == "full" else {"method": method, "r": args.r, "lora_alpha": 2 * args.r}
     )
     return Run(
-        strategy={},  # ThreeDStrategy on one device
+        strategy={"data": args.data, "zero_stage": args.zero_stage},  # ThreeDStrategy
+        devices=args.data,
         steps=1 + args.steps,
         seed=1234,
         arch="hf",
@@ -119,6 +124,8 @@ def measure_method(rank: int, run: Run, threads: int) -> dict[str, Any]:
     imports_rss = peak_rss_mb()
     result = fit_gpt(rank, run)
     summary, state = result["summary"], result["state"]
+    if rank:  # rank 0 holds the full state and every rank's bytes (the run summary's)
+        return {}
     qlora = bool(run.model["adapter"]) and run.model["adapter"]["method"] == "qlora"
     adapters = {k: v for k, v in state.items() if is_adapter_name(k)}
     base = {k: v for k, v in state.items() if k not in adapters}
@@ -128,7 +135,12 @@ def measure_method(rank: int, run: Run, threads: int) -> dict[str, Any]:
     dense_base_bytes = sum(
         v.numel() * v.element_size() for k, v in base.items() if k not in quantized
     )
-    rank0 = summary["ranks"][0]
+    share = {}
+    if rank == 0 and run.model["adapter"]:  # after training: its peak RSS is already taken
+        share = _share(run)
+    ranks = summary["ranks"]
+    held = [r["param_bytes"] + r["grad_bytes"] + r["optimizer_state_bytes"] for r in ranks]
+    rank0 = ranks[0]
     return {
         "base_params": sum(v.numel() for v in base.values()),
         "adapter_params": sum(v.numel() for v in adapters.values()),
@@ -138,31 +150,61 @@ def measure_method(rank: int, run: Run, threads: int) -> dict[str, Any]:
         "param_bytes": rank0["param_bytes"],
         "grad_bytes": rank0["grad_bytes"],
         "optimizer_state_bytes": rank0["optimizer_state_bytes"],
+        "max_rank_state_bytes": max(held),
         "peak_rss_mb": rank0["peak_rss_mb"],
         "imports_rss_mb": imports_rss,
         "tokens_per_s": summary["tokens_per_s"],
         "losses": summary["losses"],
+        **share,
     }
 
 
-def formula(method: str, r: dict[str, Any]) -> tuple[str, float]:
-    """The model-state bytes a method should hold at fp32 (see the module docstring)."""
+def _share(run: Run) -> dict[str, Any]:
+    """The adapters' share of a forward + backward on a fresh copy of the model (one process,
+    one batch of the run's shape): ``lightning_3d.bench.adapter_share``."""
+    import torch
+
+    from lightning_3d.bench.adapter_share import adapter_share
+    from lightning_3d.models.hf import HFCausalLM
+
+    torch.manual_seed(run.seed)
+    module = HFCausalLM(config=run.model["hf"], adapter=run.model["adapter"])
+    size = (run.data["batch_size"], run.data["block_size"])
+    batch = torch.randint(0, run.model["hf"]["vocab_size"], size)
+    return adapter_share(module, batch, steps=max(1, run.steps - 1))
+
+
+def formula(
+    method: str, r: dict[str, Any], data: int = 1, zero_stage: int = 0
+) -> tuple[str, float]:
+    """The model-state bytes one rank should hold at fp32 (see the module docstring): weights W,
+    gradients G and Adam's moments O, each divided over the ``data`` ranks from the ZeRO stage
+    that shards it (O from 1, G from 2, W at 3)."""
     psi, phi, psi_q = r["base_params"], r["adapter_params"], r["quantized_params"]
     if method == "full":
-        return "16Ψ", 16 * psi
-    if method == "lora":
-        return "4Ψ + 16Φ", 4 * psi + 16 * phi
-    return "0.516Ψq + 4(Ψ−Ψq) + 16Φ", NF4_BYTES_PER_VALUE * psi_q + 4 * (psi - psi_q) + 16 * phi
+        name, weights, trained = "16Ψ", 4 * psi, psi
+    elif method == "lora":
+        name, weights, trained = "4Ψ + 16Φ", 4 * (psi + phi), phi
+    else:
+        name = "0.516Ψq + 4(Ψ−Ψq) + 16Φ"
+        weights, trained = NF4_BYTES_PER_VALUE * psi_q + 4 * (psi - psi_q + phi), phi
+    if data > 1 and zero_stage:
+        name = f"({name}) / {data}" if zero_stage == 3 else f"{name}, {zero_stage} of 3 / {data}"
+    shard = [data if data > 1 and zero_stage >= stage else 1 for stage in (3, 2, 1)]
+    return name, weights / shard[0] + 4 * trained / shard[1] + 8 * trained / shard[2]
 
 
-def rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each method's record with its formula, base bytes and ratios."""
+def rows(
+    results: dict[str, dict[str, Any]], data: int = 1, zero_stage: int = 0
+) -> list[dict[str, Any]]:
+    """Each method's record with its formula (per rank), base bytes and ratios."""
     out = []
     for method, r in results.items():
-        name, expected = formula(method, r)
+        name, expected = formula(method, r, data, zero_stage)
         state = r["param_bytes"] + r["grad_bytes"] + r["optimizer_state_bytes"]
-        base_bytes = r["param_bytes"] - r["adapter_bytes"]
-        nf4_bytes = base_bytes - r["dense_base_bytes"] if r["quantized_params"] else None
+        sharded = data if data > 1 and zero_stage == 3 else 1  # rank 0 holds 1/data of each
+        base_bytes = r["param_bytes"] - r["adapter_bytes"] / sharded
+        nf4_bytes = base_bytes - r["dense_base_bytes"] / sharded if r["quantized_params"] else None
         out.append(
             {
                 "method": method,
@@ -171,12 +213,13 @@ def rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 "formula": name,
                 "formula_bytes": expected,
                 "measured_vs_formula": state / expected,
+                "max_rank_vs_formula": r["max_rank_state_bytes"] / expected,
                 "base_bytes": base_bytes,
-                "base_vs_bf16": base_bytes / (2 * r["base_params"]),
+                "base_vs_bf16": base_bytes * sharded / (2 * r["base_params"]),
                 "nf4_bytes": nf4_bytes,
                 "nf4_vs_bf16": None
                 if nf4_bytes is None
-                else nf4_bytes / (2 * r["quantized_params"]),
+                else nf4_bytes * sharded / (2 * r["quantized_params"]),
             }
         )
     return out
@@ -188,19 +231,21 @@ def table(records: list[dict[str, Any]]) -> str:
 
     lines = [
         "| method | Ψ | Φ | Ψq (NF4) | params MB | grads MB | optim MB | model state MB | formula "
-        "| formula MB | measured / formula | base MB | base vs bf16 | NF4 vs bf16 | peak RSS MB "
-        "| over imports MB | tokens/s |",
-        "|" + "---|" * 17,
+        "| formula MB | measured / formula | worst rank / formula | base MB | base vs bf16 "
+        "| NF4 vs bf16 | peak RSS MB | over imports MB | tokens/s | adapters' share |",
+        "|" + "---|" * 19,
     ]
     for r in records:
         nf4 = "-" if r["nf4_vs_bf16"] is None else f"{r['nf4_vs_bf16']:.3f}×"
+        share = f"{r['adapters_share']:.1%}" if "adapters_share" in r else "-"
         lines.append(
             f"| {r['method']} | {r['base_params']:,} | {r['adapter_params']:,} | "
             f"{r['quantized_params']:,} | {mb(r['param_bytes'])} | {mb(r['grad_bytes'])} | "
             f"{mb(r['optimizer_state_bytes'])} | {mb(r['model_state_bytes'])} | {r['formula']} | "
-            f"{mb(r['formula_bytes'])} | {r['measured_vs_formula']:.3f} | {mb(r['base_bytes'])} | "
+            f"{mb(r['formula_bytes'])} | {r['measured_vs_formula']:.3f} | "
+            f"{r['max_rank_vs_formula']:.3f} | {mb(r['base_bytes'])} | "
             f"{r['base_vs_bf16']:.3f}× | {nf4} | {r['peak_rss_mb']:.0f} | "
-            f"{r['peak_rss_mb'] - r['imports_rss_mb']:.0f} | {r['tokens_per_s']:.0f} |"
+            f"{r['peak_rss_mb'] - r['imports_rss_mb']:.0f} | {r['tokens_per_s']:.0f} | {share} |"
         )
     return "\n".join(lines)
 
@@ -215,12 +260,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--r", type=int, default=8, help="LoRA rank (lora_alpha = 2r)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--data", type=int, default=1, help="data-parallel ranks (processes)")
+    parser.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2, 3))
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per worker")
     parser.add_argument(
         "--out", default=str(DEFAULT_OUT), help=f"directory (default {DEFAULT_OUT})"
     )
     args = parser.parse_args(argv)
-    sizes = {k: getattr(args, k) for k in ("layers", "steps", "batch", "seq", "r", "threads")}
+    sizes = {
+        k: getattr(args, k) for k in ("layers", "steps", "batch", "seq", "r", "threads", "data")
+    }
     if args.hidden < 128 or args.hidden % 128 or args.vocab < 256 or min(sizes.values()) < 1:
         parser.error(
             f"need --hidden a multiple of 128, --vocab >= 256 and positive sizes, got "
@@ -239,14 +288,22 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for method in args.methods:
         run = method_run(method, args)
-        results[method] = run_world(measure_method, 1, run, args.threads, start_method="spawn")[0]
+        results[method] = run_world(
+            measure_method, args.data, run, args.threads, start_method="spawn"
+        )[0]
         print(f"  {method}: {results[method]['tokens_per_s']:.0f} tokens/s", flush=True)
-    records = rows(results)
+    records = rows(results, args.data, args.zero_stage)
     config = llama_config(args.hidden, args.layers, args.vocab, args.seq)
+    layout = (
+        f"ThreeDStrategy(data={args.data}, zero_stage={args.zero_stage}) on {args.data} CPU "
+        "processes (gloo), bytes per rank"
+        if args.data > 1
+        else "ThreeDStrategy() on one CPU device"
+    )
     heading = (
         f"Llama {args.layers} x {args.hidden} (MLP {config['intermediate_size']}), vocab "
-        f"{args.vocab}, Ψ = {records[0]['base_params']:,}; AdamW, 32-true, ThreeDStrategy() on one "
-        f"CPU device, {args.threads} thread(s); {args.batch} x {args.seq} tokens a step, median of "
+        f"{args.vocab}, Ψ = {records[0]['base_params']:,}; AdamW, 32-true, {layout}, "
+        f"{args.threads} thread(s) a process; {args.batch} x {args.seq} tokens a step, median of "
         f"{args.steps} timed steps; LoRA/QLoRA r={args.r}, all-linear"
     )
     text = heading + "\n\n" + table(records)

@@ -32,7 +32,7 @@ def check(module: nn.Module, plan: Plan, world_size: int) -> None:
     splits tied weights alike, the pipeline split has enough blocks and valid split points.
     ``ValueError`` naming the problem."""
     layout = plan.layout.resolve(world_size)
-    check_qlora_plan(module, plan)
+    check_qlora_plan(module, plan, layout.data)
     if layout.tensor > 1:
         styles = build_plan(module, plan.tp.plan, plan.tp.sequence_parallel)
         styles = adapter_tensor_plan(module, styles)

@@ -188,7 +188,8 @@ def parallelize(
     from torch.distributed.tensor.parallel import parallelize_module
 
     layout = plan.layout
-    check_qlora_plan(module, plan)  # what an NF4 base (adapter method="qlora") cannot take
+    data = mesh.get_group(MeshAxis.DATA.value).size()
+    check_qlora_plan(module, plan, data)  # what an NF4 base (adapter method="qlora") cannot take
     made = Parallelized(
         module, mesh, list(module.state_dict()), [n for n, _ in module.named_parameters()]
     )
