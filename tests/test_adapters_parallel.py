@@ -290,6 +290,54 @@ def test_adapter_checkpoint_resumes_in_another_layout(
     assert_same_lora_run(world, reference)
 
 
+def _gathered_by_the_save(rank: int, run: Run) -> dict:
+    """``fit_gpt`` with every tensor the checkpoint's model state gathers counted (values)."""
+    from lightning_3d.checkpoint import view
+    from lightning_3d.strategy.checkpoint_hooks import CheckpointHooks
+
+    gathered, saving = [], [False]
+    real_to_full, real_state = view.to_full, CheckpointHooks.lightning_module_state_dict
+
+    def to_full(tensor, *args, **kwargs):
+        out = real_to_full(tensor, *args, **kwargs)
+        if saving[0]:
+            gathered.append(out.numel())
+        return out
+
+    def state(self):
+        saving[0] = True
+        try:
+            return real_state(self)
+        finally:
+            saving[0] = False
+
+    view.to_full, CheckpointHooks.lightning_module_state_dict = to_full, state
+    result = fit_gpt(rank, run)
+    return {"gathered": sum(gathered), "initial_state": result["initial_state"]}
+
+
+def test_an_adapter_checkpoint_never_gathers_the_frozen_base(tmp_path):
+    """dp2 ZeRO-3 (every weight sharded), a consolidated save: the values gathered for the
+    checkpoint are the adapters', not the whole model's that the module then drops. Catches:
+    the strategy assembling the full base on every save (a full model's bytes at each
+    checkpoint, on a model whose point is not to hold them)."""
+    run = lora_run(
+        {"data": 2, "zero_stage": 3},
+        devices=2,
+        steps=2,
+        save_to=str(tmp_path / "lora.ckpt"),
+        save_every_n_steps=2,
+    )
+    world = run_world(_gathered_by_the_save, 2, run)
+    initial = world[0]["initial_state"]
+    adapters = sum(v.numel() for k, v in initial.items() if is_adapter_name(k))
+    assert adapters > 0 and all(rank["gathered"] == adapters for rank in world), (
+        [rank["gathered"] for rank in world],
+        adapters,
+        sum(v.numel() for v in initial.values()),
+    )
+
+
 @pytest.fixture(scope="module")
 def directory_reference(tmp_path_factory):
     """A tiny Qwen2 directory (tied embedding and head) and one process running LoRA on it, the

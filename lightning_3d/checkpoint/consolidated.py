@@ -19,7 +19,7 @@ parameter names before the split) — which is how a group built from ``self.par
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,18 +37,22 @@ from lightning_3d.parallel.zero import ZeroDataParallel
 
 # ---------------------------------------------------------------------------------- model
 def full_model_state(
-    module: nn.Module, pp_group: Any = None, names: Optional[list[str]] = None
+    module: nn.Module,
+    pp_group: Any = None,
+    names: Optional[list[str]] = None,
+    keep: Optional[Callable[[str], bool]] = None,
 ) -> dict[str, Tensor]:
     """``module.state_dict()`` at full size on CPU (``names``: its keys in one process, for a
-    pipeline stage that holds only some). A collective: call on every rank."""
-    full = full_state_dict(module, pp_group=pp_group)
+    pipeline stage that holds only some; ``keep(name)``: only those are gathered and returned).
+    A collective: call on every rank."""
+    full = full_state_dict(module, pp_group=pp_group, keep=keep)
     # state_dict() lists a tied weight under each of its names; full_state_dict once.
     aliases = tied_aliases(module)
     full.update({alias: full[name] for alias, name in aliases.items() if name in full})
     return {
         name: full[name]
         for name in (names if names is not None else module.state_dict())
-        if name in full
+        if name in full and (keep is None or keep(name))
     }
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,13 +60,15 @@ def _param_pieces(param: Tensor, flat: Tensor, start: int, stop: int, base: int)
 
 
 # ------------------------------------------------------------------------------ save
-def model_state(module: nn.Module) -> dict[str, Any]:
+def model_state(module: nn.Module, keep: Optional[Callable[[str], bool]] = None) -> dict[str, Any]:
     """``module.state_dict()`` ready for DCP: DTensors and plain tensors as they are (no copy),
-    fused tensor-parallel projections whole. A collective only when fused projections exist."""
+    fused tensor-parallel projections whole; ``keep(name)``: only those. A collective only when
+    fused projections exist."""
     fused = StateView(module).fused_by_name()
     return {
         name: to_full(value, fused[name]) if fused.get(name) else value
         for name, value in module.state_dict().items()
+        if keep is None or keep(name)
     }
 
 

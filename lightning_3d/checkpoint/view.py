@@ -21,7 +21,7 @@ param groups (:func:`optimizer_params`), kept in the ZeRO engine's slices when
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -140,19 +140,25 @@ def state_in_slices(engine: Optional[ZeroDataParallel]) -> bool:
 
 # ------------------------------------------------------------------------------ the whole model
 def full_state_dict(
-    module: nn.Module, to_cpu: bool = True, pp_group: Any = None
+    module: nn.Module,
+    to_cpu: bool = True,
+    pp_group: Any = None,
+    keep: Optional[Callable[[str], bool]] = None,
 ) -> dict[str, Tensor]:
     """Every parameter and buffer at full size, keyed by its one-process name.
 
     A collective when the module holds ``DTensor`` s (ZeRO-3, tensor parallel): call it on every
     rank. Parameters that are views of ZeRO flat buffers are cloned out of them. With
     ``pp_group`` (pipeline stages, each holding other parameters) the stages' dicts are merged.
+    ``keep(name)``: only those tensors are gathered (a checkpoint of LoRA adapters never
+    assembles the frozen base).
     """
     fused, aliases = fused_rows(module), tied_aliases(module)
     # A tied weight under its one-process name, whichever of its modules this stage holds.
     state = {
         aliases.get(name, name): to_full(tensor, fused.get(id(tensor)), to_cpu)
         for name, tensor in [*module.named_parameters(), *module.named_buffers()]
+        if keep is None or keep(aliases.get(name, name))
     }
     if pp_group is not None:
         parts: list[Any] = [None] * dist.get_world_size(pp_group)

@@ -23,7 +23,7 @@ end up, each rank its own slices (:mod:`lightning_3d.models.hf_load`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
 import lightning.pytorch as pl
@@ -234,6 +234,16 @@ class HFCausalLM(pl.LightningModule):
         self.save_hyperparameters(ignore=["model"])
         self.val_loss = torchmetrics.MeanMetric()
         self.test_loss = torchmetrics.MeanMetric()
+
+    @property
+    def keeps_in_checkpoint(self) -> Optional[Callable[[str], bool]]:
+        """Which tensors a checkpoint holds (``None``: all): with an adapter, the adapters only;
+        ``ThreeDStrategy`` then never gathers the frozen base to save it."""
+        if not self.adapter.enabled:
+            return None
+        from lightning_3d.adapters import is_adapter_name
+
+        return is_adapter_name
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The full config travels with every checkpoint: export-hf rebuilds the model from it.

@@ -52,10 +52,12 @@ class CheckpointHooks:
         return True  # load into the parallelized model and the sharded optimizer
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        # A module may save only part of itself (LoRA: the adapters): the rest is never gathered.
+        keep = getattr(self.lightning_module, "keeps_in_checkpoint", None)
         if self.checkpoint_format == "sharded":
-            return sharded.model_state(self.lightning_module)
+            return sharded.model_state(self.lightning_module, keep)
         recipe = self.parallelized
-        return full_model_state(self.lightning_module, recipe.pp_group, recipe.full_names)
+        return full_model_state(self.lightning_module, recipe.pp_group, recipe.full_names, keep)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         raw = getattr(optimizer, "_optimizer", optimizer)
