@@ -307,20 +307,37 @@ def test_the_forward_alone_counts_what_a_backward_would_free(policy):
     )
 
 
-def test_a_block_that_cannot_run_alone_leaves_its_sequence_parallel_layouts_unmeasured():
-    """A Hugging Face Llama block on meta (its rotary embedding's buffers have no data) cannot be
-    measured in the sequence-parallel fake world: the planner still plans, and refuses those
-    layouts as not measured instead of failing (it raised NotImplementedError)."""
+def test_a_block_that_cannot_run_alone_leaves_its_sequence_parallel_layouts_unmeasured(
+    monkeypatch,
+):
+    """A block whose forward fails on its own (here: the model's block forward made to raise, as
+    a family whose layers need inputs the meter cannot give) cannot be measured in the
+    sequence-parallel fake world: the planner still plans, and refuses those layouts as not
+    measured instead of failing (it raised NotImplementedError). The same Llama block, run in
+    its model's place, is measured in every case."""
     pytest.importorskip("transformers")
+    import dataclasses
+
     from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.planner.search import plan_candidates
 
     with torch.device("meta"):
         module = HFCausalLM(config=tiny_hf_config("llama"))
-    facts, cands = plan_candidates(
-        module, Cluster(nodes=1, devices_per_node=2), PlannerOptions(offloads=("none",), seq_len=16)
+    cluster, options = (
+        Cluster(nodes=1, devices_per_node=2),
+        PlannerOptions(offloads=("none",), seq_len=16),
     )
+    facts, _ = plan_candidates(module, cluster, options)
+    assert all(fit.source == "measured" for fit in facts.activations.values())
+    assert any(len(key) > 2 for key in facts.activations)  # sequence parallelism measured
+
+    def fails(block, x):
+        raise NotImplementedError("this block needs inputs the meter cannot give")
+
+    spec = dataclasses.replace(module.pipeline_spec(), block_forward=fails)
+    monkeypatch.setattr(module, "pipeline_spec", lambda: spec)
+    facts, cands = plan_candidates(module, cluster, options)
     assert not any(len(key) > 2 for key in facts.activations)  # no sequence-parallel fit
     sp = [c for c in cands if c.choice.sequence_parallel]
     assert sp and all(c.kind == "activations not measured" for c in sp)

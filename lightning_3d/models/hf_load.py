@@ -210,6 +210,15 @@ def build_on_meta(transformers: Any, config: Any, attn_implementation: Optional[
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
         model.tie_weights()  # from_config leaves a tied head its own tensor on meta
+    compute_buffers(model)
+    return model
+
+
+def compute_buffers(model: nn.Module) -> int:
+    """Give the buffers ``model`` (a ``transformers`` model) computes at construction and does
+    not store (rotary frequencies, embedding scales) their values on the CPU where they are on
+    ``meta``, by ``transformers``' own init of each module holding one; returns how many."""
+    done = 0
     with torch.device("cpu"):  # also inside a caller's meta context (the launcher's checks)
         for module in model.modules():
             computed = [
@@ -221,4 +230,5 @@ def build_on_meta(transformers: Any, config: Any, attn_implementation: Optional[
                 module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
             if computed:
                 model._init_weights(module)
-    return model
+            done += len(computed)
+    return done

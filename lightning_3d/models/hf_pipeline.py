@@ -320,19 +320,59 @@ def run_one_block(
     outer: nn.Module, layers_name: str, block: nn.Module, x: torch.Tensor
 ) -> torch.Tensor:
     """``block`` on ``x`` with the inputs the model gives its layers (for the planner, which
-    measures one block's activations): a one-block stage at ``block``'s index."""
+    measures one block's activations): a one-block stage at ``block``'s index. A block that is
+    not one of the layers (the planner's copy, at a tensor rank's local shapes) runs in the first
+    layer's place for the call."""
+    from lightning_3d.models.hf_load import compute_buffers
+
+    compute_buffers(outer)  # a model built on meta: its rotary frequencies, computed
     layers = outer.get_submodule(layers_name)
-    index = next(int(k) for k, m in layers._modules.items() if m is block)
+    index = next((int(k) for k, m in layers._modules.items() if m is block), None)
+    replaced = None
+    if index is None:
+        index, replaced = 0, layers._modules["0"]
+        layers._modules["0"] = block
     probe = types.SimpleNamespace(_l3d_received=x)
     handle = _hand_input(probe, block)
+    stop = index + 1 if index + 1 < len(layers) else -1
     try:
-        with _only(layers, range(index, index + 1), index + 1 if index + 1 < len(layers) else -1):
+        with _only(layers, range(index, index + 1), stop), _zero_embeddings(outer, x):
             out = _base_model(outer)(inputs_embeds=torch.zeros_like(x), use_cache=False)
     except _StageOutput as done:
         return done.hidden
     finally:
         handle.remove()
+        if replaced is not None:
+            layers._modules["0"] = replaced
     return out.last_hidden_state  # the model's last block: its final norm ran too
+
+
+@contextmanager
+def _zero_embeddings(outer: nn.Module, x: torch.Tensor) -> Iterator[None]:
+    """Embeddings still on ``meta`` (learned positions, GPT-2's ``wpe``) give zeros on ``x``'s
+    device for the duration: what the layers receive is replaced by ``x`` anyway, and a meta
+    output cannot meet a real one."""
+
+    class Zeros(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.width = width
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return x.new_zeros(*ids.shape, self.width)
+
+    swapped = []
+    for name, module in list(outer.named_modules()):
+        if isinstance(module, nn.Embedding) and module.weight.is_meta and "." in name:
+            parent, _, leaf = name.rpartition(".")
+            owner = outer.get_submodule(parent)
+            owner._modules[leaf] = Zeros(module.embedding_dim)
+            swapped.append((owner, leaf, module))
+    try:
+        yield
+    finally:
+        for owner, leaf, module in swapped:
+            owner._modules[leaf] = module
 
 
 def stages_in_one_process(module: Any, pipeline: int, virtual: int = 1) -> list[Any]:

@@ -35,7 +35,7 @@ def plan(cfg: DictConfig) -> int:
     from lightning_3d.app.config import check_target_keys
     from lightning_3d.app.run import model_on_meta
     from lightning_3d.planner import Cluster
-    from lightning_3d.planner.search import plan_candidates
+    from lightning_3d.planner.search import divisors, plan_candidates
     from lightning_3d.planner.table import (
         method_summary,
         nothing_fits,
@@ -61,6 +61,14 @@ def plan(cfg: DictConfig) -> int:
         )
         sizes = layout_pins(cfg.get("layout"))
         tps = [sizes["tensor"]] if "tensor" in sizes else None
+        measured = len(options.adapters) * (
+            len(tps) if tps else len(divisors(cluster.devices_per_node))
+        )
+        print(  # one block per method and tensor size, at the model's width: minutes at 8 B
+            f"measuring one block's activations ({measured} block copies: "
+            f"{len(options.adapters)} method(s) x tensor sizes) ...",
+            flush=True,
+        )
         facts, candidates = plan_candidates(module, cluster, options, tp_sizes=tps, name=name)
         candidates = [
             c for c in candidates if all(getattr(c.choice, k) == v for k, v in sizes.items())

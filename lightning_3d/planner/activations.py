@@ -99,6 +99,22 @@ def _materialize(block: nn.Module, dtype: torch.dtype) -> nn.Module:
     return block
 
 
+def _adapted(block: nn.Module, adapter: Any) -> nn.Module:
+    """``block`` (materialised) with ``adapter``'s LoRA layers on every linear projection; under
+    QLoRA its projections' weights in NF4 (``ValueError`` where NF4 cannot hold them)."""
+    from lightning_3d.adapters import adapted_modules
+    from lightning_3d.adapters.options import require_peft
+
+    require_peft().inject_adapter_in_model(adapter.lora_config(), block)
+    dtype = next(p.dtype for p in block.parameters() if p.is_floating_point())
+    block.to(dtype)  # the adapters in the block's activation dtype, as the runs compute them
+    if adapter.method == "qlora":
+        from lightning_3d.adapters.qlora import quantize_base
+
+        quantize_base(block, adapted_modules(block))
+    return block
+
+
 def _measure(
     block: nn.Module, forward: Callable, d_model: int, seq: int, policy: str, backward: bool = False
 ) -> int:
@@ -143,8 +159,12 @@ def measure_activations(
     act_bytes: int,
     policies: Sequence[str],
     tp_sizes: Sequence[int],
+    adapter: Any = None,
 ) -> dict[tuple[str, int], ActivationFit]:
-    """(policy, tp) -> :class:`ActivationFit` for the block ``entry = (name, meta block)``."""
+    """(policy, tp) -> :class:`ActivationFit` for the block ``entry = (name, meta block)``;
+    ``adapter`` (:class:`~lightning_3d.adapters.AdapterOptions`): with its adapters put into the
+    block first, at the tensor rank's local shapes (split beside their bases as the project
+    splits them), QLoRA's bases in NF4."""
     name, block = entry
     dtype = torch.float32 if act_bytes == 4 else torch.bfloat16
     call = forward or (lambda b, x: b(x))
@@ -154,6 +174,8 @@ def measure_activations(
     for tp in sorted(tp_sizes):
         local = local_block(block, name, split, columns, tp)
         real = _materialize(local, dtype) if local is not None else None  # once per tensor size
+        if real is not None and adapter is not None:
+            real = _adapted(real, adapter)
         for policy in policies:
             base = out.get((policy, 1))
             if real is not None:

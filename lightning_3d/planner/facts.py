@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Optional
 
 from torch import nn
 
@@ -169,8 +169,14 @@ class ModelFacts:
     def bytes(self) -> tuple[int, int, int, int]:
         return PRECISIONS[self.precision]
 
-    def activation(self, policy: str, tp: int, sequence_parallel: bool = False) -> ActivationFit:
-        """The fit for ``policy`` at tensor size ``tp`` (with sequence parallelism: key ``(policy, tp, "sp")``)."""
+    def activation(
+        self, policy: str, tp: int, sequence_parallel: bool = False, method: str = "none"
+    ) -> ActivationFit:
+        """The fit for ``policy`` at tensor size ``tp`` (with sequence parallelism: key
+        ``(policy, tp, "sp")``); ``method``: the fine-tune method's own where it was measured
+        (:meth:`measured_method`), else the full model's."""
+        if self.measured_method(policy, tp, sequence_parallel, method):
+            return self.activations[(policy, tp, method)]
         key = (policy, tp, "sp") if sequence_parallel else (policy, tp)
         try:
             return self.activations[key]
@@ -180,6 +186,13 @@ class ModelFacts:
                 f"no activation measurement for policy={policy!r}, tensor={tp}"
                 f"{', sequence_parallel' if sequence_parallel else ''}; have {have}"
             ) from None
+
+    def measured_method(self, policy: str, tp: int, sequence_parallel: bool, method: str) -> bool:
+        """Whether the block was measured with ``method``'s adapters (never with sequence
+        parallelism, which adapters cannot take)."""
+        return (
+            method != "none" and not sequence_parallel and (policy, tp, method) in self.activations
+        )
 
 
 def _sizes(module: nn.Module) -> dict[str, Optional[int]]:
@@ -263,11 +276,16 @@ def model_facts(
     tp_sizes: Sequence[int] = (1,),
     name: str = "model",
     sequence_parallel: bool = False,
+    methods: Sequence[str] = ("none",),
+    lora_r: int = 8,
 ) -> ModelFacts:
     """The facts of ``module`` (built on ``meta``) at ``seq_len`` tokens per sample, with
     activations measured for each policy and each tensor size in ``tp_sizes`` that divides the
     model; ``sequence_parallel``: also with sequence parallelism at each tensor size above 1, where
-    it can be measured (:func:`sequence_parallel_activations`). ``ValueError`` for a module the
+    it can be measured (:func:`sequence_parallel_activations`); each fine-tune method of
+    ``methods`` other than ``"none"`` (``lora``, ``qlora``: adapters of rank ``lora_r`` on every
+    projection) measured too, with its adapters in the block (key ``(policy, tp, method)``; a
+    method the block cannot take is left to the formula). ``ValueError`` for a module the
     planner cannot read (no transformer blocks, no width)."""
     check_precision(precision)
     spec = module.pipeline_spec() if callable(getattr(module, "pipeline_spec", None)) else None
@@ -311,8 +329,7 @@ def model_facts(
     vocab = sizes["vocab_size"] or 0
     tps = sorted({t for t in tp_sizes if n_head % t == 0})
     forward = getattr(spec, "block_forward", None) if spec is not None else None
-    activations = measure_activations(
-        blocks[0],
+    measure = dict(
         forward=forward,
         split=set(split),
         columns=columns,
@@ -323,6 +340,9 @@ def model_facts(
         policies=policies,
         tp_sizes=tps,
     )
+    activations = measure_activations(blocks[0], **measure)
+    for method in (m for m in dict.fromkeys(methods) if m != "none"):
+        activations.update(_method_activations(method, lora_r, blocks[0], **measure))
     if sequence_parallel:
         activations.update(
             sequence_parallel_activations(
@@ -352,6 +372,23 @@ def model_facts(
         activations=activations,
         pipeline_ready=spec is not None,
     )
+
+
+def _method_activations(method: str, lora_r: int, block: Any, **measure: Any) -> dict:
+    """``(policy, tp, method)`` -> fit, measured with the method's adapters in the block; none
+    where the measurement fails (peft missing, an NF4 base it cannot hold, a block that does not
+    run alone): the planner then adds the adapters' formula to the full model's."""
+    from lightning_3d.adapters import AdapterOptions
+
+    try:
+        fits = measure_activations(
+            block, adapter=AdapterOptions(method=method, r=lora_r), **measure
+        )
+    except (ImportError, ValueError):
+        return {}
+    return {
+        (policy, tp, method): fit for (policy, tp), fit in fits.items() if fit.source == "measured"
+    }
 
 
 def sequence_parallel_activations(
@@ -418,7 +455,7 @@ def _width(block: nn.Module) -> Optional[int]:
 def facts_summary(facts: ModelFacts) -> str:
     """One paragraph: sizes and the measured activation bytes per block per sample."""
     acts = ", ".join(
-        f"{key[0]}/tp{key[1]}{'/sp' if len(key) > 2 else ''}: "
+        f"{key[0]}/tp{key[1]}{''.join('/' + str(extra) for extra in key[2:])}: "
         f"{fit.bytes_per_sample(facts.seq_len) / 2**20:.2f} MiB ({fit.source})"
         for key, fit in sorted(facts.activations.items(), key=lambda kv: (len(kv[0]), kv[0]))
     )

@@ -176,24 +176,28 @@ def activation_bytes(
     does not checkpoint whole."""
     seq = facts.seq_len
     mb = choice.micro_batch_size
-    fit = facts.activation(choice.ac_policy, choice.tensor, choice.sequence_parallel)
-    extra = adapter_activation_bytes(choice.adapter, facts.blocks[0], lora_r, seq, facts.bytes[3])
+    policy, tp, sp, method = (
+        choice.ac_policy,
+        choice.tensor,
+        choice.sequence_parallel,
+        choice.adapter,
+    )
+    fit = facts.activation(policy, tp, sp, method)
+    metered = facts.measured_method(policy, tp, sp, method)  # the adapters' bytes are in the fit
+    extra = (
+        0.0
+        if metered
+        else adapter_activation_bytes(method, facts.blocks[0], lora_r, seq, facts.bytes[3])
+    )
     per_block = (fit.bytes_per_sample(seq) + (extra if choice.ac_policy != "full" else 0)) * mb
     m, p, v = choice.micro_batches, choice.pipeline, choice.virtual_stages
     chunks = in_flight_chunks(choice.schedule, p, m, stage, v)
     total = per_block * blocks / v * chunks
     if choice.ac_policy != "none" and blocks:  # one block recomputed at a time in backward
-        total += max(
-            0.0,
-            (
-                facts.activation("none", choice.tensor, choice.sequence_parallel).bytes_per_sample(
-                    seq
-                )
-                + extra
-            )
-            * mb
-            - per_block,
-        )
+        whole = facts.activation("none", tp, sp, method).bytes_per_sample(seq)
+        if not facts.measured_method("none", tp, sp, method):
+            whole += adapter_activation_bytes(method, facts.blocks[0], lora_r, seq, facts.bytes[3])
+        total += max(0.0, whole * mb - per_block)
     if stage == p - 1:
         act = facts.bytes[3]
         head = seq * (facts.vocab_size / choice.tensor * (act + 4) + facts.d_model * act) * mb

@@ -280,6 +280,8 @@ def plan_candidates(
         name=name,
         policies=tuple(dict.fromkeys(("none", *options.ac_policies))),
         sequence_parallel=options.sequence_parallel,
+        methods=options.adapters,
+        lora_r=options.lora_r,
     )
     return facts, plan_layouts(facts, cluster, options, check=functools.partial(check, module))
 
