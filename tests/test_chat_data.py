@@ -380,12 +380,17 @@ def test_launcher_checks_records_and_refuses_packing_under_pipeline(files, tmp_p
         validate(_compose([*base[:3], f"data.path={bad}", *base[4:]]))
 
 
-def test_finetune_app_trains_on_chat(files):
-    """examples/finetune.py model=hf data=chat: 3 steps in one process, finite losses."""
+@pytest.mark.parametrize("adapter", ["none", "lora"])
+def test_finetune_app_trains_on_chat(files, adapter):
+    """examples/finetune.py model=hf data=chat [adapter=lora]: 3 steps in one process, finite
+    losses; with LoRA, the run's checkpoint exports (``python -m lightning_3d.adapters``) to a
+    directory ``peft`` loads on the model directory with the trained module's logits. Catches:
+    the app dropping the adapter group, a checkpoint the export cannot read."""
     from lightning_3d.harness.apps import start_app, wait_all
 
-    out = files["root"] / "run"
+    out = files["root"] / f"run-{adapter}"
     args = [
+        f"adapter={adapter}",
         "model=hf",
         f"model.path={files['model']}",
         "data=chat",
@@ -408,3 +413,30 @@ def test_finetune_app_trains_on_chat(files):
     assert summary["steps"] == 3 and all(math.isfinite(x) for x in summary["losses"]), summary[
         "losses"
     ]
+    if adapter == "lora":
+        _peft_loads_the_runs_adapters(files["model"], out / "final.ckpt", out / "peft")
+
+
+def _peft_loads_the_runs_adapters(model_dir: Path, ckpt: Path, peft_dir: Path) -> None:
+    import peft
+    import transformers
+
+    from lightning_3d.adapters import is_adapter_name
+    from lightning_3d.adapters.__main__ import main
+    from lightning_3d.models.hf import HFCausalLM
+
+    saved = torch.load(ckpt, map_location="cpu", weights_only=False)
+    assert saved["adapter"]["method"] == "lora"
+    assert saved["state_dict"] and all(is_adapter_name(k) for k in saved["state_dict"])
+    assert main([str(ckpt), str(peft_dir)]) == 0
+    trained = HFCausalLM(path=str(model_dir), adapter=saved["adapter"])
+    trained.load_weights()
+    trained.load_state_dict(saved["state_dict"], strict=False)
+    ids = torch.randint(3, 20, (2, 12))
+    with torch.no_grad():
+        want = trained.eval()(ids)
+        base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+        plain = base(input_ids=ids).logits
+        got = peft.PeftModel.from_pretrained(base, str(peft_dir)).eval()(input_ids=ids).logits
+    assert (want - plain).abs().max() > 0  # the adapters trained
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
