@@ -40,7 +40,11 @@ def apply_adapter(model: nn.Module, options: AdapterOptions) -> list[str]:
         from lightning_3d.adapters.deferred import defer_adapters
 
         defer_adapters(model, adapted_modules(model))
-    if options.method == "qlora":
+    if options.method == "qlora" and options.quantization == "bitsandbytes":
+        from lightning_3d.adapters.qlora_bnb import quantize_base_bnb
+
+        quantize_base_bnb(model, adapted_modules(model))
+    elif options.method == "qlora":
         from lightning_3d.adapters.qlora import quantize_base
 
         quantize_base(model, adapted_modules(model))

@@ -4,6 +4,9 @@
 low-rank adapters) or ``"qlora"`` (LoRA over a base stored in NF4). ``r``, ``lora_alpha``,
 ``lora_dropout`` and ``target_modules`` mean what they mean in ``peft.LoraConfig``; the default
 ``target_modules="all-linear"`` is peft's "every linear projection except the output head".
+``quantization`` says who stores QLoRA's NF4 base: ``"torchao"`` (``NF4Tensor``; every layout
+but tensor parallelism) or ``"bitsandbytes"`` (``Linear4bit``, its CUDA kernels where a user has
+a GPU, its CPU ones otherwise; no tensor parallelism, no ZeRO-3).
 
 Example::
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 METHODS = ("none", "lora", "qlora")
+QUANTIZATIONS = ("torchao", "bitsandbytes")  # who stores QLoRA's NF4 base
 ALL_LINEAR = "all-linear"  # peft's name for every Linear / Conv1D but the output head
 
 
@@ -30,6 +34,7 @@ class AdapterOptions:
     lora_alpha: float = 16  # the update is B @ A scaled by lora_alpha / r
     lora_dropout: float = 0.0  # dropout on the adapter's input (the base path sees none)
     target_modules: Union[str, Sequence[str]] = ALL_LINEAR  # module names or name suffixes
+    quantization: str = "torchao"  # QLoRA's NF4 base: torchao's NF4Tensor or bitsandbytes' 4-bit
 
     @property
     def enabled(self) -> bool:
@@ -75,6 +80,13 @@ class AdapterOptions:
             out.append(f"adapter lora_alpha={self.lora_alpha!r} must be a positive number")
         if not (_number(self.lora_dropout) and 0 <= self.lora_dropout < 1):
             out.append(f"adapter lora_dropout={self.lora_dropout!r} must be in [0, 1)")
+        if self.quantization not in QUANTIZATIONS:
+            out.append(f"adapter quantization={self.quantization!r} must be one of {QUANTIZATIONS}")
+        elif self.quantization != "torchao" and self.method != "qlora":
+            out.append(
+                f"adapter quantization={self.quantization!r} applies to method='qlora' only "
+                f"(got method={self.method!r})"
+            )
         targets = self.target_modules
         if isinstance(targets, str):
             if not targets:

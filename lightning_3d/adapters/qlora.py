@@ -71,6 +71,11 @@ def check_qlora_plan(module: nn.Module, plan: Any, data: Any = None) -> None:
     and under ZeRO-3 over ``data`` ranks (``plan.layout.data`` when not given) an NF4 weight
     whose second-level scales do not split evenly over them (torchao shards each of its parts
     in ``data`` equal chunks: a weight must hold a multiple of ``data`` × 16384 values)."""
+    from lightning_3d.adapters.qlora_bnb import has_bnb_4bit
+
+    if has_bnb_4bit(module):
+        refuse_qlora_plan(plan, "bitsandbytes")
+        return
     if not has_nf4(module):
         return
     refuse_qlora_plan(plan)
@@ -92,21 +97,29 @@ def check_qlora_plan(module: nn.Module, plan: Any, data: Any = None) -> None:
         )
 
 
-def refuse_qlora_plan(plan: Any) -> None:
+def refuse_qlora_plan(plan: Any, quantization: str = "torchao") -> None:
     """``ValueError`` naming the options a QLoRA model cannot run ``plan`` with: tensor
-    parallelism (an ``NF4Tensor`` does not split into DTensor shards) or ZeRO-3 parameters
-    offloaded to CPU (FSDP2's offload re-wraps each shard as a plain parameter; torchao 0.18's
-    NF4 breaks there). The planner asks this of every QLoRA layout before the model exists."""
+    parallelism (an NF4 base does not split into DTensor shards), ZeRO-3 parameters offloaded to
+    CPU (FSDP2's offload re-wraps each shard as a plain parameter; torchao 0.18's NF4 breaks
+    there) and, with ``quantization="bitsandbytes"``, ZeRO-3 at all (its ``Params4bit`` keeps
+    the scales outside the parameter FSDP2 would shard). The planner asks this of every QLoRA
+    layout before the model exists."""
     layout, problems = plan.layout, []
     if layout.tensor > 1:
         problems.append(
             f"tensor={layout.tensor}: the NF4 base weights do not split into DTensor "
             "shards (use data or pipeline parallelism, or adapter method='lora')"
         )
-    if layout.zero_stage == 3 and plan.offload.params:
+    if layout.zero_stage == 3 and quantization == "bitsandbytes":
+        problems.append(
+            "zero_stage=3: bitsandbytes' 4-bit weights keep their scales beside the "
+            "parameter, which FSDP2 cannot shard (ZeRO 0-2, or quantization='torchao')"
+        )
+    elif layout.zero_stage == 3 and plan.offload.params:
         problems.append(
             "zero_stage=3 with offload_params=True: FSDP2's CPU offload cannot move "
             "NF4 shards (offload the optimizer state only: offload_params=False)"
         )
     if problems:
-        raise ValueError("adapter method='qlora' cannot run with " + "; ".join(problems))
+        backend = "" if quantization == "torchao" else f" ({quantization})"
+        raise ValueError(f"adapter method='qlora'{backend} cannot run with " + "; ".join(problems))

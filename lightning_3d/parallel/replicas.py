@@ -56,7 +56,8 @@ def broadcast_start(
             continue
         src = dist.get_global_rank(group, 0)
         for t in tensors:
-            for part in plain_parts(t.data):  # an NF4Tensor's codes and scales
+            # an NF4Tensor's codes and scales; bitsandbytes' 4-bit codes and quant_state
+            for part in plain_parts(t if hasattr(t, "quant_state") else t.data):
                 dist.broadcast(part, src=src, group=group)
 
 

@@ -300,10 +300,16 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors that hold ``t``'s values: ``t`` itself, or each inner tensor of a
-    wrapper subclass (a DTensor's local shard; torchao's ``NF4Tensor``: codes and scales)."""
+    wrapper subclass (a DTensor's local shard; torchao's ``NF4Tensor``: codes and scales), or
+    bitsandbytes' 4-bit codes and the scales of its ``quant_state``."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     t = local_tensor(t)
+    state = getattr(t, "quant_state", None)  # bitsandbytes' Params4bit: codes, then the scales
+    if state is not None:
+        nested = getattr(state, "state2", None)
+        scales = [state.absmax, *([nested.absmax, state.offset] if nested is not None else [])]
+        return [t.data, *(s for s in scales if isinstance(s, torch.Tensor))]
     if not is_traceable_wrapper_subclass(t):
         return [t]
     inner = [getattr(t, name) for name in t.__tensor_flatten__()[0]]
