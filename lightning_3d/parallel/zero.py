@@ -25,7 +25,7 @@ tp-replicated parameters, so each slice can say which it is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -57,6 +57,10 @@ class _Bucket:
     work: Optional[dist.Work] = None
     reduced: Optional[Tensor] = None  # reduce-scatter output, waiting for ``work``
     received: Optional[Tensor] = None  # gloo: every rank's part of this rank's slice, to be summed
+    # Stages 0-1: for each plain (non-DTensor) parameter, its gradient's place in ``grad``, made
+    # once. Set as ``p.grad`` before backward, autograd accumulates straight into the bucket
+    # (as DDP's gradient_as_bucket_view): no copy, slice or view per parameter and step.
+    views: list[Optional[Tensor]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -208,6 +212,12 @@ class ZeroDataParallel:
         bucket = _Bucket(params=params, offsets=offsets, flat=flat, shard_numel=padded // self.size)
         if self.stage <= 1:
             bucket.grad = torch.zeros_like(flat)
+            bucket.views = [
+                None
+                if isinstance(p, DTensor)
+                else bucket.grad[offset : offset + p.numel()].view_as(p)
+                for p, offset in zip(params, offsets)
+            ]
         else:
             bucket.shard_grad = torch.zeros(
                 bucket.shard_numel, dtype=flat.dtype, device=flat.device
@@ -248,8 +258,11 @@ class ZeroDataParallel:
         self._early = early
         for bucket in self.buckets:
             bucket.ready = 0
-            for p in bucket.params:
-                p.grad = None  # the hook adds autograd's fresh gradient into our buffer
+            views = bucket.views or [None] * len(bucket.params)
+            for p, view in zip(bucket.params, views):
+                # Autograd accumulates into the view in place; without one, the hook adds
+                # autograd's fresh gradient into our buffer.
+                p.grad = view
 
     def _grad_hook(self, bucket: _Bucket, index: int):
         def hook(p: nn.Parameter) -> None:
@@ -261,7 +274,11 @@ class ZeroDataParallel:
         return hook
 
     def _consume(self, bucket: _Bucket, index: int, p: nn.Parameter) -> None:
-        """Add ``p.grad`` into the bucket and free it."""
+        """Add ``p.grad`` into the bucket and free it (nothing to do where autograd accumulated
+        into the bucket's view itself)."""
+        view = bucket.views[index] if bucket.views else None
+        if view is not None and p.grad is view:
+            return
         if self.stage <= 1:
             target = bucket.grad
         else:
@@ -273,7 +290,7 @@ class ZeroDataParallel:
             grad = grad.redistribute(p.device_mesh, p.placements).to_local()
         offset = bucket.offsets[index]
         target[offset : offset + grad.numel()].add_(grad.reshape(-1))
-        p.grad = None  # the bucket holds it now; free autograd's copy
+        p.grad = view  # the bucket holds it now; free autograd's copy
 
     def _launch(self, bucket: _Bucket) -> None:
         # Collectives must start in the same order on every rank; buckets fill in backward order,
@@ -326,9 +343,16 @@ class ZeroDataParallel:
                 bucket.staging = None
             bucket.reduced = None
             if self.stage == 0:  # the optimizer steps the parameters: give them the reduced grads
-                for p, offset in zip(bucket.params, bucket.offsets):
-                    p.grad = _like(p, bucket.grad[offset : offset + _local(p).numel()])
+                for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
+                    view = bucket.views[i]
+                    p.grad = (
+                        view
+                        if view is not None
+                        else _like(p, bucket.grad[offset : offset + _local(p).numel()])
+                    )
             else:
+                for p in bucket.params:  # the optimizer steps the slice, which holds them
+                    p.grad = None
                 own = self._own(bucket.grad, bucket) if self.stage == 1 else bucket.shard_grad
                 bucket.slice.grad = self.slice_dtensor(own, bucket.params[0])
 
