@@ -58,9 +58,12 @@ class _Bucket:
     reduced: Optional[Tensor] = None  # reduce-scatter output, waiting for ``work``
     received: Optional[Tensor] = None  # gloo: every rank's part of this rank's slice, to be summed
     # Stages 0-1: for each plain (non-DTensor) parameter, its gradient's place in ``grad``, made
-    # once. Set as ``p.grad`` before backward, autograd accumulates straight into the bucket
-    # (as DDP's gradient_as_bucket_view): no copy, slice or view per parameter and step.
+    # once: no slice or view per parameter and step.
     views: list[Optional[Tensor]] = field(default_factory=list)
+    # Which parameters' gradients this step has put into the buffer. The first one of a step is
+    # copied in (as DDP does), later ones added: the buffer is never zeroed as a whole, only
+    # the places of parameters that got no gradient, before it is reduced.
+    written: list[bool] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,7 @@ class ZeroDataParallel:
         # Identical start on every rank, whatever the seeding: data-parallel rank 0 wins.
         dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
         bucket = _Bucket(params=params, offsets=offsets, flat=flat, shard_numel=padded // self.size)
+        bucket.written = [False] * len(params)
         if self.stage <= 1:
             bucket.grad = torch.zeros_like(flat)
             bucket.views = [
@@ -258,11 +262,8 @@ class ZeroDataParallel:
         self._early = early
         for bucket in self.buckets:
             bucket.ready = 0
-            views = bucket.views or [None] * len(bucket.params)
-            for p, view in zip(bucket.params, views):
-                # Autograd accumulates into the view in place; without one, the hook adds
-                # autograd's fresh gradient into our buffer.
-                p.grad = view
+            for p in bucket.params:
+                p.grad = None  # the hook copies (or adds) autograd's fresh gradient into our buffer
 
     def _grad_hook(self, bucket: _Bucket, index: int):
         def hook(p: nn.Parameter) -> None:
@@ -274,30 +275,46 @@ class ZeroDataParallel:
         return hook
 
     def _consume(self, bucket: _Bucket, index: int, p: nn.Parameter) -> None:
-        """Add ``p.grad`` into the bucket and free it (nothing to do where autograd accumulated
-        into the bucket's view itself)."""
-        view = bucket.views[index] if bucket.views else None
-        if view is not None and p.grad is view:
-            return
-        if self.stage <= 1:
-            target = bucket.grad
-        else:
-            if bucket.staging is None:
-                bucket.staging = torch.zeros_like(bucket.flat)
-            target = bucket.staging
+        """Copy (first of the step) or add ``p.grad`` into the bucket, and free it."""
         grad = p.grad
         if isinstance(grad, DTensor):  # e.g. a partial sum under sequence parallelism
             grad = grad.redistribute(p.device_mesh, p.placements).to_local()
-        offset = bucket.offsets[index]
-        target[offset : offset + grad.numel()].add_(grad.reshape(-1))
-        p.grad = view  # the bucket holds it now; free autograd's copy
+        view = bucket.views[index] if bucket.views else None
+        if view is None:
+            offset = bucket.offsets[index]
+            view = self._target(bucket)[offset : offset + grad.numel()].view_as(grad)
+        if bucket.written[index]:
+            view.add_(grad)
+        else:
+            view.copy_(grad)
+            bucket.written[index] = True
+        p.grad = None  # the bucket holds it now; free autograd's copy
+
+    def _target(self, bucket: _Bucket) -> Tensor:
+        """The full-size buffer this backward's gradients go to (stage 2: made per backward,
+        uninitialised but for its padding, which is never written)."""
+        if self.stage <= 1:
+            return bucket.grad
+        if bucket.staging is None:
+            bucket.staging = torch.empty_like(bucket.flat)
+            end = bucket.offsets[-1] + _local(bucket.params[-1]).numel()
+            bucket.staging[end:].zero_()
+        return bucket.staging
+
+    def _fill_unwritten(self, bucket: _Bucket) -> Tensor:
+        """The bucket's buffer, with zeros where no gradient was put this step; from now on the
+        whole buffer counts as written."""
+        target = self._target(bucket)
+        for index, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
+            if not bucket.written[index]:
+                target[offset : offset + _local(p).numel()].zero_()
+                bucket.written[index] = True
+        return target
 
     def _launch(self, bucket: _Bucket) -> None:
         # Collectives must start in the same order on every rank; buckets fill in backward order,
         # which is the same on every rank for the same model, so this holds without a barrier.
-        full = bucket.grad if self.stage <= 1 else bucket.staging
-        if full is None:  # stage 2 bucket whose parameters got no gradient this backward
-            full = bucket.staging = torch.zeros_like(bucket.flat)
+        full = self._fill_unwritten(bucket)  # e.g. a stage 2 bucket given no gradient at all
         full.div_(self.size)  # SUM then mean: gloo has no AVG
         if self.stage == 0:
             bucket.work = dist.all_reduce(full, group=self.group, async_op=True)
@@ -334,13 +351,18 @@ class ZeroDataParallel:
             bucket.work.wait()
             bucket.work = None
             if bucket.received is not None:  # rank r's part of my slice is row r: sum the rows
-                bucket.reduced = bucket.received.view(self.size, bucket.shard_numel).sum(dim=0)
+                rows = bucket.received.view(self.size, bucket.shard_numel)
+                if self.stage == 1:  # straight into this rank's slice of the buffer: no copy
+                    torch.sum(rows, dim=0, out=self._own(bucket.grad, bucket))
+                else:
+                    bucket.reduced = rows.sum(dim=0)
                 bucket.received = None
-            if self.stage == 1:
+            if self.stage == 1 and bucket.reduced is not None:
                 self._own(bucket.grad, bucket).copy_(bucket.reduced)
             elif self.stage == 2:
                 bucket.shard_grad.add_(bucket.reduced)
                 bucket.staging = None
+                bucket.written = [False] * len(bucket.params)  # the next backward's buffer is new
             bucket.reduced = None
             if self.stage == 0:  # the optimizer steps the parameters: give them the reduced grads
                 for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
@@ -364,12 +386,8 @@ class ZeroDataParallel:
             group = self.tied.get(id(bucket.params[0]))
             if group is None:
                 continue
-            if self.stage <= 1:
-                dist.all_reduce(bucket.grad, group=group)
-            else:
-                if bucket.staging is None:  # no gradient here this backward: still take part
-                    bucket.staging = torch.zeros_like(bucket.flat)
-                dist.all_reduce(bucket.staging, group=group)
+            # No gradient here this backward: still take part, with zeros.
+            dist.all_reduce(self._fill_unwritten(bucket), group=group)
 
     def slice_of(self, p: nn.Parameter) -> Optional[nn.Parameter]:
         """The optimizer's parameter (stages 1–2: the DTensor slice) whose gradient holds ``p``'s."""
@@ -395,8 +413,8 @@ class ZeroDataParallel:
             for work in works:
                 work.wait()
         for bucket in self.buckets:
-            if bucket.grad is not None:
-                bucket.grad.zero_()
+            # The next step copies its first gradients over this step's: no zeroing pass.
+            bucket.written = [False] * len(bucket.params)
             if bucket.shard_grad is not None:
                 bucket.shard_grad.zero_()
             if bucket.slice is not None:

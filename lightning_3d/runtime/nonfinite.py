@@ -20,9 +20,9 @@ the optimizer has not stepped yet:
 
 Everything is read in one host sync per step (:meth:`NonFiniteGuard.resolve`), just before the
 optimizer steps (the precision plugin's ``_after_closure``): on a GPU each read waits for the
-device's queue to drain. Without clipping, the gradients are read by one fused max-abs per
-device and dtype, not a few kernels per tensor. Under 16-mixed the loss is read at once (the
-scaler unscales and may skip right after).
+device's queue to drain. Without clipping, the gradients are read by one fused 2-norm per
+device and dtype (see :func:`_any_nonfinite`), not a few kernels per tensor. Under 16-mixed the
+loss is read at once (the scaler unscales and may skip right after).
 
 ``nonfinite="stop"`` (default) raises :class:`NonFiniteError` naming the global step and the
 ranks; ``"skip"`` drops the step's gradients on every rank, leaves the optimizer (and the ZeRO
@@ -100,13 +100,18 @@ def loss_flag(loss: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 @torch.no_grad()
 def _any_nonfinite(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """1.0 (a 0-d tensor on ``device``) if any element of ``grads`` is NaN or infinite. One
-    fused max-abs (``_foreach_norm`` of order inf, which propagates NaN) per device and dtype,
-    not a few kernels per tensor: on a GPU the check costs one read of the gradients."""
+    fused 2-norm (``_foreach_norm``, accumulated in float32) per device and dtype, not a few
+    kernels per tensor: a NaN or an infinity makes it non-finite. The 2-norm, not the max-abs:
+    on CPU the order-inf norm is not vectorised (8 ms against 0.5 ms for 1.65 M floats, measured
+    here), and a float32 sum of squares overflows only for gradients beyond ~1e19, which count
+    as diverged anyway."""
     flag = torch.zeros((), dtype=torch.float32, device=device)
-    # The max of nothing is undefined; nothing is finite.
-    for tensors in by_device_and_dtype(g for g in grads if local_tensor(g).numel()).values():
-        largest = torch.stack(torch._foreach_norm(tensors, float("inf")))
-        flag = torch.maximum(flag, (~torch.isfinite(largest)).any().float().to(device))
+    for (_, dtype), tensors in by_device_and_dtype(
+        g for g in grads if local_tensor(g).numel()
+    ).items():
+        low = dtype in (torch.float16, torch.bfloat16)
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32 if low else None)
+        flag = torch.maximum(flag, (~torch.isfinite(torch.stack(norms))).any().float().to(device))
     return flag
 
 
