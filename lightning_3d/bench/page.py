@@ -26,9 +26,11 @@ def replace_block(page: str, block: str, where: str = "the page") -> str:
 
 def write_docs(page: Path, text: str, chart: Optional[Path] = None) -> None:
     """Write ``text`` into ``page``'s generated block, and copy ``chart`` next to it as
-    ``bench.png`` (the image the page shows)."""
+    ``bench.png``, shown in the block; without a chart (no matplotlib) the block shows none, so
+    an older run's image is never shown beside this run's table."""
     if not page.is_file():
         raise ValueError(f"--write-docs: {str(page)!r} is not a file")
-    page.write_text(replace_block(page.read_text(), text, str(page)))
     if chart is not None and chart.is_file():
         shutil.copyfile(chart, page.parent / "bench.png")
+        text = f"{text.rstrip()}\n\n![benchmark](bench.png)\n"
+    page.write_text(replace_block(page.read_text(), text, str(page)))

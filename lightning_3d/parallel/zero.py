@@ -51,6 +51,7 @@ class _Bucket:
     shard_numel: int  # padded / data-parallel size
     grad: Optional[Tensor] = None  # (padded,) stages 0-1: reduced (or accumulating) gradients
     shard_grad: Optional[Tensor] = None  # (padded / N,) stage 2: this rank's reduced grads
+    shard_fresh: bool = True  # stage 2: shard_grad holds nothing of this step yet (overwrite it)
     staging: Optional[Tensor] = None  # (padded,) stage 2: grads of one backward, then freed
     slice: Optional[nn.Parameter] = None  # stages 1-2: DTensor view of this rank's slice
     ready: int = 0  # parameters whose gradient this backward has produced
@@ -352,15 +353,23 @@ class ZeroDataParallel:
             bucket.work = None
             if bucket.received is not None:  # rank r's part of my slice is row r: sum the rows
                 rows = bucket.received.view(self.size, bucket.shard_numel)
-                if self.stage == 1:  # straight into this rank's slice of the buffer: no copy
+                # Straight into this rank's slice of the buffer (stage 1), or into the first
+                # reduction of a step's gradient shard (stage 2): no new tensor, no copy.
+                if self.stage == 1:
                     torch.sum(rows, dim=0, out=self._own(bucket.grad, bucket))
+                elif bucket.shard_fresh:
+                    torch.sum(rows, dim=0, out=bucket.shard_grad)
                 else:
                     bucket.reduced = rows.sum(dim=0)
                 bucket.received = None
             if self.stage == 1 and bucket.reduced is not None:
                 self._own(bucket.grad, bucket).copy_(bucket.reduced)
             elif self.stage == 2:
-                bucket.shard_grad.add_(bucket.reduced)
+                if bucket.reduced is not None and bucket.shard_fresh:
+                    bucket.shard_grad.copy_(bucket.reduced)
+                elif bucket.reduced is not None:
+                    bucket.shard_grad.add_(bucket.reduced)
+                bucket.shard_fresh = False
                 bucket.staging = None
                 bucket.written = [False] * len(bucket.params)  # the next backward's buffer is new
             bucket.reduced = None
@@ -415,8 +424,7 @@ class ZeroDataParallel:
         for bucket in self.buckets:
             # The next step copies its first gradients over this step's: no zeroing pass.
             bucket.written = [False] * len(bucket.params)
-            if bucket.shard_grad is not None:
-                bucket.shard_grad.zero_()
+            bucket.shard_fresh = True  # overwritten by the next step's first reduction
             if bucket.slice is not None:
                 bucket.slice.grad = None
             for p in bucket.params:
