@@ -96,7 +96,12 @@ def test_counter_patches_and_restores_every_entry_point():
 
 
 def test_quick_run_of_two_rows(tmp_path, capsys):
-    records = main(["--quick", "--rows", "3d_zero1", "ddp", "--outdir", str(tmp_path)])
+    from lightning_3d.bench.page import BEGIN, END
+
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"# Benchmarks\n\n{BEGIN}\nold figures\n{END}\n\nprose kept\n")
+    argv = ["--quick", "--rows", "3d_zero1", "ddp", "--outdir", str(tmp_path)]
+    records = main([*argv, "--repeats", "2", "--write-docs", str(page)])
     by = {r["row"]: r for r in records}
     assert set(by) == {"3d_zero1", "ddp"} and not any("note" in r for r in records), records
     for r in records:
@@ -120,6 +125,20 @@ def test_quick_run_of_two_rows(tmp_path, capsys):
     assert "| 3d_zero1 | 2 |" in capsys.readouterr().out
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert [r["row"] for r in saved["records"]] == ["3d_zero1", "ddp"]
+    # The page's block is the table, with its command, date and each row's spread over repeats.
+    written = page.read_text()
+    assert "old figures" not in written and written.endswith(f"{END}\n\nprose kept\n")
+    assert table.strip() in written and "--write-docs" in written and "- date: " in written
+    runs = by["3d_zero1"]["tokens_per_s_runs"]
+    assert len(runs) == 2 and f"({min(runs):.0f}–{max(runs):.0f})" in written
+
+
+def test_write_docs_refuses_a_page_without_its_block_before_any_run(tmp_path):
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n")
+    with pytest.raises(ValueError, match="has no generated block"):
+        main(["--quick", "--rows", "ddp", "--outdir", str(tmp_path), "--write-docs", str(page)])
+    assert not (tmp_path / "bench.md").exists()
 
 
 def test_activation_checkpointing_benchmark_writes_its_summary(tmp_path, capsys):

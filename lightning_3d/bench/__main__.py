@@ -3,10 +3,14 @@
     python -m lightning_3d.bench                       # the defaults of lightning_3d/bench/bench.yaml
     python -m lightning_3d.bench --quick --rows ddp 3d_zero1
     python -m lightning_3d.bench --repeats 5 steps=20 model.n_embd=512
+    python -m lightning_3d.bench --rows ddp 3d_zero0 3d_zero1 3d_zero2 3d_zero3 lightning_fsdp \
+        --repeats 3 --write-docs                       # regenerate docs/benchmarks.md's table
     python -m lightning_3d.bench --accelerator gpu     # one CUDA device: lightning_3d.bench.one_device
 
 Writes OUTDIR/bench.md (the printed table), OUTDIR/bench.json (raw figures) and, when
-matplotlib is importable, OUTDIR/bench.png. Rows and formulas: :mod:`lightning_3d.bench.compare`.
+matplotlib is importable, OUTDIR/bench.png; ``--write-docs [PAGE]`` also puts the table into the
+generated block of PAGE (default docs/benchmarks.md) and the chart beside it
+(:mod:`lightning_3d.bench.page`). Rows and formulas: :mod:`lightning_3d.bench.compare`.
 
 The default rows are multi-process worlds on CPUs (gloo). ``--accelerator gpu`` runs the rows
 that fit one device instead (raw torch loop, Lightning ``auto``, ``3d`` with and without
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_3d.bench import compare
+from lightning_3d.bench.page import DEFAULT_PAGE, replace_block, write_docs
 
 LEGEND = (
     "Formulas: AR all-reduce, RS reduce-scatter, AG all-gather; E = 4 bytes (fp32); Ψ parameters of the model, "
@@ -70,6 +75,13 @@ def load_config(argv: list[str] | None) -> tuple[dict[str, Any], list[str]]:
         default="cpu",
         help="cpu (these rows); gpu: the one-device rows, see lightning_3d.bench.one_device",
     )
+    parser.add_argument(
+        "--write-docs",
+        nargs="?",
+        const=str(DEFAULT_PAGE),
+        metavar="PAGE",
+        help=f"also write the table into PAGE's generated block (default {DEFAULT_PAGE})",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. model.n_embd=128")
     args = parser.parse_args(argv)
     if args.config is None:
@@ -85,7 +97,13 @@ def load_config(argv: list[str] | None) -> tuple[dict[str, Any], list[str]]:
     if bad:
         raise ValueError(f"overrides must look like key=value, got {bad}")
     cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(args.overrides))
-    flags = {"rows": args.rows, "repeats": args.repeats, "steps": args.steps, "outdir": args.outdir}
+    flags = {
+        "rows": args.rows,
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "outdir": args.outdir,
+        "write_docs": args.write_docs,
+    }
     cfg = OmegaConf.merge(cfg, {k: v for k, v in flags.items() if v is not None})
     return OmegaConf.to_container(cfg, resolve=True), sys.argv if argv is None else [
         "<argv>",
@@ -116,14 +134,21 @@ def header(cfg: dict[str, Any], command: list[str]) -> list[str]:
 
         versions += f", deepspeed {version('deepspeed')}"
     m, d = cfg["model"], cfg["data"]
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+    now = datetime.datetime.now(datetime.timezone.utc)
     return [
-        f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-        f"- machine: {platform.machine()}, {os.cpu_count()} cores, {mem_kb / 2**20:.1f} GiB memory; {versions}",
+        f"- date: {now.isoformat(timespec='seconds')}",
+        f"- machine: {platform.machine()}, {os.cpu_count()} cores, "
+        f"{mem_kb / 2**20:.1f} GiB memory; "
+        f"{versions}; load average (1, 5, 15 min) at the end: {load} (this run's own ranks "
+        "count: 2-3 on 2 cores; more means other work shared the machine)",
         f"- command: `{' '.join(['python -m lightning_3d.bench', *command[1:]])}`",
         f"- model: GPT n_embd {m['n_embd']}, {m['n_layer']} layers, {m['n_head']} heads, T = {m['block_size']}; "
         f"global batch {d['batch_size']} sequences; fp32 AdamW; one intra-op thread per process",
         f"- {cfg['steps']} steps per run, tokens/s = median over steps after {cfg['warmup_steps']}; "
-        f"{cfg['repeats']} interleaved repeats, median reported; bytes counted from step {cfg['comm_skip']}",
+        f"{cfg['repeats']} interleaved repeats, median reported with (min–max) over the repeats; "
+        "x ddp's spread is of ratios to the ddp run of the same repeat; "
+        f"bytes counted from step {cfg['comm_skip']}",
         f"- ranks run with MALLOC_MMAP_THRESHOLD_={cfg['malloc_mmap_threshold']} (glibc); peak RSS is the "
         "largest rank's; model state is counted from tensors (largest rank, next to its ZeRO formula)",
     ]
@@ -181,6 +206,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         return one_device.main([*rest, "--accelerator", "gpu"])
     cfg, command = load_config(argv)
     compare.check_settings(cfg)  # bad rows or sizes fail here, before any process starts
+    if cfg.get("write_docs"):  # a page without its block fails now, not after the runs
+        page = Path(cfg["write_docs"])
+        replace_block(page.read_text() if page.is_file() else "", "", str(page))
     raw = compare.run_all(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
     records = compare.summarize(cfg, raw)
     out = Path(cfg["outdir"])
@@ -202,8 +230,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     (out / "bench.md").write_text(text + "\n")
     raw_figures = {"config": cfg, "records": records, "errors": raw["errors"]}
     (out / "bench.json").write_text(json.dumps(raw_figures, indent=2, default=str))
-    if chart(records, str(out / "bench.png")):
+    charted = chart(records, str(out / "bench.png"))
+    if charted:
         print(f"\nchart: {out / 'bench.png'}")
+    if cfg.get("write_docs"):
+        write_docs(Path(cfg["write_docs"]), text, out / "bench.png" if charted else None)
+        print(f"wrote {cfg['write_docs']}")
     return records
 
 

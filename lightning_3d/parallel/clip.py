@@ -9,7 +9,7 @@ once. PyTorch's ``clip_grad_norm_`` cannot stack norms of DTensors with differen
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Optional
 
 import torch
@@ -19,18 +19,26 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_3d.parallel.tensor import by_device_and_dtype, local_tensor
 
+WorldSum = Callable[[Tensor], Tensor]
+"""Sums a 0-d tensor over every rank of the default group, returning the sum (a collective)."""
+
 
 @torch.no_grad()
 def global_grad_norm(
     parameters: Iterable[Tensor],
     sum_over: Optional[dist.ProcessGroup] = None,
     skip: Collection[int] = (),
+    world_sum: Optional[WorldSum] = None,
 ) -> Tensor:
     """The 2-norm of all gradients of ``parameters`` across every rank that holds a part of them.
 
     A collective: every rank of the groups involved must call it with the same parameter order.
     ``sum_over``: a group whose ranks hold disjoint parameters (pipeline stages). ``skip``: ids
     of parameters another rank of ``sum_over`` counts already (a tied weight's second copy).
+    ``world_sum``: when every group of gradients is summed over exactly the world's ranks (pure
+    data parallelism under ZeRO 1-3, or a world of one), this rank's squares go to it instead of
+    collectives of their own: the step's agreement carries them
+    (:mod:`lightning_3d.runtime.agreement`).
     """
     groups: dict[
         tuple, list
@@ -58,6 +66,10 @@ def global_grad_norm(
         device = local.device
         groups.setdefault((id(mesh), dims), [mesh, dims, []])[2].append(local)
     total = torch.zeros((), device=device or "cpu")
+    if world_sum is not None and _spans_the_world(groups.values(), sum_over):
+        for _, _, locals_ in groups.values():
+            total += _sum_of_squares(locals_, device).to(total.device)
+        return world_sum(total).to(total.device).sqrt()
     for mesh, dims, locals_ in groups.values():
         squares = _sum_of_squares(locals_, device)
         if dims:
@@ -72,6 +84,20 @@ def global_grad_norm(
         dist.all_reduce(reduced, group=sum_over)
         total = reduced.to(total.device)
     return total.sqrt()
+
+
+def _spans_the_world(groups: Iterable[list], sum_over: Optional[dist.ProcessGroup]) -> bool:
+    """Whether every group's sum (over its sharded mesh dims, then ``sum_over``) runs over as
+    many ranks as the world has: then one sum over the world counts every element once."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    across = sum_over.size() if sum_over is not None else 1
+    for mesh, dims, _ in groups:
+        span = across
+        for dim in dims:
+            span *= mesh.size(dim)
+        if span != world:
+            return False
+    return True
 
 
 def _sum_of_squares(tensors: list[Tensor], device: torch.device) -> Tensor:
@@ -109,11 +135,12 @@ def clip_grad_norm_(
     max_norm: float,
     sum_over: Optional[dist.ProcessGroup] = None,
     skip_in_norm: Collection[int] = (),
+    world_sum: Optional[WorldSum] = None,
 ) -> Tensor:
     """Scale gradients in place so their global 2-norm is at most ``max_norm``; return the norm.
-    ``skip_in_norm``: ids of parameters scaled but not counted (see :func:`global_grad_norm`)."""
+    ``skip_in_norm``, ``world_sum``: see :func:`global_grad_norm`."""
     parameters = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(parameters, sum_over, skip_in_norm)
+    norm = global_grad_norm(parameters, sum_over, skip_in_norm, world_sum)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     for (device, dtype), grads in by_device_and_dtype(
         p.grad for p in parameters

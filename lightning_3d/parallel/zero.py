@@ -25,7 +25,7 @@ tp-replicated parameters, so each slice can say which it is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -51,12 +51,20 @@ class _Bucket:
     shard_numel: int  # padded / data-parallel size
     grad: Optional[Tensor] = None  # (padded,) stages 0-1: reduced (or accumulating) gradients
     shard_grad: Optional[Tensor] = None  # (padded / N,) stage 2: this rank's reduced grads
+    shard_fresh: bool = True  # stage 2: shard_grad holds nothing of this step yet (overwrite it)
     staging: Optional[Tensor] = None  # (padded,) stage 2: grads of one backward, then freed
     slice: Optional[nn.Parameter] = None  # stages 1-2: DTensor view of this rank's slice
     ready: int = 0  # parameters whose gradient this backward has produced
     work: Optional[dist.Work] = None
     reduced: Optional[Tensor] = None  # reduce-scatter output, waiting for ``work``
     received: Optional[Tensor] = None  # gloo: every rank's part of this rank's slice, to be summed
+    # Stages 0-1: for each plain (non-DTensor) parameter, its gradient's place in ``grad``, made
+    # once: no slice or view per parameter and step.
+    views: list[Optional[Tensor]] = field(default_factory=list)
+    # Which parameters' gradients this step has put into the buffer. The first one of a step is
+    # copied in (as DDP does), later ones added: the buffer is never zeroed as a whole, only
+    # the places of parameters that got no gradient, before it is reduced.
+    written: list[bool] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -206,8 +214,15 @@ class ZeroDataParallel:
         # Identical start on every rank, whatever the seeding: data-parallel rank 0 wins.
         dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
         bucket = _Bucket(params=params, offsets=offsets, flat=flat, shard_numel=padded // self.size)
+        bucket.written = [False] * len(params)
         if self.stage <= 1:
             bucket.grad = torch.zeros_like(flat)
+            bucket.views = [
+                None
+                if isinstance(p, DTensor)
+                else bucket.grad[offset : offset + p.numel()].view_as(p)
+                for p, offset in zip(params, offsets)
+            ]
         else:
             bucket.shard_grad = torch.zeros(
                 bucket.shard_numel, dtype=flat.dtype, device=flat.device
@@ -249,7 +264,7 @@ class ZeroDataParallel:
         for bucket in self.buckets:
             bucket.ready = 0
             for p in bucket.params:
-                p.grad = None  # the hook adds autograd's fresh gradient into our buffer
+                p.grad = None  # the hook copies (or adds) autograd's fresh gradient into our buffer
 
     def _grad_hook(self, bucket: _Bucket, index: int):
         def hook(p: nn.Parameter) -> None:
@@ -261,26 +276,46 @@ class ZeroDataParallel:
         return hook
 
     def _consume(self, bucket: _Bucket, index: int, p: nn.Parameter) -> None:
-        """Add ``p.grad`` into the bucket and free it."""
-        if self.stage <= 1:
-            target = bucket.grad
-        else:
-            if bucket.staging is None:
-                bucket.staging = torch.zeros_like(bucket.flat)
-            target = bucket.staging
+        """Copy (first of the step) or add ``p.grad`` into the bucket, and free it."""
         grad = p.grad
         if isinstance(grad, DTensor):  # e.g. a partial sum under sequence parallelism
             grad = grad.redistribute(p.device_mesh, p.placements).to_local()
-        offset = bucket.offsets[index]
-        target[offset : offset + grad.numel()].add_(grad.reshape(-1))
+        view = bucket.views[index] if bucket.views else None
+        if view is None:
+            offset = bucket.offsets[index]
+            view = self._target(bucket)[offset : offset + grad.numel()].view_as(grad)
+        if bucket.written[index]:
+            view.add_(grad)
+        else:
+            view.copy_(grad)
+            bucket.written[index] = True
         p.grad = None  # the bucket holds it now; free autograd's copy
+
+    def _target(self, bucket: _Bucket) -> Tensor:
+        """The full-size buffer this backward's gradients go to (stage 2: made per backward,
+        uninitialised but for its padding, which is never written)."""
+        if self.stage <= 1:
+            return bucket.grad
+        if bucket.staging is None:
+            bucket.staging = torch.empty_like(bucket.flat)
+            end = bucket.offsets[-1] + _local(bucket.params[-1]).numel()
+            bucket.staging[end:].zero_()
+        return bucket.staging
+
+    def _fill_unwritten(self, bucket: _Bucket) -> Tensor:
+        """The bucket's buffer, with zeros where no gradient was put this step; from now on the
+        whole buffer counts as written."""
+        target = self._target(bucket)
+        for index, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
+            if not bucket.written[index]:
+                target[offset : offset + _local(p).numel()].zero_()
+                bucket.written[index] = True
+        return target
 
     def _launch(self, bucket: _Bucket) -> None:
         # Collectives must start in the same order on every rank; buckets fill in backward order,
         # which is the same on every rank for the same model, so this holds without a barrier.
-        full = bucket.grad if self.stage <= 1 else bucket.staging
-        if full is None:  # stage 2 bucket whose parameters got no gradient this backward
-            full = bucket.staging = torch.zeros_like(bucket.flat)
+        full = self._fill_unwritten(bucket)  # e.g. a stage 2 bucket given no gradient at all
         full.div_(self.size)  # SUM then mean: gloo has no AVG
         if self.stage == 0:
             bucket.work = dist.all_reduce(full, group=self.group, async_op=True)
@@ -317,18 +352,38 @@ class ZeroDataParallel:
             bucket.work.wait()
             bucket.work = None
             if bucket.received is not None:  # rank r's part of my slice is row r: sum the rows
-                bucket.reduced = bucket.received.view(self.size, bucket.shard_numel).sum(dim=0)
+                rows = bucket.received.view(self.size, bucket.shard_numel)
+                # Straight into this rank's slice of the buffer (stage 1), or into the first
+                # reduction of a step's gradient shard (stage 2): no new tensor, no copy.
+                if self.stage == 1:
+                    torch.sum(rows, dim=0, out=self._own(bucket.grad, bucket))
+                elif bucket.shard_fresh:
+                    torch.sum(rows, dim=0, out=bucket.shard_grad)
+                else:
+                    bucket.reduced = rows.sum(dim=0)
                 bucket.received = None
-            if self.stage == 1:
+            if self.stage == 1 and bucket.reduced is not None:
                 self._own(bucket.grad, bucket).copy_(bucket.reduced)
             elif self.stage == 2:
-                bucket.shard_grad.add_(bucket.reduced)
+                if bucket.reduced is not None and bucket.shard_fresh:
+                    bucket.shard_grad.copy_(bucket.reduced)
+                elif bucket.reduced is not None:
+                    bucket.shard_grad.add_(bucket.reduced)
+                bucket.shard_fresh = False
                 bucket.staging = None
+                bucket.written = [False] * len(bucket.params)  # the next backward's buffer is new
             bucket.reduced = None
             if self.stage == 0:  # the optimizer steps the parameters: give them the reduced grads
-                for p, offset in zip(bucket.params, bucket.offsets):
-                    p.grad = _like(p, bucket.grad[offset : offset + _local(p).numel()])
+                for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
+                    view = bucket.views[i]
+                    p.grad = (
+                        view
+                        if view is not None
+                        else _like(p, bucket.grad[offset : offset + _local(p).numel()])
+                    )
             else:
+                for p in bucket.params:  # the optimizer steps the slice, which holds them
+                    p.grad = None
                 own = self._own(bucket.grad, bucket) if self.stage == 1 else bucket.shard_grad
                 bucket.slice.grad = self.slice_dtensor(own, bucket.params[0])
 
@@ -340,12 +395,8 @@ class ZeroDataParallel:
             group = self.tied.get(id(bucket.params[0]))
             if group is None:
                 continue
-            if self.stage <= 1:
-                dist.all_reduce(bucket.grad, group=group)
-            else:
-                if bucket.staging is None:  # no gradient here this backward: still take part
-                    bucket.staging = torch.zeros_like(bucket.flat)
-                dist.all_reduce(bucket.staging, group=group)
+            # No gradient here this backward: still take part, with zeros.
+            dist.all_reduce(self._fill_unwritten(bucket), group=group)
 
     def slice_of(self, p: nn.Parameter) -> Optional[nn.Parameter]:
         """The optimizer's parameter (stages 1–2: the DTensor slice) whose gradient holds ``p``'s."""
@@ -371,10 +422,9 @@ class ZeroDataParallel:
             for work in works:
                 work.wait()
         for bucket in self.buckets:
-            if bucket.grad is not None:
-                bucket.grad.zero_()
-            if bucket.shard_grad is not None:
-                bucket.shard_grad.zero_()
+            # The next step copies its first gradients over this step's: no zeroing pass.
+            bucket.written = [False] * len(bucket.params)
+            bucket.shard_fresh = True  # overwritten by the next step's first reduction
             if bucket.slice is not None:
                 bucket.slice.grad = None
             for p in bucket.params:

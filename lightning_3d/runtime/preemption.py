@@ -2,18 +2,24 @@
 
 Lightning's own SIGTERM handler broadcasts from inside the signal handler, from rank 0 only: a
 signal to any other rank leaves that rank in a collective its peers never join, and the job
-hangs until the collective timeout. Here the handler only records the signal. After each
-optimizer step, where ``ModelCheckpoint`` saves too (weights, optimizer state, loop counters and
-the data loader's position agree), every rank takes part in one small all-reduce of the recorded
-signals; if any rank was signalled, all ranks save a checkpoint together and raise
-:class:`Preempted`, so the job ends within one step, non-zero, with a checkpoint that resumes
-exactly. ``ThreeDStrategy`` adds :class:`StopOnSignal` to the trainer's callbacks at setup.
+hangs until the collective timeout. Here the handler only records the signal. The ranks agree
+on the recorded signals once per optimizer step, inside the step's one agreement (the small
+all-reduce that also carries the non-finite check, :mod:`lightning_3d.runtime.agreement`), or,
+where no such agreement ran (manual optimization), in a small all-reduce of their own. After the
+step, where ``ModelCheckpoint`` saves too (weights, optimizer state, loop counters and the data
+loader's position agree), if any rank was signalled, all ranks save a checkpoint together and
+raise :class:`Preempted`, so the job ends within one step, non-zero, with a checkpoint that
+resumes exactly. ``ThreeDStrategy`` adds :class:`StopOnSignal` to the trainer's callbacks at
+setup, and turns off Lightning's per-batch SIGTERM broadcast (:func:`without_signal_broadcast`):
+with these handlers installed Lightning never records a SIGTERM, so that broadcast would only
+cost a collective and a host read per batch.
 
 A second SIGINT (Ctrl-C twice) is not deferred: the first restores the previous handler.
 """
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 from pathlib import Path
@@ -42,6 +48,7 @@ class StopOnSignal(Callback):
         self.received = 0  # the signal number this process received (0: none)
         self._previous: dict[int, Any] = {}
         self._last_step = -1
+        self._agreed: Optional[int] = None  # the signal the step's agreement settled on
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         # Lightning registers its own handlers just before the training stage starts.
@@ -85,6 +92,10 @@ class StopOnSignal(Callback):
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
 
+    def note_agreed(self, signum: int) -> None:
+        """The signal the ranks agreed on in this step's agreement (no collective needed)."""
+        self._agreed = max(signum, self._agreed or 0)
+
     def agreed(self, device: torch.device) -> int:
         """The signal any rank received (the largest number), agreed by every rank (a collective).
         A world of one agrees with itself: no tensor, so no host-device copy and sync per step."""
@@ -97,7 +108,9 @@ class StopOnSignal(Callback):
     def stop_if_signalled(self, trainer: Any, device: torch.device, rank: int) -> None:
         """At a step boundary: if any rank was signalled, save ``preempted.ckpt`` (all ranks take
         part) and raise :class:`Preempted` on every rank."""
-        signum = self.agreed(device)
+        signum, self._agreed = self._agreed, None
+        if signum is None:  # no agreement this step (manual optimization): one of our own
+            signum = self.agreed(device)
         if not signum:
             return
         path = checkpoint_path(trainer)
@@ -116,3 +129,38 @@ def checkpoint_path(trainer: Any) -> Path:
     callback: Optional[Any] = getattr(trainer, "checkpoint_callback", None)
     directory = getattr(callback, "dirpath", None) or trainer.default_root_dir
     return Path(directory) / CHECKPOINT_NAME
+
+
+@functools.lru_cache(maxsize=None)
+def _quiet_loop_type(base: type) -> type:
+    """``base`` (Lightning's training epoch loop type) without its per-batch SIGTERM broadcast."""
+
+    def _broadcast_sigterm_tensor(self: Any) -> None:
+        """No broadcast: :class:`StopOnSignal` agrees on signals within each step."""
+
+    name = f"SignalAgreed{base.__name__}"
+    return type(
+        name,
+        (base,),
+        {
+            "__module__": __name__,
+            "__qualname__": name,
+            "_broadcast_sigterm_tensor": _broadcast_sigterm_tensor,
+            "signal_agreed": True,
+        },
+    )
+
+
+def without_signal_broadcast(trainer: Any) -> None:
+    """Make ``trainer``'s training epoch loop one of a subclass of its type that skips
+    Lightning's per-batch SIGTERM broadcast (a ``torch.distributed.broadcast`` of a flag and a
+    host read before every batch, on every rank), with the same state. Call it only with
+    :class:`StopOnSignal` among the callbacks: its handlers replace Lightning's, so Lightning's
+    flag stays 0, and it stops every rank on a signal itself."""
+    fit_loop = trainer.fit_loop
+    loop = fit_loop.epoch_loop
+    if not hasattr(loop, "_broadcast_sigterm_tensor") or getattr(loop, "signal_agreed", False):
+        return
+    quiet = _quiet_loop_type(type(loop)).__new__(_quiet_loop_type(type(loop)))
+    quiet.__dict__.update(vars(loop))
+    fit_loop.epoch_loop = quiet

@@ -12,7 +12,10 @@ every rank:
   ``scaler.unscale_``, which checks this rank's gradients only;
 * a non-finite loss on any rank, or a non-finite global gradient norm, stops the run (or skips
   the step) on every rank before the optimizer applies it (:mod:`lightning_3d.runtime.nonfinite`):
-  ``optimizer_step`` runs the closure (training step + backward) wrapped in the check.
+  ``optimizer_step`` runs the closure (training step + backward) wrapped in the check, and the
+  ranks agree on it, on the signals they received and (where it spans the world) on the
+  clipping norm's sum in one small all-reduce and one host read per step
+  (:mod:`lightning_3d.runtime.agreement`).
 
 :func:`distributed_precision` returns the plugin Lightning chose as an instance of a subclass of
 its own type (so every ``isinstance`` check, e.g. ``XLAStrategy``'s, still holds) with the same
@@ -40,7 +43,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 
-from lightning_3d.parallel.clip import clip_grad_norm_
+from lightning_3d.parallel.clip import clip_grad_norm_, collective_device
 from lightning_3d.runtime.nonfinite import NonFiniteGuard, NonFiniteOptions, SkipStep
 
 NormScope = Callable[[], "tuple[Optional[dist.ProcessGroup], Collection[int]]"]
@@ -123,7 +126,7 @@ class GlobalNormClipping(_Adapted):
                 guard.check_step(result, [], model.device)  # now: the scaler unscales right after
             elif (
                 check
-            ):  # read with the gradient norm's flag in _after_closure: one host sync per step
+            ):  # agreed with the norm and the signals in _after_closure: one host sync per step
                 guard.flag_step(
                     result,
                     [
@@ -157,12 +160,25 @@ class GlobalNormClipping(_Adapted):
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         sum_over, skip = self._norm_scope()
+        guard = self.nonfinite
+        if not self._has_scaler():  # no overflow for a scaler to skip: agreed with the step
+            # Where the norm's sum runs over the whole world, its partial sums ride in the step's
+            # agreement (one collective for both); its finiteness stands for the gradients'.
+            def world_sum(squares: torch.Tensor) -> torch.Tensor:
+                return guard.fold_norm(squares, _agreement_device(squares))
+
+            norm = clip_grad_norm_(
+                self.main_params(optimizer),  # type: ignore[attr-defined]
+                clip_val,
+                sum_over=sum_over,
+                skip_in_norm=skip,
+                world_sum=world_sum,
+            )
+            guard.flag_norm(norm)
+            return
         norm = clip_grad_norm_(
             self.main_params(optimizer), clip_val, sum_over=sum_over, skip_in_norm=skip
         )  # type: ignore[attr-defined]
-        if not self._has_scaler():  # no overflow for a scaler to skip: read with the step's flags
-            self.nonfinite.flag_norm(norm)
-            return
         found_inf = self._found_inf(optimizer)
         # The norm's flag and the scaler's found-inf flags in one host read (the scaler reads its
         # own flags again in step(): 16-mixed costs two reads per step, other precisions one).
@@ -195,6 +211,14 @@ class GlobalNormClipping(_Adapted):
         if not self._has_scaler():
             return []
         return list(self.scaler._found_inf_per_device(optimizer).values())  # type: ignore[attr-defined]
+
+
+def _agreement_device(like: torch.Tensor) -> torch.device:
+    """Where a ballot begun at clipping lives: where the default group reduces (a CUDA device
+    under NCCL even when the gradients sit in CPU memory), else beside ``like``."""
+    if dist.is_available() and dist.is_initialized():
+        return collective_device(None)
+    return like.device
 
 
 @functools.lru_cache(maxsize=None)
@@ -244,12 +268,14 @@ def distributed_precision(
     norm_scope: NormScope = _no_scope,
     nonfinite: NonFiniteOptions = NonFiniteOptions(),
     before_step: Callable[[Any], None] = _nothing_before_step,
+    signals: Optional[Any] = None,
 ) -> Precision:
     """``plugin`` as an instance of a subclass of its type, with the same state, whose
     ``clip_grad_by_norm`` clips by the global norm (``norm_scope()`` is called at every clip for
     ``(sum_over, skip_in_norm)``), whose ``optimizer_step`` stops or skips a step with a
     non-finite loss or gradient norm as ``nonfinite`` says and then calls ``before_step(optimizer)``,
-    and whose ``scaler``, if it has a
+    agreeing on the signal ``signals`` received in the same collective (see
+    :class:`~lightning_3d.runtime.nonfinite.NonFiniteGuard`), and whose ``scaler``, if it has a
     ``torch.amp.GradScaler``, is :func:`shared_overflow_scaler`'s.
 
     A plugin so adapted already is returned unchanged (with the scope it was adapted with). The
@@ -262,5 +288,5 @@ def distributed_precision(
         state["scaler"] = shared_overflow_scaler(state["scaler"])
     state["_norm_scope"] = norm_scope
     state["_before_step"] = before_step
-    state["_nonfinite"] = NonFiniteGuard(nonfinite)
+    state["_nonfinite"] = NonFiniteGuard(nonfinite, signals)
     return _restore(GlobalNormClipping, type(plugin), state)

@@ -36,7 +36,7 @@ from lightning_3d.parallel.loss import plain_loss, vocab_parallel_loss
 from lightning_3d.parallel.materialize import to_device_keeping_meta
 from lightning_3d.parallel.replicas import ReplicaCheck, plan_hint
 from lightning_3d.runtime.failures import LINES_ATTR, REPORTS_ENV, describe_failure
-from lightning_3d.runtime.preemption import StopOnSignal
+from lightning_3d.runtime.preemption import StopOnSignal, without_signal_broadcast
 from lightning_3d.runtime.watchdog import Watchdog, watch_world
 from lightning_3d.strategy.checkpoint_hooks import CheckpointHooks
 from lightning_3d.strategy.collectives import Collectives
@@ -257,6 +257,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
             trainer.callbacks += (
                 [] if self.signals in trainer.callbacks else [self.signals]
             )  # SIGTERM: save, stop
+            without_signal_broadcast(trainer)  # the step's agreement carries the signal
             self.setup_optimizers(trainer)
             self.optimizers = attach_optimizers(self.parallelized, self.optimizers, self.plan)
         self.setup_precision_plugin()
@@ -267,6 +268,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
             self._norm_scope,
             self.plan.nonfinite,
             before_step=self._check_replica_gradients,
+            signals=self.signals,
         )
         self._setting_up = None
         self.barrier()

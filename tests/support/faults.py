@@ -37,10 +37,23 @@ def fit_until_killed(
     from lightning_3d.observe.summary import RunSummary
     from lightning_3d.runtime.preemption import Preempted
 
+    catchable = signum in (signal.SIGTERM, signal.SIGINT)
+
     class Kill(Callback):
-        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
-            if kill_at is not None and rank == victim and trainer.global_step == kill_at:
+        # SIGKILL lands after step ``kill_at``; SIGTERM / SIGINT during it, as a scheduler's
+        # signal usually does (forward and backward are most of a step): the ranks agree on
+        # signals inside each step (one collective with the non-finite check), so a signal
+        # received during step ``kill_at`` stops every rank right after it.
+        def on_train_batch_start(self, trainer: Any, *_: Any) -> None:
+            if catchable and self._due(trainer.global_step + 1):
                 os.kill(os.getpid(), signum)
+
+        def on_train_batch_end(self, trainer: Any, *_: Any) -> None:
+            if not catchable and self._due(trainer.global_step):
+                os.kill(os.getpid(), signum)
+
+        def _due(self, step: int) -> bool:
+            return kill_at is not None and rank == victim and step == kill_at
 
     L.seed_everything(1234, verbose=False)
     summary = RunSummary()
