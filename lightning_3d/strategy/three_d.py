@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -294,7 +294,31 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     def _step_context(self):
         # Vocab-parallel logits (a DTensor sharded on the vocabulary) need loss_parallel for
         # cross-entropy, in the forward and in the backward; scoped to this strategy's steps.
-        return vocab_parallel_loss() if self.layout.tensor > 1 else nullcontext()
+        # Context parallelism: the loss is the token mean over the whole sequence (every cp rank).
+        stack = ExitStack()
+        if self.layout.tensor > 1:
+            stack.enter_context(vocab_parallel_loss())
+        if self.layout.context > 1:
+            from lightning_3d.parallel.context.loss import context_mean_loss
+
+            stack.enter_context(
+                context_mean_loss(self.device_mesh.get_group(MeshAxis.CONTEXT.value))
+            )
+        return stack
+
+    @override
+    def batch_to_device(
+        self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0
+    ) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.layout.context == 1:
+            return batch
+        # Context parallelism: this rank keeps its load-balanced tokens of every sequence.
+        from lightning_3d.parallel.context.apply import shard_batch
+
+        axis = MeshAxis.CONTEXT.value
+        mesh = self.device_mesh
+        return shard_batch(batch, mesh.get_local_rank(axis), mesh.get_group(axis).size())
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
+from lightning_3d.parallel.context.chunks import local_positions
 from lightning_3d.parallel.context.ring import ring_attention
 from lightning_3d.parallel.context.ulysses import ulysses_attention
 
@@ -35,6 +36,10 @@ class ContextAttention:
     @property
     def rank(self) -> int:
         return self.group.rank()
+
+    def positions(self, local_length: int, device: Any = None) -> Tensor:
+        """Where this rank's ``local_length`` tokens sit in the whole sequence, (T/cp,)."""
+        return local_positions(local_length * self.size, self.rank, self.size, device)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None) -> Tensor:
         if k.shape[1] != q.shape[1]:  # grouped-query attention: each k/v head serves several
