@@ -38,3 +38,19 @@ def test_context_parallel_gpt_matches_one_process(reference, scheme, world, opti
     ranks = run_world(fit_gpt_ranks, world, run)
     assert_same_run(ranks[0], reference)
     assert rank_state_mismatches(ranks, reference) == []
+
+
+@pytest.mark.parametrize("arch", ["hf_llama", "hf_gpt2"])
+@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
+def test_hugging_face_decoders_through_the_attention_interface(arch, scheme):
+    """A Llama-style (rotary, grouped-query) and a GPT-2-style (learned positions, tied head)
+    ``transformers`` model: attention routed by a registered attention function, positions
+    passed as ``position_ids``. Catches: rotary angles of positions 0..T/cp-1, the model's own
+    sdpa still running on local tokens (a mask of the wrong size, or none across ranks)."""
+    reference = fit_gpt(0, Run(arch=arch, steps=STEPS, trainer=CLIP))
+    strategy = {"context": 2, "context_scheme": scheme}
+    ranks = run_world(
+        fit_gpt_ranks, 2, Run(arch=arch, strategy=strategy, devices=2, steps=STEPS, trainer=CLIP)
+    )
+    assert_same_run(ranks[0], reference)
+    assert rank_state_mismatches(ranks, reference) == []

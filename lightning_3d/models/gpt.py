@@ -179,7 +179,7 @@ class GPT(nn.Module):
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Context parallelism sets this (parallel/context/apply.py): the positions of this
         # rank's tokens, which are not 0..T-1 when a sequence is split over ranks.
-        self.context_attention: Optional[Any] = None
+        self.context_shard: Optional[Any] = None
         self.deferred_init: Optional[DeferredInit] = None
         if defer_init:
             self.deferred_init = DeferredInit.capture(self.parameter_inits())
@@ -225,8 +225,8 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Map token ids ``idx`` (B, T) to next-token logits (B, T, vocab)."""
         B, T = idx.shape
-        if self.context_attention is not None:  # idx: this rank's share of each sequence
-            T *= self.context_attention.size
+        if self.context_shard is not None:  # idx: this rank's share of each sequence
+            T *= self.context_shard.size
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         x = self.embed(idx)  # (B, T, C)
@@ -237,8 +237,8 @@ class GPT(nn.Module):
     # embed / blocks / head: the three parts a pipeline splits across stages.
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) to the residual stream (B, T, C)."""
-        if self.context_attention is not None:  # the true positions of this rank's tokens
-            pos = self.context_attention.positions(idx.shape[1], idx.device)  # (T,)
+        if self.context_shard is not None:  # the true positions of this rank's tokens
+            pos = self.context_shard.positions(idx.shape[1], idx.device)  # (T,)
         else:
             pos = torch.arange(idx.shape[1], device=idx.device)  # (T,)
         return self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)

@@ -1,15 +1,16 @@
 """Routing a model's attention through context parallelism, and splitting its batches.
 
-:func:`apply_context_parallel` gives every attention layer that accepts it (an attribute
-``context_attention``, which the reference GPT's layers and embedding carry, and the Hugging Face
-attention modules through transformers' attention interface) the same
-:class:`~lightning_3d.parallel.context.attention.ContextAttention`; a model with no such layer is
-refused with its name. :func:`shard_batch` keeps this rank's tokens of every sequence tensor of a
-batch.
+:func:`apply_context_parallel` gives every attention layer it can route the same
+:class:`~lightning_3d.parallel.context.attention.ContextAttention`: the reference GPT's
+(an attribute ``context_attention``) and a Hugging Face model's (through transformers' attention
+interface, :mod:`.hf`); modules that compute positions (an attribute ``context_shard``: the GPT,
+``HFCausalLM``) get it too, for the positions of this rank's tokens. A model with no attention
+to route is refused with its name. :func:`shard_batch` keeps this rank's tokens of a batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.fabric.utilities.apply_func import apply_to_collection
@@ -18,14 +19,22 @@ from torch import Tensor, nn
 from lightning_3d.parallel.context.attention import ATTR, ContextAttention
 from lightning_3d.parallel.context.chunks import shard_sequence
 
+POSITIONS_ATTR = "context_shard"  # a module that computes positions holds the ContextAttention
+
 
 def apply_context_parallel(module: nn.Module, group: Any, scheme: str) -> ContextAttention:
-    """Set ``module``'s attention layers (and its embedding's positions) to run across the
-    context ``group`` by ``scheme``, in place; returns the attention object they share."""
+    """Set ``module``'s attention layers (and its positions) to run across the context ``group``
+    by ``scheme``, in place; returns the attention object they share."""
+    from lightning_3d.parallel.context.hf import is_hf_model, route_hf_attention
+
     attend = ContextAttention(group, scheme)
     routed = []
     for name, sub in module.named_modules():
-        if not hasattr(sub, ATTR):
+        if is_hf_model(sub) and not routed:
+            routed += route_hf_attention(sub, attend)
+        if hasattr(sub, POSITIONS_ATTR):
+            setattr(sub, POSITIONS_ATTR, attend)
+        if not hasattr(sub, ATTR) or name in routed:
             continue
         dropout = getattr(sub, "dropout", 0.0)
         if isinstance(dropout, float) and dropout > 0:
@@ -45,7 +54,14 @@ def apply_context_parallel(module: nn.Module, group: Any, scheme: str) -> Contex
 
 def shard_batch(batch: Any, rank: int, size: int) -> Any:
     """This rank's tokens of every tensor of ``batch`` with a sequence dim (dim 1 of each tensor
-    of two or more dims, the same length as the first such tensor's), the rest as it is."""
+    of two or more dims, the same length as the first such tensor's), the rest as it is.
+    ``ValueError`` for a dict batch: its targets are shifted by the model after this split, which
+    would pair a chunk's last token with the first token of a chunk that does not follow it."""
+    if isinstance(batch, Mapping):
+        raise ValueError(
+            f"context parallelism takes (inputs, targets) batches with targets already shifted, "
+            f"got a dict batch with keys {sorted(batch)}"
+        )
     lengths = []
     apply_to_collection(batch, Tensor, lambda t: lengths.append(t.shape[1]) if t.dim() > 1 else 0)
     if not lengths:
