@@ -26,13 +26,18 @@ def reference():
         ("ring", 4, {"data": 2, "zero_stage": 1}),
         ("alltoall", 2, {"zero_stage": 2}),
         ("ring", 2, {"zero_stage": 3}),
+        ("ring", 4, {"tensor": 2}),
+        ("alltoall", 4, {"tensor": 2, "zero_stage": 3}),
+        ("ring", 4, {"pipeline": 2}),
+        ("alltoall", 4, {"pipeline": 2, "zero_stage": 1}),
     ],
 )
 def test_context_parallel_gpt_matches_one_process(reference, scheme, world, options):
     """Catches: positions 0..T/cp-1 on every rank instead of the true ones, a loss averaged over
     one rank's tokens, gradients reduced over data only (cp ranks' weights drift apart), a batch
     split that is not the one the attention kernels assume."""
-    context = world // options.get("data", 1)
+    others = options.get("data", 1) * options.get("tensor", 1) * options.get("pipeline", 1)
+    context = world // others
     strategy = {"context": context, "context_scheme": scheme, **options}
     run = Run(strategy=strategy, devices=world, steps=STEPS, trainer=CLIP)
     ranks = run_world(fit_gpt_ranks, world, run)

@@ -5,7 +5,7 @@ Each context rank computes cross-entropy over its own tokens. Inside :func:`cont
 the sum and the count over the context group and returns their ratio: the value one process
 would compute on the whole sequence, the same on every context rank, so ``self.log`` and the
 run summary mean what they mean without context parallelism. The all-reduce is differentiable
-(``torch.distributed.nn.functional``): its backward sums the ranks' ``1/count`` into each
+(:class:`_SumOverGroup`): its backward sums the ranks' ``1/count`` into each
 rank's own sum, and the gradient average over data × context (ZeRO's axis) divides by ``cp``
 again, which leaves the gradient of the whole-sequence mean. Like the vocabulary-parallel loss
 (``parallel/loss.py``), a scoped :class:`~torch.overrides.TorchFunctionMode`, not a
@@ -20,8 +20,27 @@ from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces the gradient: every rank's output depends on
+    every rank's input."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class _ContextMeanCrossEntropy(TorchFunctionMode):
@@ -40,12 +59,10 @@ class _ContextMeanCrossEntropy(TorchFunctionMode):
             or len(args) > 2
         ):
             return func(*args, **kwargs)
-        from torch.distributed.nn.functional import all_reduce
-
         target = args[1] if len(args) > 1 else kwargs["target"]
         total = func(*args, **{**kwargs, "reduction": "sum"})  # this rank's counted tokens
         counted = (target != kwargs.get("ignore_index", -100)).sum().to(total.dtype)
-        both = all_reduce(torch.stack([total, counted.detach()]), group=self.group)
+        both = _SumOverGroup.apply(torch.stack([total, counted.detach()]), self.group)
         return both[0] / both[1]
 
 
