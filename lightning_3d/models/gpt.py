@@ -91,6 +91,7 @@ class CausalSelfAttention(nn.Module):
         # Only head_dim is fixed; the number of heads is read off the
         # projection output so a column-sharded wq/wk/wv (local heads) works.
         self.head_dim = d // config.n_head
+        self.n_head = config.n_head  # of the whole layer, before any tensor split
         self.dropout = config.dropout if config.attn_dropout is None else config.attn_dropout
         # Context parallelism sets this (parallel/context/apply.py): x then holds this rank's
         # tokens of a sequence split over ranks, and attention runs across them.

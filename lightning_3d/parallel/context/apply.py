@@ -52,6 +52,48 @@ def apply_context_parallel(module: nn.Module, group: Any, scheme: str) -> Contex
     return attend
 
 
+def context_problems(
+    module: nn.Module, scheme: str, size: int, tensor: int = 1, pipeline: int = 1
+) -> list[str]:
+    """What keeps ``module`` (built on ``meta`` is enough) from running with ``context=size`` by
+    ``scheme`` beside ``tensor`` and ``pipeline``: no attention to route, attention the kernels
+    cannot compute (dropout, sliding windows, soft-capping), heads that all-to-all cannot split,
+    a Hugging Face model split into pipeline stages (whose stages compute positions from 0)."""
+    from lightning_3d.parallel.context.hf import hf_problems, is_hf_model
+
+    hf = next((m for m in module.modules() if is_hf_model(m)), None)
+    if hf is not None:
+        problems = hf_problems(hf)
+        heads = [hf.config.num_attention_heads]
+        if pipeline > 1:
+            problems.append(
+                f"{type(hf).__name__} with context={size} and pipeline={pipeline}: the Hugging "
+                f"Face pipeline stages compute positions from 0; use pipeline=1"
+            )
+    else:
+        layers = [(name, sub) for name, sub in module.named_modules() if hasattr(sub, ATTR)]
+        if not layers:
+            return [
+                f"{type(module).__name__} has no attention layer context parallelism can route "
+                f"(the reference GPT's, or a Hugging Face model's); context={size} must be 1"
+            ]
+        problems = [
+            f"{name}: attention dropout {sub.dropout} under context={size} (the kernels have "
+            f"none); set attn_dropout=0"
+            for name, sub in layers
+            if isinstance(getattr(sub, "dropout", 0.0), float) and sub.dropout > 0
+        ]
+        heads = sorted({sub.n_head for _, sub in layers if hasattr(sub, "n_head")})
+    if scheme == "alltoall":
+        problems += [
+            f"context_scheme='alltoall' needs the attention heads ({h}) divisible by context × "
+            f"tensor ({size} × {tensor} = {size * tensor}); use context_scheme='ring'"
+            for h in heads
+            if h % (size * tensor)
+        ]
+    return problems
+
+
 def shard_batch(batch: Any, rank: int, size: int) -> Any:
     """This rank's tokens of every tensor of ``batch`` with a sequence dim (dim 1 of each tensor
     of two or more dims, the same length as the first such tensor's), the rest as it is.
