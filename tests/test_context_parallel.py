@@ -30,6 +30,9 @@ def reference():
         ("alltoall", 4, {"tensor": 2, "zero_stage": 3}),
         ("ring", 4, {"pipeline": 2}),
         ("alltoall", 4, {"pipeline": 2, "zero_stage": 1}),
+        ("ring", 2, {"ac_policy": "full", "zero_stage": 3, "offload": "cpu"}),
+        ("alltoall", 2, {"ac_policy": "selective", "offload": "cpu", "zero_stage": 1}),
+        ("ring", 2, {"zero_stage": 3, "offload": "cpu", "offload_params": True}),
     ],
 )
 def test_context_parallel_gpt_matches_one_process(reference, scheme, world, options):
@@ -43,6 +46,8 @@ def test_context_parallel_gpt_matches_one_process(reference, scheme, world, opti
     ranks = run_world(fit_gpt_ranks, world, run)
     assert_same_run(ranks[0], reference)
     assert rank_state_mismatches(ranks, reference) == []
+    summary = ranks[0]["summary"]  # FLOPs of a token at the whole sequence's length
+    assert summary["flops_per_token"] == pytest.approx(reference["summary"]["flops_per_token"])
 
 
 @pytest.mark.parametrize("arch", ["hf_llama", "hf_gpt2"])

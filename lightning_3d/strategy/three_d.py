@@ -160,6 +160,12 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         return self.device_mesh.get_local_rank(MeshAxis.DATA.value)
 
     @property
+    def context_size(self) -> int:
+        """Ranks each sequence is split over (``context``): a batch on a rank holds 1/this of
+        every sequence's tokens."""
+        return self.layout.context
+
+    @property
     @override
     def root_device(self) -> torch.device:
         if self.parallel_devices is None:
