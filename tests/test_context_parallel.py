@@ -64,3 +64,32 @@ def test_hugging_face_decoders_through_the_attention_interface(arch, scheme):
     )
     assert_same_run(ranks[0], reference)
     assert rank_state_mismatches(ranks, reference) == []
+
+
+@pytest.mark.parametrize("checkpoint_format", ["consolidated", "sharded"])
+def test_a_checkpoint_resumes_under_another_context(tmp_path, checkpoint_format):
+    """Checkpoints hold whole tensors by the names one process has: three steps at cp=2 (ZeRO-1),
+    saved, then three more at cp=4 (ZeRO-3) equal six steps on one process."""
+    straight = fit_gpt(0, Run(steps=6))
+    first = run_world(
+        fit_gpt,
+        2,
+        Run(
+            strategy={"context": 2, "zero_stage": 1, "checkpoint_format": checkpoint_format},
+            devices=2,
+            steps=3,
+            save_to=str(tmp_path / "run.ckpt"),
+            save_every_n_steps=1,
+        ),
+    )[0]
+    second = run_world(
+        fit_gpt,
+        4,
+        Run(
+            strategy={"context": 4, "zero_stage": 3, "checkpoint_format": checkpoint_format},
+            devices=4,
+            steps=6,
+            resume_from=str(tmp_path / "run-step=3.ckpt"),
+        ),
+    )[0]
+    assert_same_run({**second, "losses": first["losses"] + second["losses"]}, straight)
