@@ -50,18 +50,28 @@ def test_context_parallel_gpt_matches_one_process(reference, scheme, world, opti
     assert summary["flops_per_token"] == pytest.approx(reference["summary"]["flops_per_token"])
 
 
-@pytest.mark.parametrize("arch", ["hf_llama", "hf_gpt2"])
-@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
-def test_hugging_face_decoders_through_the_attention_interface(arch, scheme):
+@pytest.mark.parametrize(
+    "arch, scheme, world, options",
+    [
+        ("hf_llama", "ring", 2, {}),
+        ("hf_llama", "alltoall", 2, {}),
+        ("hf_gpt2", "ring", 2, {}),
+        ("hf_gpt2", "alltoall", 2, {}),
+        ("hf_llama", "ring", 4, {}),
+        ("hf_gpt2", "alltoall", 4, {"zero_stage": 3}),
+        ("hf_llama", "ring", 4, {"tensor": 2}),
+        ("hf_gpt2", "alltoall", 4, {"tensor": 2, "zero_stage": 1}),
+    ],
+)
+def test_hugging_face_decoders_through_the_attention_interface(arch, scheme, world, options):
     """A Llama-style (rotary, grouped-query) and a GPT-2-style (learned positions, tied head)
     ``transformers`` model: attention routed by a registered attention function, positions
     passed as ``position_ids``. Catches: rotary angles of positions 0..T/cp-1, the model's own
     sdpa still running on local tokens (a mask of the wrong size, or none across ranks)."""
     reference = fit_gpt(0, Run(arch=arch, steps=STEPS, trainer=CLIP))
-    strategy = {"context": 2, "context_scheme": scheme}
-    ranks = run_world(
-        fit_gpt_ranks, 2, Run(arch=arch, strategy=strategy, devices=2, steps=STEPS, trainer=CLIP)
-    )
+    strategy = {"context": world // options.get("tensor", 1), "context_scheme": scheme, **options}
+    run = Run(arch=arch, strategy=strategy, devices=world, steps=STEPS, trainer=CLIP)
+    ranks = run_world(fit_gpt_ranks, world, run)
     assert_same_run(ranks[0], reference)
     assert rank_state_mismatches(ranks, reference) == []
 
