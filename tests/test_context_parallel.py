@@ -103,3 +103,17 @@ def test_a_checkpoint_resumes_under_another_context(tmp_path, checkpoint_format)
         ),
     )[0]
     assert_same_run({**second, "losses": first["losses"] + second["losses"]}, straight)
+
+
+def test_validation_test_and_predictions_mean_what_they_mean_on_one_process():
+    """Validation and test losses are whole-sequence token means; predictions come back as whole
+    sequences (each rank predicts its own tokens, gathered over the context ranks)."""
+    import torch
+
+    reference = fit_gpt(0, Run(steps=2, validate=True))
+    run = Run(strategy={"context": 2}, devices=2, steps=2, validate=True)
+    result = run_world(fit_gpt, 2, run)[0]
+    for split in ("val", "test"):
+        for key, value in reference[split].items():
+            assert result[split][key] == pytest.approx(value, rel=1e-5), (split, key)
+    assert torch.equal(result["predictions"], reference["predictions"])

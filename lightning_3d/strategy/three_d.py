@@ -357,7 +357,13 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().predict_step, args, kwargs, plain=False)
+        output = self._evaluation_step(super().predict_step, args, kwargs, plain=False)
+        if self.layout.context > 1 and isinstance(output, Tensor) and output.dim() > 1:
+            # Context parallelism: this rank's tokens back into whole sequences.
+            from lightning_3d.parallel.context.chunks import gather_sequence
+
+            output = gather_sequence(output, self.device_mesh.get_group(MeshAxis.CONTEXT.value))
+        return output
 
     def _evaluation_step(
         self, step: Callable, args: tuple, kwargs: dict, plain: bool = True

@@ -9,6 +9,8 @@ tokens: rank 0 holds positions 0 1 6 7, rank 1 holds 2 3 4 5.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -55,3 +57,13 @@ def unshard_sequence(shards: list[Tensor], dim: int = 1) -> Tensor:
     pieces = [piece for shard in shards for piece in shard.chunk(2, dim=dim)]
     order = natural_order(size)
     return torch.cat([pieces[order.index(c)] for c in range(2 * size)], dim=dim)
+
+
+def gather_sequence(local: Tensor, group: Any, dim: int = 1) -> Tensor:
+    """The whole sequence on every rank of ``group`` from each rank's :func:`shard_sequence`
+    (not differentiable: for outputs such as predictions)."""
+    import torch.distributed as dist
+
+    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(shards, local.contiguous(), group=group)
+    return unshard_sequence(shards, dim)
