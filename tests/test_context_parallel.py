@@ -61,6 +61,8 @@ def test_context_parallel_gpt_matches_one_process(reference, scheme, world, opti
         ("hf_gpt2", "alltoall", 4, {"zero_stage": 3}),
         ("hf_llama", "ring", 4, {"tensor": 2}),
         ("hf_gpt2", "alltoall", 4, {"tensor": 2, "zero_stage": 1}),
+        ("hf_llama", "ring", 4, {"pipeline": 2}),
+        ("hf_gpt2", "alltoall", 4, {"pipeline": 2, "zero_stage": 3}),
     ],
 )
 def test_hugging_face_decoders_through_the_attention_interface(arch, scheme, world, options):
@@ -69,7 +71,8 @@ def test_hugging_face_decoders_through_the_attention_interface(arch, scheme, wor
     passed as ``position_ids``. Catches: rotary angles of positions 0..T/cp-1, the model's own
     sdpa still running on local tokens (a mask of the wrong size, or none across ranks)."""
     reference = fit_gpt(0, Run(arch=arch, steps=STEPS, trainer=CLIP))
-    strategy = {"context": world // options.get("tensor", 1), "context_scheme": scheme, **options}
+    others = options.get("tensor", 1) * options.get("pipeline", 1)
+    strategy = {"context": world // others, "context_scheme": scheme, **options}
     run = Run(arch=arch, strategy=strategy, devices=world, steps=STEPS, trainer=CLIP)
     ranks = run_world(fit_gpt_ranks, world, run)
     assert_same_run(ranks[0], reference)

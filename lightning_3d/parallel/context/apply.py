@@ -57,19 +57,14 @@ def context_problems(
 ) -> list[str]:
     """What keeps ``module`` (built on ``meta`` is enough) from running with ``context=size`` by
     ``scheme`` beside ``tensor`` and ``pipeline``: no attention to route, attention the kernels
-    cannot compute (dropout, sliding windows, soft-capping), heads that all-to-all cannot split,
-    a Hugging Face model split into pipeline stages (whose stages compute positions from 0)."""
+    cannot compute (dropout, sliding windows, soft-capping), heads that all-to-all cannot split.
+    ``pipeline`` is for the callers' symmetry: every pipeline composes."""
     from lightning_3d.parallel.context.hf import hf_problems, is_hf_model
 
     hf = next((m for m in module.modules() if is_hf_model(m)), None)
     if hf is not None:
         problems = hf_problems(hf)
         heads = [hf.config.num_attention_heads]
-        if pipeline > 1:
-            problems.append(
-                f"{type(hf).__name__} with context={size} and pipeline={pipeline}: the Hugging "
-                f"Face pipeline stages compute positions from 0; use pipeline=1"
-            )
     else:
         layers = [(name, sub) for name, sub in module.named_modules() if hasattr(sub, ATTR)]
         if not layers:

@@ -79,6 +79,8 @@ def route_hf_attention(model: nn.Module, attend: Any) -> list[str]:
         raise ValueError("; ".join(problems))
     AttentionInterface.register(IMPLEMENTATION, attention_forward)
     model.set_attn_implementation(IMPLEMENTATION)
+    # Pipeline stages call the model themselves (models/hf_pipeline.py): the positions to pass.
+    model.context_shard = attend
     routed = []
     for name, sub in model.named_modules():
         # The modules that call the interface: those holding the model's config and a layer index.
