@@ -40,3 +40,14 @@ def test_kernel_matches_full_causal_attention(scheme, world):
     results = run_world(kernel_against_full_attention, world, scheme, (2, 4, 8 * world, 8), 2)
     for rank, errors in enumerate(results):
         assert max(errors.values()) < 1e-5, (rank, errors)
+
+
+def test_a_batch_keeps_this_ranks_tokens_of_its_sequence_tensors():
+    from lightning_3d.parallel.context.apply import shard_batch
+
+    ids, lengths = torch.arange(16).view(2, 8), torch.tensor([8, 8])
+    x, y, n = shard_batch((ids, ids + 1, lengths), 1, 2)
+    assert x.tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]] and y[0, 0] == 3
+    assert n is lengths  # no sequence dim: as it was
+    with pytest.raises(ValueError, match=r"got a dict batch with keys \['input_ids', 'labels'\]"):
+        shard_batch({"input_ids": ids, "labels": ids}, 0, 2)
