@@ -33,6 +33,7 @@ def reference():
         ("ring", 2, {"ac_policy": "full", "zero_stage": 3, "offload": "cpu"}),
         ("alltoall", 2, {"ac_policy": "selective", "offload": "cpu", "zero_stage": 1}),
         ("ring", 2, {"zero_stage": 3, "offload": "cpu", "offload_params": True}),
+        ("alltoall", 2, {"zero_stage": 2, "offload": "nvme", "offload_path": "/tmp"}),
     ],
 )
 def test_context_parallel_gpt_matches_one_process(reference, scheme, world, options):
