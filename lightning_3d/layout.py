@@ -73,6 +73,12 @@ class Layout:
         if problems:
             raise ValueError("invalid parallel layout: " + "; ".join(problems))
 
+    def __repr__(self) -> str:
+        # Failure reports name the layout: context only where it is used.
+        names = ("data", "tensor", "pipeline", "zero_stage")
+        names += ("context",) if self.context != 1 else ()
+        return f"Layout({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
+
     def resolve(self, world_size: int) -> Layout:
         """Return a copy with ``data`` filled in, checking that the axes tile ``world_size``."""
         model_parallel = self.tensor * self.pipeline * self.context

@@ -226,6 +226,11 @@ def test_context_takes_its_share_of_the_world():
         Layout(data=2, context=2).resolve(8)
 
 
+def test_the_layout_names_context_only_where_it_is_used():
+    assert repr(Layout(tensor=2)) == "Layout(data='auto', tensor=2, pipeline=1, zero_stage=0)"
+    assert repr(Layout(context=2)).endswith("zero_stage=0, context=2)")
+
+
 @pytest.mark.parametrize("value", [0, -2, 1.5, "2", None, True])
 def test_bad_context_size(value):
     with pytest.raises(ValueError, match=re.escape(f"context={value!r}")):
