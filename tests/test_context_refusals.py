@@ -1,6 +1,7 @@
 """What context parallelism refuses before any rank starts, each in one line naming the values:
 in the plan (options it does not combine with), against the model built on meta (attention it
-cannot route or split), and through the app (a sequence not divisible by 2 × context)."""
+cannot route or split), and through the app (a sequence not divisible by 2 × context); and the
+app's own run at context=2, which must give the losses of one process."""
 
 from pathlib import Path
 
@@ -74,3 +75,27 @@ def test_the_app_refuses_a_sequence_not_divisible_by_twice_context(tmp_path):
     assert done.returncode == 2 and len(errors) == 1, done.stderr[-3000:]
     assert "data.block_size=30 is not divisible by 2 × context = 4" in errors[0]
     assert "Traceback" not in done.stderr
+
+
+def test_the_app_trains_with_the_losses_of_one_process(tmp_path):
+    """``python examples/train.py parallelism.context=2 trainer.devices=2 data.block_size=32``
+    against the same command on one process: the summary's losses, step by step."""
+    import json
+
+    args = ["model=gpt_tiny", "data.max_bytes=200000", "trainer.max_steps=4", "data.block_size=32"]
+    runs = {
+        "cp2": [*args, "trainer.devices=2", "parallelism.context=2"],
+        "one": [*args, "trainer.devices=1"],
+    }
+    procs = {
+        name: start_app(
+            REPO / "examples" / "train.py", [*extra, f"hydra.run.dir={tmp_path / name}"], tmp_path
+        )
+        for name, extra in runs.items()
+    }
+    done = wait_all(procs, timeout=600)
+    for name, proc in done.items():
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+    summaries = {name: json.loads((tmp_path / name / "summary.json").read_text()) for name in runs}
+    assert summaries["cp2"]["layout"]["context"] == 2
+    assert summaries["cp2"]["losses"] == pytest.approx(summaries["one"]["losses"], rel=1e-5)
