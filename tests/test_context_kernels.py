@@ -51,3 +51,10 @@ def test_a_batch_keeps_this_ranks_tokens_of_its_sequence_tensors():
     assert n is lengths  # no sequence dim: as it was
     with pytest.raises(ValueError, match=r"got a dict batch with keys \['input_ids', 'labels'\]"):
         shard_batch({"input_ids": ids, "labels": ids}, 0, 2)
+
+
+@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
+def test_kernels_keep_bf16_inputs_in_bf16(scheme):
+    from support.context_worlds import bf16_kernel_runs
+
+    assert max(run_world(bf16_kernel_runs, 2, scheme)) < 0.05  # bf16 rounding of the inputs

@@ -42,3 +42,17 @@ def kernel_against_full_attention(rank: int, scheme: str, shape: tuple, kv_heads
         errors[name] = (local.grad - shard_sequence(whole.grad, rank, size, dim=2)).abs().max()
         errors[name] = errors[name].item()
     return errors
+
+
+def bf16_kernel_runs(rank: int, scheme: str) -> float:
+    """The kernel on bf16 inputs: outputs and gradients in bf16, close to fp32 attention."""
+    dist.init_process_group("gloo")
+    size = dist.get_world_size()
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 8 * size, 8, generator=generator) for _ in range(3))
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    local = [shard_sequence(t, rank, size, dim=2).bfloat16().requires_grad_() for t in (q, k, v)]
+    out = ContextAttention(dist.group.WORLD, scheme)(*local)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in local)
+    return (out.float() - shard_sequence(full, rank, size, dim=2)).abs().max().item()

@@ -93,13 +93,14 @@ class _RingAttention(torch.autograd.Function):
             if sending is not None:
                 kv = sending.wait()
         output = torch.cat(out, dim=2)
-        ctx.save_for_backward(q32, k, v, output, torch.cat(lse, dim=2))
+        ctx.save_for_backward(q, k, v, output, torch.cat(lse, dim=2))  # q as given: no fp32 copy
         ctx.group, ctx.scale, ctx.dtype = group, scale, dtype
         return output.to(dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
-        q32, k, v, output, lse = ctx.saved_tensors
+        q, k, v, output, lse = ctx.saved_tensors
+        q32 = q.float()
         group, scale = ctx.group, ctx.scale
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         grad = grad.float()
