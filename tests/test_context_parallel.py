@@ -121,3 +121,15 @@ def test_validation_test_and_predictions_mean_what_they_mean_on_one_process():
         for key, value in reference[split].items():
             assert result[split][key] == pytest.approx(value, rel=1e-5), (split, key)
     assert torch.equal(result["predictions"], reference["predictions"])
+
+
+@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
+def test_bf16_mixed_precision_follows_one_process(scheme):
+    """Under ``bf16-mixed`` the kernels run inside autocast: losses within bf16's rounding of one
+    process's (a wrong mask or position moves them by far more)."""
+    trainer = {"precision": "bf16-mixed"}
+    reference = fit_gpt(0, Run(steps=STEPS, trainer=trainer))
+    strategy = {"context": 2, "context_scheme": scheme}
+    run = Run(strategy=strategy, devices=2, steps=STEPS, trainer=trainer)
+    losses = run_world(fit_gpt, 2, run)[0]["losses"]
+    assert losses == pytest.approx(reference["losses"], rel=1e-4)
