@@ -126,7 +126,8 @@ def test_validation_test_and_predictions_mean_what_they_mean_on_one_process():
 @pytest.mark.parametrize("scheme", ["ring", "alltoall"])
 def test_bf16_mixed_precision_follows_one_process(scheme):
     """Under ``bf16-mixed`` the kernels run inside autocast: losses within bf16's rounding of one
-    process's (a wrong mask or position moves them by far more)."""
+    process's (a wrong causal mask, or a loss averaged over one rank's tokens, moves them by far
+    more; the fp32 tests above are the ones fine enough for positions)."""
     trainer = {"precision": "bf16-mixed"}
     reference = fit_gpt(0, Run(steps=STEPS, trainer=trainer))
     strategy = {"context": 2, "context_scheme": scheme}
