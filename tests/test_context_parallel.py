@@ -37,9 +37,10 @@ def reference():
     ],
 )
 def test_context_parallel_gpt_matches_one_process(reference, scheme, world, options):
-    """Catches: positions 0..T/cp-1 on every rank instead of the true ones, a loss averaged over
-    one rank's tokens, gradients reduced over data only (cp ranks' weights drift apart), a batch
-    split that is not the one the attention kernels assume."""
+    """Catches: positions 0..T/cp-1 on every rank instead of the true ones, a logged loss that is
+    one rank's tokens' mean (the gradients would not show it: the ranks' equal token counts make
+    the average of their means the whole mean), gradients reduced over data only (cp ranks'
+    weights drift apart), a batch split that is not the one the attention kernels assume."""
     others = options.get("data", 1) * options.get("tensor", 1) * options.get("pipeline", 1)
     context = world // others
     strategy = {"context": context, "context_scheme": scheme, **options}
@@ -47,6 +48,9 @@ def test_context_parallel_gpt_matches_one_process(reference, scheme, world, opti
     ranks = run_world(fit_gpt_ranks, world, run)
     assert_same_run(ranks[0], reference)
     assert rank_state_mismatches(ranks, reference) == []
+    if "data" not in options:  # what self.log sees on every rank: the whole sequence's loss
+        for rank in ranks:
+            assert rank["local_losses"] == pytest.approx(reference["losses"], rel=1e-5)
     summary = ranks[0]["summary"]  # FLOPs of a token at the whole sequence's length
     assert summary["flops_per_token"] == pytest.approx(reference["summary"]["flops_per_token"])
 
@@ -126,8 +130,8 @@ def test_validation_test_and_predictions_mean_what_they_mean_on_one_process():
 @pytest.mark.parametrize("scheme", ["ring", "alltoall"])
 def test_bf16_mixed_precision_follows_one_process(scheme):
     """Under ``bf16-mixed`` the kernels run inside autocast: losses within bf16's rounding of one
-    process's (a wrong causal mask, or a loss averaged over one rank's tokens, moves them by far
-    more; the fp32 tests above are the ones fine enough for positions)."""
+    process's (a wrong causal mask moves them by far more; the fp32 tests above are the ones
+    fine enough for positions)."""
     trainer = {"precision": "bf16-mixed"}
     reference = fit_gpt(0, Run(steps=STEPS, trainer=trainer))
     strategy = {"context": 2, "context_scheme": scheme}
