@@ -2,8 +2,9 @@
 
 A :class:`Plan` is frozen data, one group per concern (layout, tensor parallelism, context
 parallelism, pipeline, ZeRO buckets, activation checkpointing, offload, saved-checkpoint format,
-process group, non-finite losses). It is validated whole when it is built, in the launching process, so a bad
-value fails with a ``ValueError`` naming it before any process, process group or file exists.
+process group, non-finite losses). It is validated whole when it is built, in the launching
+process, so a bad value fails with a ``ValueError`` naming it before any process, process group
+or file exists.
 
 :data:`OPTIONS` is the one table of option names: ``ThreeDStrategy(**options)``, the Hydra
 ``parallelism`` / ``offload`` schemas (:func:`hydra_schema`) and docs/options.md

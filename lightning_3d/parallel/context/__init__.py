@@ -20,7 +20,7 @@ SCHEMES = ("ring", "alltoall")
 
 
 def scheme_problems(scheme: object) -> list[str]:
-    """The ``context_scheme`` option's problems (an empty list when it is one of :data:`SCHEMES`)."""
+    """The ``context_scheme`` option's problems (none when it is one of :data:`SCHEMES`)."""
     if scheme in SCHEMES:
         return []
     return [f"context_scheme={scheme!r} must be one of {list(SCHEMES)}"]

@@ -30,7 +30,7 @@ def chunk_ids(rank: int, size: int) -> tuple[int, int]:
 
 
 def local_positions(length: int, rank: int, size: int, device=None) -> Tensor:
-    """Positions in the whole sequence of the ``length // size`` tokens ``rank`` holds, (T_local,)."""
+    """Where the ``length // size`` tokens ``rank`` holds sit in the sequence, (T_local,)."""
     check_sequence(length, size)
     chunk = length // (2 * size)
     return torch.cat(
