@@ -7,8 +7,8 @@ serves the CLI's table and ``parallelism=auto`` (:mod:`lightning_3d.strategy.aut
 Enumerated: ``data × context × tensor × pipeline = world`` (tensor innermost, kept inside a
 node and dividing the head count; pipeline dividing the block count; context, from
 ``PlannerOptions.context_sizes``, with the sequence divisible by twice its size), ZeRO stages,
-micro-batches (powers of two dividing the per-rank batch, at least ``pipeline`` for 1F1B as torch requires; without a
-pipeline they are gradient accumulation steps), schedules (the interleaved ones with each of
+micro-batches (powers of two dividing the per-rank batch, at least ``pipeline`` for 1F1B as
+torch requires; without a pipeline they are gradient accumulation steps), schedules (the interleaved ones with each of
 ``virtual_stages`` stages per rank), sequence parallelism (with ``tensor > 1``, where measured),
 activation checkpointing, offload (to host memory or NVMe, with ZeRO-3's parameters or without)
 and the fine-tune method (``PlannerOptions.adapters``: full, LoRA, QLoRA; adapters without
