@@ -4,16 +4,16 @@
 ones first, fastest first; then the rejected ones, each with one reason). The same function
 serves the CLI's table and ``parallelism=auto`` (:mod:`lightning_3d.strategy.auto`).
 
-Enumerated: ``data × context × tensor × pipeline = world`` (tensor innermost, kept inside a
-node and dividing the head count; pipeline dividing the block count; context, from
+Enumerated: ``data × context × tensor × pipeline = world`` (tensor innermost, kept inside a node
+and dividing the head count; pipeline dividing the block count; context, from
 ``PlannerOptions.context_sizes``, with the sequence divisible by twice its size), ZeRO stages,
 micro-batches (powers of two dividing the per-rank batch, at least ``pipeline`` for 1F1B as
-torch requires; without a pipeline they are gradient accumulation steps), schedules (the interleaved ones with each of
-``virtual_stages`` stages per rank), sequence parallelism (with ``tensor > 1``, where measured),
-activation checkpointing, offload (to host memory or NVMe, with ZeRO-3's parameters or without)
-and the fine-tune method (``PlannerOptions.adapters``: full, LoRA, QLoRA; adapters without
-sequence parallelism, which the project refuses for them; QLoRA's own refusals asked of
-:func:`lightning_3d.adapters.qlora.refuse_qlora_plan`).
+torch requires; without a pipeline they are gradient accumulation steps), schedules (the
+interleaved ones with each of ``virtual_stages`` stages per rank), sequence parallelism (with
+``tensor > 1``, where measured), activation checkpointing, offload (to host memory or NVMe, with
+ZeRO-3's parameters or without) and the fine-tune method (``PlannerOptions.adapters``: full,
+LoRA, QLoRA; adapters without sequence parallelism, which the project refuses for them; QLoRA's
+own refusals asked of :func:`lightning_3d.adapters.qlora.refuse_qlora_plan`).
 Every candidate is built as a :class:`~lightning_3d.options.Plan` (``Plan.from_options``), and,
 given ``check`` (:func:`lightning_3d.parallel.model_check.check` bound to the model on ``meta``), checked
 against the model's shapes; their ``ValueError`` is the rejection's reason. A split that is
