@@ -1,12 +1,15 @@
-"""The process layout: how a world of ranks is cut into pipeline × data × tensor groups.
+"""The process layout: how a world of ranks is cut into pipeline × data × context × tensor
+groups.
 
 A :class:`Layout` is pure data, validated before any process group exists, so bad input fails
 in the launching process with a sentence that names every value involved. :func:`build_mesh`
-turns a resolved layout into a ``DeviceMesh`` with axes ``("pp", "dp", "tp")``.
+turns a resolved layout into a ``DeviceMesh`` with axes ``("pp", "dp", "cp", "tp")`` (the
+context axis has size 1 unless ``context`` > 1).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING, Union
@@ -19,12 +22,14 @@ class MeshAxis(str, Enum):
     """Mesh axis names, outermost first.
 
     Tensor parallelism is innermost because it talks on every layer (twice per block), so its
-    ranks should be neighbours (same node, fastest links); pipeline is outermost because it only
+    ranks should be neighbours (same node, fastest links); context parallelism next, since it
+    talks once per attention (k/v blocks or an all-to-all); pipeline is outermost because it only
     sends activations at stage boundaries.
     """
 
     PIPELINE = "pp"
     DATA = "dp"
+    CONTEXT = "cp"
     TENSOR = "tp"
 
 
@@ -36,9 +41,11 @@ SizeSpec = Union[int, str]
 
 @dataclass(frozen=True)
 class Layout:
-    """Sizes of the three parallel axes and the ZeRO stage used on the data axis.
+    """Sizes of the parallel axes and the ZeRO stage used on the data axis.
 
-    ``data="auto"`` means ``world_size / (tensor * pipeline)``; :meth:`resolve` fills it in.
+    ``data="auto"`` means ``world_size / (tensor * pipeline * context)``; :meth:`resolve` fills
+    it in. ``context`` splits every sequence over that many ranks (context parallelism); ZeRO
+    then shards over data × context, the ranks that hold the same layers.
 
     Example::
 
@@ -50,11 +57,12 @@ class Layout:
     tensor: int = 1
     pipeline: int = 1
     zero_stage: int = 0
+    context: int = 1
 
     def __post_init__(self) -> None:
         # Validate what can be validated without knowing the world size.
         problems = []
-        for name in ("tensor", "pipeline"):
+        for name in ("tensor", "pipeline", "context"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 problems.append(f"{name}={value!r} must be a positive integer")
@@ -65,23 +73,37 @@ class Layout:
         if problems:
             raise ValueError("invalid parallel layout: " + "; ".join(problems))
 
+    def __repr__(self) -> str:
+        # Failure reports name the layout: context only where it is used.
+        names = ("data", "tensor", "pipeline", "zero_stage")
+        names += ("context",) if self.context != 1 else ()
+        return f"Layout({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
+
     def resolve(self, world_size: int) -> Layout:
         """Return a copy with ``data`` filled in, checking that the axes tile ``world_size``."""
-        model_parallel = self.tensor * self.pipeline
+        model_parallel = self.tensor * self.pipeline * self.context
         if self.data == "auto":
             if world_size % model_parallel:
                 raise ValueError(
-                    f"pipeline({self.pipeline}) * tensor({self.tensor}) = {model_parallel} "
+                    f"{self._product(False)} = {model_parallel} "
                     f"does not divide world size {world_size}"
                 )
             return replace(self, data=world_size // model_parallel)
         product = self.data * model_parallel
         if product != world_size:
             raise ValueError(
-                f"pipeline({self.pipeline}) * data({self.data}) * tensor({self.tensor}) = "
-                f"{product} does not equal world size {world_size}"
+                f"{self._product(True)} = {product} does not equal world size {world_size}"
             )
         return self
+
+    def _product(self, with_data: bool) -> str:
+        """``pipeline(2) * data(2) * context(2) * tensor(2)``: the axes in mesh order (context
+        only when it is used)."""
+        sizes = [("pipeline", self.pipeline)]
+        sizes += [("data", self.data)] if with_data else []
+        sizes += [("context", self.context)] if self.context != 1 else []
+        sizes += [("tensor", self.tensor)]
+        return " * ".join(f"{name}({size})" for name, size in sizes)
 
     @property
     def is_resolved(self) -> bool:
@@ -91,25 +113,44 @@ class Layout:
     def world_size(self) -> int:
         if not self.is_resolved:
             raise RuntimeError("Layout.world_size is unknown until the layout is resolved")
-        return self.data * self.tensor * self.pipeline
+        return self.data * self.tensor * self.pipeline * self.context
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        """Mesh shape in ``MESH_AXES`` order: (pipeline, data, tensor)."""
-        return (self.pipeline, self.world_size // (self.tensor * self.pipeline), self.tensor)
+    def shape(self) -> tuple[int, int, int, int]:
+        """Mesh shape in ``MESH_AXES`` order: (pipeline, data, context, tensor)."""
+        if not self.is_resolved:
+            raise RuntimeError("Layout.shape is unknown until the layout is resolved")
+        return (self.pipeline, self.data, self.context, self.tensor)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
-    """Create the ``("pp", "dp", "tp")`` device mesh for a resolved layout.
+    """Create the ``("pp", "dp", "cp", "tp")`` device mesh for a resolved layout.
 
     Requires an initialised default process group whose size equals ``layout.world_size``.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_AXES)
+
+
+def shard_mesh(mesh: DeviceMesh, tensor: bool = False) -> DeviceMesh:
+    """The ranks that hold the same layers and split the batch between them, which ZeRO shards
+    over and gradients are averaged over: the data axis, or data × context flattened into one
+    axis ``"dp_cp"`` when the context axis is used (torchtitan's ``dp_shard_cp``: context ranks
+    see different tokens of the same samples, so their gradients are summed like the data
+    axis's). ``tensor=True``: that axis with the tensor axis after it, 2-D (ZeRO 0-2 buckets)."""
+    data, context, tensor_axis = MeshAxis.DATA.value, MeshAxis.CONTEXT.value, MeshAxis.TENSOR.value
+    if mesh.get_group(context).size() == 1:
+        return mesh[data, tensor_axis] if tensor else mesh[data]
+    flat = mesh[data, context]._flatten(f"{data}_{context}")  # cached: the same mesh each time
+    if not tensor:
+        return flat
+    with warnings.catch_warnings():  # slicing a flattened axis off the root: what it is for here
+        warnings.simplefilter("ignore", UserWarning)
+        return mesh[f"{data}_{context}", tensor_axis]
 
 
 def _is_int(value: object) -> bool:

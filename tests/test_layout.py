@@ -1,18 +1,26 @@
 """Unit tests of ``Layout`` (validation, resolution, shape) and ``build_mesh`` on a fake world."""
 
 import dataclasses
+import re
 
 import pytest
 import torch.distributed as dist
 
-from lightning_3d.layout import MESH_AXES, ZERO_STAGES, Layout, MeshAxis, build_mesh
+from lightning_3d.layout import (
+    MESH_AXES,
+    ZERO_STAGES,
+    Layout,
+    MeshAxis,
+    build_mesh,
+    shard_mesh,
+)
 from lightning_3d.parallel.fake_world import fake_world
 
 
 # ------------------------------------------------------------------ axes
-def test_mesh_axis_order_is_pp_dp_tp():
-    assert [axis.value for axis in MeshAxis] == ["pp", "dp", "tp"]
-    assert MESH_AXES == ("pp", "dp", "tp")
+def test_mesh_axis_order_is_pp_dp_cp_tp():
+    assert [axis.value for axis in MeshAxis] == ["pp", "dp", "cp", "tp"]
+    assert MESH_AXES == ("pp", "dp", "cp", "tp")
     assert MeshAxis.TENSOR == "tp"  # str enum: usable wherever a dim name is expected
     assert ZERO_STAGES == (0, 1, 2, 3)
 
@@ -148,15 +156,16 @@ def test_all_problems_reported_at_once():
 @pytest.mark.parametrize(
     "layout, shape",
     [
-        (Layout(data=8), (1, 8, 1)),
-        (Layout(data=2, tensor=2, pipeline=2), (2, 2, 2)),
-        (Layout(tensor=4, pipeline=2).resolve(16), (2, 2, 4)),
-        (Layout(tensor=2, pipeline=3).resolve(24), (3, 4, 2)),
+        (Layout(data=8), (1, 8, 1, 1)),
+        (Layout(data=2, tensor=2, pipeline=2), (2, 2, 1, 2)),
+        (Layout(tensor=4, pipeline=2).resolve(16), (2, 2, 1, 4)),
+        (Layout(tensor=2, pipeline=3).resolve(24), (3, 4, 1, 2)),
+        (Layout(tensor=2, context=2).resolve(16), (1, 4, 2, 2)),
     ],
 )
-def test_shape_is_pp_dp_tp(layout, shape):
+def test_shape_is_pp_dp_cp_tp(layout, shape):
     assert layout.shape == shape
-    assert shape[0] * shape[1] * shape[2] == layout.world_size
+    assert shape[0] * shape[1] * shape[2] * shape[3] == layout.world_size
 
 
 def test_unresolved_layout_has_no_world_size_or_shape():
@@ -172,6 +181,7 @@ def test_as_dict():
         "tensor": 2,
         "pipeline": 1,
         "zero_stage": 0,
+        "context": 1,
     }
 
 
@@ -181,12 +191,12 @@ def test_build_mesh_coordinates_tp_innermost(rank):
     layout = Layout(tensor=4, pipeline=4).resolve(64)
     with fake_world(rank, 64):
         mesh = build_mesh(layout, "cpu")
-        assert mesh.mesh_dim_names == ("pp", "dp", "tp")
-        assert tuple(mesh.shape) == (4, 4, 4)
-        expected = (rank // 16, (rank // 4) % 4, rank % 4)
+        assert mesh.mesh_dim_names == ("pp", "dp", "cp", "tp")
+        assert tuple(mesh.shape) == (4, 4, 1, 4)
+        expected = (rank // 16, (rank // 4) % 4, 0, rank % 4)
         assert tuple(mesh.get_coordinate()) == expected
         for axis, coordinate in zip(MESH_AXES, expected):
-            assert mesh[axis].size() == 4
+            assert mesh[axis].size() == (1 if axis == "cp" else 4)
             assert mesh[axis].get_local_rank() == coordinate
         # Tensor peers are consecutive ranks; pipeline peers are 16 apart.
         assert mesh["tp"].mesh.tolist() == [rank - rank % 4 + i for i in range(4)]
@@ -198,9 +208,55 @@ def test_build_mesh_uneven_axes():
     layout = Layout(tensor=2, pipeline=4).resolve(64)  # data = 8
     with fake_world(45, 64):
         mesh = build_mesh(layout, "cpu")
-        assert tuple(mesh.shape) == (4, 8, 2)
-        assert tuple(mesh.get_coordinate()) == (45 // 16, (45 // 2) % 8, 45 % 2)
+        assert tuple(mesh.shape) == (4, 8, 1, 2)
+        assert tuple(mesh.get_coordinate()) == (45 // 16, (45 // 2) % 8, 0, 45 % 2)
         assert mesh["dp"].size() == 8
+
+
+# ------------------------------------------------------------------ the context axis
+def test_context_takes_its_share_of_the_world():
+    assert Layout(context=2).resolve(8).data == 4
+    assert Layout(context=2, tensor=2, pipeline=2).resolve(8).data == 1
+    with pytest.raises(ValueError) as err:
+        Layout(context=4, tensor=2).resolve(12)
+    assert (
+        str(err.value) == "pipeline(1) * context(4) * tensor(2) = 8 does not divide world size 12"
+    )
+    with pytest.raises(ValueError, match=r"pipeline\(1\) \* data\(2\) \* context\(2\) \* "):
+        Layout(data=2, context=2).resolve(8)
+
+
+def test_the_layout_names_context_only_where_it_is_used():
+    assert repr(Layout(tensor=2)) == "Layout(data='auto', tensor=2, pipeline=1, zero_stage=0)"
+    assert repr(Layout(context=2)).endswith("zero_stage=0, context=2)")
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, "2", None, True])
+def test_bad_context_size(value):
+    with pytest.raises(ValueError, match=re.escape(f"context={value!r}")):
+        Layout(context=value)
+
+
+@pytest.mark.parametrize("rank", [0, 5, 6, 13])
+def test_context_is_between_data_and_tensor(rank):
+    # 16 ranks: pp 1, dp 2, cp 4, tp 2 -- context peers are tp apart; ZeRO's axis is dp x cp.
+    layout = Layout(tensor=2, context=4).resolve(16)
+    with fake_world(rank, 16):
+        mesh = build_mesh(layout, "cpu")
+        assert tuple(mesh.get_coordinate()) == (0, rank // 8, (rank // 2) % 4, rank % 2)
+        assert mesh["cp"].mesh.tolist() == [rank - rank % 8 + rank % 2 + 2 * i for i in range(4)]
+        shards = shard_mesh(mesh)
+        assert shards.size() == 8 and shards.get_local_rank() == rank // 2
+        assert shards.mesh.tolist() == [rank % 2 + 2 * i for i in range(8)]
+        assert shard_mesh(mesh, tensor=True).mesh.shape == (8, 2)
+        assert shard_mesh(mesh) is shards  # flattened once, then the same mesh
+
+
+def test_without_context_zero_shards_over_the_data_axis():
+    with fake_world(3, 8):
+        mesh = build_mesh(Layout(tensor=2).resolve(8), "cpu")
+        assert shard_mesh(mesh).mesh_dim_names == ("dp",)
+        assert shard_mesh(mesh, tensor=True).mesh_dim_names == ("dp", "tp")
 
 
 def test_fake_world_destroys_group_on_error():

@@ -94,11 +94,18 @@ def check_spec(spec: RunSpec, model: Any = None) -> Any:
         )
     if spec.data is not None and not unplanned:
         check_data_layout(spec.data, layout)
+        block_size = spec.data.get("block_size")
+        if layout.context > 1 and isinstance(block_size, int) and block_size % (2 * layout.context):
+            raise ValueError(
+                f"data.block_size={block_size} is not divisible by 2 × context = "
+                f"{2 * layout.context}: context parallelism cuts each sequence into that many "
+                "equal chunks"
+            )
     if spec.model is not None:
         check_target_keys(spec.model, "model")
         model_limits(spec.model)  # a Hugging Face model's directory or config, said as such
         model = model if model is not None else model_on_meta(spec.model)
-        if model is not None and (layout.tensor > 1 or layout.pipeline > 1):
+        if model is not None and (layout.tensor > 1 or layout.pipeline > 1 or layout.context > 1):
             check(model, plan, spec.world)
         if model is not None and plan.offload.device == "nvme":
             _check_offload_room(model, plan)

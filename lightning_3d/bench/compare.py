@@ -13,7 +13,9 @@ Theory per row (E = 4 bytes per fp32 element, Ψ parameters, N data-parallel ran
   reduce-scatter): 3(N-1)/N·EΨ; tensor parallel (Megatron: per block two all-reduces forward and
   two backward, plus the vocab-parallel embedding forward and the head's input gradient):
   (4L+2)·2(t-1)/t·E·B·T·C; pipeline (each micro-batch's activation or its gradient crosses one
-  stage boundary): E·B·T·C per rank, plus the data-parallel term over Ψ_rank;
+  stage boundary): E·B·T·C per rank, plus the data-parallel term over Ψ_rank; context (c ranks,
+  n = B·T·C/c elements of each of q, k, v per layer): the data-parallel term over N = data × c,
+  plus per layer 2n(3c-2)·E (ring) or 8n(c-1)/c·E (all-to-all);
 - pipeline bubble: (p-1)/(m+p-1).
 """
 
@@ -52,8 +54,12 @@ class Row:
         return self.options.get("tensor", 1)
 
     @property
+    def context(self) -> int:
+        return self.options.get("context", 1)
+
+    @property
     def dp(self) -> int:
-        return self.world // (self.pipeline * self.tensor)
+        return self.world // (self.pipeline * self.tensor * self.context)
 
 
 ROWS: dict[str, Row] = {
@@ -63,6 +69,10 @@ ROWS: dict[str, Row] = {
     "3d_tp2": Row("lightning", "3d", 2, {"tensor": 2}),
     "3d_pp2": Row("lightning", "3d", 2, {"pipeline": 2, "schedule": "1f1b"}),
     "3d_pp2_dp2": Row("lightning", "3d", 4, {"pipeline": 2, "schedule": "1f1b"}),
+    **{
+        f"3d_cp2_{scheme}": Row("lightning", "3d", 2, {"context": 2, "context_scheme": scheme})
+        for scheme in ("ring", "alltoall")
+    },
     "lightning_fsdp": Row("lightning", "fsdp", 2, {}, 3),
     "lightning_mp": Row("lightning", "mp", 2, {}, 3),
     **{f"ds_zero{s}": Row("deepspeed", "zero", 2, {"zero_stage": s}, s) for s in (1, 2, 3)},
@@ -96,6 +106,13 @@ def check_settings(cfg: dict[str, Any]) -> None:
         if row.pipeline > model["n_layer"]:
             raise ValueError(
                 f"row {name}: pipeline ({row.pipeline}) exceeds n_layer ({model['n_layer']})"
+            )
+        if model["block_size"] % (2 * row.context) or (
+            row.options.get("context_scheme") == "alltoall" and model["n_head"] % row.context
+        ):
+            raise ValueError(
+                f"row {name}: context ({row.context}) needs block_size ({model['block_size']}) "
+                f"divisible by {2 * row.context} (all-to-all: n_head ({model['n_head']}) by it)"
             )
         if model["n_head"] % row.tensor or model["n_embd"] % row.tensor:
             raise ValueError(
@@ -227,13 +244,17 @@ def _rank_info(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def theory(name: str, cfg: dict[str, Any], psi: int, psi_rank: int) -> dict[str, float]:
     """Model-state bytes and bytes sent per step for one rank of a row, from the formulas above."""
     row, model = ROWS[name], cfg["model"]
-    n, t = row.dp, row.tensor
+    n, t = row.dp * row.context, row.tensor  # gradients are averaged over data × context
     uses_rank_psi = row.pipeline > 1 or t > 1
     memory = zero_formula_bytes(psi_rank if uses_rank_psi else psi, row.zero_stage, n)
     dp_psi = psi_rank if uses_rank_psi else psi
     dp_factor = 3 if row.zero_stage == 3 else 2
     sent = dp_factor * (n - 1) / n * E * dp_psi
-    btc = (cfg["data"]["batch_size"] // n) * model["block_size"] * model["n_embd"] * E
+    btc = (cfg["data"]["batch_size"] // row.dp) * model["block_size"] * model["n_embd"] * E
+    if row.context > 1:  # attention's exchanges: n = B·T/cp·C elements of each of q, k, v
+        c, qkv = row.context, btc / row.context
+        ring = row.options.get("context_scheme", "ring") == "ring"
+        sent += model["n_layer"] * (2 * qkv * (3 * c - 2) if ring else 8 * qkv * (c - 1) / c)
     if t > 1:
         sent += (4 * model["n_layer"] + 2) * 2 * (t - 1) / t * btc
     if row.pipeline > 1:
@@ -321,10 +342,14 @@ def formula(name: str) -> str:
     """The formulas behind a row's theory columns, in words (state; bytes sent)."""
     row = ROWS[name]
     psi = "Ψ_rank" if row.pipeline > 1 or row.tensor > 1 else "Ψ"
-    state = f"ZeRO-{row.zero_stage}({psi}, N={row.dp})"
+    state = f"ZeRO-{row.zero_stage}({psi}, N={row.dp * row.context})"
     dp = {0: "AR 2(N-1)/N", 3: "AG+AG+RS 3(N-1)/N"}.get(
         row.zero_stage, "RS+AG 2(N-1)/N"
     ) + f"·E{psi}"
+    if row.context > 1:
+        scheme = row.options.get("context_scheme", "ring")
+        attention = "2n(3c-2)" if scheme == "ring" else "8n(c-1)/c"
+        return f"{state}; {dp} + L·{attention}·E, n=B·T·C/c"
     if row.tensor > 1:
         return f"{state}; (4L+2)·2(t-1)/t·E·BTC"
     if row.pipeline > 1:

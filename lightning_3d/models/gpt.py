@@ -91,7 +91,11 @@ class CausalSelfAttention(nn.Module):
         # Only head_dim is fixed; the number of heads is read off the
         # projection output so a column-sharded wq/wk/wv (local heads) works.
         self.head_dim = d // config.n_head
+        self.n_head = config.n_head  # of the whole layer, before any tensor split
         self.dropout = config.dropout if config.attn_dropout is None else config.attn_dropout
+        # Context parallelism sets this (parallel/context/apply.py): x then holds this rank's
+        # tokens of a sequence split over ranks, and attention runs across them.
+        self.context_attention: Optional[Any] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)  # (B, T, nh * hs) each
@@ -101,13 +105,16 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
-        )  # (B, nh, T, hs)
+        if self.context_attention is not None:
+            y = self.context_attention(q, k, v)  # (B, nh, T, hs): T of this rank's tokens
+        else:
+            y = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                dropout_p=self.dropout if self.training else 0.0,
+                is_causal=True,
+            )  # (B, nh, T, hs)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hs)
         return self.resid_drop(self.wo(y))
 
@@ -171,6 +178,9 @@ class GPT(nn.Module):
             # Deliberately not tied to tok_emb: tied weights would have to live
             # on both the first and the last pipeline stage.
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Context parallelism sets this (parallel/context/apply.py): the positions of this
+        # rank's tokens, which are not 0..T-1 when a sequence is split over ranks.
+        self.context_shard: Optional[Any] = None
         self.deferred_init: Optional[DeferredInit] = None
         if defer_init:
             self.deferred_init = DeferredInit.capture(self.parameter_inits())
@@ -216,6 +226,8 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Map token ids ``idx`` (B, T) to next-token logits (B, T, vocab)."""
         B, T = idx.shape
+        if self.context_shard is not None:  # idx: this rank's share of each sequence
+            T *= self.context_shard.size
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         x = self.embed(idx)  # (B, T, C)
@@ -226,7 +238,10 @@ class GPT(nn.Module):
     # embed / blocks / head: the three parts a pipeline splits across stages.
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) to the residual stream (B, T, C)."""
-        pos = torch.arange(idx.shape[1], device=idx.device)  # (T,)
+        if self.context_shard is not None:  # the true positions of this rank's tokens
+            pos = self.context_shard.positions(idx.shape[1], idx.device)  # (T,)
+        else:
+            pos = torch.arange(idx.shape[1], device=idx.device)  # (T,)
         return self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, C)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

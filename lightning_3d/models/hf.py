@@ -231,6 +231,9 @@ class HFCausalLM(pl.LightningModule):
         self.strict_loading = not self.adapter.enabled  # adapter checkpoints lack the base
         self.model.config.use_cache = False  # training: no key/value cache
         self.model.train()  # from_pretrained returns it in eval mode: dropout would be off
+        # Context parallelism sets this (parallel/context/apply.py): the positions of this rank's
+        # tokens, passed as position_ids (rotary and learned positions read them).
+        self.context_shard: Optional[Any] = None
         self.save_hyperparameters(ignore=["model"])
         self.val_loss = torchmetrics.MeanMetric()
         self.test_loss = torchmetrics.MeanMetric()
@@ -285,6 +288,9 @@ class HFCausalLM(pl.LightningModule):
         ``transformers`` keeps each one's attention to itself (``lightning_3d.data.chat_layout``)."""
         if getattr(self.model, "deferred_init", None) is not None and self._trainer is None:
             self.load_weights()  # used outside a Trainer: read the weights on the first call
+        if position_ids is None and self.context_shard is not None:
+            B, T = input_ids.shape  # this rank's tokens of each sequence
+            position_ids = self.context_shard.positions(T, input_ids.device).expand(B, T)
         return self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,

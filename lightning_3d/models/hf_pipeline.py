@@ -291,6 +291,10 @@ def run_stage(outer: nn.Module, layers_name: str, stage: Any, x: Any) -> Any:
     layers = outer.get_submodule(layers_name)
     keep = range(stage.block_ids[0], stage.block_ids[-1] + 1)
     kwargs: dict[str, Any] = {"use_cache": False}
+    shard = getattr(outer, "context_shard", None)  # context parallelism: x holds T/cp tokens
+    if shard is not None:
+        B, T = x.shape[0], x.shape[1]
+        kwargs["position_ids"] = shard.positions(T, x.device).expand(B, T)
     if stage.is_first:
         kwargs["input_ids"] = x
     else:

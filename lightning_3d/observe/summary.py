@@ -120,6 +120,7 @@ class RunSummary(Callback):
         # sync on an accelerator, so they are read together (see _read_losses), not every step.
         self._unread: list[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = []
         self._dp = 1  # data-parallel size, known at train start
+        self._cp = 1  # context-parallel size: a batch holds 1/cp of each sequence's tokens
         self.step_times: list[float] = []
         self.step_tokens: list[int] = []
         self.step_flops: list[float] = []  # global model FLOPs of each optimizer step
@@ -158,6 +159,7 @@ class RunSummary(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step
         self._dp = _dp_size(trainer)  # a device-mesh lookup: once, not per step
+        self._cp = getattr(trainer.strategy, "context_size", 1)
         # Once per fit, off the step: a collective under a pipeline (stages add up), on every rank.
         self._num_params = _count_parameters(trainer, pl_module)
         per_token, self._flops_formula = model_flops_per_token(pl_module, self._num_params)
@@ -248,10 +250,10 @@ class RunSummary(Callback):
             self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         ids = _token_ids(batch)
         if ids is not None:
-            tokens = ids.numel() * self._dp
+            tokens = ids.numel() * self._dp * self._cp
             self._tokens += tokens
             if self._per_token is not None and ids.dim() >= 1:
-                self._flops += tokens * self._per_token(ids.shape[-1])
+                self._flops += tokens * self._per_token(ids.shape[-1] * self._cp)
         if trainer.global_step == self._last_step:
             return  # still accumulating
         self._last_step = trainer.global_step

@@ -1,9 +1,10 @@
 """The plan: every option of ``ThreeDStrategy``, its name, default and check, in one place.
 
-A :class:`Plan` is frozen data, one group per concern (layout, tensor parallelism, pipeline,
-ZeRO buckets, activation checkpointing, offload, saved-checkpoint format, process group,
-non-finite losses). It is validated whole when it is built, in the launching process, so a bad
-value fails with a ``ValueError`` naming it before any process, process group or file exists.
+A :class:`Plan` is frozen data, one group per concern (layout, tensor parallelism, context
+parallelism, pipeline, ZeRO buckets, activation checkpointing, offload, saved-checkpoint format,
+process group, non-finite losses). It is validated whole when it is built, in the launching
+process, so a bad value fails with a ``ValueError`` naming it before any process, process group
+or file exists.
 
 :data:`OPTIONS` is the one table of option names: ``ThreeDStrategy(**options)``, the Hydra
 ``parallelism`` / ``offload`` schemas (:func:`hydra_schema`) and docs/options.md
@@ -29,6 +30,7 @@ from lightning_3d.offload.optimizer import DEFAULT_CHUNK_BYTES
 from lightning_3d.offload.options import offload_options
 from lightning_3d.parallel.activation_checkpoint import DEFAULT_EVERY_N, ac_options
 from lightning_3d.parallel.compile import check_backend
+from lightning_3d.parallel.context import scheme_problems
 from lightning_3d.parallel.pipeline import pipeline_options
 from lightning_3d.runtime.nonfinite import NonFiniteOptions
 
@@ -43,6 +45,11 @@ class TensorParallelOptions:
         None  # {module-name pattern: style}; None: recognise the model
     )
     sequence_parallel: bool = False
+
+
+@dataclass(frozen=True)
+class ContextParallelOptions:
+    scheme: str = "ring"  # "ring" (k/v passed round the cp ranks) or "alltoall" (Ulysses)
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,7 @@ _GROUP_DEFAULTS = {
     for group, cls in (
         ("layout", Layout),
         ("tp", TensorParallelOptions),
+        ("cp", ContextParallelOptions),
         ("pp", PipelineOptions),
         ("zero", ZeroOptions),
         ("ac", ActivationCheckpointOptions),
@@ -183,11 +191,25 @@ OPTIONS: tuple[Option, ...] = (
         "data",
         "layout",
         "data",
-        "data-parallel size, or `auto` = world size / (tensor × pipeline)",
+        "data-parallel size, or `auto` = world size / (tensor × pipeline × context)",
         hydra_type=Any,
     ),
     Option("tensor", "layout", "tensor", "tensor-parallel size (Megatron-style layer splitting)"),
     Option("pipeline", "layout", "pipeline", "pipeline-parallel size (layers split into stages)"),
+    Option(
+        "context",
+        "layout",
+        "context",
+        "context-parallel size: each sequence split over this many ranks "
+        "(docs/context-parallelism.md)",
+    ),
+    Option(
+        "context_scheme",
+        "cp",
+        "scheme",
+        "with context > 1: attention across the ranks by `ring` (k/v passed round) or "
+        "`alltoall` (Ulysses: heads exchanged for sequence)",
+    ),
     Option(
         "zero_stage",
         "layout",
@@ -367,6 +389,7 @@ class Plan:
 
     layout: Layout = field(default_factory=Layout)
     tp: TensorParallelOptions = field(default_factory=TensorParallelOptions)
+    cp: ContextParallelOptions = field(default_factory=ContextParallelOptions)
     pp: PipelineOptions = field(default_factory=PipelineOptions)
     zero: ZeroOptions = field(default_factory=ZeroOptions)
     ac: ActivationCheckpointOptions = field(default_factory=ActivationCheckpointOptions)
@@ -497,6 +520,18 @@ def _checked(plan: Plan) -> Plan:
         problems.append(
             f"timeout_s must be a positive number of seconds, got {plan.dist.timeout_s!r}"
         )
+    problems += scheme_problems(plan.cp.scheme)
+    if layout.context > 1:  # what context parallelism has not been made to work beside
+        unsupported = {
+            "sequence_parallel": plan.tp.sequence_parallel is True,
+            "compile": plan.compile.enabled is True,
+            "auto": plan.auto.enabled is True,  # the layout planner does not model the axis
+        }
+        problems += [
+            f"context={layout.context} cannot be combined with {name}=True"
+            for name, used in unsupported.items()
+            if used
+        ]
     problems += plan.nonfinite.problems()
     problems += plan.replicas.problems()
     if problems:

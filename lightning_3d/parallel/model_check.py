@@ -29,8 +29,8 @@ def pipeline_spec(module: nn.Module) -> Any:
 def check(module: nn.Module, plan: Plan, world_size: int) -> None:
     """Check ``plan`` against a model built on ``meta`` (shapes and names only, no memory, no
     process group): the layout tiles the world, the tensor-parallel plan fits the shapes and
-    splits tied weights alike, the pipeline split has enough blocks and valid split points.
-    ``ValueError`` naming the problem."""
+    splits tied weights alike, the pipeline split has enough blocks and valid split points,
+    context parallelism can route the model's attention. ``ValueError`` naming the problem."""
     layout = plan.layout.resolve(world_size)
     check_qlora_plan(module, plan, layout.data)
     if layout.tensor > 1:
@@ -43,3 +43,11 @@ def check(module: nn.Module, plan: Plan, world_size: int) -> None:
         plan_stages(module, spec, layout.pipeline * virtual, plan.pp.split, virtual)
         if spec.check is not None:
             spec.check()
+    if layout.context > 1:
+        from lightning_3d.parallel.context.apply import context_problems
+
+        problems = context_problems(
+            module, plan.cp.scheme, layout.context, layout.tensor, layout.pipeline
+        )
+        if problems:
+            raise ValueError("; ".join(problems))

@@ -46,6 +46,8 @@ class Choice:
     adapter: str = (
         "none"  # one of ADAPTERS: the model's option (HFCausalLM(adapter=...)), not the strategy's
     )
+    context: int = 1  # ranks each sequence is split over (context parallelism)
+    context_scheme: str = "ring"  # with context > 1: "ring" or "alltoall"
 
     @property
     def offload_device(self) -> str:
@@ -58,7 +60,7 @@ class Choice:
 
     @property
     def world_size(self) -> int:
-        return self.data * self.tensor * self.pipeline
+        return self.data * self.tensor * self.pipeline * self.context
 
     @property
     def micro_batch_size(self) -> int:
@@ -81,6 +83,8 @@ class Choice:
                 out["virtual_stages"] = self.virtual_stages
         if self.sequence_parallel:
             out["sequence_parallel"] = True
+        if self.context > 1:
+            out.update(context=self.context, context_scheme=self.context_scheme)
         return out
 
     def trainer_options(self) -> dict[str, Any]:
@@ -101,8 +105,10 @@ class Choice:
             sched += f" v={self.virtual_stages}"
         sp = " sp" if self.sequence_parallel else ""
         method = f"{self.adapter} " if self.adapter != "none" else ""
+        cp = f" cp={self.context} {self.context_scheme}" if self.context > 1 else ""
         return (
-            f"{method}dp={self.data} tp={self.tensor}{sp} pp={self.pipeline} zero={self.zero_stage} "
+            f"{method}dp={self.data}{cp} tp={self.tensor}{sp} pp={self.pipeline} "
+            f"zero={self.zero_stage} "
             f"{sched} mb={self.micro_batch_size} ac={self.ac_policy} offload={self.offload}"
         )
 
@@ -147,7 +153,9 @@ class PlannerOptions:
     ``none`` trains every weight; ``lora`` / ``qlora`` adapters of rank ``lora_r`` on every
     linear projection of the blocks, :mod:`lightning_3d.planner.methods`). QLoRA layouts with
     tensor parallelism are refused as the project refuses them; adapters are not tried with
-    sequence parallelism (the project refuses that pair too).
+    sequence parallelism (the project refuses that pair too). ``context_sizes``: the context
+    (sequence-splitting) sizes tried, ``(1,)`` by default; with larger ones a sequence whose
+    activations fit no layout is split over ranks (all-to-all where the heads divide, else ring).
     """
 
     batch_size: Optional[int] = None
@@ -176,6 +184,9 @@ class PlannerOptions:
     max_micro_batches: int = 64
     adapters: tuple[str, ...] = ("none",)  # what parallelism=auto plans: the run's own method
     lora_r: int = 8  # rank of every adapter (peft's r)
+    context_sizes: tuple[int, ...] = (
+        1,
+    )  # context-parallel sizes tried (docs/context-parallelism.md)
 
     def __post_init__(self) -> None:
         problems = []
@@ -248,6 +259,13 @@ class PlannerOptions:
             )
         if not isinstance(self.lora_r, int) or isinstance(self.lora_r, bool) or self.lora_r < 1:
             problems.append(f"lora_r={self.lora_r!r} must be a positive integer")
+        contexts = tuple(self.context_sizes)
+        if not contexts or any(
+            not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in contexts
+        ):
+            problems.append(
+                f"context_sizes={list(contexts)!r} must be a non-empty list of positive integers"
+            )
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel={self.sequence_parallel!r} must be true or false")
         if problems:
@@ -259,6 +277,7 @@ class PlannerOptions:
             "schedules",
             "virtual_stages",
             "adapters",
+            "context_sizes",
         ):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 

@@ -22,6 +22,7 @@ first on rank 0 and the last on rank ``p − 1``. Offload to ``nvme`` keeps Adam
 drive (``MemorySplit.disk``) and in host memory only its streaming window.
 
 Activations: the measured bytes per block per sample (:mod:`lightning_3d.planner.activations`)
+at this rank's share of the sequence (``seq_len / context``)
 × the blocks of a chunk (a rank's blocks over its ``virtual_stages``) × the micro-batch size ×
 the chunks in flight at the peak (:func:`lightning_3d.planner.schedule.in_flight_chunks`: no
 pipeline one; GPipe all ``m``; 1F1B ``min(m, p − r)`` on rank ``r``; the interleaved schedules
@@ -138,7 +139,8 @@ def model_state(
     buckets evenly; ZeRO-3 chunks each parameter's dim 0 (:meth:`Part.sharded`: rank 0, the
     default, holds the most), the frozen base's like the rest."""
     p_b, g_b, o_b, _ = facts.bytes
-    dp, z, tp = choice.data, choice.zero_stage, choice.tensor
+    # ZeRO shards over data × context: those ranks hold the same layers.
+    dp, z, tp = choice.data * choice.context, choice.zero_stage, choice.tensor
 
     def held(p: Part) -> float:
         return p.sharded(tp, dp, dp_rank) if z == 3 else p.local(tp)
@@ -174,7 +176,7 @@ def activation_bytes(
     """Saved activations of pipeline rank ``stage`` (holding ``blocks`` blocks) at their peak
     (see the module docstring); an adapter method adds its ``r``-wide outputs to every block it
     does not checkpoint whole."""
-    seq = facts.seq_len
+    seq = facts.seq_len // choice.context  # this rank's tokens of each sequence
     mb = choice.micro_batch_size
     policy, tp, sp, method = (
         choice.ac_policy,
@@ -214,12 +216,13 @@ def buffer_bytes(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> 
     tp, r = choice.tensor, options.lora_r
     total = float(facts.buffer_bytes)
     compute = act if facts.precision.endswith("mixed") else p_b
-    if choice.data > 1 and choice.zero_stage < 3:
+    shards = choice.data * choice.context  # ZeRO's axis
+    if shards > 1 and choice.zero_stage < 3:
         bucket = options.bucket_size_mb * 2**20
         if choice.adapter != "none":
             bucket = min(bucket, adapter_part(sum(facts.blocks, Part()), r).local(tp) * g_b)
         total += bucket
-    if choice.zero_stage == 3 and (choice.data > 1 or choice.offload_params):
+    if choice.zero_stage == 3 and (shards > 1 or choice.offload_params):
         if choice.adapter == "none":
             total += max(b.local(tp) for b in facts.blocks) * (2 * compute + g_b)
         else:
@@ -231,7 +234,7 @@ def buffer_bytes(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> 
     if choice.adapter == "qlora":
         total += max((n for (_, n, _), _ in projections(facts.blocks[0]).tensors), default=0) * act
     if choice.pipeline > 1:
-        total += 2 * choice.micro_batch_size * facts.seq_len * facts.d_model * act
+        total += 2 * choice.micro_batch_size * facts.seq_len // choice.context * facts.d_model * act
     return total
 
 

@@ -4,15 +4,16 @@
 ones first, fastest first; then the rejected ones, each with one reason). The same function
 serves the CLI's table and ``parallelism=auto`` (:mod:`lightning_3d.strategy.auto`).
 
-Enumerated: ``data × tensor × pipeline = world`` (tensor innermost, kept inside a node and
-dividing the head count; pipeline dividing the block count), ZeRO stages, micro-batches (powers
-of two dividing the per-rank batch, at least ``pipeline`` for 1F1B as torch requires; without a
-pipeline they are gradient accumulation steps), schedules (the interleaved ones with each of
-``virtual_stages`` stages per rank), sequence parallelism (with ``tensor > 1``, where measured),
-activation checkpointing, offload (to host memory or NVMe, with ZeRO-3's parameters or without)
-and the fine-tune method (``PlannerOptions.adapters``: full, LoRA, QLoRA; adapters without
-sequence parallelism, which the project refuses for them; QLoRA's own refusals asked of
-:func:`lightning_3d.adapters.qlora.refuse_qlora_plan`).
+Enumerated: ``data × context × tensor × pipeline = world`` (tensor innermost, kept inside a node
+and dividing the head count; pipeline dividing the block count; context, from
+``PlannerOptions.context_sizes``, with the sequence divisible by twice its size), ZeRO stages,
+micro-batches (powers of two dividing the per-rank batch, at least ``pipeline`` for 1F1B as
+torch requires; without a pipeline they are gradient accumulation steps), schedules (the
+interleaved ones with each of ``virtual_stages`` stages per rank), sequence parallelism (with
+``tensor > 1``, where measured), activation checkpointing, offload (to host memory or NVMe, with
+ZeRO-3's parameters or without) and the fine-tune method (``PlannerOptions.adapters``: full,
+LoRA, QLoRA; adapters without sequence parallelism, which the project refuses for them; QLoRA's
+own refusals asked of :func:`lightning_3d.adapters.qlora.refuse_qlora_plan`).
 Every candidate is built as a :class:`~lightning_3d.options.Plan` (``Plan.from_options``), and,
 given ``check`` (:func:`lightning_3d.parallel.model_check.check` bound to the model on ``meta``), checked
 against the model's shapes; their ``ValueError`` is the rejection's reason. A split that is
@@ -66,15 +67,21 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _splits(world: int) -> Iterator[tuple[int, int, int]]:
-    for tp in divisors(world):
-        for pp in divisors(world // tp):
-            yield world // (tp * pp), tp, pp
+def _splits(world: int, contexts: tuple[int, ...] = (1,)) -> Iterator[tuple[int, ...]]:
+    """``(data, tensor, pipeline, context)`` sizes that tile ``world``."""
+    for cp in (c for c in contexts if world % c == 0):
+        for tp in divisors(world // cp):
+            for pp in divisors(world // (cp * tp)):
+                yield world // (cp * tp * pp), tp, pp, cp
 
 
 def _split_problem(
-    facts: ModelFacts, cluster: Cluster, batch: int, dp: int, tp: int, pp: int
+    facts: ModelFacts, cluster: Cluster, batch: int, dp: int, tp: int, pp: int, cp: int = 1
 ) -> Optional[tuple[str, str]]:
+    if facts.seq_len % (2 * cp):
+        return "sequence not divisible by 2 × context", (
+            f"cp={cp}: seq_len={facts.seq_len} is not divisible by 2 × context = {2 * cp}"
+        )
     if tp > cluster.devices_per_node:
         return "tensor > devices per node", (
             f"tp={tp} > {cluster.devices_per_node} devices per node "
@@ -117,24 +124,42 @@ def _schedules(pp: int, n_layer: int, options: PlannerOptions) -> Iterator[tuple
 
 
 def _choices(
-    dp: int, tp: int, pp: int, batch_per_rank: int, n_layer: int, options: PlannerOptions
+    dp: int,
+    tp: int,
+    pp: int,
+    batch_per_rank: int,
+    facts: ModelFacts,
+    options: PlannerOptions,
+    cp: int = 1,
 ) -> Iterator[Choice]:
+    # Context: all-to-all sends fewer bytes than the ring (8(N-1)/N against 2(3N-2) per q/k/v
+    # share), where the heads on a tensor rank divide by the context size.
+    scheme = "alltoall" if facts.n_head % (cp * tp) == 0 else "ring"
     for adapter in options.adapters:
-        for choice in _layout_choices(dp, tp, pp, batch_per_rank, n_layer, options):
+        for choice in _layout_choices(dp, tp, pp, batch_per_rank, facts.n_layer, options, dp * cp):
             if adapter != "none" and choice.sequence_parallel:
                 continue  # the project refuses adapters beside a sequence-parallel plan
-            yield replace(choice, adapter=adapter)
+            if cp > 1 and choice.sequence_parallel:
+                continue  # the project refuses context beside sequence parallelism
+            yield replace(choice, adapter=adapter, context=cp, context_scheme=scheme)
 
 
 def _layout_choices(
-    dp: int, tp: int, pp: int, batch_per_rank: int, n_layer: int, options: PlannerOptions
+    dp: int,
+    tp: int,
+    pp: int,
+    batch_per_rank: int,
+    n_layer: int,
+    options: PlannerOptions,
+    shards: Optional[int] = None,
 ) -> Iterator[Choice]:
+    shards = dp if shards is None else shards  # ZeRO's axis: data × context
     for zero in options.zero_stages:
         for offload in options.offloads:
             params = offload.endswith("+params")
             if params and zero != 3:
                 continue  # only ZeRO-3 has parameter shards to move
-            if dp == 1 and zero > 0 and not params:
+            if shards == 1 and zero > 0 and not params:
                 continue  # one data-parallel rank: ZeRO shards nothing (stage 3 only to offload parameters)
             for policy in options.ac_policies:
                 for schedule, virtual in _schedules(pp, n_layer, options):
@@ -178,18 +203,18 @@ def plan_layouts(
     fitting, rejected = [], []
     checked: dict[tuple, Optional[str]] = {}
     nf4_problem = qlora_problem(facts.blocks[0]) if "qlora" in options.adapters else None
-    for dp, tp, pp in _splits(world):
-        problem = _split_problem(facts, cluster, batch, dp, tp, pp)
+    for dp, tp, pp, cp in _splits(world, options.context_sizes):
+        problem = _split_problem(facts, cluster, batch, dp, tp, pp, cp)
         if problem is not None:
             rejected.append(
                 Candidate(
-                    Choice(dp, tp, pp, batch_per_rank=max(1, batch // dp)),
+                    Choice(dp, tp, pp, batch_per_rank=max(1, batch // dp), context=cp),
                     kind=problem[0],
                     reason=problem[1],
                 )
             )
             continue
-        for choice in _choices(dp, tp, pp, batch // dp, facts.n_layer, options):
+        for choice in _choices(dp, tp, pp, batch // dp, facts, options, cp):
             if pp > 1 and choice.schedule != "gpipe" and choice.micro_batches < pp:
                 # torch's Schedule1F1B refuses fewer micro-batches than stages; the interleaved
                 # schedules run them, but their bubble is then far above (p - 1) / (v·m): not modelled
@@ -292,6 +317,7 @@ def _rank_key(c: Candidate) -> tuple:
     ch = c.choice
     simpler = (
         ADAPTERS.index(ch.adapter),
+        ch.context,
         ch.zero_stage,
         ("none", "selective", "full").index(ch.ac_policy),
         OFFLOADS.index(ch.offload),
@@ -325,8 +351,12 @@ def _plan_error(choice: Choice, world: int, check: Optional[Check], cache: dict)
                 choice.pipeline,
                 plan.pp.virtual_stages,
                 plan.tp.sequence_parallel,
+                choice.context,
+                choice.context_scheme,
             )
-            if check is not None and (choice.tensor > 1 or choice.pipeline > 1):
+            if check is not None and (
+                choice.tensor > 1 or choice.pipeline > 1 or choice.context > 1
+            ):
                 if shape_key not in cache:
                     try:
                         check(plan, world)

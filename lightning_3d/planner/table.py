@@ -36,8 +36,10 @@ def ranked_table(candidates: list[Candidate], top: int = 10) -> str:
         )
         micro += f" v{ch.virtual_stages}" if ch.virtual_stages > 1 else ""
         sp = " sp" if ch.sequence_parallel else ""
+        cp = f" cp{ch.context} {ch.context_scheme}" if ch.context > 1 else ""  # data × context
         rows.append(
-            f"| {i} | {ch.adapter} | {ch.data}×{ch.tensor}{sp}×{ch.pipeline} | {ch.zero_stage} | "
+            f"| {i} | {ch.adapter} | {ch.data}{cp}×{ch.tensor}{sp}×{ch.pipeline} | "
+            f"{ch.zero_stage} | "
             f"{micro} | {ch.ac_policy} | "
             f"{ch.offload} | "
             f"{_gb(m.params)} | {_gb(m.grads)} | {_gb(m.optimizer)} | {_gb(m.activations)} | {_gb(m.buffers)} | "

@@ -135,8 +135,10 @@ def step_time(
 ) -> StepTime:
     p_b, g_b, _, act = facts.bytes
     dp, tp, pp, m = choice.data, choice.tensor, choice.pipeline, choice.micro_batches
+    cp = choice.context
     seq, d = facts.seq_len, facts.d_model
-    tokens_rank = choice.batch_per_rank * seq  # tokens one data-parallel rank processes per step
+    local = seq // cp  # this rank's tokens of each sequence
+    tokens_rank = choice.batch_per_rank * local  # tokens one rank processes per step
     recompute = {"full": 1 + options.forward_share, "selective": 1 + options.selective_share}.get(
         choice.ac_policy, 1.0
     )
@@ -166,7 +168,8 @@ def step_time(
         compute = max(compute, tokens_rank * per_token / speed + launches)
     # Data-parallel gradient sync of the largest stage (what trains: under LoRA the adapters).
     elements = max(t.local(tp) for t in trained)
-    ring = _ring(dp)
+    shards = dp * cp  # gradients are averaged, and ZeRO shards, over data × context
+    ring = _ring(shards)
     gathered = act if facts.precision.endswith("mixed") else p_b
     # ZeRO-3 gathers every parameter (elements at the compute dtype, a frozen base as it is held).
     gathered_bytes = max(
@@ -182,7 +185,7 @@ def step_time(
         2: ring * elements * (scatter + p_b * gather),
         3: ring * (elements * scatter + 2 * gathered_bytes * gather),
     }[choice.zero_stage]
-    inside = dp * tp <= cluster.devices_per_node
+    inside = shards * tp <= cluster.devices_per_node
     dp_bw = (
         cluster.intra_node_gbps if inside or cluster.nodes == 1 else cluster.inter_node_gbps
     ) * 1e9
@@ -192,7 +195,7 @@ def step_time(
     if choice.zero_stage == 3:
         hideable = compute / (m if pp > 1 else 1)
     latency = options.latency_us * 1e-6
-    if dp == 1:
+    if shards == 1:
         collectives = 0
     elif (
         choice.zero_stage == 3
@@ -205,7 +208,7 @@ def step_time(
     dp_time = max(0.0, volume / dp_bw + collectives * latency - options.overlap * hideable)
     # Tensor parallelism: activation all-reduces per block and micro-batch.
     blocks = max(b for _, b in stages)
-    per_allreduce = 2 * _ring(tp) * choice.micro_batch_size * seq * d * act
+    per_allreduce = 2 * _ring(tp) * choice.micro_batch_size * local * d * act
     count = 4 + (2 if choice.ac_policy == "full" else 0)
     tp_time = (
         m * blocks * count * (per_allreduce / (cluster.intra_node_gbps * 1e9) + latency)
@@ -217,14 +220,15 @@ def step_time(
     if pp > 1:
         across = dp * tp >= cluster.devices_per_node and cluster.nodes > 1
         bw = (cluster.inter_node_gbps if across else cluster.intra_node_gbps) * 1e9
-        pp_time = messages(pp, m, v) * (choice.micro_batch_size * seq * d * act / bw + latency)
+        pp_time = messages(pp, m, v) * (choice.micro_batch_size * local * d * act / bw + latency)
+    cp_time = context_time(choice, blocks, local * d / tp, act, cluster, latency)
     bubble = compute * bubble_share(choice.schedule, pp, m, v)
     optimizer = 0.0
     if choice.offload == "none":  # the optimizer's pass over this rank's (ZeRO: sharded) parameters
-        optimizer = elements / (dp if choice.zero_stage >= 1 else 1) / options.adam_params_per_s
+        optimizer = elements / (shards if choice.zero_stage >= 1 else 1) / options.adam_params_per_s
     offload = 0.0
     if choice.offload != "none":
-        shard = elements / (dp if choice.zero_stage >= 1 else 1)
+        shard = elements / (shards if choice.zero_stage >= 1 else 1)
         adam = shard / (options.cpu_adam_params_per_s / cluster.devices_per_node)
         if (
             choice.offload_device == "nvme"
@@ -235,18 +239,38 @@ def step_time(
         if (
             choice.offload_params
         ):  # per micro-batch: shards up for forward and backward, gradients down
-            up = gathered_bytes / gathered * p_b / dp  # this rank's shards at their own dtype
+            up = gathered_bytes / gathered * p_b / shards  # this rank's shards at their own dtype
             offload += m * (2 * up + shard * g_b) / (cluster.host_link_gbps * 1e9)
     tokens = choice.batch_per_rank * dp * seq
     return StepTime(
         compute,
-        dp_time + tp_time + pp_time,
+        dp_time + tp_time + pp_time + cp_time,
         bubble,
         offload,
         tokens,
         optimizer,
         options.step_overhead_us * 1e-6,
     )
+
+
+def context_time(
+    choice: Choice, blocks: int, width: float, act: int, cluster: Cluster, latency: float
+) -> float:
+    """Attention's exchanges over the context ranks in one step: per block and micro-batch,
+    with ``n = micro-batch · width`` elements of each of q, k, v on a rank (``width``: this
+    rank's tokens × its heads' width), the ring sends ``2n(3N-2)`` in ``3N-2`` messages and
+    all-to-all ``8n(N-1)/N`` in 8 (docs/context-parallelism.md); none is hidden behind compute."""
+    cp = choice.context
+    if cp == 1:
+        return 0.0
+    n = choice.micro_batch_size * width
+    if choice.context_scheme == "ring":
+        sent, calls = 2 * n * (3 * cp - 2), 3 * cp - 2
+    else:
+        sent, calls = 8 * n * (cp - 1) / cp, 8
+    inside = cp * choice.tensor <= cluster.devices_per_node or cluster.nodes == 1
+    bw = (cluster.intra_node_gbps if inside else cluster.inter_node_gbps) * 1e9
+    return choice.micro_batches * blocks * (sent * act / bw + calls * latency)
 
 
 def mfu(

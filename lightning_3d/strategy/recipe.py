@@ -11,7 +11,9 @@ parallel model out, in one place and in this order.
    TP (its hooks run inside the recomputed region); before FSDP2, whose per-block gather and
    reshard hooks then wrap the checkpointed forward. Then, optionally, ``torch.compile`` of each
    block (it traces the TP layers and the checkpointed region; FSDP2's hooks stay outside).
-5. **ZeRO-3**: FSDP2 on the ``dp`` axis, with precision and offload policies.
+   With ``context`` > 1, **context parallelism**: attention layers run across the ``cp`` ranks.
+5. **ZeRO-3**: FSDP2 on the ``dp`` axis (``dp`` × ``cp`` with context parallelism: those ranks
+   hold the same layers), with precision and offload policies.
    Then, for a module built on ``meta`` (``LitGPT(deferred_init=True)``), **materialisation**:
    each parameter filled once in its final dtype, device and shard (``parallel/materialize.py``).
 6. **Pipeline runtime**: the schedule over this rank's stages.
@@ -35,7 +37,7 @@ from torch import Tensor, nn
 
 from lightning_3d.adapters.qlora import check_qlora_plan
 from lightning_3d.adapters.tensor import adapter_tensor_plan
-from lightning_3d.layout import MeshAxis
+from lightning_3d.layout import MeshAxis, shard_mesh
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.options import Plan
 from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -215,11 +217,12 @@ def parallelize(
     ):  # ZeRO 0-2: the engine's buckets
         step("the first rank's initial weights")
         # ZeRO 0-2's buckets broadcast over dp themselves: here only what they do not cover.
-        axes = (MeshAxis.TENSOR, MeshAxis.DATA) if layout.zero_stage == 3 else (MeshAxis.TENSOR,)
-        broadcast_start(module, [mesh[axis.value].get_group() for axis in axes])
+        groups = [mesh[MeshAxis.TENSOR.value].get_group()]
+        groups += [shard_mesh(mesh).get_group()] if layout.zero_stage == 3 else []
+        broadcast_start(module, groups)
     if not has_meta(module) and layout.zero_stage < 3:
         # A frozen weight (a LoRA base) is in no ZeRO 0-2 bucket: rank 0's, broadcast over dp here.
-        broadcast_start(module, [mesh[MeshAxis.DATA.value].get_group()], frozen_only=True)
+        broadcast_start(module, [shard_mesh(mesh).get_group()], frozen_only=True)
     step("tensor parallelism")
     if layout.tensor > 1:
         # Under a pipeline, patterns for other stages' modules (the head, say) match nothing here.
@@ -231,6 +234,13 @@ def parallelize(
         retie(module, ties)  # each module got its own sharded copy: make them one again
         if telemetry is not None:
             _publish_logits_sizes(module, resolved, telemetry)
+    if layout.context > 1:
+        step("context parallelism")
+        # Attention across the cp ranks, each holding its tokens of every sequence (the strategy
+        # splits the batches); only attributes of the attention layers change, so any order works.
+        from lightning_3d.parallel.context.apply import apply_context_parallel
+
+        apply_context_parallel(module, mesh.get_group(MeshAxis.CONTEXT.value), plan.cp.scheme)
     step("activation checkpointing")
     apply_activation_checkpointing(module, plan.ac.policy, plan.ac.every_n)
     if plan.compile.enabled:
@@ -241,7 +251,7 @@ def parallelize(
     step("ZeRO-3 (FSDP2) sharding")
     if layout.zero_stage == 3:
         policies = fsdp_policies(precision, plan.offload.params, device.type)
-        apply_zero3(module, mesh[MeshAxis.DATA.value], roots=made.stages, **policies)
+        apply_zero3(module, shard_mesh(mesh), roots=made.stages, **policies)
     step("materialising the weights")
     # Built on meta: each parameter filled once, in its final dtype, place and shard. Onto the
     # meta device (the planner's validate=true) only shapes are wanted: nothing to fill.
@@ -296,7 +306,7 @@ def attach_optimizers(
     groups, so LR schedulers built on the user's optimizers keep steering them)."""
     parallelized.clear_engines()
     if plan.layout.zero_stage < 3:
-        mesh = parallelized.mesh[MeshAxis.DATA.value, MeshAxis.TENSOR.value]
+        mesh = shard_mesh(parallelized.mesh, tensor=True)
         tied = {id(p): group for p, group, _ in parallelized.tied_copies()}
         for optimizer in optimizers:
             engine = ZeroDataParallel(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Generator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -160,6 +160,12 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         return self.device_mesh.get_local_rank(MeshAxis.DATA.value)
 
     @property
+    def context_size(self) -> int:
+        """Ranks each sequence is split over (``context``): a batch on a rank holds 1/this of
+        every sequence's tokens."""
+        return self.layout.context
+
+    @property
     @override
     def root_device(self) -> torch.device:
         if self.parallel_devices is None:
@@ -296,7 +302,31 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     def _step_context(self):
         # Vocab-parallel logits (a DTensor sharded on the vocabulary) need loss_parallel for
         # cross-entropy, in the forward and in the backward; scoped to this strategy's steps.
-        return vocab_parallel_loss() if self.layout.tensor > 1 else nullcontext()
+        # Context parallelism: the loss is the token mean over the whole sequence (every cp rank).
+        stack = ExitStack()
+        if self.layout.tensor > 1:
+            stack.enter_context(vocab_parallel_loss())
+        if self.layout.context > 1:
+            from lightning_3d.parallel.context.loss import context_mean_loss
+
+            stack.enter_context(
+                context_mean_loss(self.device_mesh.get_group(MeshAxis.CONTEXT.value))
+            )
+        return stack
+
+    @override
+    def batch_to_device(
+        self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0
+    ) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.layout.context == 1:
+            return batch
+        # Context parallelism: this rank keeps its load-balanced tokens of every sequence.
+        from lightning_3d.parallel.context.apply import shard_batch
+
+        axis = MeshAxis.CONTEXT.value
+        mesh = self.device_mesh
+        return shard_batch(batch, mesh.get_local_rank(axis), mesh.get_group(axis).size())
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -329,7 +359,13 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step(super().predict_step, args, kwargs, plain=False)
+        output = self._evaluation_step(super().predict_step, args, kwargs, plain=False)
+        if self.layout.context > 1 and isinstance(output, Tensor) and output.dim() > 1:
+            # Context parallelism: this rank's tokens back into whole sequences.
+            from lightning_3d.parallel.context.chunks import gather_sequence
+
+            output = gather_sequence(output, self.device_mesh.get_group(MeshAxis.CONTEXT.value))
+        return output
 
     def _evaluation_step(
         self, step: Callable, args: tuple, kwargs: dict, plain: bool = True

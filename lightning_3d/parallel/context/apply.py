@@ -1,0 +1,110 @@
+"""Routing a model's attention through context parallelism, and splitting its batches.
+
+:func:`apply_context_parallel` gives every attention layer it can route the same
+:class:`~lightning_3d.parallel.context.attention.ContextAttention`: the reference GPT's
+(an attribute ``context_attention``) and a Hugging Face model's (through transformers' attention
+interface, :mod:`.hf`); modules that compute positions (an attribute ``context_shard``: the GPT,
+``HFCausalLM``) get it too, for the positions of this rank's tokens. A model with no attention
+to route is refused with its name. :func:`shard_batch` keeps this rank's tokens of a batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor, nn
+
+from lightning_3d.parallel.context.attention import ATTR, ContextAttention
+from lightning_3d.parallel.context.chunks import shard_sequence
+
+POSITIONS_ATTR = "context_shard"  # a module that computes positions holds the ContextAttention
+
+
+def apply_context_parallel(module: nn.Module, group: Any, scheme: str) -> ContextAttention:
+    """Set ``module``'s attention layers (and its positions) to run across the context ``group``
+    by ``scheme``, in place; returns the attention object they share."""
+    from lightning_3d.parallel.context.hf import is_hf_model, route_hf_attention
+
+    attend = ContextAttention(group, scheme)
+    routed = []
+    for name, sub in module.named_modules():
+        if is_hf_model(sub) and not routed:
+            routed += route_hf_attention(sub, attend)
+        if hasattr(sub, POSITIONS_ATTR):
+            setattr(sub, POSITIONS_ATTR, attend)
+        if not hasattr(sub, ATTR) or name in routed:
+            continue
+        dropout = getattr(sub, "dropout", 0.0)
+        if isinstance(dropout, float) and dropout > 0:
+            raise ValueError(
+                f"{name}: attention dropout {dropout} under context parallelism (the kernels "
+                f"run attention without dropout); set attn_dropout=0"
+            )
+        setattr(sub, ATTR, attend)
+        routed.append(name)
+    if not routed:
+        raise ValueError(
+            f"{type(module).__name__} has no attention layer context parallelism can route "
+            f"(the reference GPT's, or a Hugging Face model's); context must be 1 for it"
+        )
+    return attend
+
+
+def context_problems(
+    module: nn.Module, scheme: str, size: int, tensor: int = 1, pipeline: int = 1
+) -> list[str]:
+    """What keeps ``module`` (built on ``meta`` is enough) from running with ``context=size`` by
+    ``scheme`` beside ``tensor`` and ``pipeline``: no attention to route, attention the kernels
+    cannot compute (dropout, sliding windows, soft-capping), heads that all-to-all cannot split.
+    ``pipeline`` is for the callers' symmetry: every pipeline composes."""
+    from lightning_3d.parallel.context.hf import hf_problems, is_hf_model
+
+    hf = next((m for m in module.modules() if is_hf_model(m)), None)
+    if hf is not None:
+        problems = hf_problems(hf)
+        heads = [hf.config.num_attention_heads]
+    else:
+        layers = [(name, sub) for name, sub in module.named_modules() if hasattr(sub, ATTR)]
+        if not layers:
+            return [
+                f"{type(module).__name__} has no attention layer context parallelism can route "
+                f"(the reference GPT's, or a Hugging Face model's); context={size} must be 1"
+            ]
+        problems = [
+            f"{name}: attention dropout {sub.dropout} under context={size} (the kernels have "
+            f"none); set attn_dropout=0"
+            for name, sub in layers
+            if isinstance(getattr(sub, "dropout", 0.0), float) and sub.dropout > 0
+        ]
+        heads = sorted({sub.n_head for _, sub in layers if hasattr(sub, "n_head")})
+    if scheme == "alltoall":
+        problems += [
+            f"context_scheme='alltoall' needs the attention heads ({h}) divisible by context × "
+            f"tensor ({size} × {tensor} = {size * tensor}); use context_scheme='ring'"
+            for h in heads
+            if h % (size * tensor)
+        ]
+    return problems
+
+
+def shard_batch(batch: Any, rank: int, size: int) -> Any:
+    """This rank's tokens of every tensor of ``batch`` with a sequence dim (dim 1 of each tensor
+    of two or more dims, the same length as the first such tensor's), the rest as it is.
+    ``ValueError`` for a dict batch: its targets are shifted by the model after this split, which
+    would pair a chunk's last token with the first token of a chunk that does not follow it."""
+    if isinstance(batch, Mapping):
+        raise ValueError(
+            f"context parallelism takes (inputs, targets) batches with targets already shifted, "
+            f"got a dict batch with keys {sorted(batch)}"
+        )
+    lengths = []
+    apply_to_collection(batch, Tensor, lambda t: lengths.append(t.shape[1]) if t.dim() > 1 else 0)
+    if not lengths:
+        return batch
+
+    def shard(t: Tensor) -> Tensor:
+        return shard_sequence(t, rank, size) if t.dim() > 1 and t.shape[1] == lengths[0] else t
+
+    return apply_to_collection(batch, Tensor, shard)

@@ -1,0 +1,142 @@
+"""Ring attention over the context ranks, forward and backward, on any backend (gloo included).
+
+Each rank keeps its queries and passes its keys and values round the ring: at step ``s`` rank
+``r`` holds the k/v of rank ``r - s`` and attends its two query chunks to that rank's two key
+chunks where the causal mask allows (a key chunk before the query chunk: in full; the same
+chunk: under the triangle; a later chunk: not at all — with the load-balanced chunks that is
+two of the four pairs at every step but the first). Partial results merge by their
+log-sum-exp, as FlashAttention merges tiles. The next k/v block is on the wire while this one is
+computed.
+
+The backward passes k/v round again with their gradients following them: each rank adds what
+its queries contribute to the block it holds, then hands block and gradient on; after ``cp``
+hand-overs every gradient is home. Per rank and attention call, with ``n = B · H · T/cp · D``
+elements of each of q, k, v: forward sends ``2 n (cp - 1)`` elements, backward
+``2 n (cp - 1) + 2 n cp``. Memory: one extra k/v block in flight, the saved output and the
+log-sum-exp per query (``T/cp`` scores per head), not the ``T × T`` score matrix.
+
+(``torch.distributed.tensor.experimental.context_parallel`` does this on CUDA devices with NCCL
+through SDPA's flash / efficient kernels; it does not run on CPU tensors, hence this one.)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_3d.parallel.context.chunks import chunk_ids
+
+
+class _Pass:
+    """One hand-over round the ring: ``tensor`` to the next rank, the previous rank's in."""
+
+    def __init__(self, tensor: Tensor, group: Any) -> None:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.received = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        ops = [
+            dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % size), group),
+            dist.P2POp(
+                dist.irecv, self.received, dist.get_global_rank(group, (rank - 1) % size), group
+            ),
+        ]
+        self.works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
+    s = (q @ k.transpose(-2, -1)) * scale  # (B, H, c, c)
+    if causal:  # the same chunk: a query sees the keys up to its own position
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(mask, float("-inf"))
+    return s
+
+
+def _pairs(rank: int, source: int, size: int) -> list[tuple[int, int, bool]]:
+    """``(query chunk, key chunk, causal)`` local indices of the pairs the mask lets through."""
+    return [
+        (i, j, a == b)
+        for i, a in enumerate(chunk_ids(rank, size))
+        for j, b in enumerate(chunk_ids(source, size))
+        if b <= a
+    ]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: Any, scale: float) -> Tensor:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        dtype = q.dtype
+        q32 = q.float()
+        queries = q32.chunk(2, dim=2)  # (B, H, c, D) each: this rank's two chunks
+        out = [torch.zeros_like(c) for c in queries]
+        lse = [torch.full(c.shape[:-1], float("-inf"), device=q.device) for c in queries]
+        kv = torch.stack([k.float(), v.float()])  # (2, B, H, 2c, D): one message per step
+        for step in range(size):
+            sending = _Pass(kv, group) if step < size - 1 else None
+            keys, values = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            for i, j, causal in _pairs(rank, (rank - step) % size, size):
+                s = _scores(queries[i], keys[j], scale, causal)
+                block_lse = s.logsumexp(-1)  # (B, H, c)
+                block = torch.exp(s - block_lse.unsqueeze(-1)) @ values[j]
+                merged = torch.logaddexp(lse[i], block_lse)
+                out[i] = out[i] * torch.exp(lse[i] - merged).unsqueeze(-1) + block * torch.exp(
+                    block_lse - merged
+                ).unsqueeze(-1)
+                lse[i] = merged
+            if sending is not None:
+                kv = sending.wait()
+        output = torch.cat(out, dim=2)
+        ctx.save_for_backward(q, k, v, output, torch.cat(lse, dim=2))  # q as given: no fp32 copy
+        ctx.group, ctx.scale, ctx.dtype = group, scale, dtype
+        return output.to(dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        q, k, v, output, lse = ctx.saved_tensors
+        q32 = q.float()
+        group, scale = ctx.group, ctx.scale
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        grad = grad.float()
+        delta = (grad * output).sum(-1)  # (B, H, 2c): rowsum(dO ∘ O), softmax's backward term
+        queries, grads = q32.chunk(2, dim=2), grad.chunk(2, dim=2)
+        lses, deltas = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
+        dq = [torch.zeros_like(c) for c in queries]
+        kv = torch.stack([k.float(), v.float()])
+        dkv = torch.zeros_like(kv)  # the gradient of the block held now; travels with it
+        for step in range(size):
+            sending = _Pass(kv, group) if step < size - 1 else None
+            keys, values = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            dk, dv = list(dkv[0].chunk(2, dim=2)), list(dkv[1].chunk(2, dim=2))
+            for i, j, causal in _pairs(rank, (rank - step) % size, size):
+                p = torch.exp(_scores(queries[i], keys[j], scale, causal) - lses[i].unsqueeze(-1))
+                dv[j] = dv[j] + p.transpose(-2, -1) @ grads[i]
+                ds = p * (grads[i] @ values[j].transpose(-2, -1) - deltas[i].unsqueeze(-1))
+                dq[i] = dq[i] + (ds @ keys[j]) * scale
+                dk[j] = dk[j] + (ds.transpose(-2, -1) @ queries[i]) * scale
+            dkv = _Pass(
+                torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)]), group
+            ).wait()  # after the last step's hand-over, each rank holds its own block's gradient
+            if sending is not None:
+                kv = sending.wait()
+        dq_all = torch.cat(dq, dim=2).to(ctx.dtype)
+        return dq_all, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def ring_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: Any, scale: Optional[float] = None
+) -> Tensor:
+    """Causal attention of this rank's load-balanced tokens over the whole sequence.
+
+    ``q``, ``k``, ``v``: (B, H, T/cp, D), this rank's two chunks (:mod:`.chunks`), as many k/v
+    heads as query heads. Returns (B, H, T/cp, D): what full causal attention gives at these
+    positions. A collective over ``group``: every context rank calls it.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return _RingAttention.apply(q, k, v, group, scale)

@@ -1,0 +1,82 @@
+"""All-to-all attention over the context ranks (DeepSpeed-Ulysses).
+
+Before attention each rank holds all heads of its ``T/cp`` tokens; one all-to-all per tensor
+gives it ``H/cp`` heads of all ``T`` tokens, causal attention runs on whole sequences for those
+heads, and one all-to-all turns the output back. The all-to-all is its own adjoint (equal
+splits), so the backward is the same two exchanges in reverse. Needs ``H`` divisible by ``cp``
+(by ``cp × tp`` under tensor parallelism, where each rank holds ``H/tp`` heads). Per rank and
+attention call, with ``n = B · H · T/cp · D``: forward sends ``4 n (cp - 1)/cp`` elements (q, k,
+v in, the output back), backward the same; attention's own memory is that of ``H/cp`` heads of
+the whole sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from lightning_3d.parallel.context.chunks import natural_order
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` over dim 0 (equal splits: slice ``j`` to rank ``j``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
+        ctx.group = group
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        out = torch.empty_like(grad, memory_format=torch.contiguous_format)
+        dist.all_to_all_single(out, grad.contiguous(), group=ctx.group)
+        return out, None
+
+
+def check_heads(heads: int, size: int) -> None:
+    """``ValueError`` naming both numbers unless ``size`` divides ``heads``."""
+    if heads % size:
+        raise ValueError(
+            f"context_scheme='alltoall' needs the attention heads on a rank ({heads}) divisible "
+            f"by context ({size}); use context_scheme='ring' or another context size"
+        )
+
+
+def _to_heads(x: Tensor, size: int, group: Any) -> Tensor:
+    """(B, H, T/cp, D) of this rank's tokens -> (B, H/cp, T, D) in sequence order."""
+    B, H, T_local, D = x.shape
+    x = x.reshape(B, size, H // size, T_local, D).transpose(0, 1)  # (cp, B, H/cp, T/cp, D)
+    x = _AllToAll.apply(x, group)  # slice j: rank j's tokens of this rank's heads
+    x = x.permute(1, 2, 0, 3, 4).reshape(B, H // size, 2 * size, T_local // 2, D)
+    order = natural_order(size)  # chunk k of the rank-order concatenation is chunk order[k]
+    return x[:, :, [order.index(c) for c in range(2 * size)]].flatten(2, 3)  # (B, H/cp, T, D)
+
+
+def _to_tokens(x: Tensor, size: int, group: Any) -> Tensor:
+    """The inverse of :func:`_to_heads`: (B, H/cp, T, D) -> (B, H, T/cp, D)."""
+    B, h, T, D = x.shape
+    x = x.reshape(B, h, 2 * size, T // (2 * size), D)[:, :, natural_order(size)]  # rank order
+    x = x.reshape(B, h, size, T // size, D).permute(2, 0, 1, 3, 4)  # (cp, B, H/cp, T/cp, D)
+    x = _AllToAll.apply(x, group)  # slice j: head group j of this rank's tokens
+    return x.transpose(0, 1).reshape(B, h * size, T // size, D)
+
+
+def ulysses_attention(
+    q: Tensor, k: Tensor, v: Tensor, group: Any, scale: Optional[float] = None
+) -> Tensor:
+    """Causal attention of this rank's load-balanced tokens over the whole sequence.
+
+    ``q``, ``k``, ``v``: (B, H, T/cp, D), this rank's two chunks (:mod:`.chunks`), as many k/v
+    heads as query heads. Returns (B, H, T/cp, D). A collective over ``group``.
+    """
+    size = dist.get_world_size(group)
+    check_heads(q.shape[1], size)
+    q, k, v = (_to_heads(t, size, group) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # (B, H/cp, T, D)
+    return _to_tokens(y, size, group)

@@ -1,0 +1,58 @@
+"""Rank functions of the context-parallel kernel tests (run_world imports them by name)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_3d.parallel.context.attention import ContextAttention
+from lightning_3d.parallel.context.chunks import shard_sequence
+
+
+def kernel_against_full_attention(rank: int, scheme: str, shape: tuple, kv_heads: int) -> dict:
+    """Full causal attention on one process vs ``scheme`` over the world: this rank's outputs
+    and gradients (of q, k, v) against the same positions of the full ones; max abs errors."""
+    dist.init_process_group("gloo")
+    size = dist.get_world_size()
+    B, H, T, D = shape
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(B, H, T, D, generator=generator, requires_grad=True)
+    k = torch.randn(B, kv_heads, T, D, generator=generator, requires_grad=True)
+    v = torch.randn(B, kv_heads, T, D, generator=generator, requires_grad=True)
+    weight = torch.randn(B, H, T, D, generator=generator)  # loss = sum(out * weight)
+    repeat = H // kv_heads
+    full = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1), is_causal=True
+    )
+    (full * weight).sum().backward()
+
+    def mine(t):
+        return shard_sequence(t.detach(), rank, size, dim=2).requires_grad_()
+
+    ql, kl, vl = mine(q), mine(k), mine(v)
+    out = ContextAttention(dist.group.WORLD, scheme)(ql, kl, vl)
+    (out * shard_sequence(weight, rank, size, dim=2)).sum().backward()
+    errors = {
+        "out": (out - shard_sequence(full, rank, size, dim=2)).abs().max().item(),
+        "dq": (ql.grad - shard_sequence(q.grad, rank, size, dim=2)).abs().max().item(),
+        # k/v gradients sum the contributions of every rank's queries: all-reduce to compare.
+    }
+    for name, local, whole in (("dk", kl, k), ("dv", vl, v)):
+        errors[name] = (local.grad - shard_sequence(whole.grad, rank, size, dim=2)).abs().max()
+        errors[name] = errors[name].item()
+    return errors
+
+
+def bf16_kernel_runs(rank: int, scheme: str) -> float:
+    """The kernel on bf16 inputs: outputs and gradients in bf16, close to fp32 attention."""
+    dist.init_process_group("gloo")
+    size = dist.get_world_size()
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, 8 * size, 8, generator=generator) for _ in range(3))
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    local = [shard_sequence(t, rank, size, dim=2).bfloat16().requires_grad_() for t in (q, k, v)]
+    out = ContextAttention(dist.group.WORLD, scheme)(*local)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in local)
+    return (out.float() - shard_sequence(full, rank, size, dim=2)).abs().max().item()

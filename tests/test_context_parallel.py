@@ -1,0 +1,140 @@
+"""Context parallelism end to end: the reference GPT trained under ``ThreeDStrategy(context=N)``
+gives the losses and weights of one process (gloo worlds), for both schemes and ZeRO stages."""
+
+import pytest
+
+from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
+from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks
+from lightning_3d.harness.world import run_world
+
+STEPS = 4
+CLIP = {"gradient_clip_val": 0.05}  # always hit: a norm over one rank's tokens would show
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return fit_gpt(0, Run(steps=STEPS, trainer=CLIP))
+
+
+@pytest.mark.parametrize(
+    "scheme, world, options",
+    [
+        ("ring", 2, {}),
+        ("alltoall", 2, {}),
+        ("ring", 4, {}),
+        ("alltoall", 4, {}),
+        ("ring", 4, {"data": 2, "zero_stage": 1}),
+        ("alltoall", 2, {"zero_stage": 2}),
+        ("ring", 2, {"zero_stage": 3}),
+        ("ring", 4, {"tensor": 2}),
+        ("alltoall", 4, {"tensor": 2, "zero_stage": 3}),
+        ("ring", 4, {"pipeline": 2}),
+        ("alltoall", 4, {"pipeline": 2, "zero_stage": 1}),
+        ("ring", 2, {"ac_policy": "full", "zero_stage": 3, "offload": "cpu"}),
+        ("alltoall", 2, {"ac_policy": "selective", "offload": "cpu", "zero_stage": 1}),
+        ("ring", 2, {"zero_stage": 3, "offload": "cpu", "offload_params": True}),
+        ("alltoall", 2, {"zero_stage": 2, "offload": "nvme", "offload_path": "/tmp"}),
+    ],
+)
+def test_context_parallel_gpt_matches_one_process(reference, scheme, world, options):
+    """Catches: positions 0..T/cp-1 on every rank instead of the true ones, a logged loss that is
+    one rank's tokens' mean (the gradients would not show it: the ranks' equal token counts make
+    the average of their means the whole mean), gradients reduced over data only (cp ranks'
+    weights drift apart), a batch split that is not the one the attention kernels assume."""
+    others = options.get("data", 1) * options.get("tensor", 1) * options.get("pipeline", 1)
+    context = world // others
+    strategy = {"context": context, "context_scheme": scheme, **options}
+    run = Run(strategy=strategy, devices=world, steps=STEPS, trainer=CLIP)
+    ranks = run_world(fit_gpt_ranks, world, run)
+    assert_same_run(ranks[0], reference)
+    assert rank_state_mismatches(ranks, reference) == []
+    if "data" not in options:  # what self.log sees on every rank: the whole sequence's loss
+        for rank in ranks:
+            assert rank["local_losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    summary = ranks[0]["summary"]  # FLOPs of a token at the whole sequence's length
+    assert summary["flops_per_token"] == pytest.approx(reference["summary"]["flops_per_token"])
+
+
+@pytest.mark.parametrize(
+    "arch, scheme, world, options",
+    [
+        ("hf_llama", "ring", 2, {}),
+        ("hf_llama", "alltoall", 2, {}),
+        ("hf_gpt2", "ring", 2, {}),
+        ("hf_gpt2", "alltoall", 2, {}),
+        ("hf_llama", "ring", 4, {}),
+        ("hf_gpt2", "alltoall", 4, {"zero_stage": 3}),
+        ("hf_llama", "ring", 4, {"tensor": 2}),
+        ("hf_gpt2", "alltoall", 4, {"tensor": 2, "zero_stage": 1}),
+        ("hf_llama", "ring", 4, {"pipeline": 2}),
+        ("hf_gpt2", "alltoall", 4, {"pipeline": 2, "zero_stage": 3}),
+    ],
+)
+def test_hugging_face_decoders_through_the_attention_interface(arch, scheme, world, options):
+    """A Llama-style (rotary, grouped-query) and a GPT-2-style (learned positions, tied head)
+    ``transformers`` model: attention routed by a registered attention function, positions
+    passed as ``position_ids``. Catches: rotary angles of positions 0..T/cp-1, the model's own
+    sdpa still running on local tokens (a mask of the wrong size, or none across ranks)."""
+    reference = fit_gpt(0, Run(arch=arch, steps=STEPS, trainer=CLIP))
+    others = options.get("tensor", 1) * options.get("pipeline", 1)
+    strategy = {"context": world // others, "context_scheme": scheme, **options}
+    run = Run(arch=arch, strategy=strategy, devices=world, steps=STEPS, trainer=CLIP)
+    ranks = run_world(fit_gpt_ranks, world, run)
+    assert_same_run(ranks[0], reference)
+    assert rank_state_mismatches(ranks, reference) == []
+
+
+@pytest.mark.parametrize("checkpoint_format", ["consolidated", "sharded"])
+def test_a_checkpoint_resumes_under_another_context(tmp_path, checkpoint_format):
+    """Checkpoints hold whole tensors by the names one process has: three steps at cp=2 (ZeRO-1),
+    saved, then three more at cp=4 (ZeRO-3) equal six steps on one process."""
+    straight = fit_gpt(0, Run(steps=6))
+    first = run_world(
+        fit_gpt,
+        2,
+        Run(
+            strategy={"context": 2, "zero_stage": 1, "checkpoint_format": checkpoint_format},
+            devices=2,
+            steps=3,
+            save_to=str(tmp_path / "run.ckpt"),
+            save_every_n_steps=1,
+        ),
+    )[0]
+    second = run_world(
+        fit_gpt,
+        4,
+        Run(
+            strategy={"context": 4, "zero_stage": 3, "checkpoint_format": checkpoint_format},
+            devices=4,
+            steps=6,
+            resume_from=str(tmp_path / "run-step=3.ckpt"),
+        ),
+    )[0]
+    assert_same_run({**second, "losses": first["losses"] + second["losses"]}, straight)
+
+
+def test_validation_test_and_predictions_mean_what_they_mean_on_one_process():
+    """Validation and test losses are whole-sequence token means; predictions come back as whole
+    sequences (each rank predicts its own tokens, gathered over the context ranks)."""
+    import torch
+
+    reference = fit_gpt(0, Run(steps=2, validate=True))
+    run = Run(strategy={"context": 2}, devices=2, steps=2, validate=True)
+    result = run_world(fit_gpt, 2, run)[0]
+    for split in ("val", "test"):
+        for key, value in reference[split].items():
+            assert result[split][key] == pytest.approx(value, rel=1e-5), (split, key)
+    assert torch.equal(result["predictions"], reference["predictions"])
+
+
+@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
+def test_bf16_mixed_precision_follows_one_process(scheme):
+    """Under ``bf16-mixed`` the kernels run inside autocast: losses within bf16's rounding of one
+    process's (a wrong causal mask moves them by far more; the fp32 tests above are the ones
+    fine enough for positions)."""
+    trainer = {"precision": "bf16-mixed"}
+    reference = fit_gpt(0, Run(steps=STEPS, trainer=trainer))
+    strategy = {"context": 2, "context_scheme": scheme}
+    run = Run(strategy=strategy, devices=2, steps=STEPS, trainer=trainer)
+    losses = run_world(fit_gpt, 2, run)[0]["losses"]
+    assert losses == pytest.approx(reference["losses"], rel=1e-4)
