@@ -157,11 +157,12 @@ def check_model_and_data(model: DictConfig, data: DictConfig) -> None:
 
 def check_data_layout(data: DictConfig, layout: Any) -> None:
     """The data module's own limits on the layout, where its class has a ``check_layout``
-    (``data=chat``: packed rows need ``pipeline=1``)."""
+    (``data=chat``: packed rows need ``pipeline=1``, and no context parallelism)."""
     check_layout = getattr(target_of(data, "data"), "check_layout", None)
     if check_layout is not None:
         options = OmegaConf.to_container(data, resolve=True)
-        check_layout(layout.pipeline, **{k: v for k, v in options.items() if k not in HYDRA_KEYS})
+        given = {k: v for k, v in options.items() if k not in HYDRA_KEYS}
+        check_layout(layout.pipeline, context=layout.context, **given)
 
 
 def check_data_sizes(data: DictConfig, trainer: DictConfig, data_degree: int) -> None:
