@@ -135,3 +135,27 @@ def test_a_whole_model_file_becomes_a_qlora_base_in_nf4(tmp_path):
         plain = own[len("model.") :].replace(".base_layer", "")
         expected = to_nf4(source[plain].to(torch.bfloat16), 64, 256).get_original_weight()
         torch.testing.assert_close(state[own].get_original_weight(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("adapter", [None, LORA], ids=["plain", "lora"])
+def test_a_tied_head_stored_once_is_read_for_both_names(tmp_path, adapter):
+    """Qwen2 ties its head to the embedding and its file stores the embedding only: the launcher's
+    check and the load on meta take the file, and the head gets the embedding's values. Catches:
+    the head reported missing from the file, or left at its init."""
+    torch.manual_seed(0)
+    source = HFCausalLM(config=tiny_hf_config("qwen2"))
+    source.model.save_pretrained(tmp_path / "model")
+    from omegaconf import OmegaConf
+    from safetensors import safe_open
+
+    from lightning_3d.app.finetune import check_pretrained
+
+    path = tmp_path / "model" / "model.safetensors"
+    with safe_open(str(path), "pt") as handle:
+        assert "lm_head.weight" not in handle.keys()
+    module = HFCausalLM(path=str(tmp_path / "model"), adapter=adapter)
+    check_pretrained(OmegaConf.create({}), path, module)
+    load_pretrained(module, path)
+    module.load_weights()
+    embedding = source.state_dict()["model.model.embed_tokens.weight"]
+    assert torch.equal(module.state_dict()["model.lm_head.weight"], embedding)

@@ -18,25 +18,14 @@ from lightning_3d.adapters import is_adapter_name  # noqa: E402
 from lightning_3d.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
 from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks  # noqa: E402
 from lightning_3d.harness.world import run_world  # noqa: E402
+from support.qlora import SEED, WIDE  # noqa: E402
+from support.qlora import qlora_run as support_run  # noqa: E402
 
 QLORA = {"method": "qlora", "r": 4, "lora_alpha": 8}
-WIDE = {"hidden_size": 256, "intermediate_size": 512, "num_key_value_heads": 4}
-STEPS, SEED = 3, 1234
 
 
 def qlora_run(strategy, **changes) -> Run:
-    model = {"adapter": QLORA, "lr": 1e-2, "hf": WIDE}
-    return Run(
-        **{
-            "strategy": strategy,
-            "steps": STEPS,
-            "seed": SEED,
-            "arch": "hf_llama",
-            "model": model,
-            "trainer": {"gradient_clip_val": 0.05},
-            **changes,
-        }
-    )
+    return support_run(strategy, QLORA, **changes)
 
 
 def dequantized(value: torch.Tensor) -> torch.Tensor:

@@ -71,7 +71,7 @@ def check_pretrained(model_cfg: DictConfig, path: Path, module: Any = None) -> N
         inspect_checkpoint,
         shapes_of,
     )
-    from lightning_3d.checkpoint.names import map_names, matched_view
+    from lightning_3d.checkpoint.names import map_names, matched_view, without_stored_ties
     from lightning_3d.models.hf_load import tied_partners
 
     info = inspect_checkpoint(path)  # missing, a directory, not a checkpoint, truncated
@@ -85,13 +85,8 @@ def check_pretrained(model_cfg: DictConfig, path: Path, module: Any = None) -> N
     view = matched_view(list(own), list(info["shapes"]), path)  # LoRA: the base, or its adapters
     names = map_names(list(info["shapes"]), list(view), info["format"])
     stored = {names[n]: shape for n, shape in info["shapes"].items()}
-    ties = tied_partners(module)  # a tied weight stored once (an HF file without its head)
-    expected = {
-        n: own[view[n]]
-        for n in view
-        if n in stored or not any(p in stored for p in ties.get(view[n], ()))
-    }
-    check_against(expected, stored, source=str(path))
+    expected = without_stored_ties(view, list(stored), tied_partners(module))
+    check_against({n: own[m] for n, m in expected.items()}, stored, source=str(path))
 
 
 def own_weights(model_cfg: DictConfig) -> Optional[Path]:

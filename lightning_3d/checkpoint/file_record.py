@@ -21,7 +21,7 @@ from lightning_3d.checkpoint.checks import (
     detect_format,
     read_tensors,
 )
-from lightning_3d.checkpoint.names import map_names, matched_view
+from lightning_3d.checkpoint.names import map_names, matched_view, without_stored_ties
 from lightning_3d.models.hf_load import PretrainedWeights, tied_partners
 
 
@@ -61,17 +61,12 @@ def file_record(owner: nn.Module, path: Path) -> tuple[PretrainedWeights, list[s
     view = matched_view(list(own), list(headers), path)
     names = map_names(list(headers), list(view), detect_format(path))  # file -> view name
     keys = {view[names[key]]: key for key in headers if names[key] in view}
-    for name, partners in tied_partners(owner).items():  # a tie stored under one name
-        found = next((keys[p] for p in partners if p in keys), None)
+    partners = tied_partners(owner)
+    for name, ties in partners.items():  # a tie stored under one name: read for both
+        found = next((keys[p] for p in ties if p in keys), None)
         if name not in keys and found is not None:
             keys[name] = found
     stored = {names[key]: shape for key, (_, shape, _) in headers.items()}
-    stored.update(
-        {
-            view_name: headers[keys[view[view_name]]][1]
-            for view_name in view
-            if view_name not in stored and view[view_name] in keys
-        }
-    )
-    check_against({name: tuple(own[view[name]].shape) for name in view}, stored, source=str(path))
+    expected = without_stored_ties(view, list(stored), partners)
+    check_against({n: tuple(own[m].shape) for n, m in expected.items()}, stored, source=str(path))
     return PretrainedWeights(path, owner, headers, keys=keys, open_file=open_file), list(keys)

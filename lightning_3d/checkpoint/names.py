@@ -57,3 +57,17 @@ def matched_view(own: list[str], stored: list[str], source: Path) -> dict[str, s
             f"{source} DIR --merged)"
         )
     return {name: name for name in adapted} if only_adapters else base_view(own)
+
+
+def without_stored_ties(
+    view: dict[str, str], stored: Sequence[str], partners: dict[str, list[str]]
+) -> dict[str, str]:
+    """``view`` (name -> module name) less the names a file holds only under a tied partner's
+    name (an HF file stores a tied head once, as the embedding); ``stored``: the file's names,
+    already matched to ``view``'s; ``partners``: module name -> its ties' module names."""
+    held = {view[name] for name in stored if name in view}
+    return {
+        name: own
+        for name, own in view.items()
+        if own in held or not any(p in held for p in partners.get(own, ()))
+    }

@@ -121,5 +121,5 @@ def _defer_to_file(module: nn.Module, owner: nn.Module, path: Path) -> list[str]
             current.base = record
     else:
         owner.deferred_init = record
-    inner = {id(owner): n for n, m in module.named_modules() if m is owner}[id(owner)]
+    inner = next(name for name, m in module.named_modules() if m is owner)
     return [f"{inner}.{name}" if inner else name for name in names]

@@ -56,8 +56,7 @@ def broadcast_start(
             continue
         src = dist.get_global_rank(group, 0)
         for t in tensors:
-            # an NF4Tensor's codes and scales; bitsandbytes' 4-bit codes and quant_state
-            for part in plain_parts(t if hasattr(t, "quant_state") else t.data):
+            for part in plain_parts(t):  # an NF4Tensor's or a 4-bit Params4bit's codes and scales
                 dist.broadcast(part, src=src, group=group)
 
 

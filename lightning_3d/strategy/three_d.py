@@ -318,15 +318,15 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     def batch_to_device(
         self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0
     ) -> Any:
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        if self.layout.context == 1:
-            return batch
-        # Context parallelism: this rank keeps its load-balanced tokens of every sequence.
-        from lightning_3d.parallel.context.apply import shard_batch
+        if self.layout.context > 1:
+            # Context parallelism: this rank keeps its load-balanced tokens of every sequence,
+            # cut before the copy to the device (only 1/context of each sequence crosses).
+            from lightning_3d.parallel.context.apply import shard_batch
 
-        axis = MeshAxis.CONTEXT.value
-        mesh = self.device_mesh
-        return shard_batch(batch, mesh.get_local_rank(axis), mesh.get_group(axis).size())
+            axis = MeshAxis.CONTEXT.value
+            mesh = self.device_mesh
+            batch = shard_batch(batch, mesh.get_local_rank(axis), mesh.get_group(axis).size())
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
