@@ -254,7 +254,11 @@ OPTIONS: tuple[Option, ...] = (
         hydra_type=Any,
     ),
     Option(
-        "bucket_size_mb", "zero", "bucket_size_mb", "gradient bucket size (MiB) for ZeRO stages 0–2"
+        "bucket_size_mb",
+        "zero",
+        "bucket_size_mb",
+        "largest gradient bucket (MiB) for ZeRO stages 0–2; a model of fewer than 4 such "
+        "buckets gets 4 (none under 1 MiB), so the reduction left after backward is short",
     ),
     Option(
         "ac_policy",
