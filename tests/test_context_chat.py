@@ -1,0 +1,78 @@
+"""Context parallelism on ``data=chat``'s dict batches (Hugging Face's convention: unshifted
+labels; packed rows with positions restarting per conversation, or right-padded rows): tiny
+random ``transformers`` decoders under ``ThreeDStrategy(context=N)`` give the losses and every
+weight of one process, fp32, 4 steps, both schemes, packed and padded."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches  # noqa: E402
+from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks  # noqa: E402
+from lightning_3d.harness.world import run_world  # noqa: E402
+
+STEPS = 4
+CLIP = {"gradient_clip_val": 0.05}  # always hit: a norm over one rank's tokens would show
+BLOCK = 48  # divisible by 2 × 4: the same rows at cp 2 and cp 4
+_REFERENCES: dict = {}
+
+
+@pytest.fixture(scope="module")
+def chat_files(tmp_path_factory):
+    from support.chat_files import write_chat_files
+
+    return write_chat_files(tmp_path_factory.mktemp("chat"))
+
+
+def _run(chat_files, arch, packing, **kwargs):
+    chat = {**chat_files, "block_size": BLOCK, "batch_size": 4, "packing": packing}
+    chat["val_fraction"] = 0.2
+    return Run(arch=arch, steps=STEPS, trainer=CLIP, data={"chat": chat}, **kwargs)
+
+
+def _reference(chat_files, arch, packing, options):
+    """One process; with data parallelism, the same layout at context 1: each data rank's loss
+    is the token mean of its own rows, so rows of unequal counts make the average over data
+    ranks differ from one process's mean, with or without context parallelism."""
+    key = (arch, packing, tuple(sorted(options.items())))
+    if key not in _REFERENCES:
+        if "data" in options:
+            world, strategy = options["data"], {**options, "context": 1}
+            run = _run(chat_files, arch, packing, strategy=strategy, devices=world)
+            _REFERENCES[key] = run_world(fit_gpt, world, run)[0]
+        else:
+            _REFERENCES[key] = fit_gpt(0, _run(chat_files, arch, packing))
+    return _REFERENCES[key]
+
+
+@pytest.mark.parametrize(
+    "arch, scheme, packing, world, options",
+    [
+        ("hf_llama", "ring", True, 2, {}),
+        ("hf_llama", "alltoall", True, 2, {}),
+        ("hf_llama", "ring", False, 2, {}),
+        ("hf_llama", "alltoall", False, 2, {}),
+        ("hf_gpt2", "ring", True, 2, {}),
+        ("hf_gpt2", "alltoall", False, 2, {}),
+        ("hf_llama", "ring", True, 4, {}),
+        ("hf_llama", "alltoall", False, 4, {"data": 2, "zero_stage": 1}),
+    ],
+)
+def test_chat_batches_match_one_process(chat_files, arch, scheme, packing, world, options):
+    """A Llama-style (rotary, grouped-query) and a GPT-2-style (learned positions, tied head)
+    model on chat rows. At cp 4 rank 0 holds no token with a target in any step (its chunks are
+    a prompt's start and the padding); at cp 2 the ranks' counts differ (15 and 25 at the first
+    step). Catches: labels shifted after the cut (a chunk's last token paired with a token that
+    does not follow it), no document mask between packed conversations, positions that do not
+    restart, a loss averaged over ranks' means instead of their tokens, a rank with no target
+    dividing by zero."""
+    reference = _reference(chat_files, arch, packing, options)
+    context = world // options.get("data", 1)
+    strategy = {"context": context, "context_scheme": scheme, **options}
+    run = _run(chat_files, arch, packing, strategy=strategy, devices=world)
+    ranks = run_world(fit_gpt_ranks, world, run)
+    assert_same_run(ranks[0], reference)
+    assert rank_state_mismatches(ranks, reference) == []
+    if "data" not in options:  # what self.log sees on every rank: the whole sequence's loss
+        for rank in ranks:
+            assert rank["local_losses"] == pytest.approx(reference["losses"], rel=1e-5)
