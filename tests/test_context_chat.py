@@ -76,3 +76,47 @@ def test_chat_batches_match_one_process(chat_files, arch, scheme, packing, world
     if "data" not in options:  # what self.log sees on every rank: the whole sequence's loss
         for rank in ranks:
             assert rank["local_losses"] == pytest.approx(reference["losses"], rel=1e-5)
+
+
+def test_the_finetune_app_trains_chat_with_the_losses_of_one_process(tmp_path):
+    """``python examples/finetune.py model=hf data=chat parallelism.context=2 trainer.devices=2``
+    (packed rows) against the same command on one process: the summary's losses, step by step.
+    Catches: the launcher refusing chat under context parallelism, a batch reaching the ranks
+    uncut or cut after its labels' shift."""
+    import json
+    from pathlib import Path
+
+    from lightning_3d.harness.apps import start_app, wait_all
+    from support.chat_files import write_model_dir
+
+    repo = Path(__file__).resolve().parents[1]
+    model = write_model_dir(tmp_path)
+    args = [
+        "model=hf",
+        f"model.path={model}",
+        "data=chat",
+        f"data.path={tmp_path / 'chats.jsonl'}",
+        f"data.block_size={BLOCK}",
+        "data.batch_size=4",
+        "data.val_fraction=0.2",
+        "offload=none",
+        "trainer.precision=32-true",
+        "trainer.max_steps=3",
+        "trainer.limit_val_batches=0",
+    ]
+    runs = {"cp2": ["trainer.devices=2", "parallelism.context=2"], "one": ["trainer.devices=1"]}
+    procs = {
+        name: start_app(
+            repo / "examples" / "finetune.py",
+            [*args, *extra, f"hydra.run.dir={tmp_path / name}"],
+            repo,
+        )
+        for name, extra in runs.items()
+    }
+    done = wait_all(procs, timeout=600)
+    for name, proc in done.items():
+        assert proc.returncode == 0, (name, proc.stderr[-3000:])
+    summaries = {name: json.loads((tmp_path / name / "summary.json").read_text()) for name in runs}
+    assert summaries["cp2"]["layout"]["context"] == 2
+    assert len(summaries["one"]["losses"]) == 3
+    assert summaries["cp2"]["losses"] == pytest.approx(summaries["one"]["losses"], rel=1e-5)

@@ -50,3 +50,21 @@ def write_chat_files(root: Path, conversations: int = 60) -> dict[str, str]:
     chats = root / "chats.jsonl"
     chats.write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(conversations)))
     return {"tokenizer": str(root / "tokenizer"), "path": str(chats)}
+
+
+def write_model_dir(root: Path, family: str = "llama") -> str:
+    """A tiny random ``family`` model saved with :func:`write_chat_files`'s tokenizer: a
+    directory ``model.path`` and ``data.tokenizer`` can both name."""
+    import torch
+
+    from lightning_3d.harness.hf_configs import tiny_hf_config
+    from lightning_3d.models.hf import build_hf_model
+
+    files = write_chat_files(root)
+    torch.manual_seed(0)
+    model = build_hf_model(None, tiny_hf_config(family, vocab_size=32))
+    model.save_pretrained(root / "model")
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(files["tokenizer"]).save_pretrained(root / "model")
+    return str(root / "model")
