@@ -30,14 +30,20 @@ def _run(chat_files, arch, packing, **kwargs):
     return Run(arch=arch, steps=STEPS, trainer=CLIP, data={"chat": chat}, **kwargs)
 
 
+def _others(options):
+    return options.get("data", 1) * options.get("pipeline", 1) * options.get("tensor", 1)
+
+
 def _reference(chat_files, arch, packing, options):
-    """One process; with data parallelism, the same layout at context 1: each data rank's loss
-    is the token mean of its own rows, so rows of unequal counts make the average over data
-    ranks differ from one process's mean, with or without context parallelism."""
+    """One process; with data or pipeline parallelism, the same layout at context 1: a data
+    rank's loss is the token mean of its own rows, a pipeline's the mean of its micro-batches'
+    means, so rows of unequal counts make either differ from one process's token mean, with or
+    without context parallelism."""
     key = (arch, packing, tuple(sorted(options.items())))
     if key not in _REFERENCES:
-        if "data" in options:
-            world, strategy = options["data"], {**options, "context": 1}
+        if "data" in options or "pipeline" in options:
+            world = _others(options)
+            strategy = {**options, "context": 1}
             run = _run(chat_files, arch, packing, strategy=strategy, devices=world)
             _REFERENCES[key] = run_world(fit_gpt, world, run)[0]
         else:
@@ -56,18 +62,22 @@ def _reference(chat_files, arch, packing, options):
         ("hf_gpt2", "alltoall", False, 2, {}),
         ("hf_llama", "ring", True, 4, {}),
         ("hf_llama", "alltoall", False, 4, {"data": 2, "zero_stage": 1}),
+        ("hf_llama", "ring", False, 4, {"pipeline": 2}),
+        ("hf_gpt2", "alltoall", True, 4, {"tensor": 2}),
     ],
 )
 def test_chat_batches_match_one_process(chat_files, arch, scheme, packing, world, options):
     """A Llama-style (rotary, grouped-query) and a GPT-2-style (learned positions, tied head)
-    model on chat rows. At cp 4 rank 0 holds no token with a target in any step (its chunks are
-    a prompt's start and the padding); at cp 2 the ranks' counts differ (15 and 25 at the first
-    step). Catches: labels shifted after the cut (a chunk's last token paired with a token that
-    does not follow it), no document mask between packed conversations, positions that do not
-    restart, a loss averaged over ranks' means instead of their tokens, a rank with no target
-    dividing by zero."""
+    model on chat rows; cp 2 and 4, data 2 × cp 2 (ZeRO-1), pipeline 2 × cp 2 (padded rows:
+    packed ones are refused under a pipeline), tensor 2 × cp 2. At cp 4 rank 0 holds no token
+    with a target in any step (its chunks are a prompt's start and the padding); at cp 2 the
+    ranks' counts differ (15 and 25 at the first step). Catches (each seen failing): labels
+    shifted after the cut, or shifted twice; no document mask between packed conversations;
+    positions left at the whole row's 0..T-1 (GPT-2-style: rotary ones see only distances,
+    which within a document do not change); a loss averaged over the ranks' means instead of
+    their tokens (at cp 4: 0/0 on the rank with no target)."""
     reference = _reference(chat_files, arch, packing, options)
-    context = world // options.get("data", 1)
+    context = world // _others(options)
     strategy = {"context": context, "context_scheme": scheme, **options}
     run = _run(chat_files, arch, packing, strategy=strategy, devices=world)
     ranks = run_world(fit_gpt_ranks, world, run)
