@@ -75,9 +75,10 @@ def shard_dict_batch(batch: Mapping[str, Tensor], rank: int, size: int) -> dict[
     if positions is not None:
         whole["position_ids"] = positions.expand_as(ids)
     out = {key: shard_sequence(value, rank, size) for key, value in whole.items()}
-    documents = document_ids(positions.expand_as(ids)) if positions is not None else None
-    if mask is None and documents is not None and bool(documents[:, -1].any()):
-        out["document_ids"] = documents
+    if positions is not None and mask is None:  # transformers reads packing only without a mask
+        documents = document_ids(positions.expand_as(ids))
+        if bool(documents[:, -1].any()):  # some row holds more than one document
+            out["document_ids"] = documents
     return out
 
 
