@@ -3,6 +3,8 @@ labels; packed rows with positions restarting per conversation, or right-padded 
 random ``transformers`` decoders under ``ThreeDStrategy(context=N)`` give the losses and every
 weight of one process, fp32, 4 steps, both schemes, packed and padded."""
 
+import dataclasses
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -130,3 +132,21 @@ def test_the_finetune_app_trains_chat_with_the_losses_of_one_process(tmp_path):
     assert summaries["cp2"]["layout"]["context"] == 2
     assert len(summaries["one"]["losses"]) == 3
     assert summaries["cp2"]["losses"] == pytest.approx(summaries["one"]["losses"], rel=1e-5)
+
+
+def test_chat_validation_and_predictions_mean_what_they_mean_on_one_process(chat_files):
+    """Validation and test losses on packed chat rows are whole-sequence token means; predictions
+    come back as whole rows. Catches: an evaluation batch left uncut or its labels shifted after
+    the cut, per-rank predictions not gathered."""
+    import torch
+
+    run = _run(chat_files, "hf_llama", True, validate=True)
+    reference = fit_gpt(0, run)
+    strategy = {"context": 2, "context_scheme": "ring"}
+    result = run_world(fit_gpt, 2, dataclasses.replace(run, strategy=strategy, devices=2))[0]
+    for split in ("val", "test"):
+        assert reference[split], split
+        for key, value in reference[split].items():
+            assert result[split][key] == pytest.approx(value, rel=1e-5), (split, key)
+    assert result["predictions"].shape == reference["predictions"].shape
+    assert torch.equal(result["predictions"], reference["predictions"])
