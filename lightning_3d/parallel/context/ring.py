@@ -17,8 +17,9 @@ log-sum-exp per query (``T/cp`` scores per head), not the ``T × T`` score matri
 
 Packed rows (several documents per row) pass ``documents``, each token's document id over the
 whole sequence (every rank has it): a query then sees a key only where the causal mask allows
-and both are of the same document; a pair of chunks with no such key is skipped. Every query
-sees itself, so no query is left with no key once the ring is round.
+and both are of the same document; a pair of chunks with no such key is skipped (a host read
+of the pair's mask). A query with no key in a block gets nothing from it (the merge keeps
+``-inf`` out of its exponents); every query sees itself, so none is left with no key at all.
 
 (``torch.distributed.tensor.experimental.context_parallel`` does this on CUDA devices with NCCL
 through SDPA's flash / efficient kernels; it does not run on CPU tensors, hence this one.)

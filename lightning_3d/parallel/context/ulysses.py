@@ -8,6 +8,9 @@ splits), so the backward is the same two exchanges in reverse. Needs ``H`` divis
 attention call, with ``n = B · H · T/cp · D``: forward sends ``4 n (cp - 1)/cp`` elements (q, k,
 v in, the output back), backward the same; attention's own memory is that of ``H/cp`` heads of
 the whole sequence.
+
+Packed rows pass ``documents`` (each token's document over the whole sequence): attention then
+runs under the dense block-causal mask, ``(B, 1, T, T)``, instead of ``is_causal``.
 """
 
 from __future__ import annotations
