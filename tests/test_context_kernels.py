@@ -42,15 +42,74 @@ def test_kernel_matches_full_causal_attention(scheme, world):
         assert max(errors.values()) < 1e-5, (rank, errors)
 
 
+# Packed rows: documents that end inside a chunk and on a chunk's edge, of one token, spanning
+# chunks; the second row one document (32 tokens: chunks of 8 at world 2, of 4 at world 4).
+PACKED = {
+    2: [[3, 6, 5, 2, 8, 8], [32]],
+    4: [[3, 6, 5, 2, 8, 1, 7], [32]],
+}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
+def test_kernel_matches_dense_block_causal_attention(scheme, world):
+    """Packed rows (several documents each) against one process's dense attention under the
+    block-causal mask, outputs and q/k/v gradients. Catches: no document mask (a query sees the
+    previous document: errors of order 1), a mask on the wrong chunks' ids, a merge that turns
+    a query with no key in a block into NaN, a pair skipped that has a key to see."""
+    from support.context_worlds import kernel_against_full_attention
+
+    lengths = PACKED[world]
+    results = run_world(kernel_against_full_attention, world, scheme, (2, 4, 32, 8), 2, lengths)
+    for rank, errors in enumerate(results):
+        assert max(errors.values()) < 1e-5, (rank, errors)
+
+
 def test_a_batch_keeps_this_ranks_tokens_of_its_sequence_tensors():
-    from lightning_3d.parallel.context.apply import shard_batch
+    from lightning_3d.parallel.context.batch import shard_batch
 
     ids, lengths = torch.arange(16).view(2, 8), torch.tensor([8, 8])
     x, y, n = shard_batch((ids, ids + 1, lengths), 1, 2)
     assert x.tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]] and y[0, 0] == 3
     assert n is lengths  # no sequence dim: as it was
-    with pytest.raises(ValueError, match=r"got a dict batch with keys \['input_ids', 'labels'\]"):
-        shard_batch({"input_ids": ids, "labels": ids}, 0, 2)
+
+
+def test_a_dict_batch_is_shifted_before_it_is_cut():
+    """A Hugging Face-style dict: targets shifted on the whole sequence (rank 0's first chunk
+    ends with the target of position 1, not its own label), positions cut like the tokens,
+    document ids of the whole row; the padding's labels dropped with its mask."""
+    from lightning_3d.parallel.context.batch import shard_batch
+
+    ids = torch.arange(8).view(1, 8)
+    labels = torch.tensor([[-100, 11, 12, -100, -100, 15, 16, 17]])
+    packed = {
+        "input_ids": ids,
+        "labels": labels,
+        "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]]),
+    }
+    mine = shard_batch(packed, 0, 2)  # positions 0 1 6 7
+    assert sorted(mine) == ["document_ids", "input_ids", "position_ids", "targets"]
+    assert mine["input_ids"].tolist() == [[0, 1, 6, 7]]
+    assert mine["targets"].tolist() == [[11, 12, 17, -100]]
+    assert mine["position_ids"].tolist() == [[0, 1, 3, 0]]
+    assert mine["document_ids"].tolist() == [[0, 0, 0, 1, 1, 1, 1, 2]]  # the whole row
+    one = shard_batch({"input_ids": ids, "position_ids": torch.arange(8).view(1, 8)}, 1, 2)
+    assert "document_ids" not in one and one["targets"].tolist() == [[3, 4, 5, 6]]
+    padded = {"input_ids": ids, "labels": ids, "attention_mask": torch.tensor([[1] * 5 + [0] * 3])}
+    theirs = shard_batch(padded, 1, 2)  # positions 2 3 4 5
+    assert sorted(theirs) == ["input_ids", "targets"]
+    assert theirs["targets"].tolist() == [[3, 4, -100, -100]]
+
+
+def test_a_dict_batch_context_parallelism_cannot_split_is_named():
+    from lightning_3d.parallel.context.batch import shard_batch
+
+    ids = torch.arange(16).view(2, 8)
+    with pytest.raises(ValueError, match=r"got keys \['input_ids', 'pixel_values'\]"):
+        shard_batch({"input_ids": ids, "pixel_values": ids}, 0, 2)
+    left = torch.tensor([[1] * 8, [0, 0, 1, 1, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"right padding only .*; rows \[1\] mask a token"):
+        shard_batch({"input_ids": ids, "attention_mask": left}, 0, 2)
 
 
 @pytest.mark.parametrize("scheme", ["ring", "alltoall"])

@@ -157,7 +157,7 @@ def check_model_and_data(model: DictConfig, data: DictConfig) -> None:
 
 def check_data_layout(data: DictConfig, layout: Any) -> None:
     """The data module's own limits on the layout, where its class has a ``check_layout``
-    (``data=chat``: packed rows need ``pipeline=1``, and no context parallelism)."""
+    (``data=chat``: packed rows need ``pipeline=1``)."""
     check_layout = getattr(target_of(data, "data"), "check_layout", None)
     if check_layout is not None:
         options = OmegaConf.to_container(data, resolve=True)

@@ -364,16 +364,8 @@ class ChatDataModule(TextDataModule):
     @staticmethod
     def check_layout(pipeline: int, packing: bool = True, context: int = 1, **_: Any) -> None:
         """Packed rows need their ``position_ids`` on every pipeline stage, which the pipeline
-        does not carry: ``ValueError`` for ``packing=true`` with ``pipeline > 1``. Context
-        parallelism splits ``(inputs, targets)`` pairs, not these dict batches (their labels are
-        shifted by the model after a split would have cut them): ``ValueError`` for
-        ``context > 1``."""
-        if context > 1:
-            raise ValueError(
-                f"data=chat cannot run with parallelism.context={context}: context parallelism "
-                "splits (inputs, targets) batches and chat rows are dicts of ids, labels and "
-                "positions (use data=text, or context=1)"
-            )
+        does not carry: ``ValueError`` for ``packing=true`` with ``pipeline > 1``. (Context
+        parallelism takes both layouts: :mod:`lightning_3d.parallel.context.batch`.)"""
         if packing and pipeline > 1:
             raise ValueError(
                 f"data.packing=true needs pipeline=1 (got parallelism.pipeline={pipeline}): "

@@ -40,6 +40,8 @@ class Run:
     replicas start alike must make rank 0's initial weights everyone's.
     ``initial_state=False``: no copy of the initial weights (a benchmark's peak RSS would count it).
     ``summary_warmup``: the steps ``RunSummary`` leaves out of its medians (tokens/s).
+    ``data={"chat": {...}}``: :class:`~lightning_3d.data.ChatDataModule`'s keyword arguments
+    (``path``, ``tokenizer``, ``block_size``, ``packing``, ...) instead of the text's.
     """
 
     strategy: Optional[dict[str, Any]] = None
@@ -118,7 +120,12 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
     )
     if run.rank_seeds:
         L.seed_everything(run.seed, verbose=False)
-    datamodule = TextDataModule(seed=run.seed, **{**TINY_DATA, **(run.data or {})})
+    if "chat" in (run.data or {}):  # dict batches: ids, unshifted labels, positions or a mask
+        from lightning_3d.data import ChatDataModule
+
+        datamodule = ChatDataModule(seed=run.seed, **run.data["chat"])
+    else:
+        datamodule = TextDataModule(seed=run.seed, **{**TINY_DATA, **(run.data or {})})
     summary = RunSummary(warmup_steps=run.summary_warmup)
     callbacks: list = [summary, RNGStateCheckpoint()]
     if run.save_to is not None:

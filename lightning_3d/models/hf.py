@@ -11,8 +11,10 @@ Batches are ``(input_ids, targets)`` pairs (targets already shifted by one, as t
 data modules give them; ``-100`` marks positions without a target), or dicts with ``input_ids``
 and optionally ``attention_mask``, ``labels`` (Hugging Face's convention: unshifted labels,
 ``-100`` or a zero attention mask for padding) and ``position_ids`` (packed sequences, restarting
-at 0 each: ``data=chat``'s packing; not under pipeline parallelism). The loss is the token mean
-over positions that have a target.
+at 0 each: ``data=chat``'s packing; not under pipeline parallelism). Context parallelism hands
+the model its dicts with ``targets`` (shifted before the sequence was cut) in place of
+``labels``, and packed rows' ``document_ids`` (:mod:`lightning_3d.parallel.context.batch`).
+The loss is the token mean over positions that have a target.
 
 ``ThreeDStrategy(tensor=2, pipeline=2)`` needs no user code: the tensor plan is the one the
 model ships (``config.base_model_tp_plan``, translated by :mod:`lightning_3d.parallel.plans.hf`), and
@@ -282,20 +284,25 @@ class HFCausalLM(pl.LightningModule):
         input_ids: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` (vocab-sharded under tensor parallelism). ``position_ids``
         that restart at 0 within a row mark packed sequences: without an ``attention_mask``,
-        ``transformers`` keeps each one's attention to itself (``lightning_3d.data.chat_layout``)."""
+        ``transformers`` keeps each one's attention to itself (``lightning_3d.data.chat_layout``).
+        ``document_ids``: the same under context parallelism, (B, T) of the whole sequence
+        (passed on to the attention function)."""
         if getattr(self.model, "deferred_init", None) is not None and self._trainer is None:
             self.load_weights()  # used outside a Trainer: read the weights on the first call
         if position_ids is None and self.context_shard is not None:
             B, T = input_ids.shape  # this rank's tokens of each sequence
             position_ids = self.context_shard.positions(T, input_ids.device).expand(B, T)
+        documents = {} if document_ids is None else {"document_ids": document_ids}
         return self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **documents,
         ).logits
 
     @staticmethod
@@ -304,11 +311,19 @@ class HFCausalLM(pl.LightningModule):
         return batch.get("position_ids") if isinstance(batch, Mapping) else None
 
     @staticmethod
+    def documents_of(batch: Any) -> Optional[torch.Tensor]:
+        """A dict batch's ``document_ids`` (packed sequences under context parallelism)."""
+        return batch.get("document_ids") if isinstance(batch, Mapping) else None
+
+    @staticmethod
     def split_batch(batch: Any) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
-        """``(input_ids, attention_mask, targets)`` from a pair or a dict; targets are shifted."""
+        """``(input_ids, attention_mask, targets)`` from a pair or a dict; targets are shifted
+        (a dict's ``targets`` already are: context parallelism's)."""
         if isinstance(batch, Mapping):
             ids = batch["input_ids"]
             mask = batch.get("attention_mask")
+            if batch.get("targets") is not None:
+                return ids, mask, batch["targets"]
             labels = batch.get("labels", ids)
             if mask is not None:
                 labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
@@ -323,7 +338,7 @@ class HFCausalLM(pl.LightningModule):
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, int]:
         ids, mask, targets = self.split_batch(batch)
-        logits = self(ids, mask, self.positions_of(batch))
+        logits = self(ids, mask, self.positions_of(batch), self.documents_of(batch))
         return self.loss_fn(logits, targets), int((targets != IGNORE_INDEX).sum())
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -347,7 +362,7 @@ class HFCausalLM(pl.LightningModule):
         ids, mask, _ = (
             self.split_batch(batch) if not isinstance(batch, torch.Tensor) else (batch, None, None)
         )
-        logits = self(ids, mask, self.positions_of(batch))
+        logits = self(ids, mask, self.positions_of(batch), self.documents_of(batch))
         if hasattr(logits, "full_tensor"):  # vocab-parallel logits under tensor parallelism
             logits = logits.full_tensor()
         return logits.argmax(-1)

@@ -321,7 +321,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         if self.layout.context > 1:
             # Context parallelism: this rank keeps its load-balanced tokens of every sequence,
             # cut before the copy to the device (only 1/context of each sequence crosses).
-            from lightning_3d.parallel.context.apply import shard_batch
+            from lightning_3d.parallel.context.batch import shard_batch
 
             axis = MeshAxis.CONTEXT.value
             mesh = self.device_mesh

@@ -10,9 +10,18 @@ from lightning_3d.parallel.context.attention import ContextAttention
 from lightning_3d.parallel.context.chunks import shard_sequence
 
 
-def kernel_against_full_attention(rank: int, scheme: str, shape: tuple, kv_heads: int) -> dict:
+def documents_of(lengths: list[list[int]]) -> torch.Tensor:
+    """(B, T) document ids of rows packed with documents of ``lengths`` (one list per row)."""
+    return torch.tensor([[d for d, n in enumerate(row) for _ in range(n)] for row in lengths])
+
+
+def kernel_against_full_attention(
+    rank: int, scheme: str, shape: tuple, kv_heads: int, lengths: list | None = None
+) -> dict:
     """Full causal attention on one process vs ``scheme`` over the world: this rank's outputs
-    and gradients (of q, k, v) against the same positions of the full ones; max abs errors."""
+    and gradients (of q, k, v) against the same positions of the full ones; max abs errors.
+    ``lengths``: packed rows' document lengths (one list per row); the reference then masks
+    by a dense block-causal mask, the kernel is given the document ids."""
     dist.init_process_group("gloo")
     size = dist.get_world_size()
     B, H, T, D = shape
@@ -22,8 +31,12 @@ def kernel_against_full_attention(rank: int, scheme: str, shape: tuple, kv_heads
     v = torch.randn(B, kv_heads, T, D, generator=generator, requires_grad=True)
     weight = torch.randn(B, H, T, D, generator=generator)  # loss = sum(out * weight)
     repeat = H // kv_heads
+    documents = None if lengths is None else documents_of(lengths)
+    allowed = torch.ones(T, T, dtype=torch.bool).tril().expand(B, 1, T, T)
+    if documents is not None:  # dense block-causal: earlier keys of the query's own document
+        allowed = allowed & (documents[:, None, :, None] == documents[:, None, None, :])
     full = F.scaled_dot_product_attention(
-        q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1), is_causal=True
+        q, k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1), attn_mask=allowed
     )
     (full * weight).sum().backward()
 
@@ -31,7 +44,7 @@ def kernel_against_full_attention(rank: int, scheme: str, shape: tuple, kv_heads
         return shard_sequence(t.detach(), rank, size, dim=2).requires_grad_()
 
     ql, kl, vl = mine(q), mine(k), mine(v)
-    out = ContextAttention(dist.group.WORLD, scheme)(ql, kl, vl)
+    out = ContextAttention(dist.group.WORLD, scheme)(ql, kl, vl, documents=documents)
     (out * shard_sequence(weight, rank, size, dim=2)).sum().backward()
     errors = {
         "out": (out - shard_sequence(full, rank, size, dim=2)).abs().max().item(),

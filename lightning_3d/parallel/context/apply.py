@@ -5,19 +5,16 @@
 (an attribute ``context_attention``) and a Hugging Face model's (through transformers' attention
 interface, :mod:`.hf`); modules that compute positions (an attribute ``context_shard``: the GPT,
 ``HFCausalLM``) get it too, for the positions of this rank's tokens. A model with no attention
-to route is refused with its name. :func:`shard_batch` keeps this rank's tokens of a batch.
+to route is refused with its name. (Each rank's part of a batch: :mod:`.batch`.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from lightning.fabric.utilities.apply_func import apply_to_collection
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_3d.parallel.context.attention import ATTR, ContextAttention
-from lightning_3d.parallel.context.chunks import shard_sequence
 
 POSITIONS_ATTR = "context_shard"  # a module that computes positions holds the ContextAttention
 
@@ -87,24 +84,3 @@ def context_problems(
             if h % (size * tensor)
         ]
     return problems
-
-
-def shard_batch(batch: Any, rank: int, size: int) -> Any:
-    """This rank's tokens of every tensor of ``batch`` with a sequence dim (dim 1 of each tensor
-    of two or more dims, the same length as the first such tensor's), the rest as it is.
-    ``ValueError`` for a dict batch: its targets are shifted by the model after this split, which
-    would pair a chunk's last token with the first token of a chunk that does not follow it."""
-    if isinstance(batch, Mapping):
-        raise ValueError(
-            f"context parallelism takes (inputs, targets) batches with targets already shifted, "
-            f"got a dict batch with keys {sorted(batch)}"
-        )
-    lengths = []
-    apply_to_collection(batch, Tensor, lambda t: lengths.append(t.shape[1]) if t.dim() > 1 else 0)
-    if not lengths:
-        return batch
-
-    def shard(t: Tensor) -> Tensor:
-        return shard_sequence(t, rank, size) if t.dim() > 1 and t.shape[1] == lengths[0] else t
-
-    return apply_to_collection(batch, Tensor, shard)

@@ -41,9 +41,18 @@ class ContextAttention:
         """Where this rank's ``local_length`` tokens sit in the whole sequence, (T/cp,)."""
         return local_positions(local_length * self.size, self.rank, self.size, device)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, scale: Optional[float] = None) -> Tensor:
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        scale: Optional[float] = None,
+        documents: Optional[Tensor] = None,
+    ) -> Tensor:
+        """``documents``: (B, T) document ids of the whole sequence, for packed rows (a query
+        sees only its own document's earlier keys); ``None``: one document per row."""
         if k.shape[1] != q.shape[1]:  # grouped-query attention: each k/v head serves several
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         kernel = ring_attention if self.scheme == "ring" else ulysses_attention
-        return kernel(q, k, v, self.group, scale)
+        return kernel(q, k, v, self.group, scale, documents)

@@ -7,6 +7,8 @@ model's own layers call it with their rotated q, k, v — nothing of the model i
 implementation name ``transformers`` has no mask function for gets no mask (its mask helpers
 return ``None``): the kernels apply the causal mask themselves, at each rank's true positions,
 which the wrapper passes as ``position_ids`` (rotary and learned positions both read them).
+Packed rows' documents (:mod:`.batch`) reach it as the keyword ``document_ids``, which the
+model's layers pass on to the attention function with their other keywords.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ def attention_forward(
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """transformers' attention signature: q (B, H, T/cp, D), k/v (B, H_kv, T/cp, D) of this
-    rank's tokens; returns (B, T/cp, H, D) and no weights."""
+    rank's tokens, ``document_ids`` (B, T) of the whole sequence among the keywords for packed
+    rows; returns (B, T/cp, H, D) and no weights."""
     attend = getattr(module, ATTR, None)
     if attend is None:
         raise RuntimeError(
@@ -43,7 +46,9 @@ def attention_forward(
             "context parallelism takes no attention mask (padding or packed sequences): "
             "its kernels apply the causal mask themselves"
         )
-    return attend(query, key, value, scaling).transpose(1, 2).contiguous(), None
+    documents = kwargs.get("document_ids")
+    out = attend(query, key, value, scaling, documents)  # (B, H, T/cp, D)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def is_hf_model(module: nn.Module) -> bool:

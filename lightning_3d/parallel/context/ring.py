@@ -15,6 +15,12 @@ elements of each of q, k, v: forward sends ``2 n (cp - 1)`` elements, backward
 ``2 n (cp - 1) + 2 n cp``. Memory: one extra k/v block in flight, the saved output and the
 log-sum-exp per query (``T/cp`` scores per head), not the ``T × T`` score matrix.
 
+Packed rows (several documents per row) pass ``documents``, each token's document id over the
+whole sequence (every rank has it): a query then sees a key only where the causal mask allows
+and both are of the same document; a pair of chunks with no such key is skipped (a host read
+of the pair's mask). A query with no key in a block gets nothing from it (the merge keeps
+``-inf`` out of its exponents); every query sees itself, so none is left with no key at all.
+
 (``torch.distributed.tensor.experimental.context_parallel`` does this on CUDA devices with NCCL
 through SDPA's flash / efficient kernels; it does not run on CPU tensors, hence this one.)
 """
@@ -50,12 +56,37 @@ class _Pass:
         return self.received
 
 
-def _scores(q: Tensor, k: Tensor, scale: float, causal: bool) -> Tensor:
+def _scores(
+    q: Tensor, k: Tensor, scale: float, causal: bool, apart: Optional[Tensor] = None
+) -> Tensor:
     s = (q @ k.transpose(-2, -1)) * scale  # (B, H, c, c)
     if causal:  # the same chunk: a query sees the keys up to its own position
         mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
+    if apart is not None:  # (B, 1, c, c): query and key of different documents
+        s = s.masked_fill(apart, float("-inf"))
     return s
+
+
+def _apart(documents: Optional[Tensor], a: int, b: int, chunk: int) -> Optional[Tensor]:
+    """(B, 1, c, c): where query chunk ``a``'s tokens and key chunk ``b``'s are of different
+    documents (``None`` without documents)."""
+    if documents is None:
+        return None
+    qd, kd = documents[:, a * chunk : (a + 1) * chunk], documents[:, b * chunk : (b + 1) * chunk]
+    return (qd.unsqueeze(-1) != kd.unsqueeze(-2)).unsqueeze(1)
+
+
+def _blocks(
+    rank: int, source: int, size: int, documents: Optional[Tensor], chunk: int
+) -> list[tuple[int, int, bool, Optional[Tensor]]]:
+    """:func:`_pairs` with each pair's document mask, less the pairs it masks whole."""
+    a, b = chunk_ids(rank, size), chunk_ids(source, size)
+    blocks = [
+        (i, j, causal, _apart(documents, a[i], b[j], chunk))
+        for i, j, causal in _pairs(rank, source, size)
+    ]
+    return [block for block in blocks if block[3] is None or not bool(block[3].all())]
 
 
 def _pairs(rank: int, source: int, size: int) -> list[tuple[int, int, bool]]:
@@ -70,8 +101,17 @@ def _pairs(rank: int, source: int, size: int) -> list[tuple[int, int, bool]]:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, group: Any, scale: float) -> Tensor:
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        group: Any,
+        scale: float,
+        documents: Optional[Tensor],
+    ) -> Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
+        chunk = q.shape[2] // 2
         dtype = q.dtype
         q32 = q.float()
         queries = q32.chunk(2, dim=2)  # (B, H, c, D) each: this rank's two chunks
@@ -81,20 +121,21 @@ class _RingAttention(torch.autograd.Function):
         for step in range(size):
             sending = _Pass(kv, group) if step < size - 1 else None
             keys, values = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            for i, j, causal in _pairs(rank, (rank - step) % size, size):
-                s = _scores(queries[i], keys[j], scale, causal)
-                block_lse = s.logsumexp(-1)  # (B, H, c)
-                block = torch.exp(s - block_lse.unsqueeze(-1)) @ values[j]
+            for i, j, causal, apart in _blocks(rank, (rank - step) % size, size, documents, chunk):
+                s = _scores(queries[i], keys[j], scale, causal, apart)
+                block_lse = s.logsumexp(-1)  # (B, H, c); -inf for a query no key is left to
+                block = torch.exp(s - _finite(block_lse).unsqueeze(-1)) @ values[j]
                 merged = torch.logaddexp(lse[i], block_lse)
-                out[i] = out[i] * torch.exp(lse[i] - merged).unsqueeze(-1) + block * torch.exp(
-                    block_lse - merged
+                base = _finite(merged)  # both -inf: the query has seen no key yet
+                out[i] = out[i] * torch.exp(lse[i] - base).unsqueeze(-1) + block * torch.exp(
+                    block_lse - base
                 ).unsqueeze(-1)
                 lse[i] = merged
             if sending is not None:
                 kv = sending.wait()
         output = torch.cat(out, dim=2)
         ctx.save_for_backward(q, k, v, output, torch.cat(lse, dim=2))  # q as given: no fp32 copy
-        ctx.group, ctx.scale, ctx.dtype = group, scale, dtype
+        ctx.group, ctx.scale, ctx.dtype, ctx.documents = group, scale, dtype, documents
         return output.to(dtype)
 
     @staticmethod
@@ -114,8 +155,11 @@ class _RingAttention(torch.autograd.Function):
             sending = _Pass(kv, group) if step < size - 1 else None
             keys, values = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
             dk, dv = list(dkv[0].chunk(2, dim=2)), list(dkv[1].chunk(2, dim=2))
-            for i, j, causal in _pairs(rank, (rank - step) % size, size):
-                p = torch.exp(_scores(queries[i], keys[j], scale, causal) - lses[i].unsqueeze(-1))
+            for i, j, causal, apart in _blocks(
+                rank, (rank - step) % size, size, ctx.documents, q.shape[2] // 2
+            ):
+                s = _scores(queries[i], keys[j], scale, causal, apart)
+                p = torch.exp(s - lses[i].unsqueeze(-1))  # every query saw itself: lse finite
                 dv[j] = dv[j] + p.transpose(-2, -1) @ grads[i]
                 ds = p * (grads[i] @ values[j].transpose(-2, -1) - deltas[i].unsqueeze(-1))
                 dq[i] = dq[i] + (ds @ keys[j]) * scale
@@ -126,17 +170,29 @@ class _RingAttention(torch.autograd.Function):
             if sending is not None:
                 kv = sending.wait()
         dq_all = torch.cat(dq, dim=2).to(ctx.dtype)
-        return dq_all, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq_all, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+
+
+def _finite(x: Tensor) -> Tensor:
+    """``x`` with ``-inf`` as 0: an exponent's base where no key has been seen."""
+    return x.masked_fill(x == float("-inf"), 0.0)
 
 
 def ring_attention(
-    q: Tensor, k: Tensor, v: Tensor, group: Any, scale: Optional[float] = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: Any,
+    scale: Optional[float] = None,
+    documents: Optional[Tensor] = None,
 ) -> Tensor:
     """Causal attention of this rank's load-balanced tokens over the whole sequence.
 
     ``q``, ``k``, ``v``: (B, H, T/cp, D), this rank's two chunks (:mod:`.chunks`), as many k/v
-    heads as query heads. Returns (B, H, T/cp, D): what full causal attention gives at these
-    positions. A collective over ``group``: every context rank calls it.
+    heads as query heads. ``documents``: (B, T), each token's document over the whole sequence
+    (``None``: one per row); a query sees only earlier keys of its own document. Returns
+    (B, H, T/cp, D): what full attention under that mask gives at these positions. A
+    collective over ``group``: every context rank calls it.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, scale)
+    return _RingAttention.apply(q, k, v, group, scale, documents)

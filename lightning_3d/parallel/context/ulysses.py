@@ -8,6 +8,9 @@ splits), so the backward is the same two exchanges in reverse. Needs ``H`` divis
 attention call, with ``n = B · H · T/cp · D``: forward sends ``4 n (cp - 1)/cp`` elements (q, k,
 v in, the output back), backward the same; attention's own memory is that of ``H/cp`` heads of
 the whole sequence.
+
+Packed rows pass ``documents`` (each token's document over the whole sequence): attention then
+runs under the dense block-causal mask, ``(B, 1, T, T)``, instead of ``is_causal``.
 """
 
 from __future__ import annotations
@@ -67,16 +70,35 @@ def _to_tokens(x: Tensor, size: int, group: Any) -> Tensor:
     return x.transpose(0, 1).reshape(B, h * size, T // size, D)
 
 
+def document_causal_mask(documents: Tensor) -> Tensor:
+    """(B, 1, T, T), ``True`` where a query may see a key: an earlier or the same position of
+    the same document. ``documents``: (B, T), each token's document."""
+    T = documents.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    return (causal & (documents.unsqueeze(-1) == documents.unsqueeze(-2))).unsqueeze(1)
+
+
 def ulysses_attention(
-    q: Tensor, k: Tensor, v: Tensor, group: Any, scale: Optional[float] = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    group: Any,
+    scale: Optional[float] = None,
+    documents: Optional[Tensor] = None,
 ) -> Tensor:
     """Causal attention of this rank's load-balanced tokens over the whole sequence.
 
     ``q``, ``k``, ``v``: (B, H, T/cp, D), this rank's two chunks (:mod:`.chunks`), as many k/v
-    heads as query heads. Returns (B, H, T/cp, D). A collective over ``group``.
+    heads as query heads. ``documents``: (B, T), each token's document over the whole sequence
+    (``None``: one per row); a query sees only earlier keys of its own document. Returns
+    (B, H, T/cp, D). A collective over ``group``.
     """
     size = dist.get_world_size(group)
     check_heads(q.shape[1], size)
     q, k, v = (_to_heads(t, size, group) for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # (B, H/cp, T, D)
-    return _to_tokens(y, size, group)
+    if documents is None:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:  # the whole sequence is here: the whole block-causal mask
+        mask = document_causal_mask(documents)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return _to_tokens(y, size, group)  # from (B, H/cp, T, D)

@@ -1,0 +1,70 @@
+"""A tokenizer with a chat template and a file of conversations, built without downloads, for
+runs on ``data=chat`` rows (a word-level vocabulary of 22 entries: any tiny model's fits)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven small cats watch".split()
+SPECIALS = ["<unk>", "<eos>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "tool"]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _words(i: int, n: int) -> str:
+    return " ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(n))
+
+
+def conversation(i: int) -> dict:
+    """Conversation ``i``: one or two exchanges, with a system prompt every other one."""
+    messages = [
+        {"role": "user", "content": _words(i, 2 + i % 3)},
+        {"role": "assistant", "content": _words(i + 1, 1 + i % 4)},
+    ]
+    if i % 2:
+        messages = [
+            {"role": "system", "content": _words(i + 2, 2)},
+            *messages,
+            {"role": "user", "content": _words(i + 3, 2)},
+            {"role": "assistant", "content": _words(i + 4, 3)},
+        ]
+    return {"messages": messages}
+
+
+def write_chat_files(root: Path, conversations: int = 60) -> dict[str, str]:
+    """``tokenizer`` (a directory) and ``path`` (a ``.jsonl`` file) under ``root``: the keys
+    :class:`~lightning_3d.data.ChatDataModule` takes them by."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=SPECIALS))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
+    fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    fast.chat_template = CHATML
+    fast.save_pretrained(root / "tokenizer")
+    chats = root / "chats.jsonl"
+    chats.write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(conversations)))
+    return {"tokenizer": str(root / "tokenizer"), "path": str(chats)}
+
+
+def write_model_dir(root: Path, family: str = "llama") -> str:
+    """A tiny random ``family`` model saved with :func:`write_chat_files`'s tokenizer: a
+    directory ``model.path`` and ``data.tokenizer`` can both name."""
+    import torch
+
+    from lightning_3d.harness.hf_configs import tiny_hf_config
+    from lightning_3d.models.hf import build_hf_model
+
+    files = write_chat_files(root)
+    torch.manual_seed(0)
+    model = build_hf_model(None, tiny_hf_config(family, vocab_size=32))
+    model.save_pretrained(root / "model")
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(files["tokenizer"]).save_pretrained(root / "model")
+    return str(root / "model")
