@@ -117,3 +117,28 @@ def test_kernels_keep_bf16_inputs_in_bf16(scheme):
     from support.context_worlds import bf16_kernel_runs
 
     assert max(run_world(bf16_kernel_runs, 2, scheme)) < 0.05  # bf16 rounding of the inputs
+
+
+@pytest.mark.parametrize(
+    "scheme, kv_heads, world",
+    [("ring", 1, 2), ("ring", 2, 4), ("alltoall", 2, 2), ("alltoall", 1, 2), ("alltoall", 2, 4)],
+)
+def test_grouped_query_kv_travel_with_their_own_heads(scheme, kv_heads, world):
+    """Grouped-query k/v are exchanged unrepeated (all-to-all: with the fewest heads the ranks
+    split evenly), so a rank sends what the formulas of docs/context-parallelism.md say for
+    ``Hkv`` k/v heads, forward and backward. Catches k/v repeated to the query heads before the
+    exchange (seen failing at 4x the ring's bytes, 4/3x the all-to-all's at Hkv = 2 of 4)."""
+    from support.context_worlds import kernel_elements_sent
+
+    B, H, T, D = 2, 4, 8 * world, 8
+    n = B * H * (T // world) * D  # elements of this rank's queries
+    if scheme == "ring":
+        kv = n * kv_heads // H
+        expected = 2 * (2 * kv * (world - 1)) + 2 * kv * world
+    else:
+        # the fewest heads the ranks split evenly: 2 of 4 at world 2 and 4; 1 repeated to 2
+        travelling = max(kv_heads, 2) if world == 2 else 4
+        kv = n * travelling // H
+        expected = 2 * (2 * n + 2 * kv) * (world - 1) // world
+    sent = run_world(kernel_elements_sent, world, scheme, (B, H, T, D), kv_heads)
+    assert sent == [expected] * world, (sent, expected)

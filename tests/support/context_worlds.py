@@ -69,3 +69,31 @@ def bf16_kernel_runs(rank: int, scheme: str) -> float:
     out.float().sum().backward()
     assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in local)
     return (out.float() - shard_sequence(full, rank, size, dim=2)).abs().max().item()
+
+
+def kernel_elements_sent(rank: int, scheme: str, shape: tuple, kv_heads: int) -> int:
+    """Elements this rank sends through the kernel's exchanges (ring hand-overs, all-to-alls)
+    in one forward and backward of ``shape`` queries against ``kv_heads`` k/v heads."""
+    dist.init_process_group("gloo")
+    size = dist.get_world_size()
+    B, H, T, D = shape
+    sent = [0]
+    p2p, all_to_all = dist.P2POp, dist.all_to_all_single
+
+    def counted_p2p(op, tensor, *args, **kwargs):
+        if op is dist.isend:
+            sent[0] += tensor.numel()
+        return p2p(op, tensor, *args, **kwargs)
+
+    def counted_all_to_all(output, input, *args, **kwargs):
+        sent[0] += input.numel() * (size - 1) // size  # the slices that leave this rank
+        return all_to_all(output, input, *args, **kwargs)
+
+    dist.P2POp, dist.all_to_all_single = counted_p2p, counted_all_to_all
+    try:
+        q = torch.randn(B, H, T // size, D, requires_grad=True)
+        k, v = (torch.randn(B, kv_heads, T // size, D, requires_grad=True) for _ in range(2))
+        ContextAttention(dist.group.WORLD, scheme)(q, k, v).sum().backward()
+    finally:
+        dist.P2POp, dist.all_to_all_single = p2p, all_to_all
+    return sent[0]

@@ -51,8 +51,7 @@ class ContextAttention:
     ) -> Tensor:
         """``documents``: (B, T) document ids of the whole sequence, for packed rows (a query
         sees only its own document's earlier keys); ``None``: one document per row."""
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each k/v head serves several
-            repeat = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        # Grouped-query k/v (fewer heads than q) go to the kernels as they are: both exchange
+        # them unrepeated where they can.
         kernel = ring_attention if self.scheme == "ring" else ulysses_attention
         return kernel(q, k, v, self.group, scale, documents)

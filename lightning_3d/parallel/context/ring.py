@@ -10,8 +10,9 @@ computed.
 
 The backward passes k/v round again with their gradients following them: each rank adds what
 its queries contribute to the block it holds, then hands block and gradient on; after ``cp``
-hand-overs every gradient is home. Per rank and attention call, with ``n = B · H · T/cp · D``
-elements of each of q, k, v: forward sends ``2 n (cp - 1)`` elements, backward
+hand-overs every gradient is home. Per rank and attention call, with ``n = B · Hkv · T/cp · D``
+elements of each of k and v (``Hkv`` key/value heads: fewer than the query heads under
+grouped-query attention, whose k/v travel unrepeated): forward sends ``2 n (cp - 1)`` elements, backward
 ``2 n (cp - 1) + 2 n cp``. Memory: one extra k/v block in flight, the saved output and the
 log-sum-exp per query (``T/cp`` scores per head), not the ``T × T`` score matrix.
 
@@ -64,7 +65,8 @@ def _scores(
         mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(mask, float("-inf"))
     if apart is not None:  # (B, 1, c, c): query and key of different documents
-        s = s.masked_fill(apart, float("-inf"))
+        batch, pairs = apart.shape[0], apart.shape[-2:]
+        s = s.masked_fill(apart.view(batch, *[1] * (s.dim() - 3), *pairs), float("-inf"))
     return s
 
 
@@ -111,16 +113,16 @@ class _RingAttention(torch.autograd.Function):
         documents: Optional[Tensor],
     ) -> Tensor:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        chunk = q.shape[2] // 2
+        chunk = q.shape[-2] // 2
         dtype = q.dtype
         q32 = q.float()
-        queries = q32.chunk(2, dim=2)  # (B, H, c, D) each: this rank's two chunks
+        queries = q32.chunk(2, dim=-2)  # (B, H, c, D) each: this rank's two chunks
         out = [torch.zeros_like(c) for c in queries]
         lse = [torch.full(c.shape[:-1], float("-inf"), device=q.device) for c in queries]
         kv = torch.stack([k.float(), v.float()])  # (2, B, H, 2c, D): one message per step
         for step in range(size):
             sending = _Pass(kv, group) if step < size - 1 else None
-            keys, values = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
+            keys, values = kv[0].chunk(2, dim=-2), kv[1].chunk(2, dim=-2)
             for i, j, causal, apart in _blocks(rank, (rank - step) % size, size, documents, chunk):
                 s = _scores(queries[i], keys[j], scale, causal, apart)
                 block_lse = s.logsumexp(-1)  # (B, H, c); -inf for a query no key is left to
@@ -133,8 +135,8 @@ class _RingAttention(torch.autograd.Function):
                 lse[i] = merged
             if sending is not None:
                 kv = sending.wait()
-        output = torch.cat(out, dim=2)
-        ctx.save_for_backward(q, k, v, output, torch.cat(lse, dim=2))  # q as given: no fp32 copy
+        output = torch.cat(out, dim=-2)
+        ctx.save_for_backward(q, k, v, output, torch.cat(lse, dim=-1))  # q as given: no fp32 copy
         ctx.group, ctx.scale, ctx.dtype, ctx.documents = group, scale, dtype, documents
         return output.to(dtype)
 
@@ -146,30 +148,33 @@ class _RingAttention(torch.autograd.Function):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         grad = grad.float()
         delta = (grad * output).sum(-1)  # (B, H, 2c): rowsum(dO ∘ O), softmax's backward term
-        queries, grads = q32.chunk(2, dim=2), grad.chunk(2, dim=2)
-        lses, deltas = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
+        queries, grads = q32.chunk(2, dim=-2), grad.chunk(2, dim=-2)
+        lses, deltas = lse.chunk(2, dim=-1), delta.chunk(2, dim=-1)
         dq = [torch.zeros_like(c) for c in queries]
         kv = torch.stack([k.float(), v.float()])
         dkv = torch.zeros_like(kv)  # the gradient of the block held now; travels with it
         for step in range(size):
             sending = _Pass(kv, group) if step < size - 1 else None
-            keys, values = kv[0].chunk(2, dim=2), kv[1].chunk(2, dim=2)
-            dk, dv = list(dkv[0].chunk(2, dim=2)), list(dkv[1].chunk(2, dim=2))
+            keys, values = kv[0].chunk(2, dim=-2), kv[1].chunk(2, dim=-2)
+            dk, dv = list(dkv[0].chunk(2, dim=-2)), list(dkv[1].chunk(2, dim=-2))
             for i, j, causal, apart in _blocks(
-                rank, (rank - step) % size, size, ctx.documents, q.shape[2] // 2
+                rank, (rank - step) % size, size, ctx.documents, q.shape[-2] // 2
             ):
                 s = _scores(queries[i], keys[j], scale, causal, apart)
                 p = torch.exp(s - lses[i].unsqueeze(-1))  # every query saw itself: lse finite
-                dv[j] = dv[j] + p.transpose(-2, -1) @ grads[i]
+                # A k/v head's gradient sums over the query heads of its group (sum_to_size).
+                dv[j] = dv[j] + (p.transpose(-2, -1) @ grads[i]).sum_to_size(dv[j].shape)
                 ds = p * (grads[i] @ values[j].transpose(-2, -1) - deltas[i].unsqueeze(-1))
                 dq[i] = dq[i] + (ds @ keys[j]) * scale
-                dk[j] = dk[j] + (ds.transpose(-2, -1) @ queries[i]) * scale
+                dk[j] = dk[j] + ((ds.transpose(-2, -1) @ queries[i]) * scale).sum_to_size(
+                    dk[j].shape
+                )
             dkv = _Pass(
-                torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)]), group
+                torch.stack([torch.cat(dk, dim=-2), torch.cat(dv, dim=-2)]), group
             ).wait()  # after the last step's hand-over, each rank holds its own block's gradient
             if sending is not None:
                 kv = sending.wait()
-        dq_all = torch.cat(dq, dim=2).to(ctx.dtype)
+        dq_all = torch.cat(dq, dim=-2).to(ctx.dtype)
         return dq_all, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
@@ -188,11 +193,20 @@ def ring_attention(
 ) -> Tensor:
     """Causal attention of this rank's load-balanced tokens over the whole sequence.
 
-    ``q``, ``k``, ``v``: (B, H, T/cp, D), this rank's two chunks (:mod:`.chunks`), as many k/v
-    heads as query heads. ``documents``: (B, T), each token's document over the whole sequence
+    ``q``: (B, H, T/cp, D), this rank's two chunks (:mod:`.chunks`); ``k``, ``v``: (B, Hkv,
+    T/cp, D), ``Hkv`` dividing ``H`` (grouped-query attention: query head ``h`` reads k/v head
+    ``h // (H/Hkv)``, as ``repeat_interleave`` lays them out). Only the ``Hkv`` heads travel
+    round the ring. ``documents``: (B, T), each token's document over the whole sequence
     (``None``: one per row); a query sees only earlier keys of its own document. Returns
     (B, H, T/cp, D): what full attention under that mask gives at these positions. A
     collective over ``group``: every context rank calls it.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, scale, documents)
+    B, H, T, D = q.shape
+    kv_heads = k.shape[1]
+    if H % kv_heads:
+        raise ValueError(f"{H} query heads do not divide into {kv_heads} key/value heads")
+    # Grouped: (B, Hkv, H/Hkv, T, D) queries against (B, Hkv, 1, T, D) k/v, by broadcasting.
+    grouped = q.reshape(B, kv_heads, H // kv_heads, T, D)
+    out = _RingAttention.apply(grouped, k.unsqueeze(2), v.unsqueeze(2), group, scale, documents)
+    return out.reshape(B, H, T, D)

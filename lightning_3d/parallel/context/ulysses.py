@@ -6,8 +6,9 @@ heads, and one all-to-all turns the output back. The all-to-all is its own adjoi
 splits), so the backward is the same two exchanges in reverse. Needs ``H`` divisible by ``cp``
 (by ``cp × tp`` under tensor parallelism, where each rank holds ``H/tp`` heads). Per rank and
 attention call, with ``n = B · H · T/cp · D``: forward sends ``4 n (cp - 1)/cp`` elements (q, k,
-v in, the output back), backward the same; attention's own memory is that of ``H/cp`` heads of
-the whole sequence.
+v in, the output back), backward the same, less for grouped-query k/v, which travel with the
+fewest heads ``cp`` divides (``Hkv`` itself where it does: then ``(2 + 2 Hkv/H) n (cp - 1)/cp``);
+attention's own memory is that of ``H/cp`` heads of the whole sequence.
 
 Packed rows pass ``documents`` (each token's document over the whole sequence): attention then
 runs under the dense block-causal mask, ``(B, 1, T, T)``, instead of ``is_causal``.
@@ -70,6 +71,14 @@ def _to_tokens(x: Tensor, size: int, group: Any) -> Tensor:
     return x.transpose(0, 1).reshape(B, h * size, T // size, D)
 
 
+def kv_repeat(heads: int, kv_heads: int, size: int) -> int:
+    """How many times each of ``kv_heads`` key/value heads is repeated before the exchange: the
+    fewest (a divisor of ``heads / kv_heads``) that leaves a head count ``size`` divides, so
+    query head ``h`` still reads k/v head ``h // (heads / kv_heads)`` on the rank holding it."""
+    group = heads // kv_heads
+    return next(r for r in range(1, group + 1) if group % r == 0 and (kv_heads * r) % size == 0)
+
+
 def document_causal_mask(documents: Tensor) -> Tensor:
     """(B, 1, T, T), ``True`` where a query may see a key: an earlier or the same position of
     the same document. ``documents``: (B, T), each token's document."""
@@ -88,14 +97,23 @@ def ulysses_attention(
 ) -> Tensor:
     """Causal attention of this rank's load-balanced tokens over the whole sequence.
 
-    ``q``, ``k``, ``v``: (B, H, T/cp, D), this rank's two chunks (:mod:`.chunks`), as many k/v
-    heads as query heads. ``documents``: (B, T), each token's document over the whole sequence
+    ``q``: (B, H, T/cp, D), this rank's two chunks (:mod:`.chunks`); ``k``, ``v``: (B, Hkv,
+    T/cp, D), ``Hkv`` dividing ``H`` (grouped-query attention, as ``repeat_interleave`` lays the
+    heads out). ``documents``: (B, T), each token's document over the whole sequence
     (``None``: one per row); a query sees only earlier keys of its own document. Returns
     (B, H, T/cp, D). A collective over ``group``.
     """
     size = dist.get_world_size(group)
     check_heads(q.shape[1], size)
+    # Grouped-query k/v travel with as few heads as split evenly over the ranks, and are
+    # repeated to the query heads only after the exchange.
+    repeat = kv_repeat(q.shape[1], k.shape[1], size)
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     q, k, v = (_to_heads(t, size, group) for t in (q, k, v))
+    if k.shape[1] != q.shape[1]:  # each rank's k/v heads serve its query heads in groups
+        group_size = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
     if documents is None:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     else:  # the whole sequence is here: the whole block-causal mask
