@@ -22,12 +22,16 @@ REPO = Path(__file__).resolve().parents[1]
     [
         ({"tensor": 2, "sequence_parallel": True}, "context=2 cannot be combined with sequence_"),
         ({"compile": True, "zero_stage": 3}, "context=2 cannot be combined with compile=True"),
-        ({"auto": True}, "context=2 cannot be combined with auto=True"),
     ],
 )
 def test_options_context_does_not_combine_with(options, named):
     with pytest.raises(ValueError, match=named):
         Plan.from_options(context=2, **options)
+
+
+def test_auto_may_plan_context():
+    """The planner models the axis: ``auto`` beside ``context`` (a constraint) is a plan."""
+    assert Plan.from_options(context=2, auto=True).layout.context == 2
 
 
 def _check(module, world, **options):

@@ -6,7 +6,7 @@ serves the CLI's table and ``parallelism=auto`` (:mod:`lightning_3d.strategy.aut
 
 Enumerated: ``data × context × tensor × pipeline = world`` (tensor innermost, kept inside a node
 and dividing the head count; pipeline dividing the block count; context, from
-``PlannerOptions.context_sizes``, with the sequence divisible by twice its size), ZeRO stages,
+``PlannerOptions.context_sizes_for``, with the sequence divisible by twice its size), ZeRO stages,
 micro-batches (powers of two dividing the per-rank batch, at least ``pipeline`` for 1F1B as
 torch requires; without a pipeline they are gradient accumulation steps), schedules (the
 interleaved ones with each of ``virtual_stages`` stages per rank), sequence parallelism (with
@@ -203,7 +203,8 @@ def plan_layouts(
     fitting, rejected = [], []
     checked: dict[tuple, Optional[str]] = {}
     nf4_problem = qlora_problem(facts.blocks[0]) if "qlora" in options.adapters else None
-    for dp, tp, pp, cp in _splits(world, options.context_sizes):
+    contexts = options.context_sizes_for(world, facts.seq_len, facts.context_ready)
+    for dp, tp, pp, cp in _splits(world, contexts):
         problem = _split_problem(facts, cluster, batch, dp, tp, pp, cp)
         if problem is not None:
             rejected.append(
