@@ -345,31 +345,40 @@ def _plan_error(choice: Choice, world: int, check: Optional[Check], cache: dict)
             plan = Plan.from_options(**options)
             if choice.adapter == "qlora":
                 refuse_qlora_plan(plan)
-            # What the model check depends on: sequence parallelism builds another tensor plan.
-            shape_key = (
-                "shape",
-                choice.tensor,
-                choice.pipeline,
-                plan.pp.virtual_stages,
-                plan.tp.sequence_parallel,
-                choice.context,
-                choice.context_scheme,
-            )
-            if check is not None and (
-                choice.tensor > 1 or choice.pipeline > 1 or choice.context > 1
-            ):
-                if shape_key not in cache:
-                    try:
-                        check(plan, world)
-                        cache[shape_key] = None
-                    except ValueError as err:
-                        cache[shape_key] = str(err)
-                if cache[shape_key] is not None:
-                    raise ValueError(cache[shape_key])
+            if check is not None:
+                for shape_key, checked, size in _model_checks(choice, plan, world):
+                    if shape_key not in cache:
+                        try:
+                            check(checked(), size)
+                            cache[shape_key] = None
+                        except ValueError as err:
+                            cache[shape_key] = str(err)
+                    if cache[shape_key] is not None:
+                        raise ValueError(cache[shape_key])
             cache[key] = None
         except ValueError as err:
             cache[key] = str(err)
     return cache[key]
+
+
+def _model_checks(
+    choice: Choice, plan: Plan, world: int
+) -> Iterator[tuple[tuple, Callable[[], Plan], int]]:
+    """(cache key, plan to build, world) of the model checks ``choice`` needs, each keyed by what it
+    depends on: the tensor and pipeline split (sequence parallelism builds another tensor plan),
+    checked unsplit by sequence, then the context split alone (the routing of the attention; the
+    heads' divisibility by context x tensor is settled by :func:`_choices`' scheme), so each
+    context size adds one cheap check instead of another tensor plan per split."""
+    if choice.tensor > 1 or choice.pipeline > 1:
+        key = ("shape", choice.tensor, choice.pipeline, plan.pp.virtual_stages)
+        key += (plan.tp.sequence_parallel,)
+        unsplit = functools.partial(plan.updated, data=choice.data * choice.context, context=1)
+        yield key, unsplit, world
+    if choice.context > 1:
+        split = functools.partial(
+            Plan.from_options, context=choice.context, context_scheme=choice.context_scheme
+        )
+        yield ("context", choice.context, choice.context_scheme), split, choice.context
 
 
 def least_memory(candidates: list[Candidate]) -> Optional[Candidate]:
