@@ -278,7 +278,6 @@ def _long_choice(module_long, memory_gb=None, **options):
         batch_size=1,
         seq_len=LONG,
         device_type="cpu",
-        **({"context_sizes": (1,)} if options.pop("unsplit", False) else {}),
     )
 
 
@@ -325,9 +324,8 @@ def test_auto_splits_the_sequence_where_only_that_fits(module_long):
     plan = planned(Plan.from_options(auto=True, auto_memory_gb=budget), best.choice)
     assert (plan.layout.context, plan.cp.scheme) == (2, best.choice.context_scheme)
     assert _long_choice(module_long, context=2).choice.context == 2
-    # compile does not compose with context: auto plans it unsplit
-    with pytest.raises(ValueError, match="auto: "):
-        _long_choice(module_long, budget, compile=True)
+    # compile and sequence parallelism compose with context: they leave the choice as it is
+    assert _long_choice(module_long, budget, compile=True).choice == best.choice
     with pytest.raises(ValueError, match=r"auto_memory_gb=-1 must be a positive number"):
         Plan.from_options(auto=True, auto_memory_gb=-1)
 

@@ -534,16 +534,6 @@ def _checked(plan: Plan) -> Plan:
             f"timeout_s must be a positive number of seconds, got {plan.dist.timeout_s!r}"
         )
     problems += scheme_problems(plan.cp.scheme)
-    if layout.context > 1:  # what context parallelism has not been made to work beside
-        unsupported = {
-            "sequence_parallel": plan.tp.sequence_parallel is True,
-            "compile": plan.compile.enabled is True,
-        }
-        problems += [
-            f"context={layout.context} cannot be combined with {name}=True"
-            for name, used in unsupported.items()
-            if used
-        ]
     problems += plan.nonfinite.problems()
     problems += plan.replicas.problems()
     if problems:

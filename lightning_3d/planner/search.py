@@ -134,13 +134,11 @@ def _choices(
 ) -> Iterator[Choice]:
     # Context: all-to-all sends fewer bytes than the ring (8(N-1)/N against 2(3N-2) per q/k/v
     # share), where the heads on a tensor rank divide by the context size.
-    scheme = "alltoall" if facts.n_head % (cp * tp) == 0 else "ring"
+    scheme = "alltoall" if cp > 1 and facts.n_head % (cp * tp) == 0 else Choice.context_scheme
     for adapter in options.adapters:
         for choice in _layout_choices(dp, tp, pp, batch_per_rank, facts.n_layer, options, dp * cp):
             if adapter != "none" and choice.sequence_parallel:
                 continue  # the project refuses adapters beside a sequence-parallel plan
-            if cp > 1 and choice.sequence_parallel:
-                continue  # the project refuses context beside sequence parallelism
             yield replace(choice, adapter=adapter, context=cp, context_scheme=scheme)
 
 
@@ -204,6 +202,7 @@ def plan_layouts(
     checked: dict[tuple, Optional[str]] = {}
     nf4_problem = qlora_problem(facts.blocks[0]) if "qlora" in options.adapters else None
     contexts = options.context_sizes_for(world, facts.seq_len, facts.context_ready)
+    unsplit_fits: set[Choice] = set()  # see _unsplit_twin
     for dp, tp, pp, cp in _splits(world, contexts):
         problem = _split_problem(facts, cluster, batch, dp, tp, pp, cp)
         if problem is not None:
@@ -220,6 +219,8 @@ def plan_layouts(
                 # torch's Schedule1F1B refuses fewer micro-batches than stages; the interleaved
                 # schedules run them, but their bubble is then far above (p - 1) / (v·m): not modelled
                 continue
+            if cp > 1 and _unsplit_twin(choice) in unsplit_fits:
+                continue  # never faster than its twin that fits unsplit
             if choice.adapter == "qlora" and nf4_problem is not None:
                 rejected.append(Candidate(choice, kind="NF4 shapes", reason=nf4_problem))
                 continue
@@ -280,6 +281,8 @@ def plan_layouts(
                     ),
                 )
             (fitting if cand.fits else rejected).append(cand)
+            if cand.fits and cp == 1:
+                unsplit_fits.add(choice)
     fitting.sort(key=_rank_key)
     return fitting + rejected
 
@@ -359,6 +362,23 @@ def _plan_error(choice: Choice, world: int, check: Optional[Check], cache: dict)
         except ValueError as err:
             cache[key] = str(err)
     return cache[key]
+
+
+def _unsplit_twin(choice: Choice) -> Optional[Choice]:
+    """The layout that runs ``choice``'s micro-batches' tokens unsplit: its context ranks made
+    data ranks, each with whole sequences (``None`` where the per-rank batch does not divide).
+    It computes the same FLOPs per rank, needs no attention exchanges and keeps no fewer
+    activations only by the attention's quadratic share, so where it fits ``choice`` is never
+    faster (the splits are enumerated after it: ``_splits`` starts at context 1)."""
+    if choice.batch_per_rank % choice.context:
+        return None
+    return replace(
+        choice,
+        data=choice.data * choice.context,
+        context=1,
+        context_scheme=Choice.context_scheme,
+        batch_per_rank=choice.batch_per_rank // choice.context,
+    )
 
 
 def _model_checks(

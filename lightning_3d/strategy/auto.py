@@ -24,8 +24,7 @@ many (layouts without a pipeline are unaffected). An option at its default (``ze
 ``tensor=1``, ...) leaves the planner free, except that NVMe is only considered where
 ``offload_path`` names the drive. ``context`` keeps only layouts that split each sequence over
 that many ranks (``context_scheme``, if given, only those by that scheme); without it the
-planner may split sequences (``PlannerOptions.context_sizes="auto"``), except beside
-``compile=True``, which does not compose with context parallelism. ``auto_memory_gb`` is the
+planner may split sequences (``PlannerOptions.context_sizes="auto"``). ``auto_memory_gb`` is the
 device memory a rank's layout may fill instead of the device's own, less the 1 GB reserve
 (a CPU rank's "device" is its share of the host). What the planner does not model (``ac_policy="every_n"``) is
 refused with a ``ValueError``, as is a constraint no fitting layout meets. Sequence-parallel
@@ -182,8 +181,6 @@ def constraints(plan: Plan, device_type: str = "cuda") -> Constraints:
         for name in ("data", "tensor", "pipeline", "context", "sequence_parallel")
         if name in given
     }
-    if plan.compile.enabled and "context" not in given:  # compile does not compose with context
-        planner["context_sizes"] = (1,)
     if "context_scheme" in given:  # kept for layouts that split sequences (see allowed)
         sizes["context_scheme"] = given["context_scheme"]
     return Constraints(planner, sizes, given.get("micro_batches"))
