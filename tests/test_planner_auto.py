@@ -355,3 +355,34 @@ def test_a_two_rank_auto_run_splits_a_long_sequence(module_long, capfd):
     assert out[0]["losses"] == out[1]["losses"]  # the two halves of one sequence: one loss
     logged = re.findall(r"auto: dp=1 x tp=1 x pp=1, .*context 2 \((\w+)\)", capfd.readouterr().err)
     assert logged == [best.choice.context_scheme]
+
+
+def test_the_apps_choice_hands_the_split_to_the_ranks():
+    """``parallelism=auto`` in the app's launcher: a choice that splits sequences reaches the
+    ranks as ``parallelism.context`` and ``parallelism.context_scheme`` overrides (without them
+    the ranks would run the unsplit layout the launcher did not choose)."""
+    from dataclasses import replace
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from lightning_3d.app.config import register_configs
+    from lightning_3d.app.run import model_on_meta
+    from lightning_3d.app.spec import read_spec, with_auto
+
+    register_configs()
+    overrides = ["parallelism=auto", "model=gpt_tiny", f"model.block_size={LONG}"]
+    overrides += [f"data.block_size={LONG}", "data.batch_size=1", "trainer.devices=2"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        spec = read_spec(compose("train", overrides=overrides))
+    model = model_on_meta(spec.model)
+    spec = replace(spec, plan=spec.plan.updated(auto_memory_gb=_split_budget(model)))
+    chosen, given, planned_ = with_auto(spec, model)
+    assert chosen.plan.layout.context == 2 and not chosen.plan.auto.enabled
+    assert "parallelism.context=2" in given
+    assert f"parallelism.context_scheme={chosen.plan.cp.scheme}" in given
+    assert planned_["layout"]["context"] == 2
+    # data whose dict batches context parallelism cannot split: planned unsplit (here nothing fits)
+    chat = OmegaConf.create({"_target_": "lightning_3d.data.ChatDataModule", "block_size": LONG})
+    with pytest.raises(ValueError, match="auto: "):
+        with_auto(replace(spec, data=chat), model)
