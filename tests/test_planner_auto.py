@@ -383,6 +383,7 @@ def test_the_apps_choice_hands_the_split_to_the_ranks():
     assert f"parallelism.context_scheme={chosen.plan.cp.scheme}" in given
     assert planned_["layout"]["context"] == 2
     # data whose dict batches context parallelism cannot split: planned unsplit (here nothing fits)
-    chat = OmegaConf.create({"_target_": "lightning_3d.data.ChatDataModule", "block_size": LONG})
+    chat = {"_target_": "lightning_3d.data.ChatDataModule", "block_size": LONG, "batch_size": 1}
+    chat = OmegaConf.create(chat)
     with pytest.raises(ValueError, match="auto: "):
         with_auto(replace(spec, data=chat), model)
