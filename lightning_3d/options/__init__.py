@@ -377,7 +377,7 @@ OPTIONS: tuple[Option, ...] = (
         "auto",
         "auto",
         "enabled",
-        "the layout planner's first choice for the world found at start (sizes, "
+        "the layout planner's first choice for the world found at start (sizes, context, "
         "ZeRO stage, micro-batches, AC, offload); options set away from their defaults constrain it",
     ),
     Option(

@@ -11,11 +11,11 @@ The ``model`` group is training's (``conf/model/``); ``cluster`` is ``conf/clust
 facts (activation bytes measured per block), the ranked table and the rejected layouts. A bad
 value, or a cluster on which nothing fits, ends with one ``error:`` line and exit code 2.
 
-``layout.data`` / ``layout.tensor`` / ``layout.pipeline`` / ``layout.context`` keep only layouts of those sizes (a
-fixed ``tensor`` also limits the activation measurement to that size, which is what makes a
-70B model quick to plan). ``validate=true`` then builds the first choice at its full world size
-in this one process (:mod:`lightning_3d.calibration.validate`), prints its per-rank-kind table of
-predicted against built bytes, and ends with an ``error:`` line and exit code 2 if a shape or
+``layout.data`` / ``layout.tensor`` / ``layout.pipeline`` / ``layout.context`` keep only layouts of
+those sizes (a fixed ``tensor`` also limits the activation measurement to that size, which is what
+makes a 70B model quick to plan). ``validate=true`` then builds the first choice at its full world
+size in this one process (:mod:`lightning_3d.calibration.validate`), prints its per-rank-kind table
+of predicted against built bytes, and ends with an ``error:`` line and exit code 2 if a shape or
 placement is wrong or a figure is more than 10% off.
 """
 

@@ -367,8 +367,8 @@ def _plan_error(choice: Choice, world: int, check: Optional[Check], cache: dict)
 def _unsplit_twin(choice: Choice) -> Optional[Choice]:
     """The layout that runs ``choice``'s micro-batches' tokens unsplit: its context ranks made
     data ranks, each with whole sequences (``None`` where the per-rank batch does not divide).
-    It computes the same FLOPs per rank, needs no attention exchanges and keeps no fewer
-    activations only by the attention's quadratic share, so where it fits ``choice`` is never
+    It computes the same FLOPs per rank and needs no attention exchanges; its activations differ
+    only by the attention's quadratic share (more unsplit). So where it fits, ``choice`` is never
     faster (the splits are enumerated after it: ``_splits`` starts at context 1)."""
     if choice.batch_per_rank % choice.context:
         return None

@@ -26,12 +26,12 @@ many (layouts without a pipeline are unaffected). An option at its default (``ze
 that many ranks (``context_scheme``, if given, only those by that scheme); without it the
 planner may split sequences (``PlannerOptions.context_sizes="auto"``). ``auto_memory_gb`` is the
 device memory a rank's layout may fill instead of the device's own, less the 1 GB reserve
-(a CPU rank's "device" is its share of the host). What the planner does not model (``ac_policy="every_n"``) is
-refused with a ``ValueError``, as is a constraint no fitting layout meets. Sequence-parallel
-activations are measured in a fake world, which cannot coexist with the run's process group, so
-the strategy's ``auto`` does not choose sequence parallelism (the CLI planner does). Every other
-option (bucket size, checkpoint format, compile,
-...) passes through to the chosen plan unchanged.
+(a CPU rank's "device" is its share of the host). What the planner does not model
+(``ac_policy="every_n"``) is refused with a ``ValueError``, as is a constraint no fitting layout
+meets. Sequence-parallel activations are measured in a fake world, which cannot coexist with the
+run's process group, so the strategy's ``auto`` does not choose sequence parallelism (the CLI
+planner does). Every other option (bucket size, checkpoint format, compile, ...) passes through
+to the chosen plan unchanged.
 
 The data decide the batch: the global batch per optimizer step is the data module's
 ``batch_size`` (global in this project) times the Trainer's ``accumulate_grad_batches``, and
@@ -235,7 +235,8 @@ def choose(
         precision=precision,
         **({"reserve_gb": 0.0} if budget is not None else {}),
         **(CPU_OPTIONS if device_type != "cuda" else {}),
-        **{"context_sizes": context_sizes, **fixed.planner},
+        context_sizes=context_sizes,
+        **fixed.planner,
         **alone,
     )
     _, candidates = plan_candidates(module, cluster, options, name=type(module).__name__)
