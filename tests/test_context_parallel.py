@@ -138,3 +138,60 @@ def test_bf16_mixed_precision_follows_one_process(scheme):
     run = Run(strategy=strategy, devices=2, steps=STEPS, trainer=trainer)
     losses = run_world(fit_gpt, 2, run)[0]["losses"]
     assert losses == pytest.approx(reference["losses"], rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "arch, scheme, options",
+    [
+        ("gpt", "ring", {}),
+        ("gpt", "alltoall", {"zero_stage": 3}),
+        ("hf_llama", "ring", {"zero_stage": 1}),
+        ("hf_gpt2", "alltoall", {}),
+    ],
+)
+def test_sequence_parallel_tensor_beside_context(arch, scheme, options):
+    """tensor 2 x context 2 with ``sequence_parallel=True``: the tensor group shards the norms
+    and residual stream of this context rank's tokens along the sequence, and gathers them
+    before the projections feed the attention. Catches: a refusal of the pair, and anything
+    that mixes the tensor group's sequence shards up with the context ranks' chunks (positions
+    of the sequence-parallel shard, attention over a shard's tokens only)."""
+    reference = fit_gpt(0, Run(arch=arch, steps=STEPS, trainer=CLIP))
+    strategy = {"context": 2, "context_scheme": scheme, "tensor": 2, "sequence_parallel": True}
+    run = Run(arch=arch, strategy={**strategy, **options}, devices=4, steps=STEPS, trainer=CLIP)
+    ranks = run_world(fit_gpt_ranks, 4, run)
+    assert_same_run(ranks[0], reference)
+    assert rank_state_mismatches(ranks, reference) == []
+    for rank in ranks:  # what self.log sees on every rank: the whole sequence's loss
+        assert rank["local_losses"] == pytest.approx(reference["losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "scheme, backend",
+    [
+        ("ring", "aot_eager"),
+        ("alltoall", "aot_eager"),
+        pytest.param("ring", "inductor", marks=pytest.mark.slow),
+    ],
+)
+def test_compiled_blocks_beside_context(reference, scheme, backend, capfd):
+    """cp 2 with ``compile=True``: each block compiled, the attention's autograd Function and its
+    collectives inside it (Dynamo may break the graph around them). Catches: a refusal of the
+    pair, and the activation meter holding what autograd saves while Dynamo traces that
+    Function (objects Dynamo makes without their fields: "Exception ignored" at every release)."""
+    strategy = {"context": 2, "context_scheme": scheme}
+    compiled = {**strategy, "compile": True, "compile_backend": backend}
+    ranks = run_world(
+        fit_gpt_ranks, 2, Run(strategy=compiled, devices=2, steps=STEPS, trainer=CLIP)
+    )
+    assert_same_run(ranks[0], reference)
+    assert rank_state_mismatches(ranks, reference) == []
+    eager = run_world(
+        fit_gpt_ranks, 2, Run(strategy=strategy, devices=2, steps=STEPS, trainer=CLIP)
+    )
+    for rank, plain in zip(ranks[0]["summary"]["ranks"], eager[0]["summary"]["ranks"]):
+        assert rank["compiled_blocks"] == 2
+        # a compiled graph saves its own tensors: close to eager's, not the same
+        assert rank["activation_bytes_per_block"] == pytest.approx(
+            plain["activation_bytes_per_block"], rel=0.02
+        )
+    assert "Exception ignored" not in capfd.readouterr().err

@@ -1,7 +1,7 @@
 """What context parallelism refuses before any rank starts, each in one line naming the values:
-in the plan (options it does not combine with), against the model built on meta (attention it
-cannot route or split), and through the app (a sequence not divisible by 2 × context); and the
-app's own run at context=2, which must give the losses of one process."""
+against the model built on meta (attention it cannot route or split), and through the app (a
+sequence not divisible by 2 × context); what it combines with; and the app's own run at
+context=2, which must give the losses of one process."""
 
 from pathlib import Path
 
@@ -17,17 +17,13 @@ from lightning_3d.parallel.model_check import check
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize(
-    "options, named",
-    [
-        ({"tensor": 2, "sequence_parallel": True}, "context=2 cannot be combined with sequence_"),
-        ({"compile": True, "zero_stage": 3}, "context=2 cannot be combined with compile=True"),
-        ({"auto": True}, "context=2 cannot be combined with auto=True"),
-    ],
-)
-def test_options_context_does_not_combine_with(options, named):
-    with pytest.raises(ValueError, match=named):
-        Plan.from_options(context=2, **options)
+def test_context_combines_with_auto_sequence_parallelism_and_compile():
+    """The planner models the axis: ``auto`` beside ``context`` (a constraint) is a plan; so are
+    tensor-parallel sequence parallelism and ``compile`` beside it (their parity:
+    test_context_parallel.py)."""
+    assert Plan.from_options(context=2, auto=True).layout.context == 2
+    assert Plan.from_options(context=2, tensor=2, sequence_parallel=True).tp.sequence_parallel
+    assert Plan.from_options(context=2, compile=True).compile.enabled
 
 
 def _check(module, world, **options):

@@ -265,3 +265,125 @@ def test_the_app_runs_parallelism_auto(tmp_path):
     planned = summary["planned"]  # the launcher's prediction, next to what the ranks measured
     assert planned["layout"]["zero_stage"] == 1 and planned["layout"]["data"] == layout["data"]
     assert planned["step_time_s"]["total"] > 0 and planned["memory_bytes"]["total"] > 0
+
+
+LONG = 1024  # tokens per sample of the tiny GPT below: one sequence per step on 2 ranks
+
+
+def _long_choice(module_long, memory_gb=None, **options):
+    return choose(
+        module_long,
+        found_cluster(2, 1, "cpu"),
+        Plan.from_options(auto=True, auto_memory_gb=memory_gb, **options),
+        batch_size=1,
+        seq_len=LONG,
+        device_type="cpu",
+    )
+
+
+@pytest.fixture(scope="module")
+def module_long():
+    from lightning_3d.models import LitGPT
+
+    with torch.device("meta"):
+        return LitGPT(**{**TINY_MODEL, "block_size": LONG})
+
+
+def _split_budget(module_long) -> float:
+    """GB between the least a layout needs unsplit and the least one split over 2 ranks needs."""
+    opts = PlannerOptions(
+        batch_size=1, seq_len=LONG, precision="32-true", offloads=("none",), **CPU_OPTIONS
+    )
+    facts = model_facts(module_long, seq_len=LONG, precision="32-true", tp_sizes=(1, 2))
+    cands = plan_layouts(
+        facts, found_cluster(2, 1, "cpu"), opts, check=functools.partial(check, module_long)
+    )
+    need = {
+        cp: min(c.memory.total for c in cands if c.fits and c.choice.context == cp) for cp in (1, 2)
+    }
+    assert need[2] < need[1]
+    return (need[1] + need[2]) / 2 / 1e9
+
+
+def test_auto_splits_the_sequence_where_only_that_fits(module_long):
+    """``auto_memory_gb`` between what the unsplit and the split layouts need: without the
+    context axis nothing fits; ``auto`` chooses a split (and keeps a context constraint)."""
+    budget = _split_budget(module_long)
+    with pytest.raises(ValueError, match="auto: "):
+        choose(
+            module_long,
+            found_cluster(2, 1, "cpu"),
+            Plan.from_options(auto=True, auto_memory_gb=budget),
+            batch_size=1,
+            seq_len=LONG,
+            device_type="cpu",
+            context_sizes=(1,),
+        )
+    best = _long_choice(module_long, budget)
+    assert best.choice.context == 2 and best.memory.total <= budget * 1e9
+    plan = planned(Plan.from_options(auto=True, auto_memory_gb=budget), best.choice)
+    assert (plan.layout.context, plan.cp.scheme) == (2, best.choice.context_scheme)
+    assert _long_choice(module_long, context=2).choice.context == 2
+    # compile and sequence parallelism compose with context: they leave the choice as it is
+    assert _long_choice(module_long, budget, compile=True).choice == best.choice
+    with pytest.raises(ValueError, match=r"auto_memory_gb=-1 must be a positive number"):
+        Plan.from_options(auto=True, auto_memory_gb=-1)
+
+
+def test_a_two_rank_auto_run_splits_a_long_sequence(module_long, capfd):
+    """``ThreeDStrategy(auto=True, auto_memory_gb=...)`` on 2 CPU ranks with a budget only a split
+    sequence fits: every rank trains at context 2, and rank 0 logs the split once."""
+    budget = _split_budget(module_long)
+    best = _long_choice(module_long, budget)
+    out = run_world(
+        fit_gpt,
+        2,
+        Run(
+            strategy={"auto": True, "auto_memory_gb": budget},
+            devices=2,
+            steps=4,
+            model={"block_size": LONG},
+            data={"block_size": LONG, "batch_size": 1},
+        ),
+    )
+    for rank in out:
+        assert rank["summary"]["layout"]["context"] == 2
+        assert rank["summary"]["planned"]["layout"]["context"] == 2
+        losses = rank["losses"]
+        assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
+        assert losses[-1] < losses[0]
+    assert out[0]["losses"] == out[1]["losses"]  # the two halves of one sequence: one loss
+    logged = re.findall(r"auto: dp=1 x tp=1 x pp=1, .*context 2 \((\w+)\)", capfd.readouterr().err)
+    assert logged == [best.choice.context_scheme]
+
+
+def test_the_apps_choice_hands_the_split_to_the_ranks():
+    """``parallelism=auto`` in the app's launcher: a choice that splits sequences reaches the
+    ranks as ``parallelism.context`` and ``parallelism.context_scheme`` overrides (without them
+    the ranks would run the unsplit layout the launcher did not choose)."""
+    from dataclasses import replace
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from lightning_3d.app.config import register_configs
+    from lightning_3d.app.run import model_on_meta
+    from lightning_3d.app.spec import read_spec, with_auto
+
+    register_configs()
+    overrides = ["parallelism=auto", "model=gpt_tiny", f"model.block_size={LONG}"]
+    overrides += [f"data.block_size={LONG}", "data.batch_size=1", "trainer.devices=2"]
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        spec = read_spec(compose("train", overrides=overrides))
+    model = model_on_meta(spec.model)
+    spec = replace(spec, plan=spec.plan.updated(auto_memory_gb=_split_budget(model)))
+    chosen, given, planned_ = with_auto(spec, model)
+    assert chosen.plan.layout.context == 2 and not chosen.plan.auto.enabled
+    assert "parallelism.context=2" in given
+    assert f"parallelism.context_scheme={chosen.plan.cp.scheme}" in given
+    assert planned_["layout"]["context"] == 2
+    # data whose dict batches context parallelism cannot split: planned unsplit (here nothing fits)
+    chat = {"_target_": "lightning_3d.data.ChatDataModule", "block_size": LONG, "batch_size": 1}
+    chat = OmegaConf.create(chat)
+    with pytest.raises(ValueError, match="auto: "):
+        with_auto(replace(spec, data=chat), model)

@@ -93,3 +93,54 @@ def test_the_attention_exchanges_follow_the_formulas():
         3 * 8 * n * 3 / 4 * 4 / 1e9
     )
     assert context_time(Choice(1, 1, 1), 3, 512 * 64, 4, cluster, 0.0) == 0.0
+
+
+def test_auto_context_sizes_are_the_powers_of_two_the_world_and_sequence_allow():
+    options = PlannerOptions()
+    assert options.context_sizes == "auto"
+    assert options.context_sizes_for(8, 1024) == (1, 2, 4, 8)
+    assert options.context_sizes_for(6, 1024) == (1, 2)  # 4 does not divide 6 ranks
+    assert options.context_sizes_for(8, 12) == (1, 2)  # 12 tokens: not 2 x 4 chunks
+    assert options.context_sizes_for(8, 1024, routable=False) == (1,)
+    assert PlannerOptions(context_sizes=[1, 3]).context_sizes_for(8, 1024) == (1, 3)
+    for bad in ("all", [], [0, 2], 2):
+        with pytest.raises(ValueError, match=r"context_sizes=.* must be 'auto' or a non-empty"):
+            PlannerOptions(context_sizes=bad)
+
+
+def test_by_default_a_sequence_that_fits_no_layout_is_split(facts):
+    """The default (``context_sizes="auto"``) proposes context parallelism without being asked:
+    the same budget as above, nothing fits without the axis, the default's first choice splits."""
+    cluster = Cluster(nodes=1, devices_per_node=4, device_memory_gb=1000.0)
+    everything = plan_layouts(facts, cluster, PlannerOptions(**OPTIONS))
+    need = {
+        cp: min(c.memory.total for c in everything if c.fits and c.choice.context == cp)
+        for cp in (1, 4)
+    }
+    budget = (need[1] + need[4]) / 2 / 1e9
+    best = plan_layouts(facts, Cluster(1, 4, device_memory_gb=budget), PlannerOptions(**OPTIONS))[0]
+    assert best.fits and best.choice.context > 1, best.choice.label()
+
+
+def test_by_default_context_is_not_chosen_where_a_layout_fits_without_it(facts):
+    """Where the sequence fits unsplit, the default ranks the layouts of context 1 as the list
+    ``[1]`` does, all of them ahead of any that splits (a split adds exchanges, saves no FLOPs)."""
+    cluster = Cluster(nodes=1, devices_per_node=4, device_memory_gb=1000.0)
+    alone = plan_layouts(facts, cluster, PlannerOptions(**OPTIONS, context_sizes=(1,)))
+    default = [c for c in plan_layouts(facts, cluster, PlannerOptions(**OPTIONS)) if c.fits]
+    assert {c.choice.context for c in default} == {1, 2, 4}
+    unsplit = [c.choice for c in default if c.choice.context == 1]
+    assert unsplit == [c.choice for c in alone if c.fits]
+    assert [c.choice.context for c in default[: len(unsplit)]] == [1] * len(unsplit)
+
+
+def test_a_model_whose_attention_cannot_be_routed_is_not_split():
+    from lightning_3d.models import LitGPT
+    from lightning_3d.planner.facts import model_facts
+
+    with torch.device("meta"):
+        module = LitGPT(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=32, dropout=0.1)
+    facts = model_facts(module, precision="32-true", policies=("none",), name="dropout")
+    assert not facts.context_ready
+    cands = plan_layouts(facts, Cluster(1, 4, device_memory_gb=1000.0), PlannerOptions(**OPTIONS))
+    assert {c.choice.context for c in cands} == {1}

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_3d.app.config import plan_of, world_size_of
+from lightning_3d.app.config import HYDRA_KEYS, plan_of, target_of, world_size_of
 from lightning_3d.checkpoint.resume import check_every_n_steps, resolve_resume
 from lightning_3d.options import Plan, hydra_overrides
 
@@ -49,6 +49,7 @@ CHECKPOINT_KEYS = frozenset({"every_n_steps"})
 AUTO_CHOSEN = ("auto", "data", "tensor", "pipeline", "zero_stage", "ac_policy")
 AUTO_CHOSEN_PIPELINED = ("micro_batches", "schedule")
 AUTO_CHOSEN_OFFLOAD = ("offload", "offload_params")
+AUTO_CHOSEN_CONTEXT = ("context", "context_scheme")  # where the choice splits sequences
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,7 @@ def with_auto(spec: RunSpec, model: Any) -> tuple[RunSpec, list[str], dict[str, 
         accumulate=accumulate,
         precision=precision,
         device_type=device_type,
+        context_sizes="auto" if _data_splits(spec) else (1,),
     )
     rank_zero_info(chosen.line)
     names = AUTO_CHOSEN
@@ -218,8 +220,27 @@ def with_auto(spec: RunSpec, model: Any) -> tuple[RunSpec, list[str], dict[str, 
         names += AUTO_CHOSEN_PIPELINED
     if spec.has_offload:
         names += AUTO_CHOSEN_OFFLOAD
+    if chosen.plan.layout.context > 1:
+        names += AUTO_CHOSEN_CONTEXT
     overrides = [
         f"{key}={str(value).lower() if isinstance(value, bool) else value}"
         for key, value in hydra_overrides(chosen.plan, names).items()
     ]
     return replace(spec, plan=chosen.plan), overrides, chosen.figures
+
+
+def _data_splits(spec: RunSpec) -> bool:
+    """Whether the data module takes context parallelism (its ``check_layout`` accepts
+    ``context=2``; ``data=chat``'s packed rows do not): where not, auto plans without it."""
+    check_layout = (
+        getattr(target_of(spec.data, "data"), "check_layout", None) if spec.data else None
+    )
+    if check_layout is None:
+        return True
+    options = OmegaConf.to_container(spec.data, resolve=True)
+    given = {k: v for k, v in options.items() if k not in HYDRA_KEYS}
+    try:
+        check_layout(1, context=2, **given)
+    except ValueError:
+        return False
+    return True

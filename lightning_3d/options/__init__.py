@@ -143,6 +143,7 @@ class AutoOptions:
     enabled: bool = (
         False  # the layout planner chooses the layout when the world is known (strategy/auto.py)
     )
+    memory_gb: Optional[float] = None  # device memory a rank may fill; None: what the device has
 
 
 @dataclass(frozen=True)
@@ -380,8 +381,16 @@ OPTIONS: tuple[Option, ...] = (
         "auto",
         "auto",
         "enabled",
-        "the layout planner's first choice for the world found at start (sizes, "
+        "the layout planner's first choice for the world found at start (sizes, context, "
         "ZeRO stage, micro-batches, AC, offload); options set away from their defaults constrain it",
+    ),
+    Option(
+        "auto_memory_gb",
+        "auto",
+        "memory_gb",
+        "with `auto`: the device memory in GB a rank's layout may fill (`None`: the device's own, "
+        "less the planner's 1 GB reserve)",
+        hydra_type=Any,
     ),
 )
 OPTION_NAMES: tuple[str, ...] = tuple(option.name for option in OPTIONS)
@@ -520,22 +529,15 @@ def _checked(plan: Plan) -> Plan:
                     f"auto=True cannot plan {option.name}={value!r} (the layout planner does not model "
                     f"it); drop auto or choose another {option.name}"
                 )
+    if plan.auto.memory_gb is not None and not _positive(plan.auto.memory_gb):
+        problems.append(
+            f"auto_memory_gb={plan.auto.memory_gb!r} must be a positive number of GB or None"
+        )
     if not _positive(plan.dist.timeout_s):
         problems.append(
             f"timeout_s must be a positive number of seconds, got {plan.dist.timeout_s!r}"
         )
     problems += scheme_problems(plan.cp.scheme)
-    if layout.context > 1:  # what context parallelism has not been made to work beside
-        unsupported = {
-            "sequence_parallel": plan.tp.sequence_parallel is True,
-            "compile": plan.compile.enabled is True,
-            "auto": plan.auto.enabled is True,  # the layout planner does not model the axis
-        }
-        problems += [
-            f"context={layout.context} cannot be combined with {name}=True"
-            for name, used in unsupported.items()
-            if used
-        ]
     problems += plan.nonfinite.problems()
     problems += plan.replicas.problems()
     if problems:

@@ -204,7 +204,10 @@ def _pack(tensor: torch.Tensor) -> Any:
     # Keep a detached alias: holding ``tensor`` itself (an op's own output, with its grad_fn)
     # would tie the graph into a cycle through C++ nodes that nothing collects (also when
     # nothing counts it: a parameter's view, or a save while paused).
-    held = _hold_all(tensor)
+    # While Dynamo traces (context parallelism's attention Function inside a compiled block),
+    # a save is a fake tensor of the graph being built: the compiled graph's own saves, at run
+    # time, are the ones to count.
+    held = [] if torch.compiler.is_compiling() else _hold_all(tensor)
     if not held:
         return tensor if tensor.grad_fn is None else tensor.detach()
     return _Saved(tensor.detach(), held)

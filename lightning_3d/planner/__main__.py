@@ -11,11 +11,11 @@ The ``model`` group is training's (``conf/model/``); ``cluster`` is ``conf/clust
 facts (activation bytes measured per block), the ranked table and the rejected layouts. A bad
 value, or a cluster on which nothing fits, ends with one ``error:`` line and exit code 2.
 
-``layout.data`` / ``layout.tensor`` / ``layout.pipeline`` keep only layouts of those sizes (a
-fixed ``tensor`` also limits the activation measurement to that size, which is what makes a
-70B model quick to plan). ``validate=true`` then builds the first choice at its full world size
-in this one process (:mod:`lightning_3d.calibration.validate`), prints its per-rank-kind table of
-predicted against built bytes, and ends with an ``error:`` line and exit code 2 if a shape or
+``layout.data`` / ``layout.tensor`` / ``layout.pipeline`` / ``layout.context`` keep only layouts of
+those sizes (a fixed ``tensor`` also limits the activation measurement to that size, which is what
+makes a 70B model quick to plan). ``validate=true`` then builds the first choice at its full world
+size in this one process (:mod:`lightning_3d.calibration.validate`), prints its per-rank-kind table
+of predicted against built bytes, and ends with an ``error:`` line and exit code 2 if a shape or
 placement is wrong or a figure is more than 10% off.
 """
 
@@ -76,8 +76,8 @@ def plan(cfg: DictConfig) -> int:
         if not candidates:
             pins = ", ".join(f"{k}={v}" for k, v in sizes.items())
             raise ValueError(
-                f"no layout of {cluster.world_size} ranks has {pins} (data x tensor x pipeline must "
-                "equal nodes x devices_per_node)"
+                f"no layout of {cluster.world_size} ranks has {pins} (data x context x tensor x "
+                "pipeline must equal nodes x devices_per_node)"
             )
         if validate and candidates[0].choice.adapter != "none":
             raise ValueError(
@@ -125,9 +125,11 @@ def plan(cfg: DictConfig) -> int:
 def layout_pins(node) -> dict[str, int]:
     """The sizes ``layout.*`` fixes (``null``: free); ``ValueError`` for anything but a positive integer."""
     values = dict(OmegaConf.to_container(node, resolve=True)) if node is not None else {}
-    unknown = sorted(set(values) - {"data", "tensor", "pipeline"})
+    unknown = sorted(set(values) - {"data", "tensor", "pipeline", "context"})
     if unknown:
-        raise ValueError(f"unknown layout key(s) {unknown}; known: ['data', 'pipeline', 'tensor']")
+        raise ValueError(
+            f"unknown layout key(s) {unknown}; known: ['context', 'data', 'pipeline', 'tensor']"
+        )
     bad = {
         k: v
         for k, v in values.items()

@@ -9,7 +9,7 @@ proposes plans that ``Plan.from_options`` accepts.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning_3d.layout import ZERO_STAGES
 from lightning_3d.parallel.activation_checkpoint import POLICIES
@@ -154,8 +154,11 @@ class PlannerOptions:
     linear projection of the blocks, :mod:`lightning_3d.planner.methods`). QLoRA layouts with
     tensor parallelism are refused as the project refuses them; adapters are not tried with
     sequence parallelism (the project refuses that pair too). ``context_sizes``: the context
-    (sequence-splitting) sizes tried, ``(1,)`` by default; with larger ones a sequence whose
-    activations fit no layout is split over ranks (all-to-all where the heads divide, else ring).
+    (sequence-splitting) sizes tried, a list or ``"auto"`` (the default,
+    :meth:`context_sizes_for`: the powers of two the world and the sequence allow, where the
+    model's attention can be routed); a sequence whose activations fit no other layout is split
+    over ranks (all-to-all where the heads divide, else ring), and a layout that fits without
+    it keeps its rank, since splitting a sequence adds exchanges and saves no compute.
     """
 
     batch_size: Optional[int] = None
@@ -184,9 +187,8 @@ class PlannerOptions:
     max_micro_batches: int = 64
     adapters: tuple[str, ...] = ("none",)  # what parallelism=auto plans: the run's own method
     lora_r: int = 8  # rank of every adapter (peft's r)
-    context_sizes: tuple[int, ...] = (
-        1,
-    )  # context-parallel sizes tried (docs/context-parallelism.md)
+    # context-parallel sizes tried (docs/context-parallelism.md); "auto": see context_sizes_for
+    context_sizes: Union[str, tuple[int, ...]] = "auto"
 
     def __post_init__(self) -> None:
         problems = []
@@ -259,12 +261,16 @@ class PlannerOptions:
             )
         if not isinstance(self.lora_r, int) or isinstance(self.lora_r, bool) or self.lora_r < 1:
             problems.append(f"lora_r={self.lora_r!r} must be a positive integer")
-        contexts = tuple(self.context_sizes)
-        if not contexts or any(
-            not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in contexts
+        contexts = self.context_sizes
+        if contexts != "auto" and (
+            isinstance(contexts, str)
+            or not isinstance(contexts, (list, tuple))
+            or not contexts
+            or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in contexts)
         ):
+            shown = list(contexts) if isinstance(contexts, (list, tuple)) else contexts
             problems.append(
-                f"context_sizes={list(contexts)!r} must be a non-empty list of positive integers"
+                f"context_sizes={shown!r} must be 'auto' or a non-empty list of positive integers"
             )
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel={self.sequence_parallel!r} must be true or false")
@@ -277,9 +283,25 @@ class PlannerOptions:
             "schedules",
             "virtual_stages",
             "adapters",
-            "context_sizes",
         ):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        if contexts != "auto":
+            object.__setattr__(self, "context_sizes", tuple(contexts))
+
+    def context_sizes_for(self, world: int, seq_len: int, routable: bool = True) -> tuple[int, ...]:
+        """The context sizes to enumerate on ``world`` ranks for ``seq_len`` tokens: the given
+        list, or for ``"auto"`` every power of two up to ``world`` that divides it and for which
+        ``seq_len`` divides by twice the size (the kernels' two chunks per rank); only 1 where
+        the model's attention cannot be routed (``routable=False``: no attention layer context
+        parallelism knows, dropout in it, sliding windows, ...)."""
+        if self.context_sizes != "auto":
+            return self.context_sizes
+        sizes, size = [1], 2
+        while routable and size <= world:
+            if world % size == 0 and seq_len % (2 * size) == 0:
+                sizes.append(size)
+            size *= 2
+        return tuple(sizes)
 
     def global_batch(self, world_size: int) -> int:
         return self.batch_size if self.batch_size is not None else 8 * world_size

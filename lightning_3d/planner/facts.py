@@ -24,6 +24,7 @@ from typing import Any, Optional
 from torch import nn
 
 from lightning_3d.parallel.activation_checkpoint import transformer_blocks
+from lightning_3d.parallel.context.apply import context_problems
 from lightning_3d.planner.activations import (
     ActivationFit,
     measure_activations,
@@ -147,6 +148,7 @@ class ModelFacts:
     # (policy, tp) -> fit; (policy, tp, "sp") with sequence parallelism
     activations: Mapping[tuple, ActivationFit] = field(default_factory=dict)
     pipeline_ready: bool = True  # the model has a pipeline_spec
+    context_ready: bool = True  # context parallelism can route the model's attention
 
     @property
     def num_params(self) -> int:
@@ -371,6 +373,7 @@ def model_facts(
         buffer_bytes=buffers,
         activations=activations,
         pipeline_ready=spec is not None,
+        context_ready=not context_problems(module, "ring", 2),
     )
 
 

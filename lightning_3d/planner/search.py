@@ -6,7 +6,7 @@ serves the CLI's table and ``parallelism=auto`` (:mod:`lightning_3d.strategy.aut
 
 Enumerated: ``data × context × tensor × pipeline = world`` (tensor innermost, kept inside a node
 and dividing the head count; pipeline dividing the block count; context, from
-``PlannerOptions.context_sizes``, with the sequence divisible by twice its size), ZeRO stages,
+``PlannerOptions.context_sizes_for``, with the sequence divisible by twice its size), ZeRO stages,
 micro-batches (powers of two dividing the per-rank batch, at least ``pipeline`` for 1F1B as
 torch requires; without a pipeline they are gradient accumulation steps), schedules (the
 interleaved ones with each of ``virtual_stages`` stages per rank), sequence parallelism (with
@@ -134,13 +134,11 @@ def _choices(
 ) -> Iterator[Choice]:
     # Context: all-to-all sends fewer bytes than the ring (8(N-1)/N against 2(3N-2) per q/k/v
     # share), where the heads on a tensor rank divide by the context size.
-    scheme = "alltoall" if facts.n_head % (cp * tp) == 0 else "ring"
+    scheme = "alltoall" if cp > 1 and facts.n_head % (cp * tp) == 0 else Choice.context_scheme
     for adapter in options.adapters:
         for choice in _layout_choices(dp, tp, pp, batch_per_rank, facts.n_layer, options, dp * cp):
             if adapter != "none" and choice.sequence_parallel:
                 continue  # the project refuses adapters beside a sequence-parallel plan
-            if cp > 1 and choice.sequence_parallel:
-                continue  # the project refuses context beside sequence parallelism
             yield replace(choice, adapter=adapter, context=cp, context_scheme=scheme)
 
 
@@ -203,7 +201,9 @@ def plan_layouts(
     fitting, rejected = [], []
     checked: dict[tuple, Optional[str]] = {}
     nf4_problem = qlora_problem(facts.blocks[0]) if "qlora" in options.adapters else None
-    for dp, tp, pp, cp in _splits(world, options.context_sizes):
+    contexts = options.context_sizes_for(world, facts.seq_len, facts.context_ready)
+    unsplit_fits: set[Choice] = set()  # see _unsplit_twin
+    for dp, tp, pp, cp in _splits(world, contexts):
         problem = _split_problem(facts, cluster, batch, dp, tp, pp, cp)
         if problem is not None:
             rejected.append(
@@ -219,6 +219,8 @@ def plan_layouts(
                 # torch's Schedule1F1B refuses fewer micro-batches than stages; the interleaved
                 # schedules run them, but their bubble is then far above (p - 1) / (v·m): not modelled
                 continue
+            if cp > 1 and _unsplit_twin(choice) in unsplit_fits:
+                continue  # never faster than its twin that fits unsplit
             if choice.adapter == "qlora" and nf4_problem is not None:
                 rejected.append(Candidate(choice, kind="NF4 shapes", reason=nf4_problem))
                 continue
@@ -279,6 +281,8 @@ def plan_layouts(
                     ),
                 )
             (fitting if cand.fits else rejected).append(cand)
+            if cand.fits and cp == 1:
+                unsplit_fits.add(choice)
     fitting.sort(key=_rank_key)
     return fitting + rejected
 
@@ -344,31 +348,57 @@ def _plan_error(choice: Choice, world: int, check: Optional[Check], cache: dict)
             plan = Plan.from_options(**options)
             if choice.adapter == "qlora":
                 refuse_qlora_plan(plan)
-            # What the model check depends on: sequence parallelism builds another tensor plan.
-            shape_key = (
-                "shape",
-                choice.tensor,
-                choice.pipeline,
-                plan.pp.virtual_stages,
-                plan.tp.sequence_parallel,
-                choice.context,
-                choice.context_scheme,
-            )
-            if check is not None and (
-                choice.tensor > 1 or choice.pipeline > 1 or choice.context > 1
-            ):
-                if shape_key not in cache:
-                    try:
-                        check(plan, world)
-                        cache[shape_key] = None
-                    except ValueError as err:
-                        cache[shape_key] = str(err)
-                if cache[shape_key] is not None:
-                    raise ValueError(cache[shape_key])
+            if check is not None:
+                for shape_key, checked, size in _model_checks(choice, plan, world):
+                    if shape_key not in cache:
+                        try:
+                            check(checked(), size)
+                            cache[shape_key] = None
+                        except ValueError as err:
+                            cache[shape_key] = str(err)
+                    if cache[shape_key] is not None:
+                        raise ValueError(cache[shape_key])
             cache[key] = None
         except ValueError as err:
             cache[key] = str(err)
     return cache[key]
+
+
+def _unsplit_twin(choice: Choice) -> Optional[Choice]:
+    """The layout that runs ``choice``'s micro-batches' tokens unsplit: its context ranks made
+    data ranks, each with whole sequences (``None`` where the per-rank batch does not divide).
+    It computes the same FLOPs per rank and needs no attention exchanges; its activations differ
+    only by the attention's quadratic share (more unsplit). So where it fits, ``choice`` is never
+    faster (the splits are enumerated after it: ``_splits`` starts at context 1)."""
+    if choice.batch_per_rank % choice.context:
+        return None
+    return replace(
+        choice,
+        data=choice.data * choice.context,
+        context=1,
+        context_scheme=Choice.context_scheme,
+        batch_per_rank=choice.batch_per_rank // choice.context,
+    )
+
+
+def _model_checks(
+    choice: Choice, plan: Plan, world: int
+) -> Iterator[tuple[tuple, Callable[[], Plan], int]]:
+    """(cache key, plan to build, world) of the model checks ``choice`` needs, each keyed by what it
+    depends on: the tensor and pipeline split (sequence parallelism builds another tensor plan),
+    checked unsplit by sequence, then the context split alone (the routing of the attention; the
+    heads' divisibility by context x tensor is settled by :func:`_choices`' scheme), so each
+    context size adds one cheap check instead of another tensor plan per split."""
+    if choice.tensor > 1 or choice.pipeline > 1:
+        key = ("shape", choice.tensor, choice.pipeline, plan.pp.virtual_stages)
+        key += (plan.tp.sequence_parallel,)
+        unsplit = functools.partial(plan.updated, data=choice.data * choice.context, context=1)
+        yield key, unsplit, world
+    if choice.context > 1:
+        split = functools.partial(
+            Plan.from_options, context=choice.context, context_scheme=choice.context_scheme
+        )
+        yield ("context", choice.context, choice.context_scheme), split, choice.context
 
 
 def least_memory(candidates: list[Candidate]) -> Optional[Candidate]:

@@ -22,12 +22,16 @@ Options given together with ``auto`` (rule: an option set to anything but its de
 keeps only sequence-parallel layouts; ``micro_batches`` keeps only pipelined layouts with that
 many (layouts without a pipeline are unaffected). An option at its default (``zero_stage=0``,
 ``tensor=1``, ...) leaves the planner free, except that NVMe is only considered where
-``offload_path`` names the drive. What the planner does not model (``ac_policy="every_n"``) is
-refused with a ``ValueError``, as is a constraint no fitting layout meets. Sequence-parallel
-activations are measured in a fake world, which cannot coexist with the run's process group, so
-the strategy's ``auto`` does not choose sequence parallelism (the CLI planner does). Every other
-option (bucket size, checkpoint format, compile,
-...) passes through to the chosen plan unchanged.
+``offload_path`` names the drive. ``context`` keeps only layouts that split each sequence over
+that many ranks (``context_scheme``, if given, only those by that scheme); without it the
+planner may split sequences (``PlannerOptions.context_sizes="auto"``). ``auto_memory_gb`` is the
+device memory a rank's layout may fill instead of the device's own, less the 1 GB reserve
+(a CPU rank's "device" is its share of the host). What the planner does not model
+(``ac_policy="every_n"``) is refused with a ``ValueError``, as is a constraint no fitting layout
+meets. Sequence-parallel activations are measured in a fake world, which cannot coexist with the
+run's process group, so the strategy's ``auto`` does not choose sequence parallelism (the CLI
+planner does). Every other option (bucket size, checkpoint format, compile, ...) passes through
+to the chosen plan unchanged.
 
 The data decide the batch: the global batch per optimizer step is the data module's
 ``batch_size`` (global in this project) times the Trainer's ``accumulate_grad_batches``, and
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from lightning_3d.options import AUTO_UNPLANNED, OPTIONS, Plan
@@ -137,7 +141,11 @@ def found_cluster(
 def constraints(plan: Plan, device_type: str = "cuda") -> Constraints:
     """The planner's constraints from the options of ``plan`` that differ from their defaults;
     ``ValueError`` for a value the planner does not model."""
-    given = {k: v for k, v in plan.options().items() if k != "auto" and v != _DEFAULTS[k]}
+    given = {
+        k: v
+        for k, v in plan.options().items()
+        if k not in ("auto", "auto_memory_gb") and v != _DEFAULTS[k]
+    }
     for name, values in AUTO_UNPLANNED.items():
         if given.get(name) in values:
             raise ValueError(
@@ -170,15 +178,21 @@ def constraints(plan: Plan, device_type: str = "cuda") -> Constraints:
         )
     sizes = {
         name: given[name]
-        for name in ("data", "tensor", "pipeline", "sequence_parallel")
+        for name in ("data", "tensor", "pipeline", "context", "sequence_parallel")
         if name in given
     }
+    if "context_scheme" in given:  # kept for layouts that split sequences (see allowed)
+        sizes["context_scheme"] = given["context_scheme"]
     return Constraints(planner, sizes, given.get("micro_batches"))
 
 
 def allowed(choice: Choice, fixed: Constraints, accumulate: int) -> bool:
     """``choice`` keeps the fixed sizes and micro-batches, and micro-batches the loader's fixed batch can make."""
-    if any(getattr(choice, name) != size for name, size in fixed.sizes.items()):
+    if any(
+        getattr(choice, name) != size
+        for name, size in fixed.sizes.items()
+        if name != "context_scheme" or choice.context > 1  # a scheme is only a split's
+    ):
         return False
     if choice.pipeline > 1:
         return accumulate == 1 and fixed.micro_batches in (None, choice.micro_batches)
@@ -195,9 +209,12 @@ def choose(
     accumulate: int = 1,
     precision: str = "32-true",
     device_type: str = "cuda",
+    context_sizes: Any = "auto",
 ) -> Candidate:
     """The planner's first fitting layout of ``module`` on ``cluster`` that the options of ``plan``
-    and the data allow; ``ValueError`` naming why none is left."""
+    and the data allow; ``ValueError`` naming why none is left. ``plan``'s ``auto_memory_gb``,
+    where given, is the device memory a rank may fill (no reserve kept besides);
+    ``context_sizes``: the planner's (``(1,)`` where the data cannot be split by sequence)."""
     import torch.distributed as dist
 
     from lightning_3d.planner.table import nothing_fits
@@ -209,11 +226,16 @@ def choose(
         if fixed.sizes.get("sequence_parallel") or not dist.is_initialized()
         else {"sequence_parallel": False}
     )
+    budget = plan.auto.memory_gb
+    if budget is not None:
+        cluster = replace(cluster, device_memory_gb=budget)
     options = PlannerOptions(
         batch_size=batch_size,
         seq_len=seq_len,
         precision=precision,
+        **({"reserve_gb": 0.0} if budget is not None else {}),
         **(CPU_OPTIONS if device_type != "cuda" else {}),
+        context_sizes=context_sizes,
         **fixed.planner,
         **alone,
     )
@@ -265,6 +287,7 @@ def choose_plan(
     accumulate: int,
     precision: str,
     device_type: str,
+    context_sizes: Any = "auto",
 ) -> AutoChoice:
     """``auto`` resolved: :func:`choose`'s layout as a plan, with its figures and info line. The
     one resolution of both callers: the strategy's ranks (:func:`resolve_for_strategy`) and the
@@ -278,6 +301,7 @@ def choose_plan(
         accumulate=accumulate,
         precision=precision,
         device_type=device_type,
+        context_sizes=context_sizes,
     )
     return AutoChoice(
         planned(plan, best.choice), planned_figures(best, cluster), describe(best, cluster)
@@ -292,8 +316,10 @@ def describe(candidate: Candidate, cluster: Cluster) -> str:
         if c.pipeline > 1
         else f"accumulate_grad_batches={c.micro_batches}"
     )
+    split = f"context {c.context} ({c.context_scheme}), " if c.context > 1 else ""
     return (
-        f"auto: dp={c.data} x tp={c.tensor} x pp={c.pipeline}, ZeRO stage {c.zero_stage}, {sched}, "
+        f"auto: dp={c.data} x tp={c.tensor} x pp={c.pipeline}, ZeRO stage {c.zero_stage}, {split}"
+        f"{sched}, "
         f"ac={c.ac_policy}, offload={c.offload}; predicted {memory.total / 1e9:.3g} GB per rank "
         f"(of {cluster.device_memory_gb:.3g} GB), {candidate.tokens_per_s:,.0f} tokens/s "
         f"on {cluster.describe()}"

@@ -190,7 +190,9 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     def _configure_launcher(self) -> None:
         # Called while the Trainer is constructed: the last moment to reject a bad layout
         # before any process, process group or file exists.
-        self.plan = self.plan.resolved(self.num_nodes * self.num_processes)
+        resolved = self.plan.resolved(self.num_nodes * self.num_processes)
+        if not self.plan.auto.enabled:  # auto: data stays free (a size given is a constraint)
+            self.plan = resolved
         if (
             self.cluster_environment.creates_processes_externally
         ):  # torchrun, srun: Lightning checks only its own launches
