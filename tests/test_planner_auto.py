@@ -382,8 +382,21 @@ def test_the_apps_choice_hands_the_split_to_the_ranks():
     assert "parallelism.context=2" in given
     assert f"parallelism.context_scheme={chosen.plan.cp.scheme}" in given
     assert planned_["layout"]["context"] == 2
-    # data whose dict batches context parallelism cannot split: planned unsplit (here nothing fits)
+    # chat data's dict batches are split too (packed or padded rows)
     chat = {"_target_": "lightning_3d.data.ChatDataModule", "block_size": LONG, "batch_size": 1}
     chat = OmegaConf.create(chat)
+    chosen, given, _ = with_auto(replace(spec, data=chat), model)
+    assert chosen.plan.layout.context == 2 and "parallelism.context=2" in given
+    # data whose batches context parallelism cannot split: planned unsplit (here nothing fits)
+    unsplit = {"_target_": f"{__name__}.UnsplitData", "block_size": LONG, "batch_size": 1}
     with pytest.raises(ValueError, match="auto: "):
-        with_auto(replace(spec, data=chat), model)
+        with_auto(replace(spec, data=OmegaConf.create(unsplit)), model)
+
+
+class UnsplitData:
+    """A data module whose ``check_layout`` refuses context parallelism."""
+
+    @staticmethod
+    def check_layout(pipeline: int, context: int = 1, **_) -> None:
+        if context > 1:
+            raise ValueError(f"context={context}: these batches cannot be split")

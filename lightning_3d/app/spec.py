@@ -230,8 +230,8 @@ def with_auto(spec: RunSpec, model: Any) -> tuple[RunSpec, list[str], dict[str, 
 
 
 def _data_splits(spec: RunSpec) -> bool:
-    """Whether the data module takes context parallelism (its ``check_layout`` accepts
-    ``context=2``; ``data=chat``'s packed rows do not): where not, auto plans without it."""
+    """Whether the data module takes context parallelism (its ``check_layout``, where it has
+    one, accepts ``context=2``): where not, auto plans without it."""
     check_layout = (
         getattr(target_of(spec.data, "data"), "check_layout", None) if spec.data else None
     )
