@@ -436,7 +436,22 @@ def main(argv: list[str] | None = None) -> None:
         results[method] = run_world(
             measure_method, args.data, run, args.threads, start_method="spawn"
         )[0]
-        print(f"  {method}: {results[method]['tokens_per_s']:.0f} tokens/s", flush=True)
+        r = results[method]
+        device = (
+            f", device peak {r['device_peak_mb']:.0f} MB (reserved {r['device_reserved_mb']:.0f})"
+            if "device_peak_mb" in r
+            else ""
+        )
+        took = time.perf_counter() - start
+        print(f"  {method}: {r['tokens_per_s']:.0f} tokens/s{device} ({took:.0f} s)", flush=True)
+        write(args, results, skipped)  # after each method: a later one may time out
+    text = write(args, results, skipped)
+    print("\n" + text)
+    print(f"\n(total {time.perf_counter() - start:.0f} s; written to {args.out})")
+
+
+def write(args: argparse.Namespace, results: dict[str, Any], skipped: dict[str, str]) -> str:
+    """OUT/adapters.md and OUT/adapters.json of the methods measured so far; returns the table."""
     records = rows(results, args.data, args.zero_stage)
     config = model_config(args)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
@@ -447,14 +462,13 @@ def main(argv: list[str] | None = None) -> None:
     text += "\n\nTargets:\n\n" + "\n".join(f"- {line}" for line in verdicts)
     if skipped:
         text += "\n\nSkipped: " + "; ".join(f"{k} ({v})" for k, v in skipped.items())
-    print("\n" + text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "adapters.md").write_text(text + "\n")
     record = {"benchmark": "adapters", "settings": settings, "model": config, "rows": records}
     record["targets"] = verdicts
     (out / "adapters.json").write_text(json.dumps(record, indent=2))
-    print(f"\n(total {time.perf_counter() - start:.0f} s; written to {out})")
+    return text
 
 
 if __name__ == "__main__":
