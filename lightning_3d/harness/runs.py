@@ -8,6 +8,7 @@ layout can be compared with a single-process run number by number. What to run i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import tempfile
 from typing import Any, Optional
@@ -42,6 +43,10 @@ class Run:
     ``summary_warmup``: the steps ``RunSummary`` leaves out of its medians (tokens/s).
     ``data={"chat": {...}}``: :class:`~lightning_3d.data.ChatDataModule`'s keyword arguments
     (``path``, ``tokenizer``, ``block_size``, ``packing``, ...) instead of the text's.
+    ``build_device``: where the module is constructed (``torch.device(...)`` as the default
+    device; ``None``: the CPU, as a user script builds it). A model built on a CUDA device has its
+    build's peak recorded (``build_device_peak_mb``) and the device's peak statistics reset before
+    training, so the run's device peak is the training's.
     """
 
     strategy: Optional[dict[str, Any]] = None
@@ -61,6 +66,7 @@ class Run:
     rank_seeds: bool = False
     initial_state: bool = True
     summary_warmup: int = 3
+    build_device: Optional[str] = None
 
 
 def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
@@ -75,44 +81,19 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
     pipeline stages, so each rank's copy can be checked, not only rank 0's.
     """
     import lightning as L
+    import torch
 
     from lightning_3d import ThreeDStrategy
     from lightning_3d.checkpoint.view import full_state_dict
     from lightning_3d.data import TextDataModule
-    from lightning_3d.harness.tiny_models import LitTinyLM
-    from lightning_3d.models import LitGPT
     from lightning_3d.observe.summary import RNGStateCheckpoint, RunSummary
 
     L.seed_everything(run.seed + (rank if run.rank_seeds else 0), verbose=False)
     kwargs = {**TINY_MODEL, **(run.model or {})}
-    if run.arch == "gpt":
-        module = LitGPT(**kwargs)
-    elif run.arch == "hf" or run.arch.startswith(
-        "hf_"
-    ):  # a tiny transformers model: hf_llama, hf_qwen2, ...
-        from lightning_3d.harness.hf_configs import tiny_hf_config
-        from lightning_3d.models.hf import HFCausalLM
-
-        # model={"hf": {...}} overrides keys of the tiny transformers config (arch="hf": it is the
-        # whole config); model={"path": DIR} loads a saved directory instead (deferred: each rank
-        # reads its slices, unless "deferred_init": False)
-        if "path" in kwargs:
-            source = {"path": kwargs["path"], "deferred_init": kwargs.get("deferred_init", True)}
-        elif run.arch == "hf":
-            source = {"config": kwargs["hf"]}
-        else:
-            source = {"config": tiny_hf_config(run.arch[3:], **kwargs.get("hf", {}))}
-        module = HFCausalLM(
-            **source,
-            lr=kwargs.get("lr", 3e-3),
-            warmup_steps=kwargs["warmup_steps"],
-            max_steps=kwargs["max_steps"],
-            optimizer=kwargs.get("optimizer", "adamw"),
-            attn_implementation=kwargs.get("attn_implementation"),
-            adapter=kwargs.get("adapter"),
-        )
-    else:
-        module = LitTinyLM(arch=run.arch, n_kv_head=kwargs.pop("n_kv_head", 2), **kwargs)
+    build = contextlib.nullcontext() if run.build_device is None else torch.device(run.build_device)
+    with build:
+        module = _build_module(run, kwargs)
+    build_peak_mb = _reset_device_peak(run.build_device)
     initial_state = (
         {k: v.detach().clone() for k, v in module.state_dict().items()}
         if run.initial_state
@@ -200,7 +181,57 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
         "initial_state": initial_state,
         "rank_state": own,
         "ties": tie_report(module),
+        "build_device_peak_mb": build_peak_mb,
     }
+
+
+def _build_module(run: Run, kwargs: dict[str, Any]) -> Any:
+    """The LightningModule of ``run.arch`` with the merged model keywords ``kwargs``."""
+    from lightning_3d.harness.tiny_models import LitTinyLM
+    from lightning_3d.models import LitGPT
+
+    if run.arch == "gpt":
+        module = LitGPT(**kwargs)
+    elif run.arch == "hf" or run.arch.startswith(
+        "hf_"
+    ):  # a tiny transformers model: hf_llama, hf_qwen2, ...
+        from lightning_3d.harness.hf_configs import tiny_hf_config
+        from lightning_3d.models.hf import HFCausalLM
+
+        # model={"hf": {...}} overrides keys of the tiny transformers config (arch="hf": it is the
+        # whole config); model={"path": DIR} loads a saved directory instead (deferred: each rank
+        # reads its slices, unless "deferred_init": False)
+        if "path" in kwargs:
+            source = {"path": kwargs["path"], "deferred_init": kwargs.get("deferred_init", True)}
+        elif run.arch == "hf":
+            source = {"config": kwargs["hf"]}
+        else:
+            source = {"config": tiny_hf_config(run.arch[3:], **kwargs.get("hf", {}))}
+        module = HFCausalLM(
+            **source,
+            lr=kwargs.get("lr", 3e-3),
+            warmup_steps=kwargs["warmup_steps"],
+            max_steps=kwargs["max_steps"],
+            optimizer=kwargs.get("optimizer", "adamw"),
+            attn_implementation=kwargs.get("attn_implementation"),
+            adapter=kwargs.get("adapter"),
+        )
+    else:
+        module = LitTinyLM(arch=run.arch, n_kv_head=kwargs.pop("n_kv_head", 2), **kwargs)
+    return module
+
+
+def _reset_device_peak(build_device: Optional[str]) -> Optional[float]:
+    """After a build on a CUDA device: its peak in MB, and the device's peak statistics reset
+    (the cached blocks released, so the reserved peak restarts from what is held); else None."""
+    import torch
+
+    if build_device is None or torch.device(build_device).type != "cuda":
+        return None
+    peak_mb = torch.cuda.max_memory_allocated() / 2**20
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return round(peak_mb, 1)
 
 
 def fit_gpt_ranks(rank: int, run: Run) -> dict[str, Any]:

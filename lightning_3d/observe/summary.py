@@ -369,6 +369,7 @@ class RunSummary(Callback):
         device = trainer.strategy.root_device
         if device.type == "cuda":  # the accelerator's own peak, next to the host's RSS
             mine["device_peak_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+            mine["device_reserved_mb"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
         mine.update(self._observed_figures())
         ranks = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
