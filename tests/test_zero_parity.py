@@ -189,3 +189,49 @@ def test_unknown_scatter_mode_is_refused():
 
     with pytest.raises(ValueError, match="scatter must be one of .*'reduce_scatter'.*got 'ring'"):
         ZeroDataParallel(None, stage=1, scatter="ring")
+
+
+def _gathered_after_step(rank: int) -> dict:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_3d.parallel.zero import ZeroDataParallel
+
+    mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("dp",))
+    out = {}
+    for scatter in ("all_to_all", "reduce_scatter"):
+        for stage in (1, 2):
+            torch.manual_seed(0)  # the same weights on every rank
+            model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
+            engine = ZeroDataParallel(mesh, stage=stage, bucket_numel=20, scatter=scatter)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            engine.attach(optimizer)
+            torch.manual_seed(10 + rank)  # a different batch per rank
+            engine.prepare_backward(sync=True)
+            model(torch.randn(4, 7)).square().sum().backward()
+            engine.finish_backward()
+            optimizer.step()
+            engine.after_step()
+            out[scatter, stage] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_both_all_gather_paths_give_every_rank_every_stepped_slice():
+    """After the step, ZeRO 1-2 gather each rank's stepped slice into every rank's parameters:
+    on gloo by point-to-point exchanges received in place, elsewhere by the all-gather collective
+    (forced here with ``scatter="reduce_scatter"``). Both give every rank the same parameters, at
+    an odd world size with padded buckets cut through parameters. Catches a slice received into
+    the wrong place, or a rank's own slice left out."""
+    import torch
+
+    results = run_world(_gathered_after_step, 3)
+    for stage in (1, 2):
+        for scatter in ("all_to_all", "reduce_scatter"):
+            for rank_out in results:  # every rank holds exactly rank 0's parameters
+                for got, expected in zip(rank_out[scatter, stage], results[0][scatter, stage]):
+                    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        # the two ways of summing the gradient rows differ in rounding only
+        for got, expected in zip(
+            results[0]["all_to_all", stage], results[0]["reduce_scatter", stage]
+        ):
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
