@@ -17,10 +17,9 @@ import torch  # noqa: E402
 from lightning_3d.data import ChatDataModule  # noqa: E402
 from lightning_3d.data.chat import load_chat_tokenizer, render  # noqa: E402
 from lightning_3d.data.chat_layout import IGNORE_INDEX, pack, pad_rows  # noqa: E402
+from support.chat_files import SPECIALS, WORDS, conversation, words  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-WORDS = "the quick brown fox jumps over a lazy dog while seven small cats watch".split()
-SPECIALS = ["<unk>", "<eos>", "<|im_start|>", "<|im_end|>", "system", "user", "assistant", "tool"]
 VOCAB = 32  # the model's; the tokenizer has 22 entries
 BLOCK, BATCH, SEED = 48, 2, 1234
 # ChatML without and with generation markers (the assistant's text and its <|im_end|> inside).
@@ -51,25 +50,6 @@ def _tokenizer(template=PLAIN):
     return fast
 
 
-def _words(i, n):
-    return " ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(n))
-
-
-def _conversation(i):
-    messages = [
-        {"role": "user", "content": _words(i, 2 + i % 3)},
-        {"role": "assistant", "content": _words(i + 1, 1 + i % 4)},
-    ]
-    if i % 2:
-        messages = [
-            {"role": "system", "content": _words(i + 2, 2)},
-            *messages,
-            {"role": "user", "content": _words(i + 3, 2)},
-            {"role": "assistant", "content": _words(i + 4, 3)},
-        ]
-    return {"messages": messages}
-
-
 def _tiny_model(attn):
     from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
@@ -89,7 +69,7 @@ def files(tmp_path_factory):
     _tokenizer().save_pretrained(model)
     _tokenizer(None).save_pretrained(bare)
     chats = root / "chats.jsonl"
-    chats.write_text("".join(json.dumps(_conversation(i)) + "\n" for i in range(40)))
+    chats.write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(40)))
     return {"root": root, "model": model, "bare": bare, "chats": chats}
 
 
@@ -134,8 +114,8 @@ def test_loss_only_on_the_assistants_tokens(kind):
 
 # ------------------------------------------------------------------ layouts
 def _two_conversations(tokenizer):
-    a = render(tokenizer, _conversation(1)["messages"], "a:1")
-    b = render(tokenizer, _conversation(2)["messages"], "a:2")
+    a = render(tokenizer, conversation(1)["messages"], "a:1")
+    b = render(tokenizer, conversation(2)["messages"], "a:2")
     return a, b
 
 
@@ -202,7 +182,7 @@ def test_packed_and_padded_give_the_same_loss_per_conversation(attn):
 
 # ------------------------------------------------------------------ bad records
 def _bad_lines():
-    good = json.dumps(_conversation(0))
+    good = json.dumps(conversation(0))
     return {
         "not_json": ("{oops", "is not a JSON line"),
         "no_messages": (json.dumps({"text": "the fox"}), "has no 'messages' list"),
@@ -219,7 +199,7 @@ def _bad_lines():
             json.dumps(
                 {
                     "messages": [
-                        {"role": "user", "content": _words(0, 60)},
+                        {"role": "user", "content": words(0, 60)},
                         {"role": "assistant", "content": "dog"},
                     ]
                 }
@@ -267,7 +247,7 @@ def test_template_refusal_named_by_file_and_line(tmp_path):
         match=r"^c.jsonl:4: the chat template refuses the conversation: "
         r"no system turns here$",
     ):
-        render(tokenizer, _conversation(1)["messages"], "c.jsonl:4")
+        render(tokenizer, conversation(1)["messages"], "c.jsonl:4")
 
 
 def test_too_long_truncated_or_skipped(files, tmp_path):
@@ -280,12 +260,12 @@ def test_too_long_truncated_or_skipped(files, tmp_path):
         {
             "messages": [
                 {"role": "user", "content": "the fox"},
-                {"role": "assistant", "content": _words(0, 60)},
+                {"role": "assistant", "content": words(0, 60)},
             ]
         }
     )
     path = tmp_path / "long.jsonl"
-    path.write_text("\n".join([json.dumps(_conversation(0)), long_prompt, long_answer]) + "\n")
+    path.write_text("\n".join([json.dumps(conversation(0)), long_prompt, long_answer]) + "\n")
     tokenizer = load_chat_tokenizer(str(files["model"]))
     with pytest.warns(UserWarning, match="1 conversation"):  # the long prompt: no answer left
         kept = tokenize_conversations([path], tokenizer, BLOCK, "truncate")
@@ -376,7 +356,7 @@ def test_launcher_checks_records_and_refuses_packing_under_pipeline(files, tmp_p
         validate(_compose([*base, "parallelism=pp2", "trainer.devices=2", "data.batch_size=4"]))
     validate(_compose([*base, "parallelism.context=2", "trainer.devices=2"]))  # dict batches cut
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps(_conversation(0)) + "\n" + json.dumps({"messages": []}) + "\n")
+    bad.write_text(json.dumps(conversation(0)) + "\n" + json.dumps({"messages": []}) + "\n")
     with pytest.raises(ValueError, match=rf"{bad}:2 has no 'messages' list"):
         validate(_compose([*base[:3], f"data.path={bad}", *base[4:]]))
 

@@ -142,12 +142,12 @@ def _engine_slices(rank: int) -> dict:
 
     out = {}
     for stage in (1, 2):
-        for scatter in ("all_to_all", "reduce_scatter"):
+        for scatter in ("point_to_point", "reduce_scatter"):
             model, loss = model_and_loss()
             engine = ZeroDataParallel(
                 mesh, stage=stage, bucket_numel=20, scatter=scatter
             )  # 3 buckets, padded
-            assert engine._scatter_by_all_to_all == (scatter == "all_to_all")
+            assert engine._point_to_point == (scatter == "point_to_point")
             engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
             engine.prepare_backward(sync=True)
             loss().backward()
@@ -177,7 +177,7 @@ def test_both_reduce_scatter_paths_give_each_rank_the_mean_of_its_slice():
     for rank_out in run_world(_engine_slices, 3):
         assert len(rank_out["expected"]) == 3
         for stage in (1, 2):
-            for scatter in ("all_to_all", "reduce_scatter"):
+            for scatter in ("point_to_point", "reduce_scatter"):
                 for got, expected in zip(rank_out[stage, scatter], rank_out["expected"]):
                     torch.testing.assert_close(
                         got, expected, rtol=1e-6, atol=1e-7, msg=f"{stage} {scatter}"
@@ -199,7 +199,7 @@ def _gathered_after_step(rank: int) -> dict:
 
     mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("dp",))
     out = {}
-    for scatter in ("all_to_all", "reduce_scatter"):
+    for scatter in ("point_to_point", "reduce_scatter"):
         for stage in (1, 2):
             torch.manual_seed(0)  # the same weights on every rank
             model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Linear(5, 3))
@@ -226,12 +226,12 @@ def test_both_all_gather_paths_give_every_rank_every_stepped_slice():
 
     results = run_world(_gathered_after_step, 3)
     for stage in (1, 2):
-        for scatter in ("all_to_all", "reduce_scatter"):
+        for scatter in ("point_to_point", "reduce_scatter"):
             for rank_out in results:  # every rank holds exactly rank 0's parameters
                 for got, expected in zip(rank_out[scatter, stage], results[0][scatter, stage]):
                     torch.testing.assert_close(got, expected, rtol=0, atol=0)
         # the two ways of summing the gradient rows differ in rounding only
         for got, expected in zip(
-            results[0]["all_to_all", stage], results[0]["reduce_scatter", stage]
+            results[0]["point_to_point", stage], results[0]["reduce_scatter", stage]
         ):
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)

@@ -365,31 +365,38 @@ def tp_block_seconds(
 
 def scatter_gather_seconds(elements: int, repeats: int = 7) -> tuple[float, float]:
     """(seconds of a reduce-scatter, of an all-gather) of ``elements`` fp32 elements on this rank
-    of an initialised world, as ZeRO 1-2 run them here: on gloo the reduce-scatter is an
-    all-to-all of the ``n`` slices and a local sum (``ZeroDataParallel``'s ``scatter="auto"``),
-    elsewhere the collective; the all-gather gathers each rank's slice."""
+    of an initialised world, as ZeRO 1-2 run them here: on gloo point to point
+    (``ZeroDataParallel``'s ``scatter="auto"``: each row sent to its owner, the rows received
+    added to this rank's own; each rank's slice sent to every peer, received in place),
+    elsewhere the collectives."""
     import torch
     import torch.distributed as dist
 
     from lightning_3d.compat import all_gather_single, reduce_scatter_single
+    from lightning_3d.parallel.zero import exchange
 
-    n = dist.get_world_size()
+    n, rank = dist.get_world_size(), dist.get_rank()
     full = torch.ones(elements // n * n)
+    rows = full.view(n, -1)
     part = torch.empty(elements // n)
     gloo = dist.get_backend() == "gloo"
-    slices = torch.empty_like(full)
 
     def scatter() -> None:
         dist.barrier()
         if gloo:
-            dist.all_to_all_single(slices, full)
-            torch.sum(slices.view(n, -1), dim=0, out=part)
+            others = [peer for peer in range(n) if peer != rank]
+            received = torch.empty(n - 1, part.numel())
+            exchange(None, lambda peer: rows[peer], lambda p: received[others.index(p)]).wait()
+            rows[rank].add_(received[0] if n == 2 else received.sum(dim=0))
         else:
             reduce_scatter_single(part, full)
 
     def gather() -> None:
         dist.barrier()
-        all_gather_single(full, part)
+        if gloo:
+            exchange(None, lambda peer: rows[rank], lambda peer: rows[peer]).wait()
+        else:
+            all_gather_single(full, part)
 
     barrier = median_time(dist.barrier, repeats=repeats)
     return (

@@ -25,8 +25,9 @@ tp-replicated parameters, so each slice can say which it is.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ class _Bucket:
     ready: int = 0  # parameters whose gradient this backward has produced
     work: Optional[dist.Work] = None
     reduced: Optional[Tensor] = None  # reduce-scatter output, waiting for ``work``
-    received: Optional[Tensor] = None  # gloo: every rank's part of this rank's slice, to be summed
+    received: Optional[Tensor] = None  # gloo: the other ranks' parts of this rank's slice
     # Stages 0-1: for each plain (non-DTensor) parameter, its gradient's place in ``grad``, made
     # once: no slice or view per parameter and step.
     views: list[Optional[Tensor]] = field(default_factory=list)
@@ -83,7 +84,7 @@ class OwnedSlice:
     device: torch.device
 
 
-SCATTER_MODES = ("auto", "reduce_scatter", "all_to_all")
+SCATTER_MODES = ("auto", "reduce_scatter", "point_to_point")
 
 
 class ZeroDataParallel:
@@ -116,11 +117,12 @@ class ZeroDataParallel:
         optimizer's element size).
 
         ``scatter`` is how stages 1–2 reduce-scatter gradients and all-gather the stepped
-        slices: ``"reduce_scatter"`` (the two collectives, what NCCL runs), ``"all_to_all"`` (an
-        all-to-all of the N slices and a local sum; the all-gather as point-to-point exchanges
-        of each rank's slice, received in place) or ``"auto"``: the latter on gloo, where they
-        are faster, the collectives elsewhere. ``"reduce_scatter"`` on gloo runs the NCCL path on
-        CPUs, e.g. in tests.
+        slices: ``"reduce_scatter"`` (the two collectives, what NCCL runs), ``"point_to_point"``
+        (each rank sends row ``j`` of a bucket to rank ``j`` and adds the rows it receives to its
+        own; the stepped slices go to every peer and land in place: the same bytes as the
+        collectives' ring algorithms) or ``"auto"``: point to point on gloo, where it is faster,
+        the collectives elsewhere. ``"reduce_scatter"`` on gloo runs the NCCL path on CPUs, e.g.
+        in tests.
         """
         if scatter not in SCATTER_MODES:
             raise ValueError(f"scatter must be one of {list(SCATTER_MODES)}, got {scatter!r}")
@@ -142,14 +144,13 @@ class ZeroDataParallel:
         self.size = dp_mesh.size()
         self.rank = dp_mesh.get_local_rank()
         # gloo's reduce-scatter takes ~1.7x its all-reduce of the same buffer (measured: 25-31 vs
-        # 16-17 ms for 13 MB at N=2); an all-to-all of the N slices plus a local sum sends the same
-        # (N-1)/N bytes per rank as a ring reduce-scatter, in about the all-reduce's time.
-        # gloo's all-gather gathers into a flat buffer of its own and copies out of it: 8.4 ms
-        # for 13 MB at N=2, 19 ms where fresh memory is mapped per call (MALLOC_MMAP_THRESHOLD_),
-        # against 4.3 / 5.5 ms for the same bytes sent and received in place, point to point.
+        # 16-17 ms for 13 MB at N=2); sending each row to its owner sends the same (N-1)/N bytes
+        # per rank as a ring reduce-scatter. gloo's all-gather gathers into a flat buffer of its
+        # own and copies out of it: 8.4 ms for 13 MB at N=2, 19 ms where fresh memory is mapped
+        # per call (MALLOC_MMAP_THRESHOLD_), against 4.3 / 5.5 ms point to point, in place.
         gloo = dist.get_backend(self.group) == "gloo"
-        self._scatter_by_all_to_all = self.size > 1 and (
-            scatter == "all_to_all" or (scatter == "auto" and gloo)
+        self._point_to_point = self.size > 1 and (
+            scatter == "point_to_point" or (scatter == "auto" and gloo)
         )
         self.buckets: list[_Bucket] = []
         self.original_groups: list[list[nn.Parameter]] = []  # each param group as the user built it
@@ -343,10 +344,15 @@ class ZeroDataParallel:
         if self.stage == 0:
             bucket.work = dist.all_reduce(full, group=self.group, async_op=True)
         else:
-            if self._scatter_by_all_to_all:
-                bucket.received = torch.empty_like(full)
-                bucket.work = dist.all_to_all_single(
-                    bucket.received, full, group=self.group, async_op=True
+            if self._point_to_point:  # row j to rank j; the others' rows of mine in
+                numel = bucket.shard_numel
+                others = [p for p in range(self.size) if p != self.rank]
+                bucket.received = torch.empty(
+                    len(others) * numel, dtype=full.dtype, device=full.device
+                )
+                bucket.work = self._exchange(
+                    lambda peer: full[peer * numel : (peer + 1) * numel],
+                    lambda peer: bucket.received.view(-1, numel)[others.index(peer)],
                 )
             else:
                 bucket.reduced = torch.empty(
@@ -374,16 +380,17 @@ class ZeroDataParallel:
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.work = None
-            if bucket.received is not None:  # rank r's part of my slice is row r: sum the rows
-                rows = bucket.received.view(self.size, bucket.shard_numel)
+            if bucket.received is not None:  # the other ranks' parts of my slice: add them
+                rows = bucket.received.view(self.size - 1, bucket.shard_numel)
+                others = rows[0] if self.size == 2 else rows.sum(dim=0)
+                own = self._own(self._target(bucket), bucket)  # my own part, still in place
                 # Straight into this rank's slice of the buffer (stage 1), or into the first
                 # reduction of a step's gradient shard (stage 2): no new tensor, no copy.
-                if self.stage == 1:
-                    torch.sum(rows, dim=0, out=self._own(bucket.grad, bucket))
-                elif bucket.shard_fresh:
-                    torch.sum(rows, dim=0, out=bucket.shard_grad)
+                if self.stage == 2 and bucket.shard_fresh:
+                    torch.add(own, others, out=bucket.shard_grad)
                 else:
-                    bucket.reduced = rows.sum(dim=0)
+                    own.add_(others)
+                    bucket.reduced = own if self.stage == 2 else None
                 bucket.received = None
             if self.stage == 1 and bucket.reduced is not None:
                 self._own(bucket.grad, bucket).copy_(bucket.reduced)
@@ -451,24 +458,24 @@ class ZeroDataParallel:
 
     def _gather_slices(self) -> list:
         """Start the all-gather of every bucket's stepped slices into its flat buffer (in place):
-        the collective, or on gloo (:attr:`_scatter_by_all_to_all`) each rank's slice sent to
+        the collective, or on gloo (``_point_to_point``) each rank's slice sent to
         every peer and theirs received straight into their places, the same bytes a ring
         all-gather sends, all in one batch (every rank posts them in the same order)."""
-        if not self._scatter_by_all_to_all:
+        if not self._point_to_point:
             return [
                 all_gather_single(b.flat, self._own(b.flat, b), group=self.group, async_op=True)
                 for b in self.buckets
             ]
-        ops = []
-        for bucket in self.buckets:
-            own, numel = self._own(bucket.flat, bucket), bucket.shard_numel
-            for peer in range(self.size):
-                if peer != self.rank:
-                    where = dist.get_global_rank(self.group, peer)
-                    theirs = bucket.flat[peer * numel : (peer + 1) * numel]
-                    ops.append(dist.P2POp(dist.isend, own, where, self.group))
-                    ops.append(dist.P2POp(dist.irecv, theirs, where, self.group))
-        return dist.batch_isend_irecv(ops) if ops else []
+        return [
+            self._exchange(
+                lambda peer, b=b: self._own(b.flat, b),
+                lambda peer, b=b: b.flat[peer * b.shard_numel : (peer + 1) * b.shard_numel],
+            )
+            for b in self.buckets
+        ]
+
+    def _exchange(self, send: Callable[[int], Tensor], receive: Callable[[int], Tensor]) -> Any:
+        return exchange(self.group, send, receive)
 
     # ---------------------------------------------------------------- checkpoints
     def owned_slices(self) -> list[OwnedSlice]:
@@ -524,6 +531,34 @@ class ZeroDataParallel:
                     self._own(full, bucket).clone(), bucket.params[0]
                 )
             optimizer.state[bucket.slice] = slice_state
+
+
+def exchange(
+    group: Any, send: Callable[[int], Tensor], receive: Callable[[int], Tensor]
+) -> _Exchange:
+    """Point-to-point over ``group``, with every other rank ``peer`` (group ranks): ``send(peer)``
+    to it and its message into ``receive(peer)``, started together (every rank posts them in
+    the same order, so each send meets its receive); the returned handle's ``wait()`` ends them.
+    ZeRO 1-2's reduce-scatter and all-gather on gloo (and the calibration that times them)."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    ops = []
+    for peer in range(size):
+        if peer != rank:
+            where = dist.get_global_rank(group, peer) if group is not None else peer
+            ops.append(dist.P2POp(dist.isend, send(peer), where, group))
+            ops.append(dist.P2POp(dist.irecv, receive(peer), where, group))
+    return _Exchange(dist.batch_isend_irecv(ops))
+
+
+@dataclass(frozen=True)
+class _Exchange:
+    """The works of one batch of point-to-point operations, waited for together."""
+
+    works: list
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 def _kind(p: Tensor) -> tuple:

@@ -14,22 +14,22 @@ CHATML = (
 )
 
 
-def _words(i: int, n: int) -> str:
+def words(i: int, n: int) -> str:
     return " ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(n))
 
 
 def conversation(i: int) -> dict:
     """Conversation ``i``: one or two exchanges, with a system prompt every other one."""
     messages = [
-        {"role": "user", "content": _words(i, 2 + i % 3)},
-        {"role": "assistant", "content": _words(i + 1, 1 + i % 4)},
+        {"role": "user", "content": words(i, 2 + i % 3)},
+        {"role": "assistant", "content": words(i + 1, 1 + i % 4)},
     ]
     if i % 2:
         messages = [
-            {"role": "system", "content": _words(i + 2, 2)},
+            {"role": "system", "content": words(i + 2, 2)},
             *messages,
-            {"role": "user", "content": _words(i + 3, 2)},
-            {"role": "assistant", "content": _words(i + 4, 3)},
+            {"role": "user", "content": words(i + 3, 2)},
+            {"role": "assistant", "content": words(i + 4, 3)},
         ]
     return {"messages": messages}
 
