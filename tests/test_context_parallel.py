@@ -3,9 +3,10 @@ gives the losses and weights of one process (gloo worlds), for both schemes and 
 
 import pytest
 
-from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
+from lightning_3d.harness.parity import assert_same_run
 from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks
 from lightning_3d.harness.world import run_world
+from support.context_worlds import assert_matches_one_process
 
 STEPS = 4
 CLIP = {"gradient_clip_val": 0.05}  # always hit: a norm over one rank's tokens would show
@@ -46,11 +47,8 @@ def test_context_parallel_gpt_matches_one_process(reference, scheme, world, opti
     strategy = {"context": context, "context_scheme": scheme, **options}
     run = Run(strategy=strategy, devices=world, steps=STEPS, trainer=CLIP)
     ranks = run_world(fit_gpt_ranks, world, run)
-    assert_same_run(ranks[0], reference)
-    assert rank_state_mismatches(ranks, reference) == []
-    if "data" not in options:  # what self.log sees on every rank: the whole sequence's loss
-        for rank in ranks:
-            assert rank["local_losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    # self.log sees the whole sequence's loss on every rank (a data rank: its own rows')
+    assert_matches_one_process(ranks, reference, logged="data" not in options)
     summary = ranks[0]["summary"]  # FLOPs of a token at the whole sequence's length
     assert summary["flops_per_token"] == pytest.approx(reference["summary"]["flops_per_token"])
 
@@ -80,8 +78,7 @@ def test_hugging_face_decoders_through_the_attention_interface(arch, scheme, wor
     strategy = {"context": world // others, "context_scheme": scheme, **options}
     run = Run(arch=arch, strategy=strategy, devices=world, steps=STEPS, trainer=CLIP)
     ranks = run_world(fit_gpt_ranks, world, run)
-    assert_same_run(ranks[0], reference)
-    assert rank_state_mismatches(ranks, reference) == []
+    assert_matches_one_process(ranks, reference, logged=False)
 
 
 @pytest.mark.parametrize("checkpoint_format", ["consolidated", "sharded"])
@@ -159,10 +156,7 @@ def test_sequence_parallel_tensor_beside_context(arch, scheme, options):
     strategy = {"context": 2, "context_scheme": scheme, "tensor": 2, "sequence_parallel": True}
     run = Run(arch=arch, strategy={**strategy, **options}, devices=4, steps=STEPS, trainer=CLIP)
     ranks = run_world(fit_gpt_ranks, 4, run)
-    assert_same_run(ranks[0], reference)
-    assert rank_state_mismatches(ranks, reference) == []
-    for rank in ranks:  # what self.log sees on every rank: the whole sequence's loss
-        assert rank["local_losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert_matches_one_process(ranks, reference)
 
 
 @pytest.mark.parametrize(
@@ -183,8 +177,7 @@ def test_compiled_blocks_beside_context(reference, scheme, backend, capfd):
     ranks = run_world(
         fit_gpt_ranks, 2, Run(strategy=compiled, devices=2, steps=STEPS, trainer=CLIP)
     )
-    assert_same_run(ranks[0], reference)
-    assert rank_state_mismatches(ranks, reference) == []
+    assert_matches_one_process(ranks, reference, logged=False)
     eager = run_world(
         fit_gpt_ranks, 2, Run(strategy=strategy, devices=2, steps=STEPS, trainer=CLIP)
     )

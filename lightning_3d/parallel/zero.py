@@ -350,7 +350,8 @@ class ZeroDataParallel:
                 bucket.received = torch.empty(
                     len(others) * numel, dtype=full.dtype, device=full.device
                 )
-                bucket.work = self._exchange(
+                bucket.work = exchange(
+                    self.group,
                     lambda peer: full[peer * numel : (peer + 1) * numel],
                     lambda peer: bucket.received.view(-1, numel)[others.index(peer)],
                 )
@@ -467,15 +468,13 @@ class ZeroDataParallel:
                 for b in self.buckets
             ]
         return [
-            self._exchange(
+            exchange(
+                self.group,
                 lambda peer, b=b: self._own(b.flat, b),
                 lambda peer, b=b: b.flat[peer * b.shard_numel : (peer + 1) * b.shard_numel],
             )
             for b in self.buckets
         ]
-
-    def _exchange(self, send: Callable[[int], Tensor], receive: Callable[[int], Tensor]) -> Any:
-        return exchange(self.group, send, receive)
 
     # ---------------------------------------------------------------- checkpoints
     def owned_slices(self) -> list[OwnedSlice]:

@@ -97,3 +97,17 @@ def kernel_elements_sent(rank: int, scheme: str, shape: tuple, kv_heads: int) ->
     finally:
         dist.P2POp, dist.all_to_all_single = p2p, all_to_all
     return sent[0]
+
+
+def assert_matches_one_process(ranks: list, reference: dict, logged: bool = True) -> None:
+    """Context-parallel ranks against one process: rank 0's losses, every rank's every weight
+    tensor, and (``logged``) the loss each rank's ``self.log`` saw, the whole sequence's."""
+    import pytest
+
+    from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
+
+    assert_same_run(ranks[0], reference)
+    assert rank_state_mismatches(ranks, reference) == []
+    if logged:
+        for rank in ranks:
+            assert rank["local_losses"] == pytest.approx(reference["losses"], rel=1e-5)

@@ -33,7 +33,6 @@ from torch import Tensor
 
 from lightning_3d.parallel.context.chunks import shard_sequence
 
-IGNORE_INDEX = -100  # Hugging Face's (and F.cross_entropy's) "no target here"
 DICT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 
@@ -64,14 +63,13 @@ def shard_dict_batch(batch: Mapping[str, Tensor], rank: int, size: int) -> dict[
             f"context parallelism splits dict batches of {list(DICT_KEYS)} (input_ids needed), "
             f"got keys {sorted(batch)}"
         )
-    ids = batch["input_ids"]
-    labels, mask = batch.get("labels", ids), batch.get("attention_mask")
+    from lightning_3d.models.hf import shifted_targets
+
+    ids, mask = batch["input_ids"], batch.get("attention_mask")
     positions = batch.get("position_ids")
     if mask is not None:
         check_right_padding(mask)
-        labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
-    ignored = torch.full_like(labels[:, :1], IGNORE_INDEX)
-    whole = {"input_ids": ids, "targets": torch.cat([labels[:, 1:], ignored], dim=1)}
+    whole = {"input_ids": ids, "targets": shifted_targets(batch.get("labels", ids), mask)}
     if positions is not None:
         whole["position_ids"] = positions.expand_as(ids)
     out = {key: shard_sequence(value, rank, size) for key, value in whole.items()}
