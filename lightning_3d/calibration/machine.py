@@ -373,7 +373,7 @@ def scatter_gather_seconds(elements: int, repeats: int = 7) -> tuple[float, floa
     import torch.distributed as dist
 
     from lightning_3d.compat import all_gather_single, reduce_scatter_single
-    from lightning_3d.parallel.zero import exchange
+    from lightning_3d.parallel.point_to_point import exchange
 
     n, rank = dist.get_world_size(), dist.get_rank()
     full = torch.ones(elements // n * n)

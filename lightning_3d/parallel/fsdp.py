@@ -11,6 +11,9 @@ backward starts right after its forward — FSDP2's own default for a root — a
 whose backward follows its forward with only the head in between. Freeing and regathering them
 costs an all-gather each per step; keeping them costs one block's full parameters while the
 head and the loss run (the step's peak if that is where the logits peak), nothing after.
+
+On gloo every unit gathers and reduce-scatters point to point (``point_to_point.py``) through
+FSDP2's custom-communication hooks, as ZeRO 1-2 do: the same bytes, without gloo's copies.
 """
 
 from __future__ import annotations
@@ -38,16 +41,30 @@ def find_blocks(module: nn.Module) -> list[nn.Module]:
 
 
 def apply_zero3(
-    module: nn.Module, dp_mesh: DeviceMesh, roots: Optional[list[nn.Module]] = None, **fsdp_kwargs
+    module: nn.Module,
+    dp_mesh: DeviceMesh,
+    roots: Optional[list[nn.Module]] = None,
+    scatter: str = "auto",
+    **fsdp_kwargs,
 ) -> list[nn.Module]:
     """Shard ``module`` with FSDP2, one unit per block plus outer units for the rest.
 
     ``module`` is typically a ``LightningModule``: its own ``forward`` may never run (Lightning
     calls ``training_step``), so the outer units are its direct children, whose forwards do run
-    — or, under a pipeline, ``roots``: the stage modules the schedule calls. Returns the modules
-    that became FSDP units.
+    — or, under a pipeline, ``roots``: the stage modules the schedule calls. ``scatter``: how
+    the units gather and reduce-scatter (:func:`~lightning_3d.parallel.point_to_point.
+    use_point_to_point`; ``"auto"``: point to point on gloo). Returns the modules that became
+    FSDP units.
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from lightning_3d.parallel.point_to_point import (
+        GatherInPlace,
+        ScatterToOwners,
+        use_point_to_point,
+    )
+
+    point_to_point = use_point_to_point(dp_mesh.get_group(), scatter)
 
     # Under a pipeline every stage runs several micro-batch forwards before their backwards:
     # there every unit reshards after each forward.
@@ -67,6 +84,10 @@ def apply_zero3(
                 child, mesh=dp_mesh, reshard_after_forward=None if keep else True, **fsdp_kwargs
             )
             units.append(child)
+    if point_to_point:
+        for unit in units:
+            unit.set_custom_all_gather(GatherInPlace())
+            unit.set_custom_reduce_scatter(ScatterToOwners())
     return units
 
 

@@ -25,9 +25,8 @@ tp-replicated parameters, so each slice can say which it is.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +35,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_3d.compat import all_gather_single, reduce_scatter_single
 from lightning_3d.options import ZeroOptions
+from lightning_3d.parallel.point_to_point import SCATTER_MODES, exchange, use_point_to_point
 from lightning_3d.parallel.tensor import local_tensor as _local
 
 if TYPE_CHECKING:
@@ -82,9 +82,6 @@ class OwnedSlice:
     ranges: list[tuple[int, int, int]]
     numel: int  # elements in the slice (padded bucket size / data-parallel size)
     device: torch.device
-
-
-SCATTER_MODES = ("auto", "reduce_scatter", "point_to_point")
 
 
 class ZeroDataParallel:
@@ -143,15 +140,7 @@ class ZeroDataParallel:
         self.group = dp_mesh.get_group()
         self.size = dp_mesh.size()
         self.rank = dp_mesh.get_local_rank()
-        # gloo's reduce-scatter takes ~1.7x its all-reduce of the same buffer (measured: 25-31 vs
-        # 16-17 ms for 13 MB at N=2); sending each row to its owner sends the same (N-1)/N bytes
-        # per rank as a ring reduce-scatter. gloo's all-gather gathers into a flat buffer of its
-        # own and copies out of it: 8.4 ms for 13 MB at N=2, 19 ms where fresh memory is mapped
-        # per call (MALLOC_MMAP_THRESHOLD_), against 4.3 / 5.5 ms point to point, in place.
-        gloo = dist.get_backend(self.group) == "gloo"
-        self._point_to_point = self.size > 1 and (
-            scatter == "point_to_point" or (scatter == "auto" and gloo)
-        )
+        self._point_to_point = use_point_to_point(self.group, scatter)  # see point_to_point.py
         self.buckets: list[_Bucket] = []
         self.original_groups: list[list[nn.Parameter]] = []  # each param group as the user built it
         self._hooks: list = []
@@ -530,34 +519,6 @@ class ZeroDataParallel:
                     self._own(full, bucket).clone(), bucket.params[0]
                 )
             optimizer.state[bucket.slice] = slice_state
-
-
-def exchange(
-    group: Any, send: Callable[[int], Tensor], receive: Callable[[int], Tensor]
-) -> _Exchange:
-    """Point-to-point over ``group``, with every other rank ``peer`` (group ranks): ``send(peer)``
-    to it and its message into ``receive(peer)``, started together (every rank posts them in
-    the same order, so each send meets its receive); the returned handle's ``wait()`` ends them.
-    ZeRO 1-2's reduce-scatter and all-gather on gloo (and the calibration that times them)."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    ops = []
-    for peer in range(size):
-        if peer != rank:
-            where = dist.get_global_rank(group, peer) if group is not None else peer
-            ops.append(dist.P2POp(dist.isend, send(peer), where, group))
-            ops.append(dist.P2POp(dist.irecv, receive(peer), where, group))
-    return _Exchange(dist.batch_isend_irecv(ops))
-
-
-@dataclass(frozen=True)
-class _Exchange:
-    """The works of one batch of point-to-point operations, waited for together."""
-
-    works: list
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
 
 
 def _kind(p: Tensor) -> tuple:

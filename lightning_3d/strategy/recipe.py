@@ -42,6 +42,7 @@ from lightning_3d.offload import OffloadedAdam
 from lightning_3d.options import Plan
 from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_3d.parallel.compile import compile_blocks
+from lightning_3d.parallel.foreach import step_shards_together
 from lightning_3d.parallel.fsdp import apply_zero3, fsdp_policies
 from lightning_3d.parallel.materialize import has_meta, materialize
 from lightning_3d.parallel.model_check import pipeline_spec
@@ -300,10 +301,11 @@ def attach_optimizers(
     parallelized: Parallelized, optimizers: list[Optimizer], plan: Plan
 ) -> list[Optimizer]:
     """Step 7 of the recipe, once the optimizers exist: ZeRO 0-2 engines rewrite them to step
-    their own slices (ZeRO-3's FSDP2 shards need none), then an offload device wraps the sharded
-    optimizers in :class:`~lightning_3d.offload.OffloadedAdam` (only this rank's shard of the
-    state moves). Returns the optimizers Lightning should step (the wrappers share the param
-    groups, so LR schedulers built on the user's optimizers keep steering them)."""
+    their own slices (ZeRO-3's FSDP2 shards need none: they step with ``foreach``), then an
+    offload device wraps the sharded optimizers in :class:`~lightning_3d.offload.OffloadedAdam`
+    (only this rank's shard of the state moves). Returns the optimizers Lightning should step
+    (the wrappers share the param groups, so LR schedulers built on the user's optimizers keep
+    steering them)."""
     parallelized.clear_engines()
     if plan.layout.zero_stage < 3:
         mesh = shard_mesh(parallelized.mesh, tensor=True)
@@ -315,6 +317,9 @@ def attach_optimizers(
             engine.attach(optimizer, tied=tied)
             parallelized.bind(optimizer, engine)
     if plan.offload.device == "none":
+        if plan.layout.zero_stage == 3:
+            for optimizer in optimizers:
+                step_shards_together(optimizer)
         return list(optimizers)
     wrapped = []
     for optimizer in optimizers:
