@@ -127,6 +127,18 @@ def ddp():
     return _counts(None)
 
 
+@pytest.fixture(scope="module")
+def zero_counts():
+    cache = {}
+
+    def get(stage):
+        if stage not in cache:
+            cache[stage] = _counts({"zero_stage": stage})
+        return cache[stage]
+
+    return get
+
+
 # Aten ops per step a stage may add to DDP's: stages 0-2 none (their buckets are DDP's, their
 # bookkeeping fewer ops than DDP's reducer, and ZeRO-1/2's optimizer steps one slice per bucket);
 # ZeRO-3 FSDP2's own copy-in / copy-out and record_function markers around each unit's gathers
@@ -135,7 +147,7 @@ OP_MARGIN = {0: 0, 1: 0, 2: 0, 3: 110}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_zero_step_adds_at_most_one_read_and_one_agreement_to_ddp(ddp, stage):
+def test_a_zero_step_adds_at_most_one_read_and_one_agreement_to_ddp(ddp, zero_counts, stage):
     """Per step (2 ranks, clipping at 1.0): at most one host read and one collective beyond the
     gradients' and those the loop asks for (a logged reduction), as DDP, whose one of each is
     Lightning's SIGTERM broadcast; and no more ops than DDP's step (plus FSDP2's own at stage
@@ -144,9 +156,25 @@ def test_a_zero_step_adds_at_most_one_read_and_one_agreement_to_ddp(ddp, stage):
     two reads, Lightning's per-batch SIGTERM broadcast run beside the agreement, the clipping
     norm summed in a collective of its own, a barrier before every reduction, a copy, slice
     and view per gradient into the ZeRO buckets."""
-    zero = _counts({"zero_stage": stage})
+    zero = zero_counts(stage)
     counts = {k: v for k, v in zero.items() if k not in ("ops", "where")}
     assert zero.get("read", 0) <= min(1, ddp["read"]), (counts, zero["where"])
     assert zero.get("other collective", 0) <= min(1, ddp["other collective"]), zero["where"]
     assert zero.get("requested collective", 0) <= ddp["requested collective"], zero["where"]
     assert zero["op"] <= ddp["op"] + OP_MARGIN[stage], (zero["op"], ddp["op"])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_sharded_optimizer_steps_take_the_multi_tensor_path(ddp, zero_counts, stage):
+    """ZeRO 1-2's bucket slices and ZeRO-3's shards are ``DTensor`` s, which torch's AdamW steps
+    one by one through ``DTensor``'s Python dispatch unless told ``foreach``: the strategy tells
+    it (``parallel/foreach.py``), and the step's Adam update is one ``_foreach_lerp_``. ZeRO-0 and
+    DDP step plain tensors, where it gains nothing, as torch chooses. Seen failing with the
+    switch left to ZeRO-3 only."""
+    multi = "aten._foreach_lerp_.Scalar"
+    assert multi not in ddp["ops"]
+    ops = zero_counts(stage)["ops"]
+    if stage == 0:
+        assert multi not in ops
+    else:
+        assert ops.get(multi, 0) >= 1, sorted(op for op in ops if "lerp" in op)

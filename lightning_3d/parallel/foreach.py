@@ -1,10 +1,13 @@
-"""ZeRO-3's optimizer step over all its shards at once (``foreach``), checkpoints unchanged.
+"""ZeRO's optimizer step over all its ``DTensor`` shards at once (``foreach``), checkpoints
+unchanged.
 
 torch's optimizers choose their multi-tensor (``foreach``) path by themselves only for plain
-tensors on an accelerator; for ZeRO-3's ``DTensor`` shards (and on a CPU) they step parameter
-by parameter, and each elementwise op of each parameter then goes through ``DTensor``'s Python
-dispatch. On the bench's GPT (54 shards) that loop took 24-27 ms of a step against FSDP1's
-13-14 ms for its few flat parameters; ``foreach`` dispatches once per op for the whole group.
+tensors on an accelerator; for ``DTensor`` s (ZeRO 1-2's bucket slices, ZeRO-3's shards) and on
+a CPU they step parameter by parameter, and each elementwise op of each parameter then goes
+through ``DTensor``'s Python dispatch. On the bench's GPT (2 gloo ranks) ZeRO-3's loop over 54
+shards took 24-27 ms of a step against FSDP1's 13-14 ms for its few flat parameters, and
+ZeRO-1's over its bucket slices ~6 ms more than with ``foreach``, which dispatches once per op
+for the whole group. (Plain CPU tensors gain nothing: ZeRO-0 measured the same either way.)
 
 Only groups whose parameters are all ``DTensor`` s on one mesh are switched (``foreach`` cannot
 mix them with plain tensors), and only where the user left ``foreach`` unset (``None``). The

@@ -301,7 +301,7 @@ def attach_optimizers(
     parallelized: Parallelized, optimizers: list[Optimizer], plan: Plan
 ) -> list[Optimizer]:
     """Step 7 of the recipe, once the optimizers exist: ZeRO 0-2 engines rewrite them to step
-    their own slices (ZeRO-3's FSDP2 shards need none: they step with ``foreach``), then an
+    their own slices (ZeRO-3's FSDP2 shards need none; both step with ``foreach``), then an
     offload device wraps the sharded optimizers in :class:`~lightning_3d.offload.OffloadedAdam`
     (only this rank's shard of the state moves). Returns the optimizers Lightning should step
     (the wrappers share the param groups, so LR schedulers built on the user's optimizers keep
@@ -317,9 +317,8 @@ def attach_optimizers(
             engine.attach(optimizer, tied=tied)
             parallelized.bind(optimizer, engine)
     if plan.offload.device == "none":
-        if plan.layout.zero_stage == 3:
-            for optimizer in optimizers:
-                step_shards_together(optimizer)
+        for optimizer in optimizers:  # ZeRO 1-2's slices and ZeRO-3's shards are DTensors
+            step_shards_together(optimizer)
         return list(optimizers)
     wrapped = []
     for optimizer in optimizers:
