@@ -11,7 +11,9 @@ Found by this test: ZeRO-3 trained each rank's shard of its own initialisation (
 against 5.552), and under tensor=2 the weights no plan entry splits (norms, position
 embedding) started apart, which the replica guard stopped as a gradient mismatch. Broken
 variants caught (seen failing): the bucket broadcast in ``parallel/zero.py`` deleted (ZeRO 0-2
-fail), ``broadcast_start`` not called (ZeRO-3 and tp2 fail).
+fail), ``broadcast_start`` not called (ZeRO-3 and tp2 fail). Context ranks (cp2) hold the
+same weights and get rank 0's through the ZeRO engines over data × context (seen failing with
+the engines over the data axis alone).
 
 Pipeline stages are left out on purpose: each stage's layers exist on one rank only, built
 under that rank's seed, so a rank-seeded pipeline is a different (valid) model; seed every rank
@@ -32,6 +34,8 @@ LAYOUTS = {
     "dp2_zero2": {"zero_stage": 2},
     "dp2_zero3": {"zero_stage": 3},
     "tp2": {"tensor": 2},
+    "cp2_zero1": {"context": 2, "zero_stage": 1},  # context ranks hold the same weights
+    "cp2_zero3": {"context": 2, "zero_stage": 3},
 }
 
 
