@@ -373,7 +373,7 @@ def scatter_gather_seconds(elements: int, repeats: int = 7) -> tuple[float, floa
     import torch.distributed as dist
 
     from lightning_3d.compat import all_gather_single, reduce_scatter_single
-    from lightning_3d.parallel.point_to_point import exchange
+    from lightning_3d.parallel.point_to_point import add_rows, gather_rows, scatter_rows
 
     n, rank = dist.get_world_size(), dist.get_rank()
     full = torch.ones(elements // n * n)
@@ -384,17 +384,16 @@ def scatter_gather_seconds(elements: int, repeats: int = 7) -> tuple[float, floa
     def scatter() -> None:
         dist.barrier()
         if gloo:
-            others = [peer for peer in range(n) if peer != rank]
-            received = torch.empty(n - 1, part.numel())
-            exchange(None, lambda peer: rows[peer], lambda p: received[others.index(p)]).wait()
-            rows[rank].add_(received[0] if n == 2 else received.sum(dim=0))
+            handle, received = scatter_rows(None, rows)
+            handle.wait()
+            add_rows(rows[rank], received)
         else:
             reduce_scatter_single(part, full)
 
     def gather() -> None:
         dist.barrier()
         if gloo:
-            exchange(None, lambda peer: rows[rank], lambda peer: rows[peer]).wait()
+            gather_rows(None, rows).wait()
         else:
             all_gather_single(full, part)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,34 +63,62 @@ class _Exchange:
             work.wait()
 
 
-class GatherInPlace:
+def scatter_rows(group: Any, rows: Tensor) -> tuple[_Exchange, Tensor]:
+    """Start sending row ``j`` of ``rows`` (one row per group rank) to rank ``j``. Returns the
+    handle and the buffer the other ranks' rows for this rank land in (one row per peer, in
+    rank order); :func:`add_rows` sums them with this rank's own row once the handle is waited."""
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    received = rows.new_empty((size - 1, rows.shape[1]))
+    handle = exchange(
+        group,
+        lambda peer: rows[peer],
+        lambda peer: received[peer if peer < rank else peer - 1],
+    )
+    return handle, received
+
+
+def gather_rows(group: Any, rows: Tensor) -> _Exchange:
+    """Start sending this rank's row of ``rows`` to every peer, theirs received in place."""
+    rank = dist.get_rank(group)
+    return exchange(group, lambda peer: rows[rank], lambda peer: rows[peer])
+
+
+def add_rows(own: Tensor, received: Tensor, out: Optional[Tensor] = None) -> Tensor:
+    """``own`` plus every row of ``received`` (:func:`scatter_rows`), into ``out`` (default:
+    ``own``, in place); one pass where there is one peer."""
+    out = own if out is None else out
+    torch.add(own, received[0], out=out)
+    for row in received[1:]:
+        out.add_(row)
+    return out
+
+
+class _PlainBuffers:
+    """FSDP2's buffers for a custom exchange: plain tensors (no backend-allocated memory)."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class GatherInPlace(_PlainBuffers):
     """FSDP2's all-gather as an exchange (``FSDPModule.set_custom_all_gather``).
 
     FSDP2 copies each rank's shards into that rank's row of the output and passes the row as the
     input: the row goes to every peer, and the peers' rows land in their places. The exchange
     has finished when the call returns (FSDP2 waits only for a ``Work`` it is given)."""
 
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def __call__(
         self, output_tensor: Tensor, input_tensor: Tensor, group: Any, async_op: bool = False
     ) -> None:
-        numel = input_tensor.numel()
-        rows = output_tensor.view(-1, numel)
-        exchange(group, lambda peer: input_tensor, lambda peer: rows[peer]).wait()
+        gather_rows(group, output_tensor.view(-1, input_tensor.numel())).wait()
 
 
-class ScatterToOwners:
+class ScatterToOwners(_PlainBuffers):
     """FSDP2's reduce-scatter as an exchange (``FSDPModule.set_custom_reduce_scatter``).
 
-    Row ``j`` of the input goes to rank ``j``; the rows received are added to this rank's own
-    (in group-rank order, the same sum on every rank). Sums and averages (gloo's reduce-scatter
-    has no average either: FSDP2 divides by itself then); any other operation goes to the
-    collective."""
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
+    Row ``j`` of the input goes to rank ``j``; the rows received are added to this rank's own.
+    Sums, and averages (FSDP2 asks for one in fp32 and bf16: the sum divided on the 1/N this
+    rank holds); any other operation goes to the collective."""
 
     def __call__(
         self,
@@ -104,18 +132,10 @@ class ScatterToOwners:
         if not (average or op == dist.ReduceOp.SUM):
             reduce_scatter_single(output_tensor, input_tensor, group=group, op=op)
             return
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        size = dist.get_world_size(group)
         rows = input_tensor.view(size, -1)
-        received = torch.empty_like(rows[: size - 1])
-        others = [peer for peer in range(size) if peer != rank]
-        exchange(group, lambda peer: rows[peer], lambda peer: received[others.index(peer)]).wait()
-        _sum_rows(output_tensor, rows[rank], received)
+        handle, received = scatter_rows(group, rows)
+        handle.wait()
+        add_rows(rows[dist.get_rank(group)], received, out=output_tensor)
         if average:
             output_tensor.div_(size)
-
-
-def _sum_rows(out: Tensor, own: Tensor, received: Tensor) -> None:
-    """``out = own + the received rows``, in one pass where there is one peer."""
-    torch.add(own, received[0], out=out)
-    for row in received[1:]:
-        out.add_(row)

@@ -35,7 +35,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_3d.compat import all_gather_single, reduce_scatter_single
 from lightning_3d.options import ZeroOptions
-from lightning_3d.parallel.point_to_point import SCATTER_MODES, exchange, use_point_to_point
+from lightning_3d.parallel.point_to_point import (
+    SCATTER_MODES,
+    add_rows,
+    gather_rows,
+    scatter_rows,
+    use_point_to_point,
+)
 from lightning_3d.parallel.tensor import local_tensor as _local
 
 if TYPE_CHECKING:
@@ -334,16 +340,7 @@ class ZeroDataParallel:
             bucket.work = dist.all_reduce(full, group=self.group, async_op=True)
         else:
             if self._point_to_point:  # row j to rank j; the others' rows of mine in
-                numel = bucket.shard_numel
-                others = [p for p in range(self.size) if p != self.rank]
-                bucket.received = torch.empty(
-                    len(others) * numel, dtype=full.dtype, device=full.device
-                )
-                bucket.work = exchange(
-                    self.group,
-                    lambda peer: full[peer * numel : (peer + 1) * numel],
-                    lambda peer: bucket.received.view(-1, numel)[others.index(peer)],
-                )
+                bucket.work, bucket.received = scatter_rows(self.group, full.view(self.size, -1))
             else:
                 bucket.reduced = torch.empty(
                     bucket.shard_numel, dtype=full.dtype, device=full.device
@@ -371,15 +368,13 @@ class ZeroDataParallel:
             bucket.work.wait()
             bucket.work = None
             if bucket.received is not None:  # the other ranks' parts of my slice: add them
-                rows = bucket.received.view(self.size - 1, bucket.shard_numel)
-                others = rows[0] if self.size == 2 else rows.sum(dim=0)
                 own = self._own(self._target(bucket), bucket)  # my own part, still in place
                 # Straight into this rank's slice of the buffer (stage 1), or into the first
                 # reduction of a step's gradient shard (stage 2): no new tensor, no copy.
                 if self.stage == 2 and bucket.shard_fresh:
-                    torch.add(own, others, out=bucket.shard_grad)
+                    add_rows(own, bucket.received, out=bucket.shard_grad)
                 else:
-                    own.add_(others)
+                    add_rows(own, bucket.received)
                     bucket.reduced = own if self.stage == 2 else None
                 bucket.received = None
             if self.stage == 1 and bucket.reduced is not None:
@@ -456,14 +451,7 @@ class ZeroDataParallel:
                 all_gather_single(b.flat, self._own(b.flat, b), group=self.group, async_op=True)
                 for b in self.buckets
             ]
-        return [
-            exchange(
-                self.group,
-                lambda peer, b=b: self._own(b.flat, b),
-                lambda peer, b=b: b.flat[peer * b.shard_numel : (peer + 1) * b.shard_numel],
-            )
-            for b in self.buckets
-        ]
+        return [gather_rows(self.group, b.flat.view(self.size, -1)) for b in self.buckets]
 
     # ---------------------------------------------------------------- checkpoints
     def owned_slices(self) -> list[OwnedSlice]:
