@@ -124,8 +124,8 @@ def test_parity_check_detects_a_one_percent_learning_rate_change(runs):
 
 def _engine_slices(rank: int) -> dict:
     """Stage-1 and stage-2 gradient slices with the reduce-scatter collective (NCCL's path, forced
-    on gloo), with the all-to-all that replaces it on gloo, and the slices of the mean of every
-    rank's full gradients."""
+    on gloo), with the point-to-point exchange that replaces it on gloo, and the slices of the
+    mean of every rank's full gradients."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -168,7 +168,7 @@ def _engine_slices(rank: int) -> dict:
 
 
 def test_both_reduce_scatter_paths_give_each_rank_the_mean_of_its_slice():
-    """On gloo the engine reduce-scatters by all-to-all + local sum (faster there); NCCL runs the
+    """On gloo the engine reduce-scatters point to point + local sum (faster there); NCCL runs the
     reduce-scatter collective, forced here with ``scatter="reduce_scatter"``. Both ways give every
     rank the mean gradient of its own slice, padding included, at an odd world size, at stages 1
     and 2. Catches a reduce-scatter path that sums without the 1/N, or keeps another rank's slice."""
