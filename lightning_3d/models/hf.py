@@ -343,10 +343,12 @@ class HFCausalLM(pl.LightningModule):
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
 
-    def _loss(self, batch: Any) -> tuple[torch.Tensor, int]:
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss and its count of trained tokens, both on the device (an ``int`` would wait
+        for the device at every step)."""
         ids, mask, targets = self.split_batch(batch)
         logits = self(ids, mask, self.positions_of(batch), self.documents_of(batch))
-        return self.loss_fn(logits, targets), int((targets != IGNORE_INDEX).sum())
+        return self.loss_fn(logits, targets), (targets != IGNORE_INDEX).sum()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss, _ = self._loss(batch)
@@ -355,7 +357,7 @@ class HFCausalLM(pl.LightningModule):
 
     def _evaluate(self, batch: Any, metric: torchmetrics.MeanMetric, name: str) -> None:
         loss, tokens = self._loss(batch)
-        metric.update(loss, weight=max(tokens, 1))
+        metric.update(loss, weight=tokens.clamp(min=1))
         self.log(name, metric, on_step=False, on_epoch=True, prog_bar=True)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:

@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_3d.compat import all_gather_single
 from lightning_3d.parallel.tensor import local_tensor, plain_parts
 
 RTOL = 1e-5  # replicas computed alike are equal bit for bit; a plan mistake moves them by O(1)
@@ -96,52 +97,78 @@ class ReplicaCheck:
     """Compares replicas over groups: ``[(what, process group, [(name, tensor), ...])]`` (each
     rank of a group lists the same names in the same order; ``what`` says which replicas they
     are: ``"tensor ranks"``, ``"pipeline stages holding the tie"``). ``advice(names)`` is the
-    sentence that tells the user what to change for the parameters ``names``."""
+    sentence that tells the user what to change for the parameters ``names``. ``device``: where
+    the fingerprints travel (the rank's device: an NCCL group takes no host tensor)."""
 
-    def __init__(self, advice: Callable[[list[str]], str] = lambda names: "") -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        advice: Callable[[list[str]], str] = lambda names: "",
+    ) -> None:
+        self.device = device
         self.advice = advice
 
     def compare(
         self, kind: str, groups: Iterable[tuple[str, Any, list[tuple[str, Tensor]]]]
     ) -> None:
         """Raise :class:`ReplicaMismatch` on every rank if any replicas' ``kind`` (``"gradient"``,
-        ``"value"``) differ. A collective over the world: every rank calls it."""
-        apart: dict[tuple[str, tuple[int, ...]], list[str]] = {}  # (what, ranks) -> parameter names
+        ``"value"``) differ. A collective over the world: every rank calls it. The verdicts stay
+        on the device until one host read of the agreed flag; the names are read only when it
+        says some replicas disagree."""
+        verdicts = []  # (what, ranks, names, per-name "apart" flags on the device)
         for what, group, named in groups:
             if not named or group is None or dist.get_world_size(group) < 2:
                 continue
-            mine = torch.stack(
-                [
-                    fingerprint(_whole_local(t))
-                    if t is not None
-                    else torch.zeros(3, dtype=torch.float64)
-                    for _, t in named
-                ]
-            )
-            device = mine.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-            parts = [
-                torch.empty_like(mine, device=device) for _ in range(dist.get_world_size(group))
-            ]
-            dist.all_gather(parts, mine.to(device), group=group)
-            ranks = tuple(dist.get_process_group_ranks(group))
-            for index, (name, _) in enumerate(named):
-                rows = [p[index] for p in parts]
-                scale = max(float(r.abs().max()) for r in rows) + 1e-30
-                if any(float((r - rows[0]).abs().max()) > RTOL * scale for r in rows[1:]):
-                    apart.setdefault((what, ranks), []).append(name)
-        flag = torch.tensor([float(bool(apart))])
-        dist.all_reduce(flag)  # every rank stops, not only the groups that saw it
-        if apart:
-            raise ReplicaMismatch(
-                " ".join(
-                    self._sentence(kind, what, ranks, names)
-                    for (what, ranks), names in apart.items()
+            verdicts.append(
+                (
+                    what,
+                    tuple(dist.get_process_group_ranks(group)),
+                    [name for name, _ in named],
+                    self._apart(group, [t for _, t in named]),
                 )
             )
-        if flag.item():
+        if dist.get_world_size() == 1:
+            return  # no replicas anywhere: nothing to agree on
+        apart = [flags for *_, flags in verdicts]
+        here = torch.cat(apart).any() if apart else torch.zeros((), device=self.device)
+        flag = here.to(torch.float32).reshape(1)
+        dist.all_reduce(flag)  # every rank stops, not only the groups that saw it
+        if not flag.item():  # the check's one host read
+            return
+        named_apart = {
+            (what, ranks): [n for n, bad in zip(names, flags.tolist()) if bad]
+            for what, ranks, names, flags in verdicts
+        }
+        named_apart = {key: names for key, names in named_apart.items() if names}
+        if not named_apart:
             raise ReplicaMismatch(
                 "replicas disagree on another rank (its error names them); stopping with it"
             )
+        raise ReplicaMismatch(
+            " ".join(
+                self._sentence(kind, what, ranks, names)
+                for (what, ranks), names in named_apart.items()
+            )
+        )
+
+    def _apart(self, group: Any, tensors: list[Optional[Tensor]]) -> Tensor:
+        """Per tensor, on the device: whether its fingerprints differ across ``group``'s ranks
+        (``None``, no gradient: fingerprinted as zeros)."""
+        mine = torch.stack(
+            [
+                fingerprint(_whole_local(t)).to(self.device)
+                if t is not None
+                else torch.zeros(3, dtype=torch.float64, device=self.device)
+                for t in tensors
+            ]
+        )
+        size = dist.get_world_size(group)
+        parts = torch.empty((size * len(tensors), 3), dtype=mine.dtype, device=self.device)
+        all_gather_single(parts, mine, group=group)
+        parts = parts.view(size, len(tensors), 3)  # (ranks, names, fingerprint)
+        scale = parts.abs().amax(dim=(0, 2)) + 1e-30  # (names,)
+        spread = (parts - parts[0]).abs().amax(dim=(0, 2))
+        return spread > RTOL * scale
 
     def _sentence(self, kind: str, what: str, ranks: tuple[int, ...], names: list[str]) -> str:
         listed = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")

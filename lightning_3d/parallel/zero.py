@@ -477,7 +477,8 @@ class ZeroDataParallel:
                         entry[key] = value
                     continue
                 full = torch.empty_like(bucket.flat, dtype=_local(value).dtype)
-                all_gather_single(full, _local(value), group=self.group)
+                # Offloaded state lives on the host; an NCCL group gathers device tensors only.
+                all_gather_single(full, _local(value).to(full.device), group=self.group)
                 for entry, p, offset in zip(per_param, bucket.params, bucket.offsets):
                     entry[key] = _like(p, full[offset : offset + _local(p).numel()])
             for p, entry in zip(bucket.params, per_param):

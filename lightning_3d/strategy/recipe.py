@@ -166,12 +166,13 @@ class Parallelized:
         copies = sum(
             p.numel() for p, _, first in self.tied_copies() if not first
         )  # counted on another stage
-        count = torch.tensor(
-            sum(p.numel() for p in self.module.parameters()) - copies, dtype=torch.int64
-        )
-        if self.pp_group is not None:
-            dist.all_reduce(count, group=self.pp_group)
-        return int(count)
+        count = sum(p.numel() for p in self.module.parameters()) - copies
+        if self.pp_group is None:
+            return count
+        # On the mesh's device: an NCCL group takes no host tensor.
+        total = torch.tensor(count, dtype=torch.int64, device=torch.device(self.mesh.device_type))
+        dist.all_reduce(total, group=self.pp_group)
+        return int(total)
 
 
 def parallelize(

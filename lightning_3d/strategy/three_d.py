@@ -21,7 +21,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -48,6 +48,14 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_3d.parallel.pipeline_runtime import PipelineRuntime
+
+
+def computes_on_host(device_type: str, offload_device: str) -> bool:
+    """Whether a rank's heavy work runs on its host's cores, which the ranks of a node share:
+    on a CPU all of it; on an accelerator, the optimizer step of offloaded state (the CPU Adam
+    over every parameter's moments, each step). Such ranks get ``cores / local ranks`` threads
+    each, unless ``OMP_NUM_THREADS`` is set."""
+    return device_type == "cpu" or offload_device != "none"
 
 
 class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
@@ -207,7 +215,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.root_device.type == "cpu":
+        if computes_on_host(self.root_device.type, self.plan.offload.device):
             # Ranks on one host share its cores; unless OMP_NUM_THREADS says otherwise, give each
             # rank its share instead of letting every rank start one thread per core.
             _set_num_threads_if_needed(num_processes=self.num_processes)
@@ -222,6 +230,11 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
             self.root_device
         )
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        # ProcessGroupNCCL reads its error handling from the environment when it is built.
+        from lightning_3d.runtime.nccl_env import nccl_fail_fast  # not on `import lightning_3d`
+
+        for warning in nccl_fail_fast(backend, self.plan.dist.timeout_s):
+            rank_zero_warn(warning)
         _init_dist_connection(
             self.cluster_environment, backend, timeout=self.plan.dist.timeout, device_id=device_id
         )
@@ -439,7 +452,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
 
     def _compare_gradients(self, optimizer: Optimizer) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        ReplicaCheck(plan_hint(self.parallelized.tp_plan)).compare(
+        ReplicaCheck(self.root_device, plan_hint(self.parallelized.tp_plan)).compare(
             "gradient", self.parallelized.replica_gradients(params)
         )
 
@@ -452,7 +465,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         if not values_only:
             for optimizer in self.optimizers:
                 self._compare_gradients(optimizer)
-        ReplicaCheck(plan_hint(self.parallelized.tp_plan)).compare(
+        ReplicaCheck(self.root_device, plan_hint(self.parallelized.tp_plan)).compare(
             "value", self.parallelized.replica_values()
         )
 

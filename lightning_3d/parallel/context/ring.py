@@ -18,8 +18,9 @@ log-sum-exp per query (``T/cp`` scores per head), not the ``T × T`` score matri
 
 Packed rows (several documents per row) pass ``documents``, each token's document id over the
 whole sequence (every rank has it): a query then sees a key only where the causal mask allows
-and both are of the same document; a pair of chunks with no such key is skipped (a host read
-of the pair's mask). A query with no key in a block gets nothing from it (the merge keeps
+and both are of the same document; a pair of chunks with no such key is computed all the same
+(skipping it would read the pair's mask on the host, a device sync on a GPU). A query with no
+key in a block gets nothing from it (the merge keeps
 ``-inf`` out of its exponents); every query sees itself, so none is left with no key at all.
 
 (``torch.distributed.tensor.experimental.context_parallel`` does this on CUDA devices with NCCL
@@ -82,13 +83,14 @@ def _apart(documents: Optional[Tensor], a: int, b: int, chunk: int) -> Optional[
 def _blocks(
     rank: int, source: int, size: int, documents: Optional[Tensor], chunk: int
 ) -> list[tuple[int, int, bool, Optional[Tensor]]]:
-    """:func:`_pairs` with each pair's document mask, less the pairs it masks whole."""
+    """:func:`_pairs` with each pair's document mask. A pair the mask hides whole is computed
+    too (its queries gain nothing: their rows stay -inf): skipping it would mean reading the
+    mask on the host, on a GPU a wait for the device at every pair of every layer."""
     a, b = chunk_ids(rank, size), chunk_ids(source, size)
-    blocks = [
+    return [
         (i, j, causal, _apart(documents, a[i], b[j], chunk))
         for i, j, causal in _pairs(rank, source, size)
     ]
-    return [block for block in blocks if block[3] is None or not bool(block[3].all())]
 
 
 def _pairs(rank: int, source: int, size: int) -> list[tuple[int, int, bool]]:

@@ -59,16 +59,22 @@ def _to_heads(x: Tensor, size: int, group: Any) -> Tensor:
     x = _AllToAll.apply(x, group)  # slice j: rank j's tokens of this rank's heads
     x = x.permute(1, 2, 0, 3, 4).reshape(B, H // size, 2 * size, T_local // 2, D)
     order = natural_order(size)  # chunk k of the rank-order concatenation is chunk order[k]
-    return x[:, :, [order.index(c) for c in range(2 * size)]].flatten(2, 3)  # (B, H/cp, T, D)
+    return _chunks_in(x, [order.index(c) for c in range(2 * size)]).flatten(2, 3)  # (B, H/cp, T, D)
 
 
 def _to_tokens(x: Tensor, size: int, group: Any) -> Tensor:
     """The inverse of :func:`_to_heads`: (B, H/cp, T, D) -> (B, H, T/cp, D)."""
     B, h, T, D = x.shape
-    x = x.reshape(B, h, 2 * size, T // (2 * size), D)[:, :, natural_order(size)]  # rank order
+    x = _chunks_in(x.reshape(B, h, 2 * size, T // (2 * size), D), natural_order(size))
     x = x.reshape(B, h, size, T // size, D).permute(2, 0, 1, 3, 4)  # (cp, B, H/cp, T/cp, D)
     x = _AllToAll.apply(x, group)  # slice j: head group j of this rank's tokens
     return x.transpose(0, 1).reshape(B, h * size, T // size, D)
+
+
+def _chunks_in(x: Tensor, order: list[int]) -> Tensor:
+    """``x``'s chunks (dim 2) in ``order``, by slicing: indexing with a list would copy the
+    list to the device as an index tensor, a wait for the device on a GPU at every call."""
+    return torch.stack([x[:, :, i] for i in order], dim=2)
 
 
 def kv_repeat(heads: int, kv_heads: int, size: int) -> int:

@@ -1,0 +1,53 @@
+"""Reference runs under the device guard (run_world imports these by name)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_3d.harness.runs import Run, fit_gpt
+
+
+def guarded_fit(rank: int, run: Run, then: tuple = ()) -> dict[str, Any]:
+    """``fit_gpt`` of ``run`` (then of each run of ``then``, e.g. a resume from its
+    checkpoint) under :class:`~support.device_guard.DeviceGuard`; the result gains
+    ``violations`` (strings, every site once) and ``collectives`` (the c10d ops
+    it checked, by name)."""
+    from support.device_guard import DeviceGuard
+
+    with DeviceGuard() as guard:
+        result = fit_gpt(rank, run)
+        for later in then:
+            result = fit_gpt(rank, later)
+    result["violations"] = [str(v) for v in guard.violations]
+    result["collectives"] = dict(guard.collectives)
+    return result
+
+
+def counted_fit(rank: int, run: Run) -> dict[str, Any]:
+    """``fit_gpt`` of ``run`` under the guard, counting host reads of device values from the
+    second step on (the first one sets up) to the end of training; the result gains ``reads`` (by call site),
+    ``violations`` and ``collectives``."""
+    from lightning_3d.observe.summary import RunSummary
+    from support.device_guard import DeviceGuard
+
+    guard = DeviceGuard()
+    start = RunSummary.on_train_batch_start
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        guard.counting = batch_idx >= 1
+        return start(self, trainer, pl_module, batch, batch_idx)
+
+    end = RunSummary.on_train_end
+
+    def on_train_end(self, trainer, pl_module):
+        guard.counting = False  # the summary's end-of-run reads are not a step's
+        return end(self, trainer, pl_module)
+
+    RunSummary.on_train_batch_start = on_train_batch_start  # this process is the test's own
+    RunSummary.on_train_end = on_train_end
+    with guard:
+        result = fit_gpt(rank, run)
+    result["reads"] = dict(guard.reads)
+    result["violations"] = [str(v) for v in guard.violations]
+    result["collectives"] = dict(guard.collectives)
+    return result

@@ -1,0 +1,156 @@
+"""Every layout's collectives take only tensors a GPU would hold on its device.
+
+An NCCL group has no host backend: a tensor made on the host that reaches one of its
+collectives crashes the run ("No backend type associated with device type cpu"), and so does an
+op that mixes a host tensor with device ones. gloo forgives both, so CPU CI would not see them;
+under ``support.device_guard.DeviceGuard`` (tensors marked by where they were made) each short
+run below lists every such site. Together the runs reach every collective site of the strategy:
+the step agreement with clipping, the replica check (tensor ranks and tied pipeline copies), the
+ZeRO 0-3 engines, the offloaded optimizer and its consolidated and sharded saves and resumes,
+the pipeline's schedules in fit, validate, test and predict and its parameter count, tensor
+parallelism with sequence parallelism, ring and all-to-all context parallelism on packed chat
+rows, and LoRA / QLoRA adapters. Seen failing on the code before the fix, at the replica check's
+verdict flag, the pipeline's parameter count and the offloaded state's gather at a save."""
+
+from pathlib import Path
+
+import pytest
+
+from lightning_3d.harness.runs import Run
+from lightning_3d.harness.world import run_world
+from support.guarded_runs import guarded_fit
+
+STEPS = 2
+CLIP = {"gradient_clip_val": 0.5}
+
+
+def _guarded(world, run, *then):
+    results = run_world(guarded_fit, world, run, then)
+    for rank, result in enumerate(results):
+        assert not result["violations"], f"rank {rank}:\n" + "\n".join(result["violations"])
+    return results
+
+
+def _save_and_resume(tmp_path: Path, strategy: dict, **common):
+    """``STEPS`` steps saved, then resumed in the same world for ``STEPS`` more."""
+    first = Run(
+        strategy=strategy,
+        devices=2,
+        steps=STEPS,
+        save_to=str(tmp_path / "run.ckpt"),
+        save_every_n_steps=STEPS,
+        **common,
+    )
+    resumed = Run(
+        strategy=strategy,
+        devices=2,
+        steps=2 * STEPS,
+        resume_from=str(tmp_path / f"run-step={STEPS}.ckpt"),
+        **common,
+    )
+    return first, resumed
+
+
+def test_one_device_with_clipping_and_the_replica_check():
+    _guarded(1, Run(strategy={}, steps=STEPS, trainer=CLIP))
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        {"zero_stage": 2, "offload": "cpu"},
+        {"zero_stage": 3, "offload": "cpu", "offload_params": True, "checkpoint_format": "sharded"},
+    ],
+    ids=["zero2-offload-consolidated", "zero3-offload-params-sharded"],
+)
+def test_data_parallel_offload_saves_and_resumes(tmp_path, strategy):
+    _guarded(2, *_save_and_resume(tmp_path, strategy, trainer=CLIP))
+
+
+def test_pipeline_fits_validates_tests_and_predicts():
+    _guarded(2, Run(strategy={"pipeline": 2}, devices=2, steps=STEPS, validate=True, trainer=CLIP))
+
+
+def test_tensor_parallel_with_sequence_parallelism():
+    strategy = {"tensor": 2, "sequence_parallel": True}
+    _guarded(2, Run(strategy=strategy, devices=2, steps=STEPS, trainer=CLIP))
+
+
+@pytest.fixture(scope="module")
+def chat_files(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from support.chat_files import write_chat_files
+
+    return write_chat_files(tmp_path_factory.mktemp("chat"))
+
+
+@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
+def test_context_parallel_on_packed_chat_rows(chat_files, scheme):
+    chat = {**chat_files, "block_size": 48, "batch_size": 4, "packing": True, "val_fraction": 0.2}
+    run = Run(
+        strategy={"context": 2, "context_scheme": scheme},
+        devices=2,
+        steps=STEPS,
+        arch="hf_llama",
+        data={"chat": chat},
+        trainer=CLIP,
+    )
+    _guarded(2, run)
+
+
+@pytest.mark.parametrize(
+    "adapter, strategy",
+    [
+        ({"method": "lora", "r": 4, "lora_alpha": 8}, {"zero_stage": 3}),
+        ({"method": "qlora", "r": 4, "lora_alpha": 8}, {"zero_stage": 1, "nonfinite": "skip"}),
+    ],
+    ids=["lora-zero3", "qlora-zero1"],
+)
+def test_adapters(adapter, strategy):
+    pytest.importorskip("peft")
+    if adapter["method"] == "qlora":
+        pytest.importorskip("torchao")
+    from support.qlora import WIDE
+
+    model = {"adapter": adapter, "lr": 1e-2, "hf": WIDE}
+    run = Run(strategy=strategy, devices=2, steps=STEPS, arch="hf_llama", model=model, trainer=CLIP)
+    _guarded(2, run)
+
+
+READ_STEPS = 4
+
+
+@pytest.mark.parametrize(
+    "world, strategy, chat",
+    [
+        (1, {}, False),
+        (2, {"context": 2}, True),
+        (2, {"context": 2, "context_scheme": "alltoall"}, True),
+    ],
+    ids=["hf-one-device", "cp2-ring-packed", "cp2-alltoall-packed"],
+)
+def test_one_host_read_per_step_the_agreement(chat_files, world, strategy, chat):
+    """From the second step to the end of training, lightning_3d code reads one device value a
+    step: the step agreement's verdict (a GPU waits for its queue at every read). Catches: the
+    token count of the Hugging Face loss read with ``int`` every step, the ring attention
+    reading each chunk pair's document mask to skip it (ten a step here, growing with layers
+    and context ranks), a second read in the agreement."""
+    from support.guarded_runs import counted_fit
+
+    data = {}
+    if chat:
+        data = {"chat": {**chat_files, "block_size": 48, "batch_size": 4, "packing": True}}
+        data["chat"]["val_fraction"] = 0.2
+    run = Run(
+        strategy=strategy,
+        devices=world,
+        steps=READ_STEPS,
+        arch="hf_llama",
+        data=data or None,
+        trainer=CLIP,
+    )
+    for result in run_world(counted_fit, world, run):
+        ours = {site: n for site, n in result["reads"].items() if site.startswith("lightning_3d/")}
+        assert sum(ours.values()) == READ_STEPS - 1, ours
+        assert all("agreement.py" in site for site in ours), ours
+        assert not result["violations"], result["violations"]
