@@ -4,8 +4,10 @@ The optimizer cuts its state into *segments*, one per chunk of a parameter; a se
 chunk's fp32 fields back to back (``exp_avg | exp_avg_sq [| master]``), so one chunk is one
 contiguous read and one contiguous write. A store keeps the segments and hands them out:
 
-* :class:`CpuChunkStore` — one flat fp32 tensor in CPU RAM (pinned when CUDA is present, so
-  host-device copies of master weights are fast); :meth:`stream` yields views, nothing moves.
+* :class:`CpuChunkStore` — fp32 blocks of at most 256 MiB in CPU RAM (pinned when CUDA is
+  present, so host-device copies of master weights are fast, and in blocks so that the pinned
+  allocator's power-of-two rounding costs at most one block); :meth:`stream` yields views,
+  nothing moves.
 * :class:`FileChunkStore` — one file in a private directory (see ``paths.py``); :meth:`stream`
   reads chunks ``i + 1 .. i + window - 1`` on a reader thread while the caller computes on
   chunk ``i`` and a writer thread writes chunk ``i - 1`` back, through ``window`` preallocated
@@ -47,6 +49,10 @@ ALIGN_ELEMENTS = 16
 DIRECT_IO_ALIGNMENT = 4096
 # How the OS or a file system says "no O_DIRECT here" (tmpfs before Linux 6.6: EINVAL at open).
 _REFUSED_ERRNOS = (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+# The CPU store's blocks: a power of two, so CUDA's pinned allocator rounds none of the full ones
+# up; 256 MiB keeps the packing's slack (under one 16 MiB segment) small and the count of
+# blocks (and host allocations) at 4 a GiB of state.
+PINNED_BLOCK_BYTES = 256 * 2**20
 
 _log = logging.getLogger(__name__)
 
@@ -171,24 +177,36 @@ class ChunkStore:
 
 
 class CpuChunkStore(ChunkStore):
-    """All segments in one CPU tensor (pinned if CUDA is available)."""
+    """Segments in CPU tensors of at most ``block_bytes`` each (pinned if CUDA is available).
+
+    Why blocks: CUDA's caching host allocator rounds every pinned allocation up to a power of
+    two, so the whole state as one tensor would pin up to twice its size (80 GB of state asks
+    for 128 GiB). Segments are packed in order into blocks of ``block_bytes`` (a power of two),
+    so full blocks pin exactly their size and only the last one is rounded up:
+    :attr:`pinned_bytes` is what the allocator holds, :func:`pinned_bytes` what the planner
+    counts."""
 
     keeps_segments = True
 
-    def __init__(self, segment_numels: Sequence[int]) -> None:
+    def __init__(
+        self, segment_numels: Sequence[int], block_bytes: int = PINNED_BLOCK_BYTES
+    ) -> None:
         super().__init__(segment_numels)
+        pinned = _pinned()
+        self._where, sizes = _pack(self.segment_numels, block_bytes // ELEMENT_BYTES)
         # Not zero-filled (12 bytes a parameter, seconds at billions): the optimizer writes every
         # field of a parameter at its first step or load, and reads none before.
-        self._data: Optional[Tensor] = torch.empty(
-            self.total_numel, dtype=torch.float32, pin_memory=_pinned()
-        )
+        self._blocks: Optional[list[Tensor]] = [
+            torch.empty(n, dtype=torch.float32, pin_memory=pinned) for n in sizes
+        ]
+        self.pinned_bytes = sum(_power_of_two(n * ELEMENT_BYTES) for n in sizes) if pinned else 0
         self.resident_state_bytes_peak = self.nbytes
 
     def _segment(self, index: int) -> Tensor:
-        if self._data is None:
+        if self._blocks is None:
             raise ValueError("the chunk store is closed")
-        start = self.offsets[index]
-        return self._data[start : start + self.segment_numels[index]]
+        block, start = self._where[index]
+        return self._blocks[block][start : start + self.segment_numels[index]]
 
     def stream(self, indices: Iterable[int]) -> Iterator[tuple[int, Tensor]]:
         for index in indices:
@@ -202,7 +220,32 @@ class CpuChunkStore(ChunkStore):
         self._segment(index).copy_(data)
 
     def close(self) -> None:
-        self._data = None
+        self._blocks = None
+
+
+def _pack(numels: Sequence[int], capacity: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """Segments of ``numels`` in order into blocks of at most ``capacity`` elements (a larger
+    segment gets a block of its own): each segment's ``(block, start)``, and each block's size."""
+    where: list[tuple[int, int]] = []
+    sizes: list[int] = []
+    for n in numels:
+        if not sizes or sizes[-1] + n > capacity:
+            sizes.append(0)
+        where.append((len(sizes) - 1, sizes[-1]))
+        sizes[-1] += n
+    return where, sizes
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def pinned_bytes(state_bytes: float, block_bytes: int = PINNED_BLOCK_BYTES) -> float:
+    """Pinned host bytes of a CPU store holding ``state_bytes``: whole blocks, then the rest
+    rounded up to a power of two, as CUDA's host allocator pins it (the packing's slack, under
+    one segment a block, not counted)."""
+    full, rest = divmod(int(state_bytes), block_bytes)
+    return float(full * block_bytes + (_power_of_two(rest) if rest else 0))
 
 
 def _bytes_of(t: Tensor) -> memoryview:

@@ -40,6 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_3d.offload.optimizer import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW
+from lightning_3d.offload.storage import pinned_bytes
 from lightning_3d.parallel.stages import stage_blocks, stage_ids
 from lightning_3d.planner.choice import Choice, PlannerOptions
 from lightning_3d.planner.facts import ModelFacts, Part, offloaded_state_bytes
@@ -162,8 +163,8 @@ def model_state(
         state = (shard if z >= 1 else n) * offloaded_state_bytes(p_b, choice.offload_params)
         if choice.offload_device == "nvme":
             disk, host = state, float(NVME_RESIDENT_BYTES)
-        else:
-            host = state
+        else:  # pinned on an accelerator, in blocks whose last one the allocator rounds up
+            host = pinned_bytes(state)
     if choice.offload_params:  # ZeRO-3 only (the plan check refuses it otherwise)
         host += params + grads
         params = grads = 0.0
