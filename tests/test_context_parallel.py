@@ -78,7 +78,10 @@ def test_hugging_face_decoders_through_the_attention_interface(arch, scheme, wor
     strategy = {"context": world // others, "context_scheme": scheme, **options}
     run = Run(arch=arch, strategy=strategy, devices=world, steps=STEPS, trainer=CLIP)
     ranks = run_world(fit_gpt_ranks, world, run)
-    assert_matches_one_process(ranks, reference, logged=False)
+    # A pipeline adds micro-batches' gradients in another order than one process: on some CPUs'
+    # kernels the head's largest difference reaches 1.1e-5 (relative error of the tensor 8e-6).
+    atol = 2e-5 if "pipeline" in options else 1e-5
+    assert_matches_one_process(ranks, reference, logged=False, atol=atol)
 
 
 @pytest.mark.parametrize("checkpoint_format", ["consolidated", "sharded"])

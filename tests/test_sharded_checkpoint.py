@@ -108,9 +108,11 @@ def _assert_equals_reference(path: Path, reference_path: Path) -> None:
         ckpt["optimizer_states"][0]["param_groups"]
         == reference["optimizer_states"][0]["param_groups"]
     )
+    # rtol 3e-5: a small tensor (a bias whose largest difference is 3e-7) reaches a relative
+    # error of 1.6e-5 on some CPUs' kernels after two steps under tensor parallelism.
     assert (
         weight_mismatches(
-            checkpoint_tensors(ckpt), checkpoint_tensors(reference), rtol=1e-5, atol=3e-5
+            checkpoint_tensors(ckpt), checkpoint_tensors(reference), rtol=3e-5, atol=3e-5
         )
         == []
     )

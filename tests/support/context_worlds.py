@@ -99,15 +99,18 @@ def kernel_elements_sent(rank: int, scheme: str, shape: tuple, kv_heads: int) ->
     return sent[0]
 
 
-def assert_matches_one_process(ranks: list, reference: dict, logged: bool = True) -> None:
+def assert_matches_one_process(
+    ranks: list, reference: dict, logged: bool = True, atol: float = 1e-5
+) -> None:
     """Context-parallel ranks against one process: rank 0's losses, every rank's every weight
-    tensor, and (``logged``) the loss each rank's ``self.log`` saw, the whole sequence's."""
+    tensor (each within a relative error of 1e-5 and a largest difference of ``atol``), and
+    (``logged``) the loss each rank's ``self.log`` saw, the whole sequence's."""
     import pytest
 
     from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
 
-    assert_same_run(ranks[0], reference)
-    assert rank_state_mismatches(ranks, reference) == []
+    assert_same_run(ranks[0], reference, atol=atol)
+    assert rank_state_mismatches(ranks, reference, atol=atol) == []
     if logged:
         for rank in ranks:
             assert rank["local_losses"] == pytest.approx(reference["losses"], rel=1e-5)
