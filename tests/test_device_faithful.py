@@ -9,7 +9,7 @@ the step agreement with clipping, the replica check (tensor ranks and tied pipel
 ZeRO 0-3 engines, the offloaded optimizer and its consolidated and sharded saves and resumes,
 the pipeline's schedules in fit, validate, test and predict and its parameter count, tensor
 parallelism with sequence parallelism, ring and all-to-all context parallelism on packed chat
-rows, and LoRA / QLoRA adapters. Seen failing on the code before the fix, at the replica check's
+rows, LoRA / QLoRA adapters, and a preemption's agreed stop and checkpoint. Seen failing on the code before the fix, at the replica check's
 verdict flag, the pipeline's parameter count and the offloaded state's gather at a save."""
 
 from pathlib import Path
@@ -154,3 +154,11 @@ def test_one_host_read_per_step_the_agreement(chat_files, world, strategy, chat)
         assert sum(ours.values()) == READ_STEPS - 1, ours
         assert all("agreement.py" in site for site in ours), ours
         assert not result["violations"], result["violations"]
+
+
+def test_preemption_stops_every_rank_with_a_checkpoint(tmp_path):
+    from support.guarded_runs import guarded_preemption
+
+    for rank, result in enumerate(run_world(guarded_preemption, 2, str(tmp_path))):
+        assert "preempted.ckpt" in result.get("preempted", ""), result
+        assert not result["violations"], f"rank {rank}:\n" + "\n".join(result["violations"])

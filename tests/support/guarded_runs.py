@@ -51,3 +51,17 @@ def counted_fit(rank: int, run: Run) -> dict[str, Any]:
     result["violations"] = [str(v) for v in guard.violations]
     result["collectives"] = dict(guard.collectives)
     return result
+
+
+def guarded_preemption(rank: int, root: str) -> dict[str, Any]:
+    """SIGTERM to rank 1 during step 2 of a dp2 ZeRO-2 run (``support.faults``) under the guard:
+    the signal's agreement, the stop on every rank and the preemption checkpoint."""
+    import signal
+
+    from support.device_guard import DeviceGuard
+    from support.faults import fit_until_killed
+
+    with DeviceGuard() as guard:
+        result = fit_until_killed(rank, root, 4, 2, 1, 30.0, False, signal.SIGTERM)
+    result["violations"] = [str(v) for v in guard.violations]
+    return result
