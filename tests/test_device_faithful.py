@@ -5,12 +5,13 @@ collectives crashes the run ("No backend type associated with device type cpu"),
 op that mixes a host tensor with device ones. gloo forgives both, so CPU CI would not see them;
 under ``support.device_guard.DeviceGuard`` (tensors marked by where they were made) each short
 run below lists every such site. Together the runs reach every collective site of the strategy:
-the step agreement with clipping, the replica check (tensor ranks and tied pipeline copies), the
-ZeRO 0-3 engines, the offloaded optimizer and its consolidated and sharded saves and resumes,
-the pipeline's schedules in fit, validate, test and predict and its parameter count, tensor
-parallelism with sequence parallelism, ring and all-to-all context parallelism on packed chat
-rows, LoRA / QLoRA adapters, and a preemption's agreed stop and checkpoint. Seen failing on the code before the fix, at the replica check's
-verdict flag, the pipeline's parameter count and the offloaded state's gather at a save."""
+the step agreement with clipping, the replica check, the ZeRO 0-3 engines, the offloaded
+optimizer and its consolidated and sharded saves and resumes, the pipeline's schedules in fit,
+validate, test and predict and its parameter count, tensor parallelism with sequence
+parallelism, ring and all-to-all context parallelism on packed chat rows, LoRA / QLoRA adapters,
+and a preemption's agreed stop and checkpoint. Seen failing on the code before the fix, at the
+replica check's verdict flag, the pipeline's parameter count and the offloaded state's gather at
+a save."""
 
 from pathlib import Path
 
