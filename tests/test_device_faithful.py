@@ -68,6 +68,19 @@ def test_data_parallel_offload_saves_and_resumes(tmp_path, strategy):
     _guarded(2, *_save_and_resume(tmp_path, strategy, trainer=CLIP))
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_data_parallel_buckets(stage):
+    _guarded(2, Run(strategy={"zero_stage": stage}, devices=2, steps=STEPS, trainer=CLIP))
+
+
+def test_tied_weights_over_pipeline_stages():
+    """Qwen2's tied embedding and head: a copy on each stage, gradients summed between them
+    inside ZeRO-2's buckets, the copies' replica check."""
+    pytest.importorskip("transformers")
+    strategy = {"pipeline": 2, "zero_stage": 2}
+    _guarded(2, Run(strategy=strategy, devices=2, steps=STEPS, arch="hf_qwen2", trainer=CLIP))
+
+
 def test_pipeline_fits_validates_tests_and_predicts():
     _guarded(2, Run(strategy={"pipeline": 2}, devices=2, steps=STEPS, validate=True, trainer=CLIP))
 
@@ -163,3 +176,14 @@ def test_preemption_stops_every_rank_with_a_checkpoint(tmp_path):
     for rank, result in enumerate(run_world(guarded_preemption, 2, str(tmp_path))):
         assert "preempted.ckpt" in result.get("preempted", ""), result
         assert not result["violations"], f"rank {rank}:\n" + "\n".join(result["violations"])
+
+
+def test_replica_check_on_the_device_with_a_missing_gradient():
+    """A replicated parameter with no gradient is fingerprinted on the device (a host
+    ``torch.zeros(3)`` stacked with device fingerprints would fail on a GPU), and replicas that
+    differ stop every rank, naming the parameter."""
+    from support.guarded_runs import guarded_replica_check
+
+    for result in run_world(guarded_replica_check, 2):
+        assert not result["violations"], result["violations"]
+        assert len(result["raised"]) == 1 and "value of a differs" in result["raised"][0]

@@ -65,3 +65,33 @@ def guarded_preemption(rank: int, root: str) -> dict[str, Any]:
         result = fit_until_killed(rank, root, 4, 2, 1, 30.0, False, signal.SIGTERM)
     result["violations"] = [str(v) for v in guard.violations]
     return result
+
+
+def guarded_replica_check(rank: int) -> dict[str, Any]:
+    """:class:`~lightning_3d.parallel.replicas.ReplicaCheck` over the world, under the guard:
+    replicas alike with one tensor missing (a parameter with no gradient), then replicas that
+    differ on rank 1 only. Returns the violations and what each comparison raised."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_3d.parallel.replicas import ReplicaCheck, ReplicaMismatch
+    from support.device_guard import DeviceGuard
+
+    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    raised = []
+    try:
+        with DeviceGuard() as guard:
+            check = ReplicaCheck(device)
+            alike = torch.arange(6.0, device=device)
+            check.compare(
+                "gradient", [("tensor ranks", dist.group.WORLD, [("a", alike), ("b", None)])]
+            )
+            apart = alike + (rank == 1)
+            try:
+                check.compare("value", [("tensor ranks", dist.group.WORLD, [("a", apart)])])
+            except ReplicaMismatch as error:
+                raised.append(str(error))
+        return {"violations": [str(v) for v in guard.violations], "raised": raised}
+    finally:
+        dist.destroy_process_group()
