@@ -225,6 +225,28 @@ def test_last_is_the_newest_checkpoint_of_the_apps_own_runs(tmp_path):
     assert newest_checkpoint(tmp_path / "nothing") is None
 
 
+def test_resume_last_of_each_app_is_its_own_newest_run(tmp_path, monkeypatch):
+    """Catches: ``examples/finetune.py resume=last`` looking in the training app's runs
+    (``outputs/<date>/<time>``) instead of its own (``outputs/finetune/...``), so a fine-tune
+    resumed the newer pretraining run; and the reverse for ``examples/train.py``. Through
+    ``read_spec``, where the apps resolve ``resume=`` (fake checkpoints: only found, not read)."""
+    from lightning_3d.app.spec import read_spec
+
+    monkeypatch.chdir(tmp_path)
+    outputs = tmp_path / "outputs"
+    trained = _touch(outputs / "2026-11-30" / "12-00-00" / "last.ckpt", 3000)
+    tuned = _touch(outputs / "finetune" / "2026-11-30" / "10-00-00" / "last.ckpt", 1000)
+
+    def last_of(app: str) -> Path:
+        return read_spec(compose_config(app, "model=gpt_tiny", "resume=last")).resume
+
+    assert last_of("finetune") == tuned.resolve()  # older than the pretraining run: still its own
+    assert last_of("train") == trained.resolve()
+    newer_tuned = _touch(outputs / "finetune" / "2026-12-01" / "09-00-00" / "preempted.ckpt", 5000)
+    assert last_of("train") == trained.resolve()  # a newer fine-tune run is not the train app's
+    assert last_of("finetune") == newer_tuned.resolve()
+
+
 def test_resume_values_are_checked_in_the_launching_process(tmp_path, monkeypatch):
     """validate() names the value: last with no earlier run, a safetensors export (weights only),
     a directory that is not a checkpoint, the file ``last`` found when it is not a checkpoint.

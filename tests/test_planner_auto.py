@@ -393,6 +393,27 @@ def test_the_apps_choice_hands_the_split_to_the_ranks():
         with_auto(replace(spec, data=OmegaConf.create(unsplit)), model)
 
 
+def test_the_apps_choice_plans_with_accumulate_grad_batches():
+    """Catches: ``parallelism=auto`` in the app's launcher (``with_auto``) planning without
+    ``trainer.accumulate_grad_batches`` (always 1), so at 4 accumulation steps the chosen layout,
+    its tokens per step and its recorded predictions are 4x off. At 4: 4 micro-batches of the
+    loader's batch per optimizer step, 4x the samples per rank, activations of one micro-batch."""
+    from lightning_3d.app.run import model_on_meta
+    from lightning_3d.app.spec import read_spec, with_auto
+    from lightning_3d.harness.apps import compose_config
+
+    planned_ = {}
+    for accumulate in (1, 4):
+        overrides = ["parallelism=auto", "model=gpt_tiny", "trainer.devices=2"]
+        overrides.append(f"trainer.accumulate_grad_batches={accumulate}")
+        spec = read_spec(compose_config("train", *overrides))
+        planned_[accumulate] = with_auto(spec, model_on_meta(spec.model))[2]
+    one, four = planned_[1]["layout"], planned_[4]["layout"]
+    assert (one["micro_batches"], four["micro_batches"]) == (1, 4)
+    assert four["batch_per_rank"] == 4 * one["batch_per_rank"]
+    assert planned_[4]["memory_bytes"]["activations"] == planned_[1]["memory_bytes"]["activations"]
+
+
 class UnsplitData:
     """A data module whose ``check_layout`` refuses context parallelism."""
 

@@ -135,3 +135,37 @@ def _checked_on_demand(rank: int) -> dict:
 
 def test_replicas_checked_on_demand_agree_for_the_shipped_plan():
     assert [rank["calls"] for rank in run_world(_checked_on_demand, 2)] == [2, 2]
+
+
+def _one_group_apart(rank: int) -> str:
+    """Two groups of 2 ranks, ({0, 1}, {2, 3}); only group {0, 1} holds replicas that differ.
+    What ``compare`` raised on this rank (every rank must raise)."""
+    import torch.distributed as dist
+
+    from lightning_3d.parallel.replicas import ReplicaCheck, ReplicaMismatch
+
+    dist.init_process_group("gloo")
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
+    mine = groups[rank // 2]
+    weight = torch.ones(4, 3)
+    if rank == 1:
+        weight[0, 0] = 2.0  # a replica that parted ways, on rank 1 only
+    try:
+        ReplicaCheck(torch.device("cpu")).compare(
+            "value", [("tensor ranks", mine, [("net.norm.weight", weight)])]
+        )
+    except ReplicaMismatch as err:
+        return str(err)
+    return "no ReplicaMismatch"
+
+
+def test_a_mismatch_in_one_group_stops_every_rank_of_the_world():
+    """Catches: the verdict not agreed over the world (the flag's all-reduce dropped, or made
+    over the replica group only), so only the ranks that saw the mismatch stop and the others
+    go on into collectives nobody joins. Every rank raises; the other group's say why."""
+    said = run_world(_one_group_apart, 4)
+    for rank in (0, 1):
+        assert "the value of net.norm.weight differs across the tensor ranks" in said[rank]
+        assert "(global ranks [0, 1])" in said[rank]
+    for rank in (2, 3):
+        assert said[rank].startswith("replicas disagree on another rank"), said[rank]
