@@ -88,6 +88,22 @@ def test_a_full_checkpoint_is_refused_by_an_adapted_model(tmp_path):
         fit(lora_run(strategy={}, steps=2, resume_from=str(path)))
 
 
+def test_an_adapters_only_checkpoint_with_a_base_tensor_is_refused_naming_it():
+    """The check on loading an adapter checkpoint (``on_load_checkpoint``) takes the adapters
+    only, and refuses one that also holds a base weight, naming it. Catches: the check for base
+    tensors dropped (a base weight in the checkpoint would then load over the model's own)."""
+    module = HFCausalLM(config=tiny_hf_config("llama"), adapter=LORA)
+    state = module.state_dict()
+    adapters = {k: v for k, v in state.items() if is_adapter_name(k)}
+    options = AdapterOptions.parse(LORA).as_dict()
+    module.on_load_checkpoint({"state_dict": dict(adapters), "adapter": options})  # accepted
+    base = "model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    checkpoint = {"state_dict": {**adapters, base: state[base]}, "adapter": options}
+    with pytest.raises(ValueError, match=r"does not fit the model: base tensors \[") as caught:
+        module.on_load_checkpoint(checkpoint)
+    assert f"base tensors ['{base}'] (of 1), adapter tensors missing [] (of 0)" in str(caught.value)
+
+
 def _trained_module() -> tuple[HFCausalLM, dict]:
     run = fit(lora_run(strategy={}))
     module = HFCausalLM(config=tiny_hf_config("llama"), adapter=LORA)

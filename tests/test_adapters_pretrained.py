@@ -85,6 +85,29 @@ def test_an_adapters_only_file_becomes_the_adapters_on_the_directorys_base(files
         assert torch.equal(state[own], directory[plain]), own
 
 
+@pytest.mark.parametrize("deferred", [True, False], ids=["meta", "eager"])
+def test_lora_on_a_model_directory_starts_as_the_base_model(files, deferred):
+    """Before any training every ``lora_B`` is exactly zero, so the adapted model's logits are
+    the base model's (the directory's, no adapter) bit for bit, built on meta as the app does
+    (``model.path=DIR adapter=lora``: the adapters filled when the model is materialised) and
+    eagerly. Catches: the materialisation filling ``lora_B`` at random (the model starts away
+    from its pretrained weights; a parity test against one process has the same fault)."""
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    base = _built(files, False, adapter=None).eval()
+    module = _built(files, deferred).eval()
+    assert (getattr(module.model, "deferred_init", None) is not None) == deferred
+    module.load_weights()
+    lora_b = {k: v for k, v in module.state_dict().items() if ".lora_B." in k}
+    assert len(lora_b) == 14
+    for name, value in lora_b.items():
+        assert torch.count_nonzero(value) == 0, f"{name} is not zero before training"
+    lora_a = [v for k, v in module.state_dict().items() if ".lora_A." in k]
+    assert len(lora_a) == 14 and all(torch.count_nonzero(v) > 0 for v in lora_a)
+    with torch.no_grad():
+        want, got = base(ids), module(ids)
+    assert torch.equal(got, want), f"step-0 logits differ by {(got - want).abs().max().item()}"
+
+
 def test_an_adapters_only_file_into_a_model_without_adapters_is_refused(files):
     module = _built(files, True, adapter=None)
     path = files["root"] / "adapters.ckpt"

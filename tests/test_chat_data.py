@@ -17,7 +17,13 @@ import torch  # noqa: E402
 from lightning_3d.data import ChatDataModule  # noqa: E402
 from lightning_3d.data.chat import load_chat_tokenizer, render  # noqa: E402
 from lightning_3d.data.chat_layout import IGNORE_INDEX, pack, pad_rows  # noqa: E402
-from support.chat_files import SPECIALS, WORDS, conversation, words  # noqa: E402
+from support.chat_files import (  # noqa: E402
+    SPECIALS,
+    WORDS,
+    byte_level_tokenizer,
+    conversation,
+    words,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 32  # the model's; the tokenizer has 22 entries
@@ -110,6 +116,44 @@ def test_loss_only_on_the_assistants_tokens(kind):
     other = render(tokenizer, longer, "x.jsonl:1")
     assert len(other.ids) == len(conversation.ids) + 5
     assert _labelled(other, tokenizer) == _labelled(conversation, tokenizer)
+
+
+# MARKED with the newline after the assistant's <|im_end|> kept (Jinja's trim_blocks, which
+# transformers sets, drops a newline right after {% endgeneration %}).
+MARKED_NEWLINE = MARKED.replace("{% endgeneration %}\n", "{% endgeneration %}{{ '\\n' }}")
+
+
+@pytest.mark.parametrize("template", [PLAIN, MARKED_NEWLINE], ids=["plain", "generation_markers"])
+def test_the_newline_after_the_end_of_turn_is_not_labelled(template):
+    """With a byte-level BPE tokenizer (newlines are tokens, as in Qwen2's and Llama 3's) the
+    labels are exactly each assistant turn's content and its <|im_end|>: not the newline the
+    template puts after <|im_end|>, nor the next turn's header. Catches: the label span run to
+    the end of the template's rendered turn (two extra trained newline tokens per conversation
+    here), which the word-level tokenizer cannot see (it has no whitespace tokens)."""
+    tokenizer = byte_level_tokenizer(template)
+    messages = [
+        {"role": "system", "content": "the fox"},
+        {"role": "user", "content": "quick brown"},
+        {"role": "assistant", "content": "lazy dog"},
+        {"role": "user", "content": "cats"},
+        {"role": "assistant", "content": "seven small cats"},
+    ]
+    rendered = render(tokenizer, messages, "x.jsonl:1")
+    ids, labels = rendered.ids, rendered.labels
+    assert ids == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False))["input_ids"]
+    end, newline = tokenizer.convert_tokens_to_ids(["<|im_end|>", "Ċ"])
+
+    def encoded(text):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    want = [*encoded("lazy dog"), end, *encoded("seven small cats"), end]
+    labelled = [t for t in labels if t != IGNORE_INDEX]
+    assert tokenizer.convert_ids_to_tokens(labelled) == tokenizer.convert_ids_to_tokens(want)
+    ends = [i for i, t in enumerate(ids) if t == end]
+    assert len(ends) == 5 and all(ids[i + 1] == newline for i in ends)
+    for i in ends[2], ends[4]:  # the assistant turns' <|im_end|>: labelled, its newline not
+        assert labels[i] == end and labels[i + 1] == IGNORE_INDEX, (i, labels[i - 2 : i + 3])
+    assert ends[4] + 2 == len(ids)  # the last newline ends the conversation
 
 
 # ------------------------------------------------------------------ layouts
@@ -321,6 +365,51 @@ def test_chat_loader_resumes_mid_epoch(files):
         assert set(a) == {"input_ids", "labels", "position_ids"}
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(got[0]["input_ids"], taken[0]["input_ids"])
+
+
+def _conversations_in(rows, packed, start):
+    """Each conversation's token ids in ``rows``, in order: the runs of a packed row that
+    restart their positions at 0 and begin with ``start`` (not the padding), or a padded row's
+    unmasked tokens."""
+    found = []
+    for row in rows:
+        ids = row["input_ids"].tolist()
+        if not packed:
+            found.append(tuple(ids[: int(row["attention_mask"].sum())]))
+            continue
+        starts = [i for i, p in enumerate(row["position_ids"].tolist()) if p == 0]
+        for a, b in zip(starts, [*starts[1:], len(ids)]):
+            if ids[a] == start:
+                found.append(tuple(ids[a:b]))
+    return found
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "padded"])
+@pytest.mark.parametrize(
+    "n, fraction, n_val", [(10, 0.2, 2), (12, 0.25, 3), (11, 0.2, 2), (7, 0.5, 3)]
+)
+def test_train_and_validation_split_the_conversations_exactly(
+    files, tmp_path, packing, n, fraction, n_val
+):
+    """N conversations and ``val_fraction``: validation is the last ``int(N * fraction)`` in file
+    order, training the rest, each conversation (by its tokens) in exactly one split, N*fraction
+    whole or not. Catches: an off-by-one in the split index (one conversation in both splits,
+    or in neither)."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(n)))
+    tokenizer = load_chat_tokenizer(str(files["model"]))
+    index = {tuple(render(tokenizer, conversation(i)["messages"], "x").ids): i for i in range(n)}
+    assert len(index) == n  # every conversation is told apart by its tokens
+    train, val = ChatDataModule.build_rows(
+        str(path), str(files["model"]), None, BLOCK, 1, fraction, packing, "error"
+    )
+    assert not packing or len(train) < n - n_val  # rows that hold several conversations
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    got = [[index[c] for c in _conversations_in(rows, packing, start)] for rows in (train, val)]
+    both, neither = set(got[0]) & set(got[1]), set(range(n)) - {*got[0], *got[1]}
+    assert not both, f"in both splits: {sorted(both)}"
+    assert not neither and len(got[0]) + len(got[1]) == n, f"in neither: {sorted(neither)}"
+    assert got == [list(range(n - n_val)), list(range(n - n_val, n))]
 
 
 def _compose(overrides, name="finetune"):

@@ -1,5 +1,6 @@
 """A tokenizer with a chat template and a file of conversations, built without downloads, for
-runs on ``data=chat`` rows (a word-level vocabulary of 22 entries: any tiny model's fits)."""
+runs on ``data=chat`` rows (a word-level vocabulary of 22 entries: any tiny model's fits); and
+a byte-level BPE tokenizer (as Qwen2's and Llama 3's: whitespace is tokens too)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,34 @@ def write_chat_files(root: Path, conversations: int = 60) -> dict[str, str]:
     chats = root / "chats.jsonl"
     chats.write_text("".join(json.dumps(conversation(i)) + "\n" for i in range(conversations)))
     return {"tokenizer": str(root / "tokenizer"), "path": str(chats)}
+
+
+def byte_level_tokenizer(template: str = CHATML):
+    """A tiny byte-level BPE tokenizer (GPT-2's byte alphabet, a few hundred merges trained on
+    :data:`WORDS` and the role names) with ``<|im_start|>`` / ``<|im_end|>`` special tokens and
+    ``template``: unlike the word-level one, every newline of the rendered chat is a token
+    (``Ċ``), so labels that run past an end-of-turn token show."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([" ".join(WORDS), " ".join(SPECIALS[4:])], trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.add_special_tokens({"additional_special_tokens": specials[1:]})
+    fast.chat_template = template
+    return fast
 
 
 def write_model_dir(root: Path, family: str = "llama") -> str:
