@@ -34,10 +34,40 @@ def test_a_sequence_not_divisible_by_twice_context_is_refused():
 def test_kernel_matches_full_causal_attention(scheme, world):
     """Catches: a wrong causal mask between chunks (a later chunk seen, an earlier one missed),
     a merge without the log-sum-exp rescale, k/v gradients left on the rank that computed them
-    instead of sent home, all-to-all slices put back in the wrong order."""
+    instead of sent home, all-to-all slices put back in the wrong order. Only the 4-rank ring
+    case catches the ring's index bugs that 2 ranks cannot tell apart (each seen failing there
+    and passing at 2): the k/v block held at a step taken as the next rank's instead of the
+    previous one's (``rank + step``), key chunk ids of the 2-rank split (``3 - source``)."""
     from support.context_worlds import kernel_against_full_attention
 
     results = run_world(kernel_against_full_attention, world, scheme, (2, 4, 8 * world, 8), 2)
+    for rank, errors in enumerate(results):
+        assert max(errors.values()) < 1e-5, (rank, errors)
+
+
+@pytest.mark.parametrize(
+    "scheme, heads, kv_heads, world",
+    [
+        ("alltoall", 8, 4, 2),
+        ("alltoall", 8, 2, 2),
+        ("alltoall", 16, 8, 4),
+        ("alltoall", 8, 2, 4),
+        ("ring", 8, 4, 2),
+    ],
+)
+def test_grouped_query_heads_read_their_own_kv_heads(scheme, heads, kv_heads, world):
+    """Grouped-query attention as Llama-3-8B lays it out (8 query heads to 4 k/v heads at cp 2;
+    16 to 8 at cp 4: two k/v heads on a rank after the all-to-all) against full attention,
+    query head ``h`` reading k/v head ``h // (H / Hkv)``, outputs and q/k/v gradients.
+    Catches the k/v heads a rank holds after the exchange grouped to its query heads in the
+    wrong order (``repeat`` for ``repeat_interleave``: seen failing at 8 / 4 heads, cp 2, and
+    16 / 8, cp 4, with output errors of 3.3 and 3.7), invisible where a rank holds one k/v head,
+    as in every other kernel test; and k/v repeated before the exchange in the wrong order
+    (8 / 2 heads at cp 4: an output error of 2.9)."""
+    from support.context_worlds import kernel_against_full_attention
+
+    shape = (1, heads, 8 * world, 8)
+    results = run_world(kernel_against_full_attention, world, scheme, shape, kv_heads)
     for rank, errors in enumerate(results):
         assert max(errors.values()) < 1e-5, (rank, errors)
 
@@ -99,6 +129,27 @@ def test_a_dict_batch_is_shifted_before_it_is_cut():
     theirs = shard_batch(padded, 1, 2)  # positions 2 3 4 5
     assert sorted(theirs) == ["input_ids", "targets"]
     assert theirs["targets"].tolist() == [[3, 4, -100, -100]]
+
+
+# One row a single conversation, the others several (16 tokens: chunks of 4 at context 2).
+MIXED_ROWS = [[16], [5, 7, 4], [3, 13]]
+
+
+@pytest.mark.parametrize("scheme", ["ring", "alltoall"])
+def test_a_batch_with_one_single_conversation_row_keeps_its_documents(scheme):
+    """Packed rows beside a row of one conversation: the cut batch keeps ``document_ids`` and
+    the packed rows' attention outputs equal their conversations' attended alone. Catches
+    document ids kept only when every row, not any row, holds several documents (the packed
+    rows' conversations then see each other: seen failing with output errors of 2.5, both
+    schemes)."""
+    from lightning_3d.parallel.context.batch import shard_batch
+    from support.context_worlds import packed_rows_against_their_conversations
+
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in MIXED_ROWS])
+    batch = {"input_ids": torch.zeros_like(positions), "position_ids": positions}
+    errors = run_world(packed_rows_against_their_conversations, 2, scheme, MIXED_ROWS)
+    assert max(errors) < 1e-5, errors
+    assert "document_ids" in shard_batch(batch, 0, 2)
 
 
 def test_a_dict_batch_context_parallelism_cannot_split_is_named():

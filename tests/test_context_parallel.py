@@ -53,6 +53,18 @@ def test_context_parallel_gpt_matches_one_process(reference, scheme, world, opti
     assert summary["flops_per_token"] == pytest.approx(reference["summary"]["flops_per_token"])
 
 
+def test_context_parallel_gradients_have_the_whole_sequences_scale():
+    """cp 2 under momentum SGD without clipping against one process, every weight tensor:
+    SGD's updates scale with the gradient, where AdamW and an always-hit clip (the tests above)
+    hide a uniform scale. Catches the context loss's backward without its all-reduce (every
+    gradient 1/cp of the true one: seen failing with the losses from the second step on and
+    every weight tensor apart)."""
+    sgd = {"optimizer": "sgd", "lr": 0.3}
+    reference = fit_gpt(0, Run(steps=3, model=sgd))
+    run = Run(strategy={"context": 2}, devices=2, steps=3, model=sgd)
+    assert_matches_one_process(run_world(fit_gpt_ranks, 2, run), reference)
+
+
 @pytest.mark.parametrize(
     "arch, scheme, world, options",
     [

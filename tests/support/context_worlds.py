@@ -57,6 +57,39 @@ def kernel_against_full_attention(
     return errors
 
 
+def packed_rows_against_their_conversations(rank: int, scheme: str, rows: list) -> float:
+    """Rows packed with conversations of ``rows``' lengths (one list per row; positions
+    restarting at 0 for each, as ``data=chat`` packs them) cut by
+    :func:`~lightning_3d.parallel.context.batch.shard_batch`, and the kernel given the
+    ``document_ids`` it keeps (``None`` if it keeps none), against each conversation attended
+    alone on one process; max abs error of this rank's outputs."""
+    from lightning_3d.parallel.context.batch import shard_batch
+
+    dist.init_process_group("gloo")
+    size = dist.get_world_size()
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in rows])
+    B, T = positions.shape
+    mine = shard_batch(
+        {"input_ids": torch.zeros(B, T, dtype=torch.long), "position_ids": positions}, rank, size
+    )
+    generator = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(B, 2, T, 8, generator=generator) for _ in range(3))
+    alone = []  # each conversation of each row on its own, causal
+    for b, row in enumerate(rows):
+        ends = torch.tensor(row).cumsum(0).tolist()
+        parts = [
+            F.scaled_dot_product_attention(
+                *(t[b : b + 1, :, e - n : e] for t in (q, k, v)), is_causal=True
+            )
+            for n, e in zip(row, ends)
+        ]
+        alone.append(torch.cat(parts, dim=2))
+    expected = shard_sequence(torch.cat(alone), rank, size, dim=2)
+    local = (shard_sequence(t, rank, size, dim=2) for t in (q, k, v))
+    out = ContextAttention(dist.group.WORLD, scheme)(*local, documents=mine.get("document_ids"))
+    return (out - expected).abs().max().item()
+
+
 def bf16_kernel_runs(rank: int, scheme: str) -> float:
     """The kernel on bf16 inputs: outputs and gradients in bf16, close to fp32 attention."""
     dist.init_process_group("gloo")
