@@ -75,6 +75,15 @@ class _Bucket:
     # copied in (as DDP does), later ones added: the buffer is never zeroed as a whole, only
     # the places of parameters that got no gradient, before it is reduced.
     written: list[bool] = field(default_factory=list)
+    # Whether the bucket takes part in the backward under way: its optimizer's parameters
+    # require gradients (``toggle_optimizer`` turns them off; at stages 1-2 it sees only the
+    # slices). A bucket that does not keeps its gradients as they are and drops autograd's.
+    live: bool = True
+    # Whether the bucket holds the reduced gradient of a backward since the optimizer's last step
+    # (manual optimization: several backwards per step, or other optimizers' backwards between).
+    held: bool = False
+    # Stage 1: this rank's reduced slice of earlier backwards, added after the next reduction.
+    carry: Optional[Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -276,17 +285,66 @@ class ZeroDataParallel:
         ``early=False`` when one "backward" is several (a pipeline schedule's micro-batches):
         each parameter's hook then fires once per micro-batch, so a full bucket is not final
         and every reduction waits for :meth:`finish_backward`.
+
+        As autograd does with ``p.grad``, a backward adds to the gradients the optimizer holds
+        (several backwards before a step), unless its ``zero_grad()`` cleared them. Only
+        buckets whose optimizer parameters require gradients take part (:meth:`_takes_part`):
+        another optimizer's backward under ``toggle_optimizer`` leaves them as they are. That
+        is decided by flags every rank sets alike, so every rank runs the same collectives.
         """
         # Stage 2 keeps no full-size gradient, so it must reduce on every backward.
         self._sync = sync or self.stage == 2
         self._early = early
         for bucket in self.buckets:
+            bucket.live = self._takes_part(bucket)
+            if not bucket.live:
+                continue
             bucket.ready = 0
+            if bucket.held:
+                self._resume(bucket)
             for p in bucket.params:
                 p.grad = None  # the hook copies (or adds) autograd's fresh gradient into our buffer
 
+    def _takes_part(self, bucket: _Bucket) -> bool:
+        """Whether ``bucket`` takes part in the coming backward: some of its parameters require
+        gradients and (stages 1–2) so does the slice its optimizer steps, which is what
+        Lightning's ``toggle_optimizer`` freezes there. A tied copy's bucket always does (the
+        pipeline ranks holding the tie sum it together)."""
+        if id(bucket.params[0]) in self.tied:
+            return True
+        if bucket.slice is not None and not bucket.slice.requires_grad:
+            return False
+        return any(p.requires_grad for p in bucket.params)
+
+    def _resume(self, bucket: _Bucket) -> None:
+        """The bucket holds the reduced gradient of an earlier backward (no step since): keep
+        what its optimizer's gradient still holds for the coming backward to add to, or start
+        afresh where ``zero_grad()`` cleared it (``set_to_none=False`` zeroed it in place: kept,
+        zeros)."""
+        bucket.held = False
+        if self.stage == 0:
+            # The whole buffer holds the mean; this backward adds its local gradients and the
+            # next reduction's mean gives mean + new mean, as DDP computes it.
+            for index, p in enumerate(bucket.params):
+                if p.grad is None:  # cleared: the next gradient is copied in
+                    bucket.written[index] = False
+            return
+        cleared = bucket.slice.grad is None
+        if self.stage == 1:
+            # Only this rank's slice is reduced; the rest of the buffer holds this rank's own
+            # share of the other slices, which their ranks have already added up: reducing it
+            # again would count it twice. Set the slice aside and start the buffer afresh.
+            if not cleared:
+                bucket.carry = self._own(bucket.grad, bucket).clone()
+            bucket.written = [False] * len(bucket.params)
+        else:  # stage 2: the next reduction adds to the gradient shard, or overwrites it
+            bucket.shard_fresh = cleared
+
     def _grad_hook(self, bucket: _Bucket, index: int):
         def hook(p: nn.Parameter) -> None:
+            if not bucket.live:  # its optimizer's slices are toggled off: no gradient for them
+                p.grad = None
+                return
             self._consume(bucket, index, p)
             bucket.ready += 1
             if bucket.ready == len(bucket.params) and self._sync and self._early:
@@ -352,7 +410,7 @@ class ZeroDataParallel:
     def finish_backward(self) -> None:
         """Call after each backward: completes the reductions of a synchronising backward."""
         for bucket in self.buckets:
-            if bucket.work is None:
+            if bucket.live and bucket.work is None:
                 # Gradients assigned without autograd's accumulation (zero-bubble pipeline
                 # schedules compute weight gradients separately) never fired the hook.
                 for index, p in enumerate(bucket.params):
@@ -361,10 +419,11 @@ class ZeroDataParallel:
         if not self._sync:
             return
         self._sum_tied()
-        for bucket in self.buckets:  # buckets with unused parameters never fired their hook
+        live = [bucket for bucket in self.buckets if bucket.live]
+        for bucket in live:  # buckets with unused parameters never fired their hook
             if bucket.work is None:
                 self._launch(bucket)
-        for bucket in self.buckets:
+        for bucket in live:
             bucket.work.wait()
             bucket.work = None
             if bucket.received is not None:  # the other ranks' parts of my slice: add them
@@ -377,8 +436,12 @@ class ZeroDataParallel:
                     add_rows(own, bucket.received)
                     bucket.reduced = own if self.stage == 2 else None
                 bucket.received = None
-            if self.stage == 1 and bucket.reduced is not None:
-                self._own(bucket.grad, bucket).copy_(bucket.reduced)
+            if self.stage == 1:
+                if bucket.reduced is not None:
+                    self._own(bucket.grad, bucket).copy_(bucket.reduced)
+                if bucket.carry is not None:  # what earlier backwards of the step reduced
+                    self._own(bucket.grad, bucket).add_(bucket.carry)
+                    bucket.carry = None
             elif self.stage == 2:
                 if bucket.reduced is not None and bucket.shard_fresh:
                     bucket.shard_grad.copy_(bucket.reduced)
@@ -388,6 +451,7 @@ class ZeroDataParallel:
                 bucket.staging = None
                 bucket.written = [False] * len(bucket.params)  # the next backward's buffer is new
             bucket.reduced = None
+            bucket.held = True
             if self.stage == 0:  # the optimizer steps the parameters: give them the reduced grads
                 for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
                     view = bucket.views[i]
@@ -435,6 +499,7 @@ class ZeroDataParallel:
         for bucket in self.buckets:
             # The next step copies its first gradients over this step's: no zeroing pass.
             bucket.written = [False] * len(bucket.params)
+            bucket.held, bucket.carry = False, None
             bucket.shard_fresh = True  # overwritten by the next step's first reduction
             if bucket.slice is not None:
                 bucket.slice.grad = None

@@ -50,6 +50,20 @@ if TYPE_CHECKING:
     from lightning_3d.parallel.pipeline_runtime import PipelineRuntime
 
 
+def refuse_manual_optimization(module: Any, layout: Layout) -> None:
+    """``ValueError`` for a module that steps its own optimizers (``automatic_optimization =
+    False``) under a layout that cannot run it: a pipeline, whose schedule runs forward and
+    backward of every micro-batch inside ``training_step``, where no ``manual_backward`` or
+    optimizer step of the module's own can take part."""
+    if layout.pipeline > 1 and not getattr(module, "automatic_optimization", True):
+        raise ValueError(
+            f"manual optimization (automatic_optimization = False) cannot run under "
+            f"pipeline={layout.pipeline}: the pipeline schedule runs forward and backward inside "
+            "training_step itself; use pipeline=1 (ZeRO 0-3, tensor and context parallelism take "
+            "manual optimization) or automatic optimization"
+        )
+
+
 def computes_on_host(device_type: str, offload_device: str) -> bool:
     """Whether a rank's heavy work runs on its host's cores, which the ranks of a node share:
     on a CPU all of it; on an accelerator, the optimizer step of offloaded state (the CPU Adam
@@ -254,7 +268,13 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         )
 
     @override
+    def connect(self, model: pl.LightningModule) -> None:
+        refuse_manual_optimization(model, self.layout)  # before any process group (auto: setup)
+        super().connect(model)
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
+        refuse_manual_optimization(self.lightning_module, self.layout)  # the resolved layout
         self.accelerator.setup(trainer)
         self.model_to_device()
         self.model = self.precision_plugin.convert_module(self.model)
