@@ -42,9 +42,10 @@ def peft_model(
     if isinstance(hf_config, Mapping):
         config = transformers.AutoConfig.for_model(**dict(hf_config))
     names = [n[len(PREFIX) :] if n.startswith(PREFIX) else n for n in state]
-    state = {n: t.detach().to("cpu") for n, t in zip(names, state.values())}
+    dtype = _dtype(state)
+    state = {n: _plain(t, dtype) for n, t in zip(names, state.values())}
     with torch.device("cpu"):
-        base = transformers.AutoModelForCausalLM.from_config(config, dtype=_dtype(state))
+        base = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model = peft.get_peft_model(
         base, options.lora_config(getattr(config, "_name_or_path", None) or None)
     )
@@ -62,9 +63,34 @@ def peft_model(
     return model.eval()
 
 
+def _is_nf4(tensor: Tensor) -> bool:
+    return hasattr(tensor, "get_original_weight")  # torchao's NF4Tensor (QLoRA's base)
+
+
+def _plain(tensor: Tensor, dtype: torch.dtype) -> Tensor:
+    """A CPU tensor a plain ``nn.Linear`` takes: QLoRA's NF4 base dequantized (torchao's
+    ``get_original_weight``, the bf16 values it was quantized from, rounded to NF4) and cast
+    to the model's ``dtype``; anything else as it is."""
+    tensor = tensor.detach()
+    if _is_nf4(tensor):
+        tensor = tensor.get_original_weight().to(dtype)
+    return tensor.to("cpu")
+
+
 def _dtype(state: Mapping[str, Tensor]) -> torch.dtype:
-    floats = [t.dtype for t in state.values() if t.is_floating_point()]
+    """The model's dtype: its first floating tensor's that is not an NF4 base (stored in bf16
+    whatever the model computes in)."""
+    floats = [t.dtype for t in state.values() if t.is_floating_point() and not _is_nf4(t)]
     return floats[0] if floats else torch.float32
+
+
+def _default_use_cache(config: Any) -> Optional[bool]:
+    """``use_cache`` as the config's class has it by default (``HFCausalLM`` turns it off for
+    training; generation wants it on); ``None`` where the class has none."""
+    try:
+        return getattr(type(config)(), "use_cache", None)
+    except Exception:  # noqa: BLE001 -- a config class that needs arguments: leave it as it is
+        return None
 
 
 def save_peft(
@@ -74,11 +100,17 @@ def save_peft(
     directory: Union[str, Path],
     merged: bool = False,
 ) -> Path:
-    """Write ``directory``: the PEFT adapter (``merged=False``) or the merged model."""
+    """Write ``directory``: the PEFT adapter (``merged=False``) or the merged model (QLoRA: the
+    NF4 base dequantized, the adapters merged into it; ``use_cache`` as the config class's
+    default, not the training setting)."""
     directory = Path(directory)
     model = peft_model(hf_config, state, options)
     if merged:
-        model.merge_and_unload().save_pretrained(str(directory))
+        plain = model.merge_and_unload()
+        use_cache = _default_use_cache(plain.config)
+        if use_cache is not None:
+            plain.config.use_cache = use_cache
+        plain.save_pretrained(str(directory))
     else:
         model.save_pretrained(str(directory))
     return directory

@@ -19,6 +19,7 @@ whole checkpoint raises a ``ValueError`` naming it.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import pickle
 import re
@@ -170,6 +171,31 @@ def publish(temp: Path, path: Path) -> None:
         os.rename(temp, path)
         remove(old)
     fsync_dir(path.parent)
+
+
+def publish_into(temp: Path, path: Path) -> None:
+    """Move the complete directory ``temp``'s entries into the directory ``path``, one atomic
+    rename each (a file of the same name replaced, every other file of ``path`` kept), then
+    remove ``temp``. For an export written beside a directory that holds other files; a
+    directory ``path`` that does not exist or is empty gets :func:`publish`."""
+    if not path.is_dir() or not any(path.iterdir()):
+        publish(temp, path)
+        return
+    entries = sorted(temp.iterdir())
+    for entry in entries:  # before anything moves: a file never goes onto a directory
+        target = path / entry.name
+        if not entry.is_dir() and target.is_dir() and not target.is_symlink():
+            raise IsADirectoryError(
+                errno.EISDIR, f"cannot replace a directory with the file {entry.name}", str(target)
+            )
+    for entry in entries:
+        target = path / entry.name
+        if entry.is_dir() and target.is_dir() and not target.is_symlink():
+            publish_into(entry, target)
+        else:
+            os.replace(entry, target)
+    remove(temp)
+    fsync_dir(path)
 
 
 def refuse_overlap(source: Path, output: Path) -> None:

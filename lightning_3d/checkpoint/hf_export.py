@@ -44,6 +44,7 @@ from lightning_3d.checkpoint.files import (
     finish_file,
     fsync_dir,
     publish,
+    publish_into,
     refuse_overlap,
     remove_stale_temps,
     temp_path_for,
@@ -357,8 +358,10 @@ def _check_tokenizer_round_trip(
 
 
 # ------------------------------------------------------------------------------ writing
-def _write_dir(out_dir: Path, write: Callable[[Path], None]) -> None:
-    """``write(temp)`` into a temporary sibling directory, fsync it, then put it at ``out_dir``."""
+def _write_dir(out_dir: Path, write: Callable[[Path], None], keep_others: bool = False) -> None:
+    """``write(temp)`` into a temporary sibling directory, fsync it, then put it at ``out_dir``:
+    the whole directory swapped in, or with ``keep_others`` its files moved into ``out_dir``
+    one by one, the other files there kept (:func:`~lightning_3d.checkpoint.files.publish_into`)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out_dir.parent)
     temp = temp_path_for(out_dir)
@@ -369,7 +372,10 @@ def _write_dir(out_dir: Path, write: Callable[[Path], None]) -> None:
         for file in (f for f in temp.rglob("*") if f.is_file()):
             finish_file(file)
         fsync_dir(temp)
-        publish(temp, out_dir)  # atomic exchange with what is there
+        if keep_others:
+            publish_into(temp, out_dir)
+        else:
+            publish(temp, out_dir)  # atomic exchange with what is there
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
