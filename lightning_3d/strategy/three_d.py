@@ -39,7 +39,7 @@ from lightning_3d.runtime.failures import LINES_ATTR, REPORTS_ENV, describe_fail
 from lightning_3d.runtime.preemption import StopOnSignal, without_signal_broadcast
 from lightning_3d.runtime.watchdog import Watchdog, watch_world
 from lightning_3d.strategy.checkpoint_hooks import CheckpointHooks
-from lightning_3d.strategy.collectives import Collectives
+from lightning_3d.strategy.collectives import Collectives, sync_metrics_over
 from lightning_3d.strategy.precision import distributed_precision, scale_loss
 from lightning_3d.strategy.recipe import Parallelized, attach_optimizers, parallelize
 
@@ -120,6 +120,7 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         )
         self.num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
+        self._sample_group: Optional[Any] = None  # the mesh's dp group (setup_environment)
         self._sync_grads = True
         self._setting_up: Optional[str] = None  # the setup step under way (for error reports)
         self.watchdog: Optional[Watchdog] = (
@@ -180,6 +181,14 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     @property
     def dp_rank(self) -> int:
         return self.device_mesh.get_local_rank(MeshAxis.DATA.value)
+
+    @property
+    def sample_group(self) -> Optional[Any]:
+        """The ranks holding different samples, which ``self.log(..., sync_dist=True)`` and the
+        module's torchmetrics reduce over: this rank's group on the mesh's ``dp`` axis (tensor and
+        context ranks hold copies of its samples, pipeline stages share its outputs); ``None``
+        (the whole world) where that is every rank, or before the mesh exists."""
+        return self._sample_group
 
     @property
     def context_size(self) -> int:
@@ -260,6 +269,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
             self.plan = resolve_for_strategy(self)
         self.plan = self.plan.resolved(self.world_size)
         self._device_mesh = build_mesh(self.layout, self.root_device.type)
+        data = self._device_mesh.get_group(MeshAxis.DATA.value)
+        self._sample_group = data if data.size() < self.world_size else None
         self.watchdog = self.watchdog or watch_world(
             self.global_rank,
             self.world_size,
@@ -293,6 +304,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
                 telemetry=self.telemetry,
                 step=lambda name: setattr(self, "_setting_up", name),
             )
+        # The module's torchmetrics sync over the ranks holding different samples, as self.log.
+        sync_metrics_over(module, self.sample_group)
         self._setting_up = "optimizer setup"
         if trainer.state.fn == TrainerFn.FITTING:
             trainer.callbacks += (
