@@ -4,17 +4,102 @@ Saved (``HFCausalLM.on_save_checkpoint``): the adapters' tensors under the modul
 their optimizer state (the optimizer only ever held them), and the :class:`AdapterOptions` as a
 dict under ``"adapter"``. The base is not saved: it is the model's own weights (its directory,
 or its seeded random init), rebuilt the same way on resume.
+
+What a resume or an export reads before anything runs: :func:`saved_adapter` (the options a
+checkpoint records) and :func:`adapter_mismatch` (a base-vs-adapter mismatch with the run's
+options, said as such instead of as the base's names missing from the checkpoint).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 from lightning_3d.adapters.lora import is_adapter_name
 from lightning_3d.adapters.options import AdapterOptions
 
 ADAPTER_KEY = "adapter"
+EXPORT_COMMAND = "python -m lightning_3d.adapters"  # the adapter checkpoints' exporter
+_OVERRIDE_DEFAULTS = AdapterOptions()  # conf/adapter/*.yaml's values: overrides name the others
+
+
+def saved_adapter(entries: Mapping[str, Any]) -> Optional[AdapterOptions]:
+    """The adapter options a checkpoint's entries record under ``"adapter"`` (a ``.ckpt``'s
+    dict, a sharded checkpoint's ``meta.pt``); ``None`` for a whole model's checkpoint.
+    ``ValueError`` for a record that is not options."""
+    saved = entries.get(ADAPTER_KEY)
+    if saved is None:
+        return None
+    try:
+        return AdapterOptions.parse(saved)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"its {ADAPTER_KEY!r} entry is not adapter options: {err}") from None
+
+
+def _targets(options: AdapterOptions) -> str:
+    targets = options.target_modules
+    return targets if isinstance(targets, str) else "[" + ",".join(targets) + "]"
+
+
+def describe(options: AdapterOptions) -> str:
+    """``method lora, r=8, targets all-linear`` (QLoRA's backend named when not torchao)."""
+    backend = (
+        f", quantization {options.quantization}"
+        if options.method == "qlora" and options.quantization != "torchao"
+        else ""
+    )
+    return f"method {options.method}, r={options.r}, targets {_targets(options)}{backend}"
+
+
+def overrides(options: AdapterOptions) -> str:
+    """The app's command-line overrides that give a run these options."""
+    out = [
+        f"adapter={options.method}",
+        f"model.adapter.r={options.r}",
+        f"model.adapter.target_modules={_targets(options)}"
+        if isinstance(options.target_modules, str)
+        else f"model.adapter.target_modules='{_targets(options)}'",
+    ]
+    for name in ("lora_alpha", "lora_dropout", "quantization"):
+        value = getattr(options, name)
+        if value != getattr(_OVERRIDE_DEFAULTS, name):
+            out.append(f"model.adapter.{name}={value}")
+    return " ".join(out)
+
+
+def _key(options: AdapterOptions) -> tuple[Any, ...]:
+    targets = options.target_modules
+    return (options.method, options.r, targets if isinstance(targets, str) else tuple(targets))
+
+
+def adapter_mismatch(
+    saved: Optional[AdapterOptions], mine: Optional[AdapterOptions]
+) -> Optional[str]:
+    """What is wrong with resuming a checkpoint that records adapter ``saved`` (``None``: a
+    whole model's) into a model with adapter ``mine`` (``None`` or method ``none``: no adapter),
+    as one sentence; ``None`` when the two agree (method, ``r`` and targets)."""
+    mine = mine if mine is not None and mine.enabled else None
+    if saved is None and mine is None:
+        return None
+    if mine is None:
+        return (
+            f"this is an adapter checkpoint ({describe(saved)}): it holds only the adapters and "
+            f"their optimizer state, not the base; resume with {overrides(saved)} (on the same "
+            f"base: model.path), or export it with {EXPORT_COMMAND} CKPT DIR [--merged]"
+        )
+    if saved is None:
+        return (
+            f"this is a full model's checkpoint (no adapter), but the run has adapter={mine.method} "
+            f"({describe(mine)}): resume it without an adapter (adapter=none), or fine-tune "
+            f"adapters on its weights with examples/finetune.py finetune.pretrained=CKPT "
+            f"adapter={mine.method} (a whole model's checkpoint becomes the base)"
+        )
+    if _key(saved) != _key(mine):
+        return (
+            f"the checkpoint's adapter ({describe(saved)}) is not this run's ({describe(mine)}): "
+            f"resume with the checkpoint's options, {overrides(saved)}"
+        )
+    return None
 
 
 def check_adapter_checkpoint(module: Any, checkpoint: Mapping[str, Any]) -> None:

@@ -111,6 +111,10 @@ def check_spec(spec: RunSpec, model: Any = None) -> Any:
             _check_offload_room(model, plan)
         if model is not None and spec.resume is not None:
             check_fits(spec.resume, model)
+        elif spec.resume is not None:  # not buildable on meta (QLoRA): its adapter options only
+            adapter = configured_adapter(spec.model)
+            if adapter is not None:
+                check_fits(spec.resume, None, adapter)
     if spec.resume is not None:
         check_steps_left(spec.resume, spec.max_steps)
     if spec.model is not None and spec.data is not None:
@@ -229,6 +233,22 @@ def _epoch_batches(train: int, batch_size: int, data_degree: int, trainer: DictC
     if isinstance(limit, float):
         return int(batches * limit)
     return batches
+
+
+def configured_adapter(model: DictConfig) -> Any:
+    """The :class:`~lightning_3d.adapters.AdapterOptions` of a configured ``HFCausalLM``
+    (``adapter=lora|qlora``), read from the config without building the model; ``None`` for
+    no adapter or another model."""
+    target = target_of(model, "model")
+    hf = sys.modules.get("lightning_3d.models.hf")  # imported with its target, if it is one
+    if hf is None or not (isinstance(target, type) and issubclass(target, hf.HFCausalLM)):
+        return None
+    from lightning_3d.adapters import AdapterOptions
+
+    node = model.get("adapter")
+    value = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+    options = AdapterOptions.parse(value)
+    return options if options.enabled else None
 
 
 def model_on_meta(model: DictConfig) -> Any:

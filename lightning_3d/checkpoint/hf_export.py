@@ -178,6 +178,7 @@ def _entries(checkpoint: Path) -> tuple[Mapping[str, Any], Callable[[], Mapping[
     use."""
     if detect_format(checkpoint) == SHARDED:
         meta = sharded_files.read_meta(checkpoint)
+        _check_not_adapters(meta, checkpoint)
         _check_hf_config(meta, checkpoint)
         # The model's checksums before anything is said or read: damage is the one error line.
         sharded_files.verify_shards(
@@ -185,8 +186,23 @@ def _entries(checkpoint: Path) -> tuple[Mapping[str, Any], Callable[[], Mapping[
         )
         return meta, lambda: sharded_files.read_tensors(checkpoint, verify=False)
     whole = load_lightning_checkpoint(checkpoint, mmap=True, verify=WEIGHTS)
+    _check_not_adapters(whole, checkpoint)
     _check_hf_config(whole, checkpoint)
     return whole, lambda: whole["state_dict"]
+
+
+def _check_not_adapters(entries: Mapping[str, Any], checkpoint: Path) -> None:
+    """An adapter checkpoint (``adapter=lora`` / ``qlora``) holds no base to export as a model:
+    said as such, with the command that exports it, instead of every base weight named missing."""
+    from lightning_3d.adapters.checkpoint import EXPORT_COMMAND, describe, saved_adapter
+
+    options = saved_adapter(entries)
+    if options is not None:
+        raise ValueError(
+            f"{checkpoint} is an adapter checkpoint ({describe(options)}): it holds only the "
+            f"adapters, not the base model; export it with {EXPORT_COMMAND} {checkpoint} DIR "
+            "[--merged] (a PEFT adapter directory; --merged: the base with the adapters merged in)"
+        )
 
 
 def _check_hf_config(entries: Mapping[str, Any], checkpoint: Path) -> None:

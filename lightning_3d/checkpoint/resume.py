@@ -166,22 +166,48 @@ def resolve_resume(value: Any, project_dir: str | Path, finetune: bool = False) 
     return path
 
 
-def check_fits(path: Path, module: Any) -> None:
+def check_fits(path: Path, module: Any, adapter: Any = None) -> None:
     """``ValueError`` naming every name and shape in which the checkpoint at ``path`` differs from
     ``module`` (built on ``meta``): read from a ``.ckpt`` mapped, not loaded, or from a sharded
-    checkpoint's metadata, so no tensor data is read here (the ranks verify checksums as they load)."""
+    checkpoint's metadata, so no tensor data is read here (the ranks verify checksums as they load).
+
+    An adapter checkpoint holds only the adapters (``module.keeps_in_checkpoint``): its adapter
+    record (:func:`~lightning_3d.adapters.checkpoint.saved_adapter`) is compared with the
+    module's options first, a base-vs-adapter mismatch said as such, then only the names the
+    module keeps in a checkpoint. ``module=None`` (a model that cannot be built on ``meta``:
+    QLoRA quantizes its base as it is built) compares the record with ``adapter``, the run's
+    :class:`~lightning_3d.adapters.AdapterOptions` (``None``: no adapter), and nothing else."""
+    from lightning_3d.adapters.checkpoint import adapter_mismatch, saved_adapter
+    from lightning_3d.adapters.options import AdapterOptions
     from lightning_3d.checkpoint import sharded_files
     from lightning_3d.checkpoint.checks import check_against, load_lightning_checkpoint, shapes_of
 
     try:
         if sharded_files.is_sharded_checkpoint(path):
-            entries = sharded_files.tensor_entries(
+            entries = sharded_files.read_meta(path)
+            tensors = sharded_files.tensor_entries(
                 sharded_files.read_metadata(path), sharded_files.MODEL
             )
-            saved = {name: tuple(md.size) for name, md in entries.items()}
+            saved = {name: tuple(md.size) for name, md in tensors.items()}
         else:
-            saved = shapes_of(load_lightning_checkpoint(path, mmap=True, verify=None)["state_dict"])
-        check_against(shapes_of(module.state_dict()), saved, source="the checkpoint")
+            entries = load_lightning_checkpoint(path, mmap=True, verify=None)
+            saved = shapes_of(entries["state_dict"])
+        if module is not None:
+            adapter = getattr(module, "adapter", None)  # HFCausalLM's options; others: none
+        mismatch = adapter_mismatch(
+            saved_adapter(entries), adapter if isinstance(adapter, AdapterOptions) else None
+        )
+        if mismatch is not None:
+            raise ValueError(mismatch)
+        if module is None:
+            return
+        keeps = getattr(module, "keeps_in_checkpoint", None)
+        mine = {
+            name: shape
+            for name, shape in shapes_of(module.state_dict()).items()
+            if not callable(keeps) or keeps(name)
+        }
+        check_against(mine, saved, source="the checkpoint")
     except ValueError as err:
         raise ValueError(f"resume={path}: {err}") from None
 
