@@ -13,14 +13,12 @@ into place at the end. Errors print one line ``error: ...`` on stderr and exit w
 from __future__ import annotations
 
 import sys
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
 # The checkpoint tools' own error forms: argparse's errors as one line, exit 3 for these errnos.
-from lightning_3d.checkpoint.__main__ import _CANNOT_WRITE, _one_line, _Parser
-from lightning_3d.runtime.exit_codes import BAD_INPUT, IO_ERROR
+from lightning_3d.checkpoint.__main__ import _Parser, reported
 
 _MODEL_CARD = "README.md"  # peft's generated model card: never written over the user's own
 
@@ -159,31 +157,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         help="with --merged: the tokenizer directory to include (default: the model's path)",
     )
     args = parser.parse_args(argv)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            out = export_checkpoint(
-                args.checkpoint,
-                args.out,
-                args.merged,
-                force=args.force,
-                tokenizer=args.tokenizer,
-                progress=lambda line: print(line, file=sys.stderr, flush=True),
-            )
-    except OSError as error:
-        if error.errno in _CANNOT_WRITE:
-            from lightning_3d.runtime.failures import io_error_words
-
-            print(f"error: {_one_line(io_error_words(error))}", file=sys.stderr)
-            return IO_ERROR
-        print(f"error: {_one_line(error)}", file=sys.stderr)
-        return BAD_INPUT
-    except (ValueError, ImportError) as error:
-        print(f"error: {_one_line(error)}", file=sys.stderr)  # the error alone, no warnings
-        return BAD_INPUT
-    for warning in caught:  # e.g. a checkpoint without checksums: one line each
-        if issubclass(warning.category, UserWarning):
-            print(f"warning: {_one_line(warning.message)}", file=sys.stderr)
+    code, out = reported(
+        lambda: export_checkpoint(
+            args.checkpoint,
+            args.out,
+            args.merged,
+            force=args.force,
+            tokenizer=args.tokenizer,
+            progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    )
+    if code:
+        return code
     print(f"wrote {out}")
     return 0
 

@@ -26,7 +26,7 @@ import argparse
 import errno
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from lightning_3d.checkpoint.checks import inspect_checkpoint
@@ -146,25 +146,33 @@ def _inspect(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0, or 2 or 3 after printing ``error: ...``)."""
     args = build_parser().parse_args(argv)
+    code, _ = reported(lambda: args.run(args))
+    return code
+
+
+def reported(action: Callable[[], Any]) -> tuple[int, Any]:
+    """Run ``action`` as a command does: bad input becomes one ``error:`` line on stderr and
+    exit code 2, an output it cannot write (a full or read-only disk) one line and 3, and each
+    warning one ``warning:`` line after it succeeded. Returns the exit code and what ``action``
+    returned (``None`` after an error)."""
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            args.run(args)
+            result = action()
     except OSError as error:
         if error.errno in _CANNOT_WRITE:
             print(f"error: {_one_line(io_error_words(error))}", file=sys.stderr)
-            return IO_ERROR
+            return IO_ERROR, None
         print(f"error: {_one_line(error)}", file=sys.stderr)
-        return USAGE_ERROR
+        return USAGE_ERROR, None
     except (ValueError, ImportError) as error:
-        print(
-            f"error: {_one_line(error)}", file=sys.stderr
-        )  # the error alone, no warnings before it
-        return USAGE_ERROR
+        # The error alone, without the warnings before it.
+        print(f"error: {_one_line(error)}", file=sys.stderr)
+        return USAGE_ERROR, None
     for warning in caught:  # e.g. a checkpoint without checksums: one line each
         if issubclass(warning.category, UserWarning):
             print(f"warning: {_one_line(warning.message)}", file=sys.stderr)
-    return 0
+    return 0, result
 
 
 def _one_line(message: object) -> str:
