@@ -1,10 +1,11 @@
-"""Global gradient-norm clipping over any mix of plain tensors and DTensors.
+"""Gradient clipping (by the global norm, by value) over any mix of plain tensors and DTensors.
 
 Parameters of one model can be plain tensors (replicated everywhere), tensor-parallel DTensors
 (sharded on ``tp``, replicated on ``tp``), ZeRO slices or FSDP2 shards (sharded on ``dp``, and
 on ``tp`` too in 2-D). The squared norm is summed locally per group of equal sharding, then
 all-reduced over exactly the mesh dimensions that group is sharded on, so every element counts
 once. PyTorch's ``clip_grad_norm_`` cannot stack norms of DTensors with different placements.
+Clipping by value is elementwise: :func:`clip_grad_value_` clamps each rank's local elements.
 """
 
 from __future__ import annotations
@@ -147,3 +148,28 @@ def clip_grad_norm_(
     ).items():  # one fused multiply each
         torch._foreach_mul_(grads, scale.to(device, dtype))
     return norm
+
+
+@torch.no_grad()
+def clip_grad_value_(parameters: Iterable[Tensor], clip_value: float) -> None:
+    """Clamp every gradient of ``parameters`` to ``[-clip_value, clip_value]`` in place, whatever
+    mix of plain tensors and DTensors they are. Clamping is elementwise, so each rank clamps the
+    elements it holds (a DTensor's local shard or replica) without talking to another; only a
+    gradient still holding partial sums is summed first (a collective: the parts' clamps would
+    not add up to the sum's).
+    Torch's ``clip_grad_value_`` cannot mix plain tensors and DTensors in one fused call."""
+    clip_value = float(clip_value)
+    grads = []
+    for p in parameters:
+        grad = p.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor) and any(pl.is_partial() for pl in grad.placements):
+            grad = grad.redistribute(
+                placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements]
+            )
+            p.grad = grad
+        grads.append(grad)
+    for group in by_device_and_dtype(grads).values():  # one fused clamp each way per group
+        torch._foreach_clamp_min_(group, -clip_value)
+        torch._foreach_clamp_max_(group, clip_value)

@@ -14,6 +14,9 @@ lets the norm's partial sums travel in the same call. In a world of one nothing 
 
 On a GPU the read waits for the device's queue, so the vector is read once, just before the
 optimizer steps, where the step must wait for the answer anyway.
+
+Setup has an agreement of its own (:func:`agree_on_setup`): a step that may fail on some ranks
+only (the module's optimizers) ends with one flag per rank, all-reduced, so every rank raises.
 """
 
 from __future__ import annotations
@@ -99,3 +102,53 @@ class Ballot:
             norm_squares=read[0],
             signal=int(max(row[2] for row in ranks)),
         )
+
+
+class PeerSetupError(RuntimeError):
+    """Raised on a rank whose own setup step went well when another rank's failed: every rank
+    stops together instead of waiting in the next collective for the process group's timeout.
+    ``ranks``: the ranks that failed; ``causes``: each one's error in a line, by rank."""
+
+    peer_setup_failure = True  # the line describe_failure prints names the peers' causes
+
+    def __init__(self, step: str, causes: dict[int, str]) -> None:
+        self.step, self.ranks, self.causes = step, sorted(causes), causes
+        said = "; ".join(f"rank {r} failed during {step}: {causes[r]}" for r in self.ranks)
+        super().__init__(said)
+
+
+def agree_on_setup(step: str, error: Optional[BaseException], device: torch.device) -> None:
+    """End a setup step that may fail on some ranks only, on every rank of the default group: a
+    collective. Each rank says whether ``step`` failed on it (``error``, or ``None``) in one
+    all-reduce of one flag per rank; if any failed, every rank raises: a failed rank its own
+    ``error``, the others :class:`PeerSetupError` naming the failed ranks and their causes
+    (gathered in a second collective, on failure only). In a world of one, ``error`` is raised
+    as is. Should the agreement itself fail (a peer that is gone), a failed rank raises its
+    own ``error``, chained to that failure."""
+    world, rank = world_and_rank()
+    if world == 1:
+        if error is not None:
+            raise error
+        return
+    try:
+        flags = torch.zeros(world, device=device)
+        flags[rank] = 0.0 if error is None else 1.0
+        dist.all_reduce(flags)
+        failed = [r for r, flag in enumerate(flags.tolist()) if flag]
+        if not failed:
+            return
+        line = None if error is None else _one_line(error)
+        lines: list[Optional[str]] = [None] * world
+        dist.all_gather_object(lines, line)
+    except Exception as agreement_failed:
+        if error is None:
+            raise
+        raise error from agreement_failed
+    if error is not None:
+        raise error
+    raise PeerSetupError(step, {r: lines[r] or "an error" for r in failed})
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).splitlines()[0] if str(error) else ""
+    return f"{type(error).__name__}: {text[:300]}"

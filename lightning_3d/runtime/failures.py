@@ -152,6 +152,8 @@ def describe_failure(
         exception, "agreed_stop", False
     ):  # NonFiniteError, Preempted: one message says it all
         return None
+    if getattr(exception, "peer_setup_failure", False):  # PeerSetupError: the peers' causes
+        return f"lightning_3d: rank {rank}: stopping with the other ranks: {first_line[:600]}"
     if setup_step is not None:
         return (
             f"lightning_3d: rank {rank}: setting up {type(module).__name__} for {layout} failed during "

@@ -6,7 +6,9 @@ every rank:
 
 * ``gradient_clip_val`` clips by the norm over all gradients of the model: Lightning calls
   ``plugin.clip_grad_by_norm``, whose ``torch.nn.utils.clip_grad_norm_`` sees this rank's part
-  only (and cannot mix DTensors of different placements);
+  only (and cannot mix DTensors of different placements); with
+  ``gradient_clip_algorithm="value"`` it calls ``plugin.clip_grad_by_value``, whose
+  ``torch.nn.utils.clip_grad_value_`` cannot mix plain tensors and DTensors in one fused clamp;
 * under 16-mixed, a step whose gradients overflowed on any rank is skipped on every rank (and
   the scale backs off everywhere), or the ranks' weights part ways: Lightning calls
   ``scaler.unscale_``, which checks this rank's gradients only;
@@ -19,9 +21,10 @@ every rank:
 
 :func:`distributed_precision` returns the plugin Lightning chose as an instance of a subclass of
 its own type (so every ``isinstance`` check, e.g. ``XLAStrategy``'s, still holds) with the same
-state, overriding ``optimizer_step`` and ``clip_grad_by_norm`` and, where it has a ``torch.amp.GradScaler``, holding a
-scaler of a subclass of the scaler's type that overrides ``unscale_``. Nothing in torch or
-Lightning is reassigned, and no method is set on an instance.
+state, overriding ``optimizer_step``, ``clip_grad_by_norm`` and ``clip_grad_by_value`` and,
+where it has a ``torch.amp.GradScaler``, holding a scaler of a subclass of the scaler's type
+that overrides ``unscale_``. Nothing in torch or Lightning is reassigned, and no method is set
+on an instance.
 
 Why subclasses made per type, not written out: Lightning picks one of many plugin types
 (``Precision``, ``MixedPrecision``, ``HalfPrecision``, ``DoublePrecision``, ``FSDPPrecision``,
@@ -43,7 +46,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 
-from lightning_3d.parallel.clip import clip_grad_norm_, collective_device
+from lightning_3d.parallel.clip import clip_grad_norm_, clip_grad_value_, collective_device
 from lightning_3d.runtime.nonfinite import NonFiniteGuard, NonFiniteOptions, SkipStep
 
 NormScope = Callable[[], "tuple[Optional[dist.ProcessGroup], Collection[int]]"]
@@ -199,6 +202,11 @@ class GlobalNormClipping(_Adapted):
                 raise
             for flag in found_inf:  # finite gradients, overflowing norm: the scaler skips the step
                 flag.fill_(1.0)  # (unscale_ ran already: the scaler's state must see its step)
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        # Lightning's calls torch's clip_grad_value_, whose fused clamp fails on a list mixing
+        # plain tensors and DTensors (tensor parallelism): clamp each local shard instead.
+        clip_grad_value_(self.main_params(optimizer), clip_val)  # type: ignore[attr-defined]
 
     def _has_scaler(self) -> bool:
         """An enabled grad scaler (16-mixed) checks the gradients for inf/NaN itself."""

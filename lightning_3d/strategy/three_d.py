@@ -32,9 +32,11 @@ from lightning_3d.layout import Layout, MeshAxis, build_mesh
 from lightning_3d.observe.telemetry import Telemetry
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.options import Plan
+from lightning_3d.parallel.clip import collective_device
 from lightning_3d.parallel.loss import plain_loss, vocab_parallel_loss
 from lightning_3d.parallel.materialize import to_device_keeping_meta
 from lightning_3d.parallel.replicas import ReplicaCheck, plan_hint
+from lightning_3d.runtime.agreement import agree_on_setup
 from lightning_3d.runtime.failures import LINES_ATTR, REPORTS_ENV, describe_failure
 from lightning_3d.runtime.preemption import StopOnSignal, without_signal_broadcast
 from lightning_3d.runtime.watchdog import Watchdog, watch_world
@@ -62,6 +64,40 @@ def refuse_manual_optimization(module: Any, layout: Layout) -> None:
             "training_step itself; use pipeline=1 (ZeRO 0-3, tensor and context parallelism take "
             "manual optimization) or automatic optimization"
         )
+
+
+def refuse_empty_optimizers(optimizers: list[Optimizer], layout: Layout, stage: int) -> None:
+    """``ValueError`` naming the first optimizer that holds no parameter on this rank. Under a
+    pipeline each stage holds only its own blocks' parameters, so an optimizer built over a
+    sub-module on another stage is empty here; it is refused rather than dropped on that stage
+    (the stages would then step different numbers of optimizers, and their checkpoints and LR
+    schedulers would count them differently)."""
+    for index, optimizer in enumerate(optimizers):
+        if not any(group["params"] for group in optimizer.param_groups):
+            raise ValueError(_empty_optimizer_words(index, layout, stage))
+
+
+def explain_empty_optimizer(error: Exception, layout: Layout, stage: int) -> Exception:
+    """Under a pipeline, torch's "optimizer got an empty parameter list" (an optimizer built over
+    modules of another stage) as a ``ValueError`` saying so, from the original; ``error``
+    otherwise."""
+    if layout.pipeline > 1 and "empty parameter list" in str(error):
+        explained = ValueError(_empty_optimizer_words(None, layout, stage))
+        explained.__cause__ = error
+        return explained
+    return error
+
+
+def _empty_optimizer_words(index: Optional[int], layout: Layout, stage: int) -> str:
+    which = "an optimizer" if index is None else f"optimizer {index}"
+    where = (
+        f"pipeline stage {stage} of {layout.pipeline} holds only its own blocks' parameters, "
+        "and an optimizer over modules of another stage has none there; build one optimizer "
+        "over self.parameters() (the stages share it: each steps its own parameters)"
+        if layout.pipeline > 1
+        else "build it over the module's parameters"
+    )
+    return f"{which} got no parameters on this rank: {where}"
 
 
 def computes_on_host(device_type: str, offload_device: str) -> bool:
@@ -307,25 +343,44 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         # The module's torchmetrics sync over the ranks holding different samples, as self.log.
         sync_metrics_over(module, self.sample_group)
         self._setting_up = "optimizer setup"
-        if trainer.state.fn == TrainerFn.FITTING:
+        # The module's configure_optimizers may fail on some ranks only (an optimizer over a
+        # sub-module that lives on another pipeline stage): the ranks agree on the outcome of
+        # each such step before the next collective, and all raise together (agree_on_setup).
+        agreement_device = collective_device(None)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
             trainer.callbacks += (
                 [] if self.signals in trainer.callbacks else [self.signals]
             )  # SIGTERM: save, stop
             without_signal_broadcast(trainer)  # the step's agreement carries the signal
-            self.setup_optimizers(trainer)
-            self.optimizers = attach_optimizers(self.parallelized, self.optimizers, self.plan)
-        self.setup_precision_plugin()
-        # Clipping by the global norm over shards and stages, and a loss-scale overflow on any
-        # rank skipping the step on every rank: a subclass of the plugin Lightning chose.
-        self.precision_plugin = distributed_precision(
-            self.precision_plugin,
-            self._norm_scope,
-            self.plan.nonfinite,
-            before_step=self._check_replica_gradients,
-            signals=self.signals,
-        )
+        error: Optional[Exception] = None
+        try:
+            if fitting:
+                self.setup_optimizers(trainer)
+                refuse_empty_optimizers(self.optimizers, self.layout, self._pipeline_stage())
+        except Exception as err:  # noqa: BLE001 -- raised below, on every rank alike
+            error = explain_empty_optimizer(err, self.layout, self._pipeline_stage())
+        agree_on_setup(self._setting_up, error, agreement_device)
+        try:
+            if fitting:
+                self.optimizers = attach_optimizers(self.parallelized, self.optimizers, self.plan)
+            self.setup_precision_plugin()
+            # Clipping by the global norm over shards and stages, and a loss-scale overflow on
+            # any rank skipping the step on every rank: a subclass of the plugin Lightning chose.
+            self.precision_plugin = distributed_precision(
+                self.precision_plugin,
+                self._norm_scope,
+                self.plan.nonfinite,
+                before_step=self._check_replica_gradients,
+                signals=self.signals,
+            )
+        except Exception as err:  # noqa: BLE001 -- raised below, on every rank alike
+            error = err
+        agree_on_setup(self._setting_up, error, agreement_device)  # also setup's last barrier
         self._setting_up = None
-        self.barrier()
+
+    def _pipeline_stage(self) -> int:
+        return self.device_mesh.get_local_rank(MeshAxis.PIPELINE.value)
 
     def _norm_scope(self) -> tuple[Any, set[int]]:
         # Stages own disjoint parameters: their norms add up over pp, a tied copy's only once.
