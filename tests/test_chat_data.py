@@ -83,6 +83,16 @@ def _labelled(conversation, tokenizer):
     return [tokenizer.convert_ids_to_tokens(t) for t in conversation.labels if t != IGNORE_INDEX]
 
 
+# Two assistant turns after a system and a user turn: the labelled tests' conversation.
+CONVERSATION = [
+    {"role": "system", "content": "the fox"},
+    {"role": "user", "content": "quick brown"},
+    {"role": "assistant", "content": "lazy dog"},
+    {"role": "user", "content": "cats"},
+    {"role": "assistant", "content": "seven small cats"},
+]
+
+
 # ------------------------------------------------------------------ labels
 @pytest.mark.parametrize("kind", sorted(TEMPLATES))
 def test_loss_only_on_the_assistants_tokens(kind):
@@ -90,13 +100,7 @@ def test_loss_only_on_the_assistants_tokens(kind):
     the role headers; a longer user turn moves the labels but changes none of them. (Seen failing
     with every token labelled, and with the generation prompt left out of the prefix.)"""
     tokenizer = _tokenizer(TEMPLATES[kind])
-    messages = [
-        {"role": "system", "content": "the fox"},
-        {"role": "user", "content": "quick brown"},
-        {"role": "assistant", "content": "lazy dog"},
-        {"role": "user", "content": "cats"},
-        {"role": "assistant", "content": "seven small cats"},
-    ]
+    messages = CONVERSATION
     conversation = render(tokenizer, messages, "x.jsonl:1")
     assert _labelled(conversation, tokenizer) == [
         "lazy",
@@ -131,13 +135,7 @@ def test_the_newline_after_the_end_of_turn_is_not_labelled(template):
     the end of the template's rendered turn (two extra trained newline tokens per conversation
     here), which the word-level tokenizer cannot see (it has no whitespace tokens)."""
     tokenizer = byte_level_tokenizer(template)
-    messages = [
-        {"role": "system", "content": "the fox"},
-        {"role": "user", "content": "quick brown"},
-        {"role": "assistant", "content": "lazy dog"},
-        {"role": "user", "content": "cats"},
-        {"role": "assistant", "content": "seven small cats"},
-    ]
+    messages = CONVERSATION
     rendered = render(tokenizer, messages, "x.jsonl:1")
     ids, labels = rendered.ids, rendered.labels
     assert ids == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False))["input_ids"]
