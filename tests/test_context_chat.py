@@ -37,19 +37,11 @@ def _others(options):
 
 
 def _reference(chat_files, arch, packing, options):
-    """One process; with data or pipeline parallelism, the same layout at context 1: a data
-    rank's loss is the token mean of its own rows, a pipeline's the mean of its micro-batches'
-    means, so rows of unequal counts make either differ from one process's token mean, with or
-    without context parallelism."""
-    key = (arch, packing, tuple(sorted(options.items())))
+    """One process on the whole global batch: every layout, data and pipeline parallelism
+    included, trains on its token mean (parallel/objective.py)."""
+    key = (arch, packing)
     if key not in _REFERENCES:
-        if "data" in options or "pipeline" in options:
-            world = _others(options)
-            strategy = {**options, "context": 1}
-            run = _run(chat_files, arch, packing, strategy=strategy, devices=world)
-            _REFERENCES[key] = run_world(fit_gpt, world, run)[0]
-        else:
-            _REFERENCES[key] = fit_gpt(0, _run(chat_files, arch, packing))
+        _REFERENCES[key] = fit_gpt(0, _run(chat_files, arch, packing))
     return _REFERENCES[key]
 
 
@@ -77,14 +69,15 @@ def test_chat_batches_match_one_process(chat_files, arch, scheme, packing, world
     shifted after the cut, or shifted twice; no document mask between packed conversations;
     positions left at the whole row's 0..T-1 (GPT-2-style: rotary ones see only distances,
     which within a document do not change); a loss averaged over the ranks' means instead of
-    their tokens (at cp 4: 0/0 on the rank with no target)."""
+    their tokens (at cp 4: 0/0 on the rank with no target); data or pipeline ranks each taking
+    the mean of their own rows' tokens."""
     reference = _reference(chat_files, arch, packing, options)
     context = world // _others(options)
     strategy = {"context": context, "context_scheme": scheme, **options}
     run = _run(chat_files, arch, packing, strategy=strategy, devices=world)
     ranks = run_world(fit_gpt_ranks, world, run)
-    # self.log sees the whole sequence's loss on every rank (a data rank: its own rows')
-    assert_matches_one_process(ranks, reference, logged="data" not in options)
+    # self.log sees the global batch's token mean on every rank
+    assert_matches_one_process(ranks, reference)
 
 
 def test_the_finetune_app_trains_chat_with_the_losses_of_one_process(tmp_path):

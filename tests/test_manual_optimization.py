@@ -5,7 +5,8 @@ A generator / discriminator pair of token-wise networks with two optimizers (the
 loss runs through the discriminator, so its backward reaches the other optimizer's parameters
 unless that one is toggled off), and one optimizer that accumulates two backwards per step,
 each trained 4 steps on 2 gloo ranks: over data ranks (each rank its own samples) and over
-context ranks (each rank half of every sample's tokens). Every rank's weights are compared,
+context ranks (each rank half of every sample's tokens) and over tensor ranks (each rank half of
+every layer, the discriminator's last layer a loss-parallel head). Every rank's weights are compared,
 tensor by tensor, with one process that trains the same program on the global batch (Lightning's
 ``ddp`` on the same 2 ranks matches that process to 3e-8). SGD without momentum moves the
 weights by the gradient itself, so a gradient that kept another backward's share, or was
@@ -28,9 +29,18 @@ RANKS = 2
 BATCH = 4  # per data-parallel rank; the reference process reads both ranks' samples as one batch
 TOKENS = 4  # per sample: a context-parallel rank holds 2 of each sample's tokens
 FEATURES = 6
+# The generator split over 2 tensor ranks (column then row parallel); the discriminator's last
+# layer a loss-parallel head (its logits a DTensor sharded on the classes, its input whole), so
+# manual_backward runs the backward of a vocab-parallel cross-entropy.
+TP_PLAN = {"generator.0": "colwise", "generator.2": "rowwise", "discriminator.2": "head"}
 # name: the strategy's options besides zero_stage. "data": each rank its own samples; "context":
-# both ranks every sample, each its half of every sample's tokens (load-balanced chunks).
-LAYOUTS = {"data": {}, "context": {"context": 2}}
+# both ranks every sample, each its half of every sample's tokens (load-balanced chunks);
+# "tensor": both ranks every sample, each half of every layer's features.
+LAYOUTS = {
+    "data": {},
+    "context": {"context": 2},
+    "tensor": {"tensor": 2, "tp_plan": TP_PLAN},
+}
 # name: (how the program steps, optimizer, batches per rank)
 CASES = {
     # toggle_optimizer around each optimizer's backward and step (Lightning's GAN recipe)
@@ -47,7 +57,7 @@ CASES = {
 
 def _token_loss(logits: Any, label: int) -> Any:
     """Cross-entropy of every token's two logits against ``label``: under context parallelism
-    the strategy makes it the mean over the whole sequence (``parallel/context/loss.py``)."""
+    the strategy makes it the mean over the whole sequence (``parallel/objective.py``)."""
     import torch
     import torch.nn.functional as F
 
@@ -192,7 +202,7 @@ def _fit_layouts(rank: int, runs: list[tuple[str, int, str]]) -> dict:
 
 @pytest.fixture(scope="module")
 def world() -> list[dict]:
-    """One 2-rank world trains every case, stage and layout in turn (32 small fits, ~10 s on 2 cores)."""
+    """One 2-rank world trains every case, stage and layout in turn (48 small fits)."""
     runs = [(c, s, layout) for c in CASES for s in STAGES for layout in LAYOUTS]
     return run_world(_fit_layouts, RANKS, runs)
 
@@ -219,8 +229,11 @@ def test_manual_optimization_matches_one_process(world, reference, case, stage, 
     engines whose optimizer is toggled off (toggle, stages 1-2: ``toggle_optimizer`` freezes
     the engine's slices, not the model's parameters, so the discriminator took the generator
     loss's gradient); a second reduction before a step that reduces the first one's
-    already-reduced slice again (accumulate, stage 1). Every rank's own copy is compared; under
-    data parallelism the ranks read different samples."""
+    already-reduced slice again (accumulate, stage 1); under tensor parallelism, every stage: a
+    ``manual_backward`` that entered the vocab-parallel loss context a second time, inside
+    ``training_step``'s, and on leaving it removed torch's loss-parallel ops for the rest of the
+    step (the next loss failed, or ``KeyError: aten._log_softmax`` at the step's end). Every
+    rank's own copy is compared; under data parallelism the ranks read different samples."""
     ranks = world
     assert ranks[0]["first_real"] != ranks[1]["first_real"]
     expected = reference(case)

@@ -355,6 +355,11 @@ class HFCausalLM(pl.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def pipeline_training_step_end(self, loss: torch.Tensor, batch: Any, batch_idx: int) -> None:
+        """Under a pipeline, which runs the batch in place of ``training_step``: what
+        ``training_step`` logs, from the schedule's loss (docs/parallelism.md)."""
+        self.log("train_loss", loss, prog_bar=True)
+
     def _evaluate(self, batch: Any, metric: torchmetrics.MeanMetric, name: str) -> None:
         loss, tokens = self._loss(batch)
         metric.update(loss, weight=tokens.clamp(min=1))

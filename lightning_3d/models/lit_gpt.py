@@ -182,6 +182,11 @@ class LitGPT(pl.LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def pipeline_training_step_end(self, loss: torch.Tensor, batch: Any, batch_idx: int) -> None:
+        """Under a pipeline, which runs the batch in place of ``training_step``: what
+        ``training_step`` logs, from the schedule's loss (docs/parallelism.md)."""
+        self.log("train_loss", loss, prog_bar=True)
+
     def _evaluate(
         self, batch: tuple[torch.Tensor, torch.Tensor], metric: torchmetrics.MeanMetric, name: str
     ) -> None:

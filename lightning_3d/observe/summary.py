@@ -72,11 +72,13 @@ def _count_parameters(trainer: pl.Trainer, module: pl.LightningModule) -> int:
 class RunSummary(Callback):
     """Record what a run did, the same way in every layout, and write ``summary.json``.
 
-    - ``losses``: the global mean training loss of every optimizer step (mean over the
-      accumulated micro-batches of the step, then over data-parallel ranks);
-    - ``local_losses``: this rank's own loss of every optimizer step, before that reduction
-      (what tests check rank by rank: data-parallel ranks see other samples, tensor-parallel
-      peers must each compute the full loss);
+    - ``losses``: the global mean training loss of every optimizer step: under
+      ``ThreeDStrategy``, the token mean of the step's cross-entropy over the whole global batch
+      (:mod:`lightning_3d.parallel.objective`, the same on every rank); otherwise the mean over
+      the accumulated micro-batches of the step, then over data-parallel ranks;
+    - ``local_losses``: this rank's own loss of every optimizer step, before any reduction over
+      ranks (what tests check rank by rank: tensor-parallel peers must each compute the full
+      loss; under ``ThreeDStrategy`` it is the global token mean on every rank);
     - ``tokens_per_s``: median over steps after ``warmup_steps`` of global tokens / step time;
     - ``flops_per_token`` (training FLOPs per token, mean over the trained tokens) and
       ``flops_formula`` (how it was counted, see :mod:`lightning_3d.observe.flops`); ``tflops``: the
@@ -258,7 +260,11 @@ class RunSummary(Callback):
             return  # still accumulating
         self._last_step = trainer.global_step
         local = step_loss = self._loss_sum
-        if local is not None and trainer.world_size > 1:  # the reduction is in place: keep ours
+        objective = getattr(trainer.strategy, "objective", None)  # ThreeDStrategy's
+        mean = None if objective is None else objective.value()
+        if mean is not None:  # the step's token mean over the global batch: every rank's
+            local = step_loss = mean
+        elif local is not None and trainer.world_size > 1:  # reduced in place: keep ours
             local = local.clone()
             step_loss = trainer.strategy.reduce(self._loss_sum, reduce_op="mean")
         self._unread.append((local, step_loss))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Optional
 
 import torch
@@ -31,6 +31,7 @@ class _Clock:
 
     def __init__(self) -> None:
         self.busy = 0.0
+        self.forwards = 0  # forward chunks run this step
         self.meter = ActivationMeter()
 
     def timed(self, run: Callable[[], Any], after: Optional[Callable[[], None]]) -> Any:
@@ -49,6 +50,7 @@ def _timed_stage_class(clock: _Clock) -> type:
 
     class TimedStage(PipelineStage):
         def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+            clock.forwards += 1
             return clock.timed(
                 lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs),
                 clock.meter.forward_done,
@@ -88,6 +90,7 @@ class PipelineRuntime:
         accumulation: Callable[[], int] = lambda: 1,
         scale_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
         telemetry: Any = None,
+        objective: Any = None,
     ) -> None:
         self.group = mesh.get_group()
         size, rank, virtual = mesh.size(), mesh.get_local_rank(), options.virtual_stages
@@ -104,6 +107,7 @@ class PipelineRuntime:
         self._accumulation = accumulation
         self._scale_loss = scale_loss or (lambda loss: loss)
         self._telemetry = telemetry
+        self._objective = objective  # parallel/objective.py's TokenMean: the step's token mean
         self._outputs_only = False
         self._grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._clock = _Clock()
@@ -126,7 +130,11 @@ class PipelineRuntime:
         # the mean over the schedule's micro-batches and Lightning's k accumulated steps. (The
         # schedule's own scale_grads would divide p.grad after the step, but ZeRO has already
         # moved the gradients into its buckets by then.)
-        with paused(False):  # what the loss saves for backward counts (see run())
+        # torch's schedule may first run the loss once to infer gradient shapes, before any
+        # forward chunk of the step: that call is no micro-batch of the step's token mean.
+        inferring = self._clock.forwards == 0
+        aside = self._objective.aside() if inferring and self._objective else nullcontext()
+        with paused(False), aside:  # what the loss saves for backward counts (see run())
             loss = self.spec.loss(outputs, targets) / (self.micro_batches * self._accumulation())
             return self._scale_loss(loss)
 
@@ -145,7 +153,7 @@ class PipelineRuntime:
         args = (inputs,) if self.is_first else ()
         losses: list[torch.Tensor] = []
         clock = self._clock
-        clock.busy, start = 0.0, time.perf_counter()
+        clock.busy, clock.forwards, start = 0.0, 0, time.perf_counter()
         clock.meter.reset(p for stage in self.stage_modules for p in stage.parameters())
         # Activations count inside the stages' forward / backward chunks and the loss only: the
         # schedule's first step also runs each stage once to infer shapes, outside the chunks.
@@ -166,10 +174,18 @@ class PipelineRuntime:
         if self.is_last:  # undo the loss scaling (16-mixed) for what Lightning logs and returns
             loss_scale = self._scale_loss(torch.ones((), device=self.device))
             losses = [x.detach().to(dtype) / loss_scale for x in losses]
-        loss = torch.stack(losses).mean() * scale if self.is_last else torch.zeros((), dtype=dtype)
-        loss = loss.to(inputs.device, dtype)
-        dist.broadcast(loss, src=self.last_rank, group=self.group)
-        return loss  # the batch's mean loss; Lightning divides it by k itself, as for any step
+        # The last stage's loss, and the factor the step's gradients take (parallel/objective.py)
+        # on every stage, in one broadcast: the other stages have no loss to count tokens of.
+        told = torch.zeros(2, dtype=torch.float64, device=inputs.device)
+        if self.is_last:
+            value = None if self._objective is None else self._objective.value()
+            told[0] = torch.stack(losses).mean() * scale if value is None else value
+            factor = None if self._objective is None else self._objective.factor(scale)
+            told[1] = 1.0 if factor is None else factor
+        dist.broadcast(told, src=self.last_rank, group=self.group)
+        if not self.is_last and self._objective is not None:
+            self._objective.adopt(told)
+        return told[0].to(dtype)  # the step's token mean; Lightning divides it by k itself
 
     def _weight_dtype(self) -> torch.dtype:
         """The dtype of this rank's first floating-point weight (fp32 if it holds none)."""

@@ -186,6 +186,7 @@ def parallelize(
     scale_loss: Optional[Callable] = None,
     telemetry: Optional[Telemetry] = None,
     step: Callable[[str], None] = lambda name: None,
+    objective: Optional[Any] = None,
 ) -> Parallelized:
     """Rewrite ``module`` in place into this rank's part of ``plan`` on ``mesh``; returns the
     record of what was made. ``step(name)`` is told each step as it starts (for error reports)."""
@@ -274,6 +275,7 @@ def parallelize(
             accumulation=accumulation,
             scale_loss=scale_loss,
             telemetry=telemetry,
+            objective=objective,
         )
     return made
 

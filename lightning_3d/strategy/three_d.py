@@ -11,6 +11,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -24,15 +25,16 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_3d.checkpoint.io import AtomicCheckpointIO
-from lightning_3d.layout import Layout, MeshAxis, build_mesh
+from lightning_3d.layout import Layout, MeshAxis, build_mesh, shard_mesh
 from lightning_3d.observe.telemetry import Telemetry
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.options import Plan
-from lightning_3d.parallel.clip import collective_device
+from lightning_3d.parallel.clip import collective_device, global_grad_norm
 from lightning_3d.parallel.loss import plain_loss, vocab_parallel_loss
 from lightning_3d.parallel.materialize import to_device_keeping_meta
 from lightning_3d.parallel.replicas import ReplicaCheck, plan_hint
@@ -157,7 +159,12 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         self.num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
         self._sample_group: Optional[Any] = None  # the mesh's dp group (setup_environment)
+        # The token mean over the global batch (setup_environment: over ZeRO's axis).
+        self.objective: Optional[Any] = (
+            None  # parallel/objective.py's TokenMean (setup_environment)
+        )
         self._sync_grads = True
+        self._in_step_context = False  # inside _step_context (manual_backward runs in it)
         self._setting_up: Optional[str] = None  # the setup step under way (for error reports)
         self.watchdog: Optional[Watchdog] = (
             None  # heartbeats: names a stalled or dead peer (setup_environment)
@@ -307,6 +314,9 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         self._device_mesh = build_mesh(self.layout, self.root_device.type)
         data = self._device_mesh.get_group(MeshAxis.DATA.value)
         self._sample_group = data if data.size() < self.world_size else None
+        from lightning_3d.parallel.objective import TokenMean  # not on `import lightning_3d`
+
+        self.objective = TokenMean(shard_mesh(self._device_mesh).get_group())
         self.watchdog = self.watchdog or watch_world(
             self.global_rank,
             self.world_size,
@@ -317,29 +327,41 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     @override
     def connect(self, model: pl.LightningModule) -> None:
         refuse_manual_optimization(model, self.layout)  # before any process group (auto: setup)
+        self._refuse_unrun_training_step(model)
         super().connect(model)
+
+    def _refuse_unrun_training_step(self, module: pl.LightningModule) -> None:
+        if self.layout.pipeline > 1:  # loaded for pipelines only, not on `import lightning_3d`
+            from lightning_3d.strategy.pipeline_step import refuse_unrun_training_step
+
+            refuse_unrun_training_step(module, self.layout)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         refuse_manual_optimization(self.lightning_module, self.layout)  # the resolved layout
+        self._refuse_unrun_training_step(self.lightning_module)
         self.accelerator.setup(trainer)
         self.model_to_device()
         self.model = self.precision_plugin.convert_module(self.model)
         module = self.lightning_module
+        self._adopt_earlier_run(module)  # a module an earlier Trainer parallelized: its record
         if (
             self.parallelized is None or self.parallelized.module is not module
         ):  # validate() after fit() reuses
+            # Through module.trainer: a later Trainer's strategy may run this schedule.
             self.parallelized = parallelize(
                 module,
                 self.device_mesh,
                 self.plan,
                 device=self.root_device,
                 precision=str(self.precision_plugin.precision),
-                accumulation=lambda: trainer.accumulate_grad_batches,
-                scale_loss=lambda loss: scale_loss(self.precision_plugin, loss),
+                accumulation=lambda: module.trainer.accumulate_grad_batches,
+                scale_loss=lambda loss: scale_loss(module.trainer.strategy.precision_plugin, loss),
                 telemetry=self.telemetry,
                 step=lambda name: setattr(self, "_setting_up", name),
+                objective=self.objective,
             )
+            self._remember_run(module)
         # The module's torchmetrics sync over the ranks holding different samples, as self.log.
         sync_metrics_over(module, self.sample_group)
         self._setting_up = "optimizer setup"
@@ -379,6 +401,28 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         agree_on_setup(self._setting_up, error, agreement_device)  # also setup's last barrier
         self._setting_up = None
 
+    def _adopt_earlier_run(self, module: pl.LightningModule) -> None:
+        # The recipe rewrote the module in place (DTensor weights, FSDP2 blocks, this rank's
+        # pipeline stages only) and cannot run on it again: take over that run's record, the
+        # mesh its DTensors live on and the objective its schedule reports to (strategy/reuse.py).
+        from lightning_3d.strategy.reuse import earlier_run  # not on `import lightning_3d`
+
+        earlier = earlier_run(module, self.layout)
+        if earlier is None or self.parallelized is earlier.parallelized:
+            return
+        self.parallelized = earlier.parallelized
+        self._device_mesh = earlier.parallelized.mesh
+        data = self._device_mesh.get_group(MeshAxis.DATA.value)
+        self._sample_group = data if data.size() < self.world_size else None
+        self.objective = earlier.objective
+        earlier.relay_to(self.telemetry)
+
+    def _remember_run(self, module: pl.LightningModule) -> None:
+        # For the strategy of a later Trainer the module is handed to (_adopt_earlier_run).
+        from lightning_3d.strategy.reuse import EarlierRun, remember
+
+        remember(module, EarlierRun(self.parallelized, self.layout, self.objective, self.telemetry))
+
     def _pipeline_stage(self) -> int:
         return self.device_mesh.get_local_rank(MeshAxis.PIPELINE.value)
 
@@ -402,19 +446,34 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         finally:
             self._sync_grads = True
 
-    def _step_context(self):
+    @contextmanager
+    def _step_context(self, training: bool = False) -> Generator[None, None, None]:
+        # Entered once: manual_backward calls backward inside training_step's context, and a
+        # nested loss_parallel() would remove torch's loss ops on its exit, under the outer one.
+        if self._in_step_context:
+            yield
+            return
+        self._in_step_context = True
+        try:
+            with self._loss_contexts(training):
+                yield
+        finally:
+            self._in_step_context = False
+
+    def _loss_contexts(self, training: bool = False) -> ExitStack:
         # Vocab-parallel logits (a DTensor sharded on the vocabulary) need loss_parallel for
         # cross-entropy, in the forward and in the backward; scoped to this strategy's steps.
-        # Context parallelism: the loss is the token mean over the whole sequence (every cp rank).
+        # Training: the loss is the token mean over the global batch (parallel/objective.py);
+        # evaluation under context parallelism: over the whole sequence (every cp rank).
         stack = ExitStack()
         if self.layout.tensor > 1:
             stack.enter_context(vocab_parallel_loss())
-        if self.layout.context > 1:
-            from lightning_3d.parallel.context.loss import context_mean_loss
+        if training:
+            stack.enter_context(self.objective.training())
+        elif self.layout.context > 1:
+            from lightning_3d.parallel.objective import evaluation_mean
 
-            stack.enter_context(
-                context_mean_loss(self.device_mesh.get_group(MeshAxis.CONTEXT.value))
-            )
+            stack.enter_context(evaluation_mean(self.device_mesh.get_group(MeshAxis.CONTEXT.value)))
         return stack
 
     @override
@@ -433,10 +492,13 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context():
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        accumulation = self.lightning_module.trainer.accumulate_grad_batches
+        calls = 1 if self.pipeline is None else self.pipeline.micro_batches
+        self.objective.begin(window=batch_idx % accumulation == 0, calls_per_step=calls)
+        with self._step_context(training=True):
             if self.pipeline is None:
                 return plain_loss(super().training_step(*args, **kwargs))
-            batch_idx = args[1] if len(args) > 1 else 0
             loss = self.pipeline.train_step(
                 self.lightning_module,
                 args[0],
@@ -444,7 +506,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
                 self._before_schedule,
                 self.precision_plugin.train_step_context(),
             )
-            self.lightning_module.log("train_loss", loss, prog_bar=True)
+            # The module's own end of the step (strategy/pipeline_step.py): its logs and metrics.
+            self.lightning_module.pipeline_training_step_end(loss, args[0], batch_idx)
             return loss
 
     def _before_schedule(self) -> None:
@@ -463,12 +526,33 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         output = self._evaluation_step(super().predict_step, args, kwargs, plain=False)
-        if self.layout.context > 1 and isinstance(output, Tensor) and output.dim() > 1:
-            # Context parallelism: this rank's tokens back into whole sequences.
-            from lightning_3d.parallel.context.chunks import gather_sequence
+        return self._whole_predictions(output)
 
-            output = gather_sequence(output, self.device_mesh.get_group(MeshAxis.CONTEXT.value))
+    def _whole_predictions(self, output: Any) -> Any:
+        # What ddp's predict returns: plain tensors (a vocab-parallel head's logits are DTensors),
+        # whole sequences (context parallelism: this rank's tokens gathered back), in a bare
+        # tensor or a dict / tuple / list of them.
+        output = apply_to_collection(output, DTensor, lambda t: t.full_tensor())
+        if self.layout.context > 1:
+            from lightning_3d.parallel.context.batch import gather_outputs
+
+            output = gather_outputs(output, self.device_mesh.get_group(MeshAxis.CONTEXT.value))
         return output
+
+    def gradient_norm(self, optimizer: Optimizer) -> Tensor:
+        """The 2-norm of the gradients ``optimizer`` is about to apply, over the whole model,
+        as one process computes it: what ``grad_norm(module, 2)["grad_2.0_norm_total"]`` gives
+        under ``ddp``. Lightning's ``grad_norm`` reads each parameter's ``.grad``, which holds
+        this rank's shard under ZeRO-3 and tensor parallelism and nothing under ZeRO 1-2 (the
+        engine's slices hold the gradients); this sums the squares over the shards, tensor
+        ranks and pipeline stages instead. A collective: call it on every rank, e.g. in
+        ``on_before_optimizer_step``::
+
+            def on_before_optimizer_step(self, optimizer):
+                self.log("grad_norm", self.trainer.strategy.gradient_norm(optimizer))
+        """
+        sum_over, skip = self._norm_scope()
+        return global_grad_norm(self.precision_plugin.main_params(optimizer), sum_over, skip)
 
     def _evaluation_step(
         self, step: Callable, args: tuple, kwargs: dict, plain: bool = True
@@ -493,14 +577,24 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
     ) -> Tensor:
         if self.pipeline is not None:  # the schedule already ran backward in training_step
-            # ZeRO-3: FSDP2 reduced the tied copies' gradients; add them up (ZeRO 0-2 engines do it).
-            self.pipeline.hand_back_grads(
-                self.parallelized.tied_copies() if not self.parallelized.engines else []
-            )
-            self.post_backward(closure_loss)
-            return closure_loss
+            return self._pipeline_backward(closure_loss)
         with self._step_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _pipeline_backward(self, closure_loss: Tensor) -> Tensor:
+        # The schedule's gradients were set aside in training_step: on_before_backward and
+        # on_after_backward (the module's and callbacks', through the precision plugin, as
+        # Lightning's backward calls them) run around their hand-back, so they see p.grad as a
+        # backward in one process leaves it before and after.
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        # ZeRO-3: FSDP2 reduced the tied copies' gradients; add them up (ZeRO 0-2 engines do it).
+        self.pipeline.hand_back_grads(
+            self.parallelized.tied_copies() if not self.parallelized.engines else []
+        )
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -520,7 +614,12 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         model: Optional[Any] = None,
         **kwargs: Any,
     ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        def closure_of_the_token_mean() -> Any:
+            result = closure()
+            self._weigh_gradients(optimizer)
+            return result
+
+        output = super().optimizer_step(optimizer, closure_of_the_token_mean, model, **kwargs)
         engine = self.parallelized.engine_for(optimizer)
         if engine is not None:
             engine.after_step()
@@ -528,6 +627,17 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
             self.check_replicas(values_only=True)
         self._replica_steps += 1
         return output
+
+    def _weigh_gradients(self, optimizer: Optimizer) -> None:
+        # Accumulated micro-batches (and a pipeline's) each weighed their tokens by the first
+        # one's count: now that the step's count is known, make it the step's token mean.
+        if not self.lightning_module.automatic_optimization:
+            return
+        divisor = self.lightning_module.trainer.accumulate_grad_batches * (
+            1 if self.pipeline is None else self.pipeline.micro_batches
+        )
+        grads = [p.grad for p in self.precision_plugin.main_params(optimizer)]
+        self.objective.weigh([_local(g) for g in grads if g is not None], divisor)
 
     @property
     def _replicas_due(self) -> bool:
@@ -598,3 +708,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         if self.watchdog is not None:  # joins its thread: none left running at interpreter exit
             self.watchdog.stop()
             self.watchdog = None
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A DTensor's local shard (its storage: scaled in place), a plain tensor as it is."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor

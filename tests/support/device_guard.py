@@ -126,11 +126,14 @@ class Violation:
 
 
 def _sites(skip_torch: bool = True, depth: int = 3) -> str:
-    """The innermost ``depth`` frames of the caller outside torch and this file."""
+    """The innermost ``depth`` frames of the caller outside torch and this file (and outside
+    any ``TorchFunctionMode``'s ``__torch_function__``: a mode forwards a call, it does not
+    make it)."""
     frame, found = sys._getframe(1), []
     while frame is not None and len(found) < depth:
         name = frame.f_code.co_filename
-        if not (name == _HERE or (skip_torch and name.startswith(_TORCH))):
+        forwarding = frame.f_code.co_name == "__torch_function__"
+        if not (name == _HERE or forwarding or (skip_torch and name.startswith(_TORCH))):
             found.append(f"{_short(name)}:{frame.f_lineno} in {frame.f_code.co_name}")
         frame = frame.f_back
     return " <- ".join(found) or "?"

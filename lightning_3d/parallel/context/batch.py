@@ -31,7 +31,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_3d.parallel.context.chunks import shard_sequence
+from lightning_3d.parallel.context.chunks import gather_sequence, shard_sequence
 
 DICT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
@@ -101,3 +101,19 @@ def check_right_padding(mask: Tensor) -> None:
             f"zeros); rows {rows} mask a token before a real one (left padding or holes), "
             f"which the attention across ranks does not apply"
         )
+
+
+def gather_outputs(output: Any, group: Any) -> Any:
+    """The dual of :func:`shard_batch` for what a step returns (``predict``): in a tensor, or a
+    dict, tuple or list of them, each tensor with a sequence dim (dim 1 of each tensor of two or
+    more dims, the same length as the first such tensor's) gathered back into whole sequences
+    from every rank of ``group``; the rest (one value per sample) as it is. A collective."""
+    lengths: list[int] = []
+    apply_to_collection(output, Tensor, lambda t: lengths.append(t.shape[1]) if t.dim() > 1 else 0)
+    if not lengths:
+        return output
+
+    def gather(t: Tensor) -> Tensor:
+        return gather_sequence(t, group) if t.dim() > 1 and t.shape[1] == lengths[0] else t
+
+    return apply_to_collection(output, Tensor, gather)
