@@ -227,6 +227,50 @@ def test_qlora_exports_load_in_peft_and_transformers_with_the_trained_logits(qlo
     assert all(p.dtype == torch.float32 for p in merged.parameters())
 
 
+def test_bitsandbytes_qlora_exports_load_in_peft_and_transformers(tmp_path):
+    """bitsandbytes' 4-bit base (``model.adapter.quantization=bitsandbytes``): its
+    ``Params4bit`` writes the packed codes and its quant state as extra entries, which neither
+    export took (seen failing: "the state does not fit LlamaForCausalLM ... unexpected
+    [...weight.absmax, ...]"). Both exports now hold a plain base, dequantized; the PEFT adapters
+    on it and the merged model agree, and give the trained model's logits within its 4-bit
+    kernel's bf16 arithmetic on a CPU."""
+    pytest.importorskip("bitsandbytes")
+    adapter = {**QLORA, "quantization": "bitsandbytes"}
+    ckpt, base, state = _train(tmp_path / "run", adapter, tiny_hf_config("llama", **WIDE))
+    assert main([str(ckpt), str(tmp_path / "adapter")]) == 0
+    assert main([str(ckpt), str(tmp_path / "merged"), "--merged"]) == 0
+    module = _trained(base, adapter, state)
+    ids = torch.randint(3, 256, (2, 16))
+    with torch.no_grad():
+        want = module(ids)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+        got_merged = merged.eval()(input_ids=ids).logits
+        plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
+        plain.load_state_dict(_unmerged(merged.state_dict(), tmp_path / "adapter"))
+        got = peft.PeftModel.from_pretrained(plain, str(tmp_path / "adapter")).eval()
+        got = got(input_ids=ids).logits
+    assert not any("absmax" in k or "lora" in k for k in merged.state_dict())
+    torch.testing.assert_close(got, got_merged, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_merged, want, rtol=0, atol=2e-2)
+
+
+def _unmerged(merged: dict, adapter_dir: Path) -> dict:
+    """The base weights of a merged export: each adapted weight minus its LoRA delta."""
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    adapters = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    base = dict(merged)
+    for name, a in adapters.items():
+        if ".lora_A." not in name:
+            continue
+        b = adapters[name.replace(".lora_A.", ".lora_B.")]
+        target = name.split("base_model.model.", 1)[-1].replace(".lora_A.weight", ".weight")
+        base[target] = base[target] - scale * b @ a
+    return base
+
+
 # ------------------------------------------------------------------------------ merged: a whole model
 def test_merged_export_has_the_tokenizer_chat_template_and_use_cache(lora, tmp_path):
     """The merged directory loads with ``AutoTokenizer`` (the run's model directory had one),

@@ -435,6 +435,7 @@ def test_launcher_checks_records_and_refuses_packing_under_pipeline(files, tmp_p
         "data.val_fraction=0.2",
         "offload=none",
         "finetune.pretrained=null",
+        "trainer.val_check_interval=4",  # within the 8 batches of an epoch (checked too)
     ]
     validate(_compose(base))
     with pytest.raises(

@@ -5,8 +5,11 @@ layouts must get right — per-head norms (Qwen3), an embedding scaled inside it
 windows and soft-capping (Gemma2), fused projections (Phi-3), full-width q/k norms (OLMo2),
 experts (Mixtral), interleaved fused q/k/v and a parallel residual (GPT-NeoX), partial rotary
 (Phi), a family that ships no plan (StableLM). Each layout trains 5 fp32 steps and must give
-the single-process losses and every tensor's update. The whole registry: ``-m slow`` and
-``python -m lightning_3d.harness.hf_matrix``.
+the single-process losses and every tensor's update; ``cp2`` (context parallelism) runs in CI
+for Qwen3 and Phi, the rest under ``-m slow``. Packed chat rows: each conversation of a packed row
+gives its logits alone, or packing is refused; one family per kind of token mixer that cannot
+honour packing or context parallelism (linear-attention hybrid, Mamba, gpt-oss) is refused,
+naming the layer. The whole registry: ``-m slow`` and ``python -m lightning_3d.harness.hf_matrix``.
 """
 
 from __future__ import annotations
@@ -65,11 +68,25 @@ REFUSED = {
         "tp2_sp",
     ): r"MixtralForCausalLM: sequence_parallel=True .* model.model.layers.0.mlp "
     r"\(MixtralSparseMoeBlock\) would see a shard of the sequence",
+    ("gemma2", "cp2"): r"context parallelism \(parallelism.context\): Gemma2ForCausalLM: "
+    r"sliding-window attention \(sliding_window=8\), which the context kernels do not compute",
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("family", FAMILIES)
+# Context parallelism's two-process runs in CI for two families (per-head norms, partial
+# rotary); the others with -m slow. Its refusals (Gemma2's windows) are checks on meta: always.
+CONTEXT_IN_CI = ("qwen3", "phi", "gemma2")
+
+
+def _cases():
+    for layout in LAYOUTS:
+        for family in FAMILIES:
+            slow = layout == "cp2" and family not in CONTEXT_IN_CI
+            marks = [pytest.mark.slow] if slow else []
+            yield pytest.param(family, layout, marks=marks, id=f"{family}-{layout}")
+
+
+@pytest.mark.parametrize("family, layout", list(_cases()))
 def test_family_matches_single_process(reference, family, layout):
     world_size, strategy, attn = LAYOUTS[layout]
     if family == "gemma2" and attn == "sdpa":
@@ -170,3 +187,68 @@ def test_dropout_on_matches_single_process(family, dropout, strategy):
         model=model,
     )
     assert_matches(run_world(fit_gpt, 2, run)[0], ref)
+
+
+# Token mixers that cannot keep packed conversations apart or run on a rank's chunks of the
+# sequence, one family per kind: refused before any process starts, naming the layer class.
+PACKING_REFUSED = {
+    # linear-attention hybrid: gated delta nets between attention layers
+    "qwen3_5_text": r"Qwen3_5ForCausalLM: layers 0, 2 mix tokens in Qwen3_5GatedDeltaNet "
+    r"\(layer type 'linear_attention'\)",
+    # state-space model: every layer a Mamba mixer
+    "mamba": r"MambaForCausalLM: layers 0-3 mix tokens in MambaMixer",
+    # attention through the interface, but a mask built without the packed position_ids
+    "gpt_oss": r"GptOssForCausalLM: in a packed row the second conversation's logits differ",
+}
+CONTEXT_REFUSED = {
+    "qwen3_5_text": r"context parallelism \(parallelism.context\): Qwen3_5ForCausalLM: layers "
+    r"0, 2 mix tokens in Qwen3_5GatedDeltaNet",
+    "mamba": r"context parallelism \(parallelism.context\): MambaForCausalLM: .* MambaMixer",
+    "gpt_oss": r"context parallelism \(parallelism.context\): GptOssForCausalLM: attention "
+    r"sinks \(GptOssAttention.sinks",
+}
+
+
+def _on_meta(family):
+    import torch
+
+    from lightning_3d.harness.hf_configs import tiny_config
+    from lightning_3d.models.hf import HFCausalLM
+
+    with torch.device("meta"):  # as the app's launcher checks it
+        return HFCausalLM(config=tiny_config(family))
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "llama", "qwen2", "gpt2", *PACKING_REFUSED])
+def test_packed_conversations_match_each_alone_or_packing_is_refused(family):
+    """Each conversation of a packed row (positions restarting at 0, as ``data=chat`` packs)
+    against the same conversation alone, one process: within 1e-5, or ``data.packing=true``
+    refused naming the layer, and the refused family really leaks (so the refusal is not for
+    nothing). Catches: a linear-attention or Mamba layer carrying one conversation's state into
+    the next (Qwen3.5 ~0.1, Mamba ~1), a family whose mask ignores the positions (gpt-oss ~0.2)."""
+    from lightning_3d.data.chat import ChatDataModule
+    from lightning_3d.harness.hf_configs import tiny_config
+    from lightning_3d.harness.hf_matrix import packed_leak
+
+    leak = packed_leak(tiny_config(family))
+    if family in PACKING_REFUSED:
+        with pytest.raises(ValueError, match=PACKING_REFUSED[family]) as err:
+            ChatDataModule.check_model(_on_meta(family), packing=True)
+        assert "data.packing=true" in str(err.value) and "data.packing=false" in str(err.value)
+        assert leak > 1e-2
+        return
+    ChatDataModule.check_model(_on_meta(family), packing=True)
+    assert leak < 1e-5
+
+
+@pytest.mark.parametrize("family", list(CONTEXT_REFUSED))
+def test_token_mixers_context_parallelism_cannot_route_are_refused(family):
+    """``parallelism.context=2`` on a linear-attention hybrid, a Mamba model and gpt-oss (sinks,
+    windows): refused on the ``meta`` model, naming the layer class and the option. (Before,
+    Qwen3.5 and Mamba passed the check and trained their recurrences on each rank's chunks as if
+    they were contiguous.)"""
+    from lightning_3d.options import Plan
+    from lightning_3d.parallel.model_check import check
+
+    with pytest.raises(ValueError, match=CONTEXT_REFUSED[family]):
+        check(_on_meta(family), Plan.from_options(context=2), 2)

@@ -51,8 +51,9 @@ def describe(options: AdapterOptions) -> str:
     return f"method {options.method}, r={options.r}, targets {_targets(options)}{backend}"
 
 
-def overrides(options: AdapterOptions) -> str:
-    """The app's command-line overrides that give a run these options."""
+def overrides(options: AdapterOptions, named: tuple[str, ...] = ()) -> str:
+    """The app's command-line overrides that give a run these options (``named``: options
+    spelled out even at their defaults, those a run set otherwise)."""
     out = [
         f"adapter={options.method}",
         f"model.adapter.r={options.r}",
@@ -62,14 +63,35 @@ def overrides(options: AdapterOptions) -> str:
     ]
     for name in ("lora_alpha", "lora_dropout", "quantization"):
         value = getattr(options, name)
-        if value != getattr(_OVERRIDE_DEFAULTS, name):
+        if value != getattr(_OVERRIDE_DEFAULTS, name) or name in named:
             out.append(f"model.adapter.{name}={value}")
     return " ".join(out)
 
 
-def _key(options: AdapterOptions) -> tuple[Any, ...]:
-    targets = options.target_modules
-    return (options.method, options.r, targets if isinstance(targets, str) else tuple(targets))
+# What a resume must keep: a different r or targets leave the checkpoint's adapters without a
+# module or a shape, a different lora_alpha or dropout trains them on under another update.
+COMPARED = ("method", "r", "lora_alpha", "lora_dropout", "target_modules")
+
+
+def _value(options: AdapterOptions, name: str) -> Any:
+    value = getattr(options, name)
+    if name == "target_modules":
+        return _targets(options)
+    return float(value) if name in ("lora_alpha", "lora_dropout") else value
+
+
+def differences(saved: AdapterOptions, mine: AdapterOptions) -> list[str]:
+    """``lora_alpha 16 in the checkpoint, 32 in this run``, one per option of
+    :data:`COMPARED` that differs."""
+    return [
+        f"{name} {_shown(a)} in the checkpoint, {_shown(b)} in this run"
+        for name in COMPARED
+        if (a := _value(saved, name)) != (b := _value(mine, name))
+    ]
+
+
+def _shown(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def adapter_mismatch(
@@ -77,7 +99,8 @@ def adapter_mismatch(
 ) -> Optional[str]:
     """What is wrong with resuming a checkpoint that records adapter ``saved`` (``None``: a
     whole model's) into a model with adapter ``mine`` (``None`` or method ``none``: no adapter),
-    as one sentence; ``None`` when the two agree (method, ``r`` and targets)."""
+    as one sentence naming the options that differ; ``None`` when the two agree
+    (:data:`COMPARED`: method, ``r``, ``lora_alpha``, ``lora_dropout`` and targets)."""
     mine = mine if mine is not None and mine.enabled else None
     if saved is None and mine is None:
         return None
@@ -94,10 +117,13 @@ def adapter_mismatch(
             f"adapters on its weights with examples/finetune.py finetune.pretrained=CKPT "
             f"adapter={mine.method} (a whole model's checkpoint becomes the base)"
         )
-    if _key(saved) != _key(mine):
+    differ = differences(saved, mine)
+    if differ:
+        named = tuple(name for name in COMPARED if any(d.startswith(name + " ") for d in differ))
         return (
             f"the checkpoint's adapter ({describe(saved)}) is not this run's ({describe(mine)}): "
-            f"resume with the checkpoint's options, {overrides(saved)}"
+            f"{'; '.join(differ)}; resume with the checkpoint's options, "
+            f"{overrides(saved, named)}"
         )
     return None
 
@@ -113,16 +139,11 @@ def check_adapter_checkpoint(module: Any, checkpoint: Mapping[str, Any]) -> None
             "without an adapter, or its weights as the base (model path)"
         )
     options = AdapterOptions.parse(saved)
-    mine = module.adapter
-    if (options.method, options.r, options.target_modules) != (
-        mine.method,
-        mine.r,
-        mine.target_modules,
-    ):
+    differ = differences(options, module.adapter)
+    if differ:
         raise ValueError(
-            f"the checkpoint's adapter (method={options.method!r}, r={options.r}, "
-            f"target_modules={options.target_modules!r}) is not the model's (method="
-            f"{mine.method!r}, r={mine.r}, target_modules={mine.target_modules!r})"
+            f"the checkpoint's adapter ({describe(options)}) is not the model's "
+            f"({describe(module.adapter)}): {'; '.join(differ)}"
         )
     state = checkpoint.get("state_dict")
     if state is None:  # a sharded checkpoint: read in place, checked by name there

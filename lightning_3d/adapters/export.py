@@ -41,6 +41,7 @@ def peft_model(
     config = hf_config
     if isinstance(hf_config, Mapping):
         config = transformers.AutoConfig.for_model(**dict(hf_config))
+    state = _without_bnb_4bit(state)
     names = [n[len(PREFIX) :] if n.startswith(PREFIX) else n for n in state]
     dtype = _dtype(state)
     state = {n: _plain(t, dtype) for n, t in zip(names, state.values())}
@@ -61,6 +62,31 @@ def peft_model(
         )
     inner.load_state_dict(state, strict=True)
     return model.eval()
+
+
+_BNB_QUANT_STATE = ".quant_state.bitsandbytes__"  # ends the last entry a Params4bit writes
+
+
+def _without_bnb_4bit(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """bitsandbytes' 4-bit bases (a ``Params4bit``'s packed codes, then its quant state as the
+    entries ``<weight>.absmax``, ``.quant_map``, ... its ``state_dict`` writes) dequantized into
+    one plain weight each, in the dtype they were quantized from; every other entry as it is."""
+    markers = [name for name in state if _BNB_QUANT_STATE in name]
+    if not markers:
+        return dict(state)
+    from bitsandbytes.functional import QuantState, dequantize_4bit
+
+    plain = dict(state)
+    for marker in markers:
+        weight = marker[: marker.index(_BNB_QUANT_STATE)]
+        parts = {
+            name[len(weight) + 1 :]: plain.pop(name)
+            for name in list(plain)
+            if name.startswith(weight + ".")
+        }
+        quant_state = QuantState.from_dict(parts, device=torch.device("cpu"))
+        plain[weight] = dequantize_4bit(plain[weight].detach().cpu(), quant_state)
+    return plain
 
 
 def _is_nf4(tensor: Tensor) -> bool:

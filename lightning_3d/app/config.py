@@ -189,12 +189,15 @@ def hf_model_limits(path: Optional[str], config: Any) -> ModelLimits:
     return ModelLimits(getattr(hf, "vocab_size", None), positions, where)
 
 
-def without_weights(node: Any) -> Any:
+def without_weights(node: Any, always: bool = False) -> Any:
     """``node`` with a Hugging Face directory's weights left out, for a model that would load
-    them whole (``deferred_init=false``): ``model.path`` replaced by its ``config.json`` as
+    them whole (``deferred_init=false``; ``always``: any directory model, for one whose deferred
+    build was declined, as where ``transformers`` converts the files' tensors on load or QLoRA
+    quantizes the base as it is built): ``model.path`` replaced by its ``config.json`` as
     ``model.config``, so the model builds on the ``meta`` device (where ``from_pretrained``
-    refuses to run) with the same shapes. Other nodes (a deferred directory model reads only
-    the files' headers) are returned as they are."""
+    refuses to run) with the same shapes. The safetensors files' headers are read first, so a
+    truncated file is named here. Other nodes (a deferred directory model reads only the
+    files' headers) are returned as they are."""
     from omegaconf import OmegaConf
 
     from lightning_3d.models.hf import HFCausalLM
@@ -205,14 +208,25 @@ def without_weights(node: Any) -> Any:
         or node.get("path") is None
     ):
         return node
-    if node.get(
-        "deferred_init", True
-    ):  # built on meta from the files' headers: their checks run too
-        return node
+    if not always and node.get("deferred_init", True):
+        return node  # built on meta from the files' headers: their checks run too
+    _check_headers(node.path)
     config = _hf_config_from_dir(node.path).to_dict()
     return OmegaConf.merge(
         OmegaConf.to_container(node, resolve=True), {"path": None, "config": config}
     )
+
+
+def _check_headers(path: str) -> None:
+    """The directory's safetensors headers are readable: ``ValueError`` naming a truncated or
+    damaged file (``pytorch_model*.bin`` directories are read by ``transformers`` only)."""
+    from pathlib import Path
+
+    from lightning_3d.models.hf_load import read_headers, weight_files
+
+    directory = Path(str(path)).expanduser()
+    if weight_files(directory):
+        read_headers(directory)
 
 
 def _hf_config_from_dir(path: str) -> Any:

@@ -104,6 +104,7 @@ def check_spec(spec: RunSpec, model: Any = None) -> Any:
     if spec.model is not None:
         check_target_keys(spec.model, "model")
         model_limits(spec.model)  # a Hugging Face model's directory or config, said as such
+        check_adapter_plan(spec.model, plan)
         model = model if model is not None else model_on_meta(spec.model)
         if model is not None and (layout.tensor > 1 or layout.pipeline > 1 or layout.context > 1):
             check(model, plan, spec.world)
@@ -119,6 +120,8 @@ def check_spec(spec: RunSpec, model: Any = None) -> Any:
         check_steps_left(spec.resume, spec.max_steps)
     if spec.model is not None and spec.data is not None:
         check_model_and_data(spec.model, spec.data)
+        if model is not None:
+            check_data_model(spec.data, model)
     check_trainer(spec.trainer, spec.plan)
     # (A resumed epoch is shorter, and an unplanned layout unknown yet: the ranks check those.)
     if spec.data is not None and spec.resume is None and not unplanned:
@@ -167,6 +170,16 @@ def check_data_layout(data: DictConfig, layout: Any) -> None:
         options = OmegaConf.to_container(data, resolve=True)
         given = {k: v for k, v in options.items() if k not in HYDRA_KEYS}
         check_layout(layout.pipeline, context=layout.context, **given)
+
+
+def check_data_model(data: DictConfig, model: Any) -> None:
+    """The data module's own limits on the model built on meta, where its class has a
+    ``check_model`` (``data=chat``: packed rows need token mixers that keep conversations
+    apart)."""
+    check_model = getattr(target_of(data, "data"), "check_model", None)
+    if check_model is not None:
+        options = OmegaConf.to_container(data, resolve=True)
+        check_model(model, **{k: v for k, v in options.items() if k not in HYDRA_KEYS})
 
 
 def check_data_sizes(data: DictConfig, trainer: DictConfig, data_degree: int) -> None:
@@ -251,6 +264,29 @@ def configured_adapter(model: DictConfig) -> Any:
     return options if options.enabled else None
 
 
+def check_adapter_plan(model: DictConfig, plan: Plan) -> None:
+    """QLoRA's limits on the layout, from the adapter options alone, before the model is built
+    (whose own refusals, such as a base NF4 cannot hold, would otherwise be named first):
+    ``ValueError`` naming the adapter, parallelism and offload keys that cannot go together."""
+    adapter = configured_adapter(model)
+    if adapter is None or adapter.method != "qlora":
+        return
+    from lightning_3d.adapters.qlora import refuse_qlora_plan
+
+    layout, bnb = plan.layout, adapter.quantization == "bitsandbytes"
+    keys = ["adapter=qlora" + (" model.adapter.quantization=bitsandbytes" if bnb else "")]
+    if layout.tensor > 1:
+        keys.append(f"parallelism.tensor={layout.tensor}")
+    if layout.zero_stage == 3 and (bnb or plan.offload.params):
+        keys.append("parallelism.zero_stage=3")
+        if not bnb:
+            keys.append("offload.params=true")
+    try:
+        refuse_qlora_plan(plan, adapter.quantization)
+    except ValueError as err:
+        raise ValueError(f"{' with '.join(keys)}: {err}") from None
+
+
 def model_on_meta(model: DictConfig) -> Any:
     """The configured model built on ``meta`` (no memory, no weights read), so its constructor's
     checks run here; ``None`` for a module that cannot be built on meta for other reasons (the
@@ -258,7 +294,12 @@ def model_on_meta(model: DictConfig) -> Any:
     import torch
 
     with torch.device("meta"):
-        return _build(without_weights(model), "model")
+        built = _build(without_weights(model), "model")
+        if built is None and model.get("path") is not None:
+            # A directory model that declined its deferred build (transformers converts the
+            # files' tensors on load; QLoRA quantizes as it builds): its config.json's shapes.
+            built = _build(without_weights(model, always=True), "model")
+    return built
 
 
 def _build(node: DictConfig, where: str) -> Any:

@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import warnings
@@ -83,6 +84,14 @@ def _messages(line: str, where: str) -> list[dict[str, str]]:
                 f"{where}: message {i} ({role}) has no string 'content' "
                 f"(got {type(content).__name__})"
             )
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as err:  # JSON's "\ud800" decodes to a lone surrogate
+            raise ValueError(
+                f"{where}: message {i} ({role}) holds a lone surrogate "
+                f"{content[err.start]!r} at character {err.start}, which no tokenizer can "
+                "encode; fix the line (an unpaired \\u escape in its JSON)"
+            ) from None
     if not any(m["role"] == "assistant" for m in messages):
         raise ValueError(f"{where}: the conversation has no assistant turn (nothing to train on)")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -226,6 +235,21 @@ class ChatDataset(Dataset):
         return self.rows[i]
 
 
+def _stamp(path: Optional[str]) -> tuple[Any, ...]:
+    """``path`` and its files' sizes and times: a key that changes when the files do."""
+    files = find_text_files(path, (".jsonl",))
+    return (path, *((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+@functools.lru_cache(maxsize=2)
+def _row_counts(stamp: tuple[Any, ...], *options: Any) -> tuple[int, int]:
+    """(training rows, validation rows) of :meth:`ChatDataModule.build_rows` (``options``: its
+    arguments after ``path``), kept for the files of ``stamp``: the launcher's checks
+    tokenize the conversations once."""
+    train, val = ChatDataModule.build_rows(stamp[0], *options)
+    return len(train), len(val)
+
+
 class ChatDataModule(TextDataModule):
     """Chat conversations for supervised fine-tuning: loss on the assistant's tokens only.
 
@@ -282,6 +306,14 @@ class ChatDataModule(TextDataModule):
             raise ValueError(f"data.too_long={too_long!r} must be one of {', '.join(TOO_LONG)}")
         self.path, self.tokenizer_dir, self.chat_template = path, tokenizer, chat_template
         self.packing, self.too_long = packing, too_long
+
+    def setup(self, stage: str | None = None) -> None:
+        # The model is known here, before any row is built or step taken: packed rows need
+        # token mixers that keep each conversation to itself.
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if module is not None:
+            self.check_model(module, self.packing)
+        super().setup(stage)
 
     def setup_for(self, dp_size: int, dp_rank: int) -> None:
         """Build both splits' rows (once) for an explicit data-parallel position."""
@@ -356,10 +388,56 @@ class ChatDataModule(TextDataModule):
         for name, value in (("block_size", block_size), ("batch_size", batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"data.{name}={value!r} must be a positive integer")
-        cls.build_rows(
-            path, tokenizer, chat_template, block_size, batch_size, val_fraction, packing, too_long
+        _row_counts(
+            _stamp(path),
+            tokenizer,
+            chat_template,
+            block_size,
+            batch_size,
+            val_fraction,
+            packing,
+            too_long,
         )
         return len(load_chat_tokenizer(tokenizer, chat_template))
+
+    @classmethod
+    def split_windows(
+        cls,
+        path: Optional[str] = None,
+        tokenizer: Optional[str] = None,
+        chat_template: Optional[str] = None,
+        block_size: int = 1024,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        packing: bool = True,
+        too_long: str = "error",
+        **_: Any,
+    ) -> tuple[int, int]:
+        """(training rows, validation rows), for the launching process's checks against the
+        Trainer's validation interval (the app's ``check_data_sizes``). The rows are counted
+        once per launcher: :meth:`check` counted them already (without this, the
+        :class:`TextDataModule` method would count the stdlib corpus instead)."""
+        return _row_counts(
+            _stamp(path),
+            tokenizer,
+            chat_template,
+            block_size,
+            batch_size,
+            val_fraction,
+            packing,
+            too_long,
+        )
+
+    @staticmethod
+    def check_model(model: Any, packing: bool = True, **_: Any) -> None:
+        """``packing=true`` keeps each conversation of a row to itself only where every token
+        mixer of the model is attention that reads the restarting positions: ``ValueError``
+        naming the layer class otherwise (linear attention, Mamba, a mask built without the
+        positions; :mod:`lightning_3d.models.hf_mixers`). A model built on ``meta`` is enough."""
+        if packing:
+            from lightning_3d.models.hf_mixers import check_packing
+
+            check_packing(model)
 
     @staticmethod
     def check_layout(pipeline: int, packing: bool = True, context: int = 1, **_: Any) -> None:

@@ -24,6 +24,11 @@ process on the losses (1e-5) and on every tensor's update (1e-3 relative). A cel
   Measured on ``lara_mini`` dp2 × tp2: fp64 with Adam still 6e-5 on a decay rate, and one
   process against itself with the batch in two accumulated halves 1.3e-6 on the same tensor;
   fp64 with SGD 1.4e-7;
+* ``packed_chat`` (a column, not a layout: one process, no training) — ``ok`` where every
+  conversation of a packed row (positions restarting at 0, as ``data=chat`` packs) gives the
+  logits of the same conversation alone, within :data:`PACKED_TOLERANCE`; ``refused`` where
+  ``data.packing=true`` is refused for the family (``lightning_3d.models.hf_mixers``);
+  ``DIFFERS`` where it leaks and nothing refuses it. ``cp2`` is a layout like the others;
 * ``refused`` — refused before launch (the launcher's check on a ``meta`` model) or at the first
   forward (a pipeline split the model's forward does not allow), with the reason;
 * ``DIFFERS`` / ``CRASH`` — a bug: a silently different model, or a failure that is not a refusal;
@@ -46,7 +51,11 @@ LAYOUTS: dict[str, tuple[int, dict, Optional[str]]] = {
     "pp2_eager": (2, {"pipeline": 2}, "eager"),
     "dp2_zero3": (2, {"data": 2, "zero_stage": 3}, None),
     "dp2_tp2": (4, {"data": 2, "tensor": 2, "zero_stage": 1}, None),
+    "cp2": (2, {"context": 2}, None),
 }
+# Not a layout: one process, each conversation of a packed row against the same one alone.
+PACKED = "packed_chat"
+COLUMNS = [*LAYOUTS, PACKED]
 EXTRA_FAMILIES = ("gpt2", "stablelm")  # ship no plan: recognised by their module names
 MAX_PARAMS = 5_000_000  # a "tiny" config that the generic sizes leave larger is not built
 STEPS, SEED = 3, 1234
@@ -56,6 +65,7 @@ STEPS, SEED = 3, 1234
 # at lr 3e-3) and ten thousand times the noise a mathematically-zero gradient leaves.
 FP32 = (1e-5, 1e-3, 0.0)
 FP64 = (1e-9, 1e-5, 1e-12)
+PACKED_TOLERANCE = 1e-4  # fp32 logits, packed or alone: 1e-7 where the mask keeps them apart
 FP64_OPTIMIZER = "sgd"  # linear in the gradient (momentum 0.9): see the module docstring
 TIMEOUT_S = (
     240  # per world: a family whose tiny forward is slow (reference kernels in Python) is cut off
@@ -146,6 +156,53 @@ def buildable(family: str) -> Optional[str]:
     if count > MAX_PARAMS:
         return f"tiny config not buildable ({count / 1e6:.0f} M parameters: the family derives sizes of its own)"
     return None
+
+
+def packed_cell(family: str) -> Cell:
+    """The packed-chat cell: ``refused`` where ``data.packing=true`` is refused for the family
+    (the app's check on a ``meta`` model), else two conversations packed in one row of the
+    family's tiny model against each alone: ``ok`` within :data:`PACKED_TOLERANCE`, or
+    ``DIFFERS`` (a leak between conversations that nothing refused)."""
+    import torch
+
+    from lightning_3d.models.hf import HFCausalLM
+    from lightning_3d.models.hf_mixers import check_packing
+
+    config = _config(family, None)["hf"]
+    try:
+        with torch.device("meta"):
+            module = HFCausalLM(config=config)
+        check_packing(module)
+    except ValueError as err:
+        return Cell("refused", _first_line(str(err)))
+    leak = packed_leak(config)
+    if leak > PACKED_TOLERANCE:
+        return Cell("DIFFERS", f"a packed conversation's logits differ from it alone by {leak:.1e}")
+    return Cell("ok", figures=(leak, 0.0))
+
+
+def packed_leak(config: dict, lengths: tuple[int, ...] = (9, 7, 16)) -> float:
+    """The largest logit difference between conversations of ``lengths`` tokens packed in one
+    row (positions restarting at 0, as ``data=chat`` packs them) and each one alone, on the
+    model of ``config`` (seeded random init, fp32)."""
+    import torch
+
+    from lightning_3d.models.hf import HFCausalLM
+
+    torch.manual_seed(SEED)
+    model = HFCausalLM(config=config).eval()
+    generator = torch.Generator().manual_seed(SEED)
+    conversations = [torch.randint(3, 250, (1, n), generator=generator) for n in lengths]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]  # (1, sum(lengths))
+    with torch.no_grad():
+        packed = model(torch.cat(conversations, 1), position_ids=positions)
+        worst, start = 0.0, 0
+        for ids in conversations:
+            alone = model(ids)
+            part = packed[:, start : start + ids.shape[1]]
+            worst = max(worst, (part - alone).abs().max().item())
+            start += ids.shape[1]
+    return worst
 
 
 def refused_before_launch(family: str, layout: str) -> Optional[str]:
@@ -252,6 +309,13 @@ def family_row(family: str, layouts: list[str]) -> tuple[Optional[str], dict[str
     fp64_references: dict[Optional[str], Any] = {}
     cells = {}
     for layout in layouts:
+        if layout == PACKED:
+            cells[layout] = packed_cell(family)
+            continue
+        reason = refused_before_launch(family, layout)
+        if reason is not None:  # no one-process reference needed
+            cells[layout] = Cell("refused", reason)
+            continue
         attn = LAYOUTS[layout][2]
         try:
             if attn not in references:
@@ -353,7 +417,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+")
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", default=COLUMNS, choices=COLUMNS)
     parser.add_argument("--out", help="also write the table to this file")
     parser.add_argument(
         "--rows",

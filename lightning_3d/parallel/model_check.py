@@ -11,6 +11,7 @@ from lightning_3d.adapters.qlora import check_qlora_plan
 from lightning_3d.adapters.tensor import adapter_tensor_plan
 from lightning_3d.options import Plan
 from lightning_3d.parallel.plans import build_plan
+from lightning_3d.parallel.plans.hf import whole_output_conflicts
 from lightning_3d.parallel.stages import plan_stages
 from lightning_3d.parallel.tensor import resolve_plan
 from lightning_3d.parallel.tied import check_tied_styles, find_tied
@@ -34,6 +35,9 @@ def check(module: nn.Module, plan: Plan, world_size: int) -> None:
     layout = plan.layout.resolve(world_size)
     check_qlora_plan(module, plan, layout.data)
     if layout.tensor > 1:
+        conflicts = whole_output_conflicts(module, plan.tp.plan or {})
+        if conflicts:
+            raise ValueError("; ".join(conflicts))
         styles = build_plan(module, plan.tp.plan, plan.tp.sequence_parallel)
         styles = adapter_tensor_plan(module, styles)
         check_tied_styles(module, resolve_plan(module, styles, layout.tensor), find_tied(module))

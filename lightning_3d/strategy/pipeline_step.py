@@ -17,7 +17,8 @@ and ``self.log("train_loss", ...)``, log the same in their hook.
 
 A module that has no hook, or whose ``training_step`` overrides the class that defines the hook
 (a subclass of ``LitGPT`` overriding ``training_step`` only, say), is refused before training:
-its own step would not run.
+its own step would not run. So is a module that overrides ``LightningModule.backward``, which the
+schedule's own backward would skip.
 """
 
 from __future__ import annotations
@@ -37,13 +38,28 @@ def _defining_index(module: Any, name: str) -> Optional[int]:
     return next((i for i, cls in enumerate(mro) if name in vars(cls)), None)
 
 
+def _refuse_unrun_backward(module: Any, layout: Layout) -> None:
+    """``ValueError`` for a module that overrides ``LightningModule.backward``: the schedule runs
+    the backward of every micro-batch itself, so the override would be skipped unseen."""
+    owner = type(module).__mro__[_defining_index(module, "backward")]
+    if owner is LightningModule:
+        return
+    raise ValueError(
+        f"{owner.__name__}.backward does not run under pipeline={layout.pipeline} (the schedule "
+        "runs the backward of every micro-batch itself): remove the override (on_before_backward "
+        "and on_after_backward run as under ddp), or use pipeline=1"
+    )
+
+
 def refuse_unrun_training_step(module: Any, layout: Layout) -> None:
     """``ValueError`` under ``pipeline > 1`` for a module whose ``training_step`` would be
     skipped unseen: no :data:`STEP_END_HOOK`, or one from a class that comes after the one that
-    defines ``training_step`` in the MRO (a base class whose step a subclass overrides). Manual
-    optimization is refused on its own, and a module without a ``training_step`` by Lightning."""
+    defines ``training_step`` in the MRO (a base class whose step a subclass overrides); also one
+    that overrides ``backward``. Manual optimization is refused on its own, and a module without a
+    ``training_step`` by Lightning."""
     if layout.pipeline <= 1 or not getattr(module, "automatic_optimization", True):
         return
+    _refuse_unrun_backward(module, layout)
     step, end = _defining_index(module, "training_step"), _defining_index(module, STEP_END_HOOK)
     mro = type(module).__mro__
     # The hook must override at least what training_step does: defined in the class that

@@ -54,14 +54,16 @@ def context_problems(
 ) -> list[str]:
     """What keeps ``module`` (built on ``meta`` is enough) from running with ``context=size`` by
     ``scheme`` beside ``tensor`` and ``pipeline``: no attention to route, attention the kernels
-    cannot compute (dropout, sliding windows, soft-capping), heads that all-to-all cannot split.
+    cannot compute (dropout, sliding windows, soft-capping, sinks), token mixers that are not
+    attention (linear attention, Mamba), heads that all-to-all cannot split.
     ``pipeline`` is for the callers' symmetry: every pipeline composes."""
     from lightning_3d.parallel.context.hf import hf_problems, is_hf_model
 
     hf = next((m for m in module.modules() if is_hf_model(m)), None)
     if hf is not None:
         problems = hf_problems(hf)
-        heads = [hf.config.num_attention_heads]
+        # A model without attention heads (Mamba) is refused by hf_problems already.
+        heads = [h for h in [getattr(hf.config, "num_attention_heads", None)] if h is not None]
     else:
         layers = [(name, sub) for name, sub in module.named_modules() if hasattr(sub, ATTR)]
         if not layers:

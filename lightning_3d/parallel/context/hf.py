@@ -17,6 +17,12 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
+from lightning_3d.models.hf_mixers import (
+    is_routed_attention,
+    layer_list,
+    layers_without_attention,
+    mixer_problems,
+)
 from lightning_3d.parallel.context.attention import ATTR
 
 IMPLEMENTATION = "lightning_3d_context"
@@ -57,9 +63,18 @@ def is_hf_model(module: nn.Module) -> bool:
 
 
 def hf_problems(model: nn.Module) -> list[str]:
-    """What context parallelism cannot route in a ``transformers`` model (its config's values)."""
-    config, problems = model.config, []
-    name = type(model).__name__
+    """What context parallelism (``parallelism.context``) cannot route in a ``transformers``
+    model: token mixers that are not attention through the attention interface (linear attention,
+    Mamba, convolutions: :mod:`lightning_3d.models.hf_mixers`), and attention its kernels do not
+    compute (dropout, sliding windows, chunked attention, soft-capping, sinks)."""
+    config, name = model.config, type(model).__name__
+    problems = mixer_problems(model)
+    for cls, layers in layers_without_attention(model).items():
+        problems.append(
+            f"{name}: {layer_list(layers)} ({cls}) {'hold' if len(layers) > 1 else 'holds'} "
+            "no attention module it can route "
+            "(a class named *Attention with the model's config and a layer_idx)"
+        )
     if not model._can_set_attn_implementation():
         problems.append(f"{name} does not run attention through transformers' attention interface")
     if getattr(config, "attention_dropout", 0.0) or getattr(config, "attn_pdrop", 0.0):
@@ -67,11 +82,24 @@ def hf_problems(model: nn.Module) -> list[str]:
         problems.append(f"{name}: attention dropout {dropout} (the kernels have none); set it to 0")
     window = getattr(config, "sliding_window", None)
     if window is not None and getattr(config, "use_sliding_window", True):
-        problems.append(f"{name}: sliding-window attention (sliding_window={window})")
+        problems.append(
+            f"{name}: sliding-window attention (sliding_window={window}), which the context "
+            "kernels do not compute"
+        )
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk is not None and "chunked_attention" in (getattr(config, "layer_types", None) or []):
+        problems.append(f"{name}: chunked attention (attention_chunk_size={chunk})")
     for key in ("attn_logit_softcapping", "attn_logit_softcap"):
         if getattr(config, key, None) is not None:
             problems.append(f"{name}: attention logit soft-capping ({key}={getattr(config, key)})")
-    return problems
+    sinks = sorted(
+        {type(m).__name__ for m in model.modules() if isinstance(getattr(m, "sinks", None), Tensor)}
+    )
+    if sinks:
+        problems.append(
+            f"{name}: attention sinks ({', '.join(sinks)}.sinks; the kernels have none)"
+        )
+    return [f"context parallelism (parallelism.context): {p}" for p in problems]
 
 
 def route_hf_attention(model: nn.Module, attend: Any) -> list[str]:
@@ -89,11 +117,7 @@ def route_hf_attention(model: nn.Module, attend: Any) -> list[str]:
     routed = []
     for name, sub in model.named_modules():
         # The modules that call the interface: those holding the model's config and a layer index.
-        if (
-            hasattr(sub, "layer_idx")
-            and hasattr(sub, "config")
-            and "Attention" in type(sub).__name__
-        ):
+        if is_routed_attention(sub):
             setattr(sub, ATTR, attend)
             routed.append(name)
     return routed

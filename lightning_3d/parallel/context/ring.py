@@ -117,11 +117,15 @@ class _RingAttention(torch.autograd.Function):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         chunk = q.shape[-2] // 2
         dtype = q.dtype
-        q32 = q.float()
+        # fp32 at least (bf16/fp16 inputs), fp64 kept (the family matrix's fp64 judgement).
+        work = torch.promote_types(dtype, torch.float32)
+        q32 = q.to(work)
         queries = q32.chunk(2, dim=-2)  # (B, H, c, D) each: this rank's two chunks
         out = [torch.zeros_like(c) for c in queries]
-        lse = [torch.full(c.shape[:-1], float("-inf"), device=q.device) for c in queries]
-        kv = torch.stack([k.float(), v.float()])  # (2, B, H, 2c, D): one message per step
+        lse = [
+            torch.full(c.shape[:-1], float("-inf"), device=q.device, dtype=work) for c in queries
+        ]
+        kv = torch.stack([k.to(work), v.to(work)])  # (2, B, H, 2c, D): one message per step
         for step in range(size):
             sending = _Pass(kv, group) if step < size - 1 else None
             keys, values = kv[0].chunk(2, dim=-2), kv[1].chunk(2, dim=-2)
@@ -145,15 +149,16 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         q, k, v, output, lse = ctx.saved_tensors
-        q32 = q.float()
+        work = output.dtype  # the forward's working precision
+        q32 = q.to(work)
         group, scale = ctx.group, ctx.scale
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        grad = grad.float()
+        grad = grad.to(work)
         delta = (grad * output).sum(-1)  # (B, H, 2c): rowsum(dO ∘ O), softmax's backward term
         queries, grads = q32.chunk(2, dim=-2), grad.chunk(2, dim=-2)
         lses, deltas = lse.chunk(2, dim=-1), delta.chunk(2, dim=-1)
         dq = [torch.zeros_like(c) for c in queries]
-        kv = torch.stack([k.float(), v.float()])
+        kv = torch.stack([k.to(work), v.to(work)])
         dkv = torch.zeros_like(kv)  # the gradient of the block held now; travels with it
         for step in range(size):
             sending = _Pass(kv, group) if step < size - 1 else None

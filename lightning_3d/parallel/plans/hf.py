@@ -115,6 +115,54 @@ def hf_tensor_plan(root: nn.Module, sequence_parallel: bool) -> Optional[dict[st
     return _Translation(root, prefix, model, entries, sequence_parallel).plan()
 
 
+def whole_output_conflicts(root: nn.Module, plan: Mapping[str, object]) -> list[str]:
+    """Entries of an explicit ``plan`` (``tp_plan=``) that split plain column-wise a module
+    whose output the ``transformers`` model reads whole: its shipped plan gives the module a
+    gathered or packed style (Phi-3's fused ``qkv_proj`` and ``gate_up_proj``, which the model
+    slices by global sizes; OLMo2's q/k under full-width norms). Split plain, a rank would hold
+    a band of the fused rows (all of q and none of v) and the model's slicing fails on the
+    first forward. One sentence per entry; ``[]`` where there is no ``transformers`` model."""
+    found = outermost_hf_model(root)
+    if found is None:
+        return []
+    prefix, model = found
+    shipped = {
+        _join(prefix, k): v
+        for k, v in (getattr(model, "tp_plan", None) or {}).items()
+        if v in (*GATHERED_COLUMN, "packed_colwise")
+    }
+    names = [n for n, _ in root.named_modules() if n]
+    out = []
+    for pattern, style in plan.items():
+        if not _plain_colwise(style):
+            continue
+        hits = [n for n in names if name_matches(n, pattern)]
+        whole = next((s for p, s in shipped.items() if any(name_matches(n, p) for n in hits)), None)
+        if whole is not None:
+            given = style if isinstance(style, str) else type(style).__name__
+            out.append(
+                f"tp_plan (parallelism.tp_plan in the app) gives {pattern} {given!r}, but "
+                f"{type(model).__name__} reads that projection's whole output (transformers' "
+                f"plan gives it {whole!r}: a fused projection, such as q/k/v in one, sliced by "
+                "global sizes, or one under a full-width norm); split plain, each rank would "
+                "hold a band of it: the fused projection needs its own style, "
+                "'colwise_gather_output' (its output projection 'rowwise_split_input'), or "
+                "leave tp_plan unset for the model's own plan"
+            )
+    return out
+
+
+def _plain_colwise(style: object) -> bool:
+    """A column split whose output stays local (``"colwise"``, or such a style object)."""
+    if isinstance(style, str):
+        return style == "colwise"
+    return (
+        isinstance(style, ColwiseParallel)
+        and not isinstance(style, FusedColwiseParallel)
+        and style.output_layouts != (Replicate(),)
+    )
+
+
 def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix and name else prefix or name
 
