@@ -1,4 +1,5 @@
-"""Train a model with lightning_3d, configured by Hydra.
+"""Train a model with lightning_3d, configured by Hydra: the package's training app
+(:mod:`lightning_3d.app.train`, installed as ``lightning3d-train``), run from a checkout.
 
     python examples/train.py                                   # reference GPT, 2 CPU ranks
     python examples/train.py parallelism=zero3 trainer.devices=4
@@ -8,24 +9,10 @@
     python examples/train.py resume=last                       # continue the newest run's last.ckpt
     python examples/train.py resume=outputs/DATE/TIME/preempted.ckpt trainer.max_steps=600
 
-Writes summary.json (layout, per-step losses, tokens/s, per-rank memory), last.ckpt (every
-checkpoint.every_n_steps steps and at the end) and final.ckpt to the run directory, a new one
-per run; resume=last|PATH continues a run exactly (see lightning_3d/checkpoint/resume.py). A bad value
-ends the app with one ``error:`` line and exit code 2; a sweep with failed jobs lists them at
-the end and exits 1 (see :mod:`lightning_3d.app.cli`).
+The configs are the package's, lightning_3d/app/conf/ (train.yaml and its groups).
 """
 
-from omegaconf import DictConfig
-
-from lightning_3d.app.cli import hydra_app
-from lightning_3d.app.config import register_configs
-from lightning_3d.app.run import run
-
-
-def main(cfg: DictConfig) -> int:
-    return run(cfg, script=__file__)
-
+from lightning_3d.app.train import main
 
 if __name__ == "__main__":
-    register_configs()
-    hydra_app(main, config_path="../conf", config_name="train")
+    main()

@@ -5,7 +5,7 @@ Newer torch (2.13 here) renamed the single-tensor collectives: ``all_gather_into
 arguments, same work on the backend; the old names still exist there, deprecated with a
 ``FutureWarning``). torch 2.11, what GPU machines often carry, has only the old names. Each
 function below calls the newest name the running torch has, looked up at call time (so a test
-can take the new name away, and :func:`lightning_3d.bench.comm.count_collectives`'s wrappers
+can take the new name away, and :func:`tools.bench.comm.count_collectives`'s wrappers
 are the functions called).
 
 The pipeline stage's static shapes (:func:`static_stage_shapes`) and its runtime shape

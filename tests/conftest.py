@@ -6,7 +6,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Ranks of run_world are forked from a server that imported torch and Lightning once (~4 s of
-# CPU saved per rank); they still take this process's environment (lightning_3d/harness/world.py).
+# CPU saved per rank); they still take this process's environment (tools/harness/world.py).
 os.environ.setdefault("LIGHTNING3D_WORLD_START", "forkserver")
 
 

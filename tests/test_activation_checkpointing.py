@@ -16,8 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_3d.harness.tiny_models import TinyGPT2, TinyLlama
-from lightning_3d.harness.world import run_world
 from lightning_3d.models.gpt import GPT, GPTConfig
 from lightning_3d.parallel import activation_checkpoint as checkpointing
 from lightning_3d.parallel.activation_checkpoint import (
@@ -29,6 +27,8 @@ from lightning_3d.parallel.activation_checkpoint import (
     transformer_blocks,
 )
 from lightning_3d.parallel.activations import ActivationMeter
+from tools.harness.tiny_models import TinyGPT2, TinyLlama
+from tools.harness.world import run_world
 
 B, T = 2, 16
 

@@ -23,13 +23,13 @@ peft = pytest.importorskip("peft")
 from lightning_3d.adapters import is_adapter_name  # noqa: E402
 from lightning_3d.adapters.__main__ import main  # noqa: E402
 from lightning_3d.checkpoint.checks import load_lightning_checkpoint  # noqa: E402
-from lightning_3d.harness.hf_configs import tiny_hf_config  # noqa: E402
-from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.harness.world import run_world  # noqa: E402
 from lightning_3d.models.hf import HFCausalLM  # noqa: E402
 from support.chat_files import write_chat_files  # noqa: E402
 from support.damage import copy_checkpoint, flip_in_tensor  # noqa: E402
 from support.qlora import WIDE  # noqa: E402
+from tools.harness.hf_configs import tiny_hf_config  # noqa: E402
+from tools.harness.runs import Run, fit_gpt  # noqa: E402
+from tools.harness.world import run_world  # noqa: E402
 
 LORA = {"method": "lora", "r": 4, "lora_alpha": 8}
 QLORA = {"method": "qlora", "r": 4, "lora_alpha": 8}

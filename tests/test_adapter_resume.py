@@ -37,8 +37,8 @@ pytest.importorskip("peft")
 pytest.importorskip("torchao")
 
 from lightning_3d.adapters import is_adapter_name  # noqa: E402
-from lightning_3d.harness.apps import compose_config, start_app, wait_all  # noqa: E402
 from support.qlora import WIDE  # noqa: E402
+from tools.harness.apps import compose_config, start_app, wait_all  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"
@@ -105,8 +105,8 @@ def _one_error_line(proc) -> str:
 def files(tmp_path_factory):
     """The model directory and a whole model's checkpoint of it (no adapter: what a full
     fine-tune saves, its weights under the module's names)."""
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
+    from tools.harness.hf_configs import tiny_hf_config
 
     root = tmp_path_factory.mktemp("adapter_resume")
     torch.manual_seed(0)

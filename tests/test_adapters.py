@@ -1,7 +1,7 @@
 """LoRA adapters on ``HFCausalLM`` in one process: only the adapters train, checkpoints hold only
 them and resume exactly, and the exports are what ``peft`` and ``transformers`` load.
 
-Tiny random Llama (``lightning_3d.harness.hf_configs``; no downloads), fp32, a few steps."""
+Tiny random Llama (``tools.harness.hf_configs``; no downloads), fp32, a few steps."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ peft = pytest.importorskip("peft")
 
 from lightning_3d.adapters import AdapterOptions, is_adapter_name  # noqa: E402
 from lightning_3d.adapters.export import save_peft  # noqa: E402
-from lightning_3d.harness.hf_configs import tiny_hf_config  # noqa: E402
-from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.harness.world import run_world  # noqa: E402
 from lightning_3d.models.hf import HFCausalLM  # noqa: E402
+from tools.harness.hf_configs import tiny_hf_config  # noqa: E402
+from tools.harness.runs import Run, fit_gpt  # noqa: E402
+from tools.harness.world import run_world  # noqa: E402
 
 LORA = {"method": "lora", "r": 4, "lora_alpha": 8}
 SEED = 1234
@@ -223,7 +223,7 @@ def test_config_only_checkpoint_cannot_be_merged(tmp_path, capsys):
 
 
 def test_hydra_adapter_group_reaches_the_model(tmp_path, monkeypatch):
-    from lightning_3d.harness.apps import compose_config
+    from tools.harness.apps import compose_config
 
     monkeypatch.chdir(tmp_path)  # composing makes the run directories (unique_dir) here
 

@@ -1,6 +1,6 @@
 """LoRA adapters under every layout reproduce one process running LoRA (gloo worlds).
 
-The parity standard of the project (``lightning_3d.harness.parity``): the same losses, and the
+The parity standard of the project (``tools.harness.parity``): the same losses, and the
 same adapter updates tensor by tensor (relative error of ``final - initial`` per tensor), with
 the base bit-for-bit the initial weights on every rank. Tiny random Llama (grouped-query
 attention, untied head), fp32, ``gradient_clip_val`` always hit so a norm that counts a shard
@@ -15,9 +15,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from lightning_3d.adapters import is_adapter_name  # noqa: E402
-from lightning_3d.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
-from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks  # noqa: E402
-from lightning_3d.harness.world import run_world  # noqa: E402
+from tools.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
+from tools.harness.runs import Run, fit_gpt, fit_gpt_ranks  # noqa: E402
+from tools.harness.world import run_world  # noqa: E402
 
 LORA = {"method": "lora", "r": 4, "lora_alpha": 8}
 STEPS, SEED = 4, 1234
@@ -171,11 +171,11 @@ def test_adapters_split_beside_their_base():
     from torch.distributed.tensor.parallel import parallelize_module
 
     from lightning_3d.adapters.tensor import adapter_tensor_plan
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.parallel.fake_world import fake_world
     from lightning_3d.parallel.plans import build_plan
     from lightning_3d.parallel.tensor import resolve_plan
+    from tools.harness.hf_configs import tiny_hf_config
 
     module = HFCausalLM(config=tiny_hf_config("llama"), adapter=LORA)
     with fake_world(0, 2):
@@ -209,9 +209,9 @@ def test_sequence_parallel_adapters_are_refused_naming_the_module():
     from torch.distributed.tensor.parallel import RowwiseParallel
 
     from lightning_3d.adapters.tensor import adapter_tensor_plan
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.parallel.plans import build_plan
+    from tools.harness.hf_configs import tiny_hf_config
 
     module = HFCausalLM(config=tiny_hf_config("llama"), adapter=LORA)
     attention = r"model\.model\.layers\.0\.self_attn \(LlamaAttention\) would see a shard"
@@ -345,8 +345,8 @@ def directory_reference(tmp_path_factory):
     materialised start (``fit_gpt``'s own is still on ``meta``)."""
     import lightning as L
 
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
+    from tools.harness.hf_configs import tiny_hf_config
 
     directory = tmp_path_factory.mktemp("qwen2")
     HFCausalLM(config=tiny_hf_config("qwen2")).model.save_pretrained(directory)
@@ -384,9 +384,9 @@ def test_adapters_on_some_layers_only_split_with_the_rest():
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     from lightning_3d.adapters.tensor import adapter_tensor_plan
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.parallel.plans import build_plan
+    from tools.harness.hf_configs import tiny_hf_config
 
     one = {**LORA, "target_modules": ["model.layers.0.self_attn.q_proj"]}
     module = HFCausalLM(config=tiny_hf_config("llama"), adapter=one)

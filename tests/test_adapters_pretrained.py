@@ -17,8 +17,8 @@ from safetensors.torch import save_file  # noqa: E402
 from lightning_3d.adapters import is_adapter_name  # noqa: E402
 from lightning_3d.adapters.lora import base_view  # noqa: E402
 from lightning_3d.checkpoint.pretrained import load_pretrained  # noqa: E402
-from lightning_3d.harness.hf_configs import tiny_hf_config  # noqa: E402
 from lightning_3d.models.hf import HFCausalLM  # noqa: E402
+from tools.harness.hf_configs import tiny_hf_config  # noqa: E402
 
 LORA = {"method": "lora", "r": 4, "lora_alpha": 8}
 

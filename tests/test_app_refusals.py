@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from lightning_3d.harness.apps import start_app, wait_all  # noqa: E402
+from tools.harness.apps import start_app, wait_all  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = REPO / "examples" / "train.py"
@@ -47,8 +47,8 @@ def _save(root: Path, name: str, config: dict, tokenizer: str) -> Path:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from support.chat_files import write_model_dir
+    from tools.harness.hf_configs import tiny_hf_config
 
     root = tmp_path_factory.mktemp("refusals")
     llama = Path(write_model_dir(root))  # root/model, root/tokenizer, root/chats.jsonl

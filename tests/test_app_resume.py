@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_3d.harness.apps import compose_config, start_app, wait_all
+from tools.harness.apps import compose_config, start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"
@@ -292,3 +292,30 @@ def test_a_stopped_run_names_the_checkpoint_to_resume_from(tmp_path):
     assert written_checkpoint(trainer) == preempted
     assert resume_hint(preempted) == f"resume with trainer.fit(..., ckpt_path={str(preempted)!r})"
     assert resume_hint(None) == "resume with trainer.fit(..., ckpt_path='last')"
+
+
+def test_the_resume_hint_names_the_app_as_it_was_typed(tmp_path, monkeypatch):
+    """``python -m lightning_3d.app.train``, a console script ``PATH`` finds, ``python
+    examples/train.py``: the three ways to start the training app, each named as typed (a rank
+    started with ``-m`` once named ``python lightning_3d/app/train.py``, a file in the package)."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+
+    from lightning_3d.checkpoint.resume import typed_command
+
+    main = ModuleType("__main__")
+    main.__spec__ = SimpleNamespace(name="lightning_3d.app.train")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "lightning_3d/app/train.py")])
+    assert typed_command() == ["python", "-m", "lightning_3d.app.train"]
+    main.__spec__ = None
+    script = tmp_path / "bin" / "lightning3d-train"
+    script.parent.mkdir()
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", str(script.parent))
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    assert typed_command() == ["lightning3d-train"]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(tmp_path / "examples" / "train.py")])
+    assert typed_command() == ["python", "examples/train.py"]

@@ -14,14 +14,12 @@ import json
 import os
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_3d.models import LitGPT
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = [
     "model=gpt_tiny",
     f"model._target_={__name__}.CountedGPT",
@@ -79,7 +77,7 @@ def _run_app(tmp_path, monkeypatch, *overrides: str) -> int:
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from lightning_3d.app.config import register_configs
+    from lightning_3d.app.config import CONF_DIR, register_configs
     from lightning_3d.app.run import run
 
     # A launcher's variables (Lightning sets some in this process too): none before, none after.
@@ -89,7 +87,7 @@ def _run_app(tmp_path, monkeypatch, *overrides: str) -> int:
     monkeypatch.chdir(tmp_path)
     register_configs()
     run_dir = tmp_path / "run"
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(
             "train",
             overrides=[*overrides, f"hydra.run.dir={run_dir}"],
@@ -103,7 +101,7 @@ def _run_app(tmp_path, monkeypatch, *overrides: str) -> int:
         del cfg["hydra"]
     run_dir.mkdir()
     try:
-        return run(cfg, script=str(REPO / "examples" / "train.py"))
+        return run(cfg)
     finally:
         HydraConfig.instance().cfg = None
         if torch.distributed.is_initialized():

@@ -1,10 +1,12 @@
-"""The architecture's rules, checked on the source: the package's imports form no cycle, nothing
+"""The architecture's rules, checked on the source: the imports of the package and of ``tools/``
+form no cycle and point down the layers (the package never imports ``tools/`` or the tests), nothing
 outside ``strategy/three_d.py`` reads a private member of the strategy, the option table is the one
 source of names and defaults, and a fit reassigns nothing in torch or Lightning."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import inspect
 import re
 import subprocess
@@ -14,11 +16,14 @@ from pathlib import Path
 import pytest
 
 import lightning_3d
+import tools
 from lightning_3d.options import OPTIONS, Plan, hydra_schema, options_table
 from lightning_3d.strategy.three_d import ThreeDStrategy
 
 PACKAGE = Path(lightning_3d.__file__).parent
+TOOLS_DIR = Path(tools.__file__).parent  # benchmarks, calibration, the run harness: not installed
 REPO = PACKAGE.parent
+ROOTS = ("lightning_3d", "tools")
 
 
 def _module_name(path: Path) -> str:
@@ -26,23 +31,26 @@ def _module_name(path: Path) -> str:
     return name[: -len(".__init__")] if name.endswith(".__init__") else name
 
 
+def _is_ours(module: str) -> bool:
+    return module.split(".")[0] in ROOTS
+
+
 def import_graph() -> dict[str, set[str]]:
-    """Every import inside the package, at any depth of the file (function-level ones too)."""
-    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    """Every import inside the package and ``tools/``, at any depth of the file (function-level
+    ones too)."""
+    modules = {
+        _module_name(path): path for root in (PACKAGE, TOOLS_DIR) for path in root.rglob("*.py")
+    }
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         deps = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if (
-                isinstance(node, ast.ImportFrom)
-                and node.level == 0
-                and (node.module or "").startswith("lightning_3d")
-            ):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and _is_ours(node.module or ""):
                 for alias in node.names:
                     full = f"{node.module}.{alias.name}"
                     deps.add(full if full in modules else node.module)
             elif isinstance(node, ast.Import):
-                deps.update(a.name for a in node.names if a.name.startswith("lightning_3d"))
+                deps.update(a.name for a in node.names if _is_ours(a.name))
         graph[name] = {d for d in deps if d in modules and d != name}
     return graph
 
@@ -84,11 +92,13 @@ def test_the_package_import_graph_has_no_cycle():
     assert (
         "lightning_3d.strategy.recipe" in graph and graph["lightning_3d.strategy.three_d"]
     )  # the walk saw the package
+    assert graph["tools.bench.compare"]  # and tools/
     assert cycles(graph) == []
 
 
 # The layers, bottom to top: a module imports only from its own layer or those below it
-# (function-level imports included). Every ``__main__`` is a tool: an entry point, not a library.
+# (function-level imports included). Every ``__main__`` of the package is an entry point, in the
+# app's layer; ``tools/`` (benchmarks, calibration, the run harness) stands on all of it.
 BASE = {"lightning_3d.compat", "lightning_3d.layout", "lightning_3d.runtime.exit_codes"}
 CORE = (
     "parallel",
@@ -101,17 +111,18 @@ CORE = (
     "options",
     "adapters",
 )
-LAYERS = ("base", "core", "planner", "strategy", "tools")
-TOOLS = ("app", "bench", "harness", "calibration")
+LAYERS = ("base", "core", "planner", "strategy", "app", "tools")
 MODULE_BUDGET = 75  # what ``import lightning_3d`` may load (70 when this was written)
 
 
 def layer_of(module: str) -> str:
     parts = module.split(".")
+    if parts[0] == "tools":
+        return "tools"
     if module in BASE:
         return "base"
-    if parts[-1] == "__main__" or (len(parts) > 1 and parts[1] in TOOLS):
-        return "tools"
+    if parts[-1] == "__main__" or (len(parts) > 1 and parts[1] == "app"):
+        return "app"
     if len(parts) == 1 or parts[1] == "strategy":
         return "strategy"
     if parts[1] == "planner":
@@ -143,23 +154,68 @@ def test_the_layer_check_finds_an_upward_import():
     graph = {
         "lightning_3d.parallel.zero": {"lightning_3d.planner.search"},
         "lightning_3d.planner.search": {"lightning_3d.app.run"},
-        "lightning_3d.app.run": set(),
+        "lightning_3d.app.run": {"tools.harness.runs"},
+        "tools.harness.runs": set(),
     }
     assert upward_imports(graph) == [
+        "lightning_3d.app.run (app) imports tools.harness.runs (tools)",
         "lightning_3d.parallel.zero (core) imports lightning_3d.planner.search (planner)",
-        "lightning_3d.planner.search (planner) imports lightning_3d.app.run (tools)",
+        "lightning_3d.planner.search (planner) imports lightning_3d.app.run (app)",
     ]
+
+
+def _outside_imports(source: str) -> list[str]:
+    """Modules of ``tools/`` or of the tests (``tests``, ``support``) that ``source`` imports."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found += [n for n in names if n.split(".")[0] in ("tools", "tests", "support")]
+    return found
+
+
+def test_the_package_imports_nothing_of_tools_or_the_tests():
+    offenders = {
+        str(path.relative_to(REPO)): _outside_imports(path.read_text())
+        for path in PACKAGE.rglob("*.py")
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+    assert _outside_imports("def f():\n    from tools.bench import compare\n") == ["tools.bench"]
+    assert _outside_imports("import support.faults, torch") == ["support.faults"]
+
+
+@pytest.mark.parametrize(
+    "package, tool",
+    [
+        ("bench", "bench"),
+        ("calibration", "calibration"),
+        ("harness", "harness"),
+        ("options.docs_page", "options_page"),
+    ],
+)
+def test_the_package_holds_no_workshop(package, tool):
+    """The workshop moved to tools/ whole: no copy or stub of it is left in the package (a folder
+    left holding only ``__pycache__`` is a namespace package, without an origin: no module)."""
+    spec = importlib.util.find_spec(f"lightning_3d.{package}")
+    assert spec is None or spec.origin is None, spec.origin
+    assert importlib.util.find_spec(f"tools.{tool}") is not None
 
 
 def test_importing_the_package_loads_no_planner_app_or_tool():
     code = (
         "import sys, lightning_3d; print(' '.join(m for m in sys.modules "
-        "if m.startswith('lightning_3d')))"
+        "if m.startswith(('lightning_3d', 'tools', 'support'))))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+    )
     loaded = done.stdout.split()
-    assert [m for m in loaded if layer_of(m) in ("planner", "tools")] == []
-    assert not any(m.startswith("support") for m in done.stdout.split())
+    assert [m for m in loaded if not m.startswith("lightning_3d.") and m != "lightning_3d"] == []
+    assert [m for m in loaded if layer_of(m) in ("planner", "app")] == []
     assert 0 < len(loaded) <= MODULE_BUDGET, f"import lightning_3d loads {len(loaded)} modules"
 
 
@@ -186,6 +242,7 @@ def test_no_module_outside_the_strategy_reads_its_private_members():
     offenders = {}
     for path in [
         *PACKAGE.rglob("*.py"),
+        *TOOLS_DIR.rglob("*.py"),
         *(REPO / "tests").glob("*.py"),
         *(REPO / "examples").glob("*.py"),
     ]:
@@ -300,8 +357,8 @@ def _functions_of_torch_and_lightning() -> dict[str, object]:
 def _fit_and_compare(rank: int, runs: list) -> dict:
     import torch.nn.functional as F
 
-    from lightning_3d.harness.runs import fit_gpt
     from lightning_3d.models.lit_gpt import LitGPT
+    from tools.harness.runs import fit_gpt
 
     cross_entropy = F.cross_entropy
     before = _functions_of_torch_and_lightning()
@@ -321,8 +378,8 @@ def _fit_and_compare(rank: int, runs: list) -> dict:
 
 
 def test_a_tensor_parallel_and_a_pipeline_fit_reassign_nothing_in_torch_or_lightning():
-    from lightning_3d.harness.runs import Run
-    from lightning_3d.harness.world import run_world
+    from tools.harness.runs import Run
+    from tools.harness.world import run_world
 
     runs = [
         Run(strategy={"tensor": 2}, devices=2, steps=2, validate=True),

@@ -160,7 +160,7 @@ def test_check_batch_zero_dp():
 # ------------------------------------------------------------------ the app's config checks (in process)
 @pytest.fixture
 def compose():
-    from lightning_3d.harness.apps import compose_config
+    from tools.harness.apps import compose_config
 
     return lambda *overrides: compose_config("train", *overrides)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from lightning_3d.app.launch import quoted
-from lightning_3d.harness.apps import start_app, wait_all
+from tools.harness.apps import start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"

@@ -1,8 +1,7 @@
-"""``python -m lightning_3d.bench``: bad input, the byte counter, and a two-row quick run (2 gloo ranks)."""
+"""``python -m tools.bench``: bad input, the byte counter, and a two-row quick run (2 gloo ranks)."""
 
 from __future__ import annotations
 
-import importlib.resources
 import json
 import os
 import shutil
@@ -16,9 +15,10 @@ import torch.distributed._functional_collectives as funcol
 from omegaconf import OmegaConf
 
 import lightning_3d
-from lightning_3d.bench.__main__ import load_config, main
-from lightning_3d.bench.comm import count_collectives
-from lightning_3d.bench.compare import check_settings
+import tools
+from tools.bench.__main__ import DEFAULT_CONFIG, load_config, main
+from tools.bench.comm import count_collectives
+from tools.bench.compare import check_settings
 
 
 def test_unknown_row_and_bad_sizes_are_refused_before_any_process():
@@ -32,9 +32,9 @@ def test_unknown_row_and_bad_sizes_are_refused_before_any_process():
         load_config(["--quick", "steps"])
 
 
-def test_defaults_are_package_data_read_through_importlib_resources(tmp_path):
-    packaged = importlib.resources.files("lightning_3d.bench").joinpath("bench.yaml")
-    expected = OmegaConf.to_container(OmegaConf.create(packaged.read_text()))
+def test_defaults_are_the_yaml_beside_the_module(tmp_path):
+    assert DEFAULT_CONFIG == Path(tools.__file__).parent / "bench" / "bench.yaml"
+    expected = OmegaConf.to_container(OmegaConf.create(DEFAULT_CONFIG.read_text()))
     quick = expected.pop("quick")
     assert load_config([])[0] == expected
     assert load_config(["--quick"])[0]["steps"] == quick["steps"] != expected["steps"]
@@ -42,7 +42,7 @@ def test_defaults_are_package_data_read_through_importlib_resources(tmp_path):
         load_config(["--config", str(tmp_path / "missing.yaml")])
 
 
-# In a fresh interpreter: imports only a copy of the package, records every .yaml it opens.
+# In a fresh interpreter: imports only a copy of the package and tools/, records every .yaml it opens.
 _LOAD_FROM_COPY = """
 import json, sys
 opened = []
@@ -50,20 +50,18 @@ def audit(event, args):
     if event == "open" and str(args[0]).endswith(".yaml"):
         opened.append(str(args[0]))
 sys.addaudithook(audit)
-import lightning_3d.bench.__main__ as bench
+import tools.bench.__main__ as bench
 cfg, _ = bench.load_config(["--quick"])
 print(json.dumps({"module": bench.__file__, "opened": opened, "steps": cfg["steps"]}))
 """
 
 
-def test_defaults_load_from_a_copy_of_the_package_alone(tmp_path):
-    """As from a wheel: the package's own files and nothing of the checkout (no conf/) around them."""
+def test_defaults_load_from_a_copy_of_the_package_and_tools_alone(tmp_path):
+    """The package's and tools/' own files and nothing else of the checkout (no conf/) around them."""
     site = tmp_path / "site"
-    shutil.copytree(
-        Path(lightning_3d.__file__).parent,
-        site / "lightning_3d",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
+    for package in (lightning_3d, tools):
+        root = Path(package.__file__).parent
+        shutil.copytree(root, site / root.name, ignore=shutil.ignore_patterns("__pycache__"))
     env = {**os.environ, "PYTHONPATH": str(site)}
     done = subprocess.run(
         [sys.executable, "-c", _LOAD_FROM_COPY],
@@ -77,7 +75,7 @@ def test_defaults_load_from_a_copy_of_the_package_alone(tmp_path):
     seen = json.loads(done.stdout.splitlines()[-1])
     assert Path(seen["module"]).is_relative_to(site) and seen["steps"] == 3
     assert seen["opened"] and all(
-        Path(p).is_relative_to(site / "lightning_3d" / "bench") for p in seen["opened"]
+        Path(p).is_relative_to(site / "tools" / "bench") for p in seen["opened"]
     )
 
 
@@ -96,7 +94,7 @@ def test_counter_patches_and_restores_every_entry_point():
 
 
 def test_quick_run_of_two_rows(tmp_path, capsys):
-    from lightning_3d.bench.page import BEGIN, END
+    from tools.bench.page import BEGIN, END
 
     page = tmp_path / "benchmarks.md"
     page.write_text(f"# Benchmarks\n\n{BEGIN}\nold figures\n{END}\n\nprose kept\n")
@@ -142,7 +140,7 @@ def test_write_docs_refuses_a_page_without_its_block_before_any_run(tmp_path):
 
 
 def test_activation_checkpointing_benchmark_writes_its_summary(tmp_path, capsys):
-    from lightning_3d.bench import activation_checkpointing as bench
+    from tools.bench import activation_checkpointing as bench
 
     bench.main(["--quick", "--out", str(tmp_path)])
     assert "| full | 4/4 | 1,048,576 |" in capsys.readouterr().out  # the printed table stays
@@ -168,7 +166,7 @@ def test_offload_memory_summary_rows_and_ratios(tmp_path):
     """The summary's rows from made-up worker records (the real run takes minutes)."""
     import argparse
 
-    from lightning_3d.bench import offload_memory as bench
+    from tools.bench import offload_memory as bench
 
     def record(offload, peak, step, checkpointing="none"):
         return {
@@ -231,7 +229,7 @@ def test_offload_memory_summary_rows_and_ratios(tmp_path):
 
 
 def test_offload_memory_refuses_gpu_without_cuda(capsys, monkeypatch):
-    from lightning_3d.bench import offload_memory as bench
+    from tools.bench import offload_memory as bench
 
     monkeypatch.setattr(bench, "_cuda_available", lambda: False)  # as on this machine, anywhere
     with pytest.raises(SystemExit) as exit_:
@@ -241,14 +239,14 @@ def test_offload_memory_refuses_gpu_without_cuda(capsys, monkeypatch):
     )
 
 
-# --- one device (``python -m lightning_3d.bench --accelerator gpu``) and the offload ladder ---------
+# --- one device (``python -m tools.bench --accelerator gpu``) and the offload ladder ---------
 
 
 def test_flops_per_token_reproduces_issue_15s_tflops():
     """6 Ψ + 12 L C T at 12 x 768, T = 1024, vocab 256: 478,673 tokens/s is the table's 302 TFLOP/s."""
-    from lightning_3d.bench.compare import full_param_count
-    from lightning_3d.bench.one_device import MODEL
     from lightning_3d.observe.flops import named_device_peak, transformer_flops_per_token
+    from tools.bench.compare import full_param_count
+    from tools.bench.one_device import MODEL
 
     psi = full_param_count({k: v for k, v in MODEL.items()})
     assert psi == 86_133_504
@@ -262,8 +260,8 @@ def test_flops_per_token_reproduces_issue_15s_tflops():
 
 
 def test_one_device_bad_settings_are_refused_before_any_process(monkeypatch):
-    from lightning_3d.bench import one_device
-    from lightning_3d.bench.__main__ import accelerator_of
+    from tools.bench import one_device
+    from tools.bench.__main__ import accelerator_of
 
     with pytest.raises(ValueError, match=r"unknown rows \['ddp'\]"):
         one_device.parse(["--accelerator", "cpu", "--rows", "torch", "ddp"])
@@ -274,13 +272,13 @@ def test_one_device_bad_settings_are_refused_before_any_process(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     assert accelerator_of(["--rows", "auto", "--accelerator=gpu"]) == ("gpu", ["--rows", "auto"])
     with pytest.raises(ValueError, match="--accelerator gpu needs a CUDA device"):
-        main(["--accelerator", "gpu", "--quick"])  # python -m lightning_3d.bench goes to one_device
+        main(["--accelerator", "gpu", "--quick"])  # python -m tools.bench goes to one_device
 
 
 def test_one_device_rows_and_figures_on_cpu():
     """The raw loop and Lightning ``auto`` train the same model on the same batches (in this
     process: no process group); the summary turns their step times into the table's figures."""
-    from lightning_3d.bench import one_device
+    from tools.bench import one_device
 
     cfg = one_device.parse(
         ["--accelerator", "cpu", "--quick", "--precision", "32-true", "--rows", "torch", "auto"]
@@ -345,8 +343,8 @@ def _ladder_args(tmp_path, **kw):
 
 
 def test_offload_ladder_sizes_and_bad_input(tmp_path, capsys):
-    from lightning_3d.bench import offload_ladder as ladder
-    from lightning_3d.bench import offload_memory
+    from tools.bench import offload_ladder as ladder
+    from tools.bench import offload_memory
 
     assert ladder.parse_size("1.3B") == (24, 2048) and ladder.parse_size("3x128") == (3, 128)
     for bad in ("1.3b", "3x100", "x64"):
@@ -377,7 +375,7 @@ def test_offload_ladder_sizes_and_bad_input(tmp_path, capsys):
 
 
 def test_offload_ladder_table_counts_rows_that_do_not_fit():
-    from lightning_3d.bench import offload_ladder as ladder
+    from tools.bench import offload_ladder as ladder
 
     def rec(size, mode, outcome, params, **kw):
         layers, width = ladder.SIZES[size]
@@ -430,9 +428,9 @@ def test_offload_ladder_table_counts_rows_that_do_not_fit():
 def test_offload_ladder_runs_a_row_and_reports_one_that_does_not_finish(tmp_path):
     """A real worker on CPU (tiny model), then a deadline too short to build: a row, not a crash,
     and the larger size of that mode is not tried."""
-    from lightning_3d.bench import offload_ladder as ladder
-    from lightning_3d.bench.compare import full_param_count
-    from lightning_3d.bench.offload_memory import model_config
+    from tools.bench import offload_ladder as ladder
+    from tools.bench.compare import full_param_count
+    from tools.bench.offload_memory import model_config
 
     (row,) = ladder.run_ladder(_ladder_args(tmp_path), log=lambda line: None)
     assert row["outcome"] == "fits" and row["mode"] == "cpu" and row["offload"] == "cpu"

@@ -1,4 +1,4 @@
-"""``python -m lightning_3d.bench.adapters`` at a tiny shape: three rows whose model-state bytes
+"""``python -m tools.bench.adapters`` at a tiny shape: three rows whose model-state bytes
 match their formulas, LoRA's well below the full fine-tune's, QLoRA's base in NF4.
 
 Catches: a base that is not frozen (it gains gradients and Adam state: LoRA's bytes reach the full
@@ -27,10 +27,11 @@ TINY += ["--batch", "2", "--seq", "32", "--r", "4"]
 
 def bench(tmp_path, *args: str) -> subprocess.CompletedProcess:
     out = subprocess.run(
-        [sys.executable, "-m", "lightning_3d.bench.adapters", *args, "--out", str(tmp_path)],
+        [sys.executable, "-m", "tools.bench.adapters", *args, "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=ROOT,  # python -m tools.*: from the repository root
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -79,7 +80,7 @@ def test_verdicts_judge_the_two_gpu_targets_from_the_rows():
     """met / missed / not measured from the rows and settings. Catches: a verdict given for a CPU
     run or a shape that is not the 8B one, a ratio taken the wrong way round, a QLoRA peak judged
     against the reserved bytes or a GiB limit instead of 10^10 bytes."""
-    from lightning_3d.bench.adapter_targets import LLAMA3_8B, verdicts
+    from tools.bench.adapter_targets import LLAMA3_8B, verdicts
 
     gpu = {"accelerator": "gpu", "precision": "bf16-mixed", "layers": 4, **LLAMA3_8B}
     fast = [{"method": "full", "tokens_per_s": 1000.0}, {"method": "lora", "tokens_per_s": 1600.0}]
@@ -111,8 +112,8 @@ def test_the_8b_flags_build_llama_3_8b():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from lightning_3d.adapters.qlora import MULTIPLE
-    from lightning_3d.bench.adapter_targets import LLAMA3_8B
-    from lightning_3d.bench.adapters import llama_config
+    from tools.bench.adapter_targets import LLAMA3_8B
+    from tools.bench.adapters import llama_config
 
     s = LLAMA3_8B
     config = llama_config(s["hidden"], 32, s["vocab"], 2048, s["heads"], s["kv_heads"], s["mlp"])
@@ -139,7 +140,7 @@ def test_ci_gpu_adapters_dry_run_prints_both_runs_whose_flags_parse(tmp_path):
     """``bash .ci/gpu --dry-run adapters`` prints the two GPU runs (timeouts adding up to at most
     300 s) and each command's flags parse here (the accelerator set to cpu). Catches: a step not
     selectable, a misspelt flag that would fail only on the device, a step over its budget."""
-    from lightning_3d.bench import adapters
+    from tools.bench import adapters
 
     out = ci_gpu(tmp_path, "--dry-run", "adapters")
     assert out.returncode == 0, out.stderr
@@ -147,7 +148,7 @@ def test_ci_gpu_adapters_dry_run_prints_both_runs_whose_flags_parse(tmp_path):
     assert [r[0] for r in runs] == ["adapters", "qlora8b"]
     assert sum(int(r[1]) for r in runs) <= 300
     for _, _, module, argv in runs:
-        assert module == "lightning_3d.bench.adapters"
+        assert module == "tools.bench.adapters"
         args = adapters.parse(argv.replace("--accelerator gpu", "--accelerator cpu").split())
         assert (args.hidden, args.mlp, args.heads, args.kv_heads) == (4096, 14336, 32, 8)
         assert args.vocab == 128256 and args.precision == "bf16-mixed"
@@ -158,7 +159,7 @@ def test_ci_gpu_adapters_dry_run_prints_both_runs_whose_flags_parse(tmp_path):
 
 
 def test_bad_shape_flags_are_refused_in_one_line(capsys):
-    from lightning_3d.bench import adapters
+    from tools.bench import adapters
 
     with pytest.raises(SystemExit):
         adapters.parse(["--hidden", "256", "--heads", "4", "--kv-heads", "3"])

@@ -3,7 +3,7 @@ formulas exactly, activations per rank fall to about 1/cp, the loss is unchanged
 
 import pytest
 
-from lightning_3d.bench.context import measure, table
+from tools.bench.context import measure, table
 
 
 def test_context_bench_rows_hold_the_formulas():
@@ -17,9 +17,9 @@ def test_context_bench_rows_hold_the_formulas():
 
 
 def test_the_comparison_bench_has_context_rows(tmp_path):
-    """``python -m lightning_3d.bench --rows 3d_cp2_ring 3d_cp2_alltoall``: bytes sent per step
+    """``python -m tools.bench --rows 3d_cp2_ring 3d_cp2_alltoall``: bytes sent per step
     against the gradient sync over data × context plus the scheme's attention formula."""
-    from lightning_3d.bench.__main__ import main
+    from tools.bench.__main__ import main
 
     records = main(
         ["--quick", "--rows", "3d_cp2_ring", "3d_cp2_alltoall", "--outdir", str(tmp_path)]

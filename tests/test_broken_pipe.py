@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from lightning_3d.app.streams import NOTICE, ClosedPipeSafe
-from lightning_3d.harness.apps import app_env
+from tools.harness.apps import app_env
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 12

@@ -57,8 +57,8 @@ def _tokenizer(template=PLAIN):
 
 
 def _tiny_model(attn):
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
+    from tools.harness.hf_configs import tiny_hf_config
 
     torch.manual_seed(0)
     return HFCausalLM(
@@ -413,10 +413,10 @@ def test_train_and_validation_split_the_conversations_exactly(
 def _compose(overrides, name="finetune"):
     from hydra import compose, initialize_config_dir
 
-    from lightning_3d.app.config import register_configs
+    from lightning_3d.app.config import CONF_DIR, register_configs
 
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose(name, overrides=overrides)
 
 
@@ -455,7 +455,7 @@ def test_finetune_app_trains_on_chat(files, adapter):
     losses; with LoRA, the run's checkpoint exports (``python -m lightning_3d.adapters``) to a
     directory ``peft`` loads on the model directory with the trained module's logits. Catches:
     the app dropping the adapter group, a checkpoint the export cannot read."""
-    from lightning_3d.harness.apps import start_app, wait_all
+    from tools.harness.apps import start_app, wait_all
 
     out = files["root"] / f"run-{adapter}"
     args = [

@@ -14,8 +14,8 @@ with the gradient.
 import pytest
 import torch
 
-from lightning_3d.harness.parity import assert_same_run, checkpoint_tensors, weight_mismatches
-from lightning_3d.harness.runs import Run, fit_layout
+from tools.harness.parity import assert_same_run, checkpoint_tensors, weight_mismatches
+from tools.harness.runs import Run, fit_layout
 
 SEED = 1234
 DATA = {"max_bytes": 1000, "val_fraction": 0.3}  # 21 training windows: 2 steps of 8 per epoch
@@ -96,7 +96,7 @@ def test_checkpoint_equals_the_single_process_one(saved, layout):
         == reference["optimizer_states"][0]["param_groups"]
     )
     # atol 3e-5 rather than 1e-5: after the vocab-parallel embedding's different summation order,
-    # Adam moves a once-seen byte's embedding entry by ~1e-5 (see lightning_3d/harness/parity.py); a real
+    # Adam moves a once-seen byte's embedding entry by ~1e-5 (see tools/harness/parity.py); a real
     # error moves whole tensors by ~lr = 3e-3, and the Frobenius bound stays at 1e-5.
     assert (
         weight_mismatches(

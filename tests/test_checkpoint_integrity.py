@@ -24,9 +24,9 @@ from lightning_3d.checkpoint.__main__ import main as cli
 from lightning_3d.checkpoint.checks import inspect_checkpoint, load_lightning_checkpoint
 from lightning_3d.checkpoint.io import AtomicCheckpointIO
 from lightning_3d.checkpoint.pretrained import load_pretrained
-from lightning_3d.harness.runs import TINY_MODEL, Run, fit_layout
 from lightning_3d.models import LitGPT
 from support.damage import bump_pickled_int, copy_checkpoint, flip_byte, flip_in_tensor
+from tools.harness.runs import TINY_MODEL, Run, fit_layout
 
 SEED = 1234
 DATA = {"max_bytes": 1000, "val_fraction": 0.3}  # 2 steps of 8 per epoch

@@ -8,9 +8,9 @@ from torch import nn
 
 from lightning_3d.checkpoint.consolidated import full_model_state
 from lightning_3d.checkpoint.view import StateView, full_state_dict, to_full, to_local_like
-from lightning_3d.harness.world import run_world
 from lightning_3d.parallel.tensor import FUSED_ROWS_ATTR, regroup_fused_rows
 from lightning_3d.parallel.tied import find_tied, record_aliases
+from tools.harness.world import run_world
 
 
 def _fused_linear() -> tuple[nn.Linear, torch.Tensor]:

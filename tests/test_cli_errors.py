@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.harness.apps import compose_config, start_app, wait_all
+from tools.harness.apps import compose_config, start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"

@@ -9,9 +9,9 @@ compares losses and weights, tensor by tensor, with one process.
 
 import pytest
 
-from lightning_3d.harness.parity import assert_same_run
-from lightning_3d.harness.runs import Run, fit_gpt
-from lightning_3d.harness.world import run_world
+from tools.harness.parity import assert_same_run
+from tools.harness.runs import Run, fit_gpt
+from tools.harness.world import run_world
 
 STEPS, SEED = 3, 1234
 TRAINER = {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}

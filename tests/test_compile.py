@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_3d.harness.parity import assert_same_run
-from lightning_3d.harness.runs import Run, fit_layout
 from lightning_3d.models.gpt import GPT, GPTConfig
 from lightning_3d.options import Plan
 from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_3d.parallel.compile import compile_blocks
+from tools.harness.parity import assert_same_run
+from tools.harness.runs import Run, fit_layout
 
 
 def _loss_and_grads(compiled: bool, policy: str):

@@ -9,9 +9,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks  # noqa: E402
-from lightning_3d.harness.world import run_world  # noqa: E402
 from support.context_worlds import assert_matches_one_process  # noqa: E402
+from tools.harness.runs import Run, fit_gpt, fit_gpt_ranks  # noqa: E402
+from tools.harness.world import run_world  # noqa: E402
 
 STEPS = 4
 CLIP = {"gradient_clip_val": 0.05}  # always hit: a norm over one rank's tokens would show
@@ -88,8 +88,8 @@ def test_the_finetune_app_trains_chat_with_the_losses_of_one_process(tmp_path):
     import json
     from pathlib import Path
 
-    from lightning_3d.harness.apps import start_app, wait_all
     from support.chat_files import write_model_dir
+    from tools.harness.apps import start_app, wait_all
 
     repo = Path(__file__).resolve().parents[1]
     model = write_model_dir(tmp_path)

@@ -4,12 +4,12 @@ gradients, in gloo worlds of 2 and 4 ranks; and the load-balanced split of a seq
 import pytest
 import torch
 
-from lightning_3d.harness.world import run_world
 from lightning_3d.parallel.context.chunks import (
     local_positions,
     shard_sequence,
     unshard_sequence,
 )
+from tools.harness.world import run_world
 
 
 def test_each_rank_holds_a_chunk_from_both_ends():

@@ -3,10 +3,10 @@ gives the losses and weights of one process (gloo worlds), for both schemes and 
 
 import pytest
 
-from lightning_3d.harness.parity import assert_same_run
-from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks
-from lightning_3d.harness.world import run_world
 from support.context_worlds import assert_matches_one_process
+from tools.harness.parity import assert_same_run
+from tools.harness.runs import Run, fit_gpt, fit_gpt_ranks
+from tools.harness.world import run_world
 
 STEPS = 4
 CLIP = {"gradient_clip_val": 0.05}  # always hit: a norm over one rank's tokens would show

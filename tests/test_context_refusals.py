@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.harness.apps import start_app, wait_all
-from lightning_3d.harness.hf_configs import tiny_hf_config
-from lightning_3d.harness.tiny_models import LitTinyLM
 from lightning_3d.models import LitGPT
 from lightning_3d.options import Plan
 from lightning_3d.parallel.model_check import check
+from tools.harness.apps import start_app, wait_all
+from tools.harness.hf_configs import tiny_hf_config
+from tools.harness.tiny_models import LitTinyLM
 
 REPO = Path(__file__).resolve().parents[1]
 

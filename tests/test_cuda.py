@@ -4,7 +4,7 @@ Run with ``pytest -m cuda`` on a machine with one GPU (sized for under 5 minutes
 yet measured there; ``bash .ci/gpu tests`` runs it with 4 pytest processes where pytest-xdist is
 installed); without a device every test here is skipped, except the CPU check of the bound. Each
 run is the reference ``LitGPT`` of
-:func:`lightning_3d.harness.runs.fit_gpt` (tiny, 5 AdamW steps, ``gradient_clip_val=1.0``) in a
+:func:`tools.harness.runs.fit_gpt` (tiny, 5 AdamW steps, ``gradient_clip_val=1.0``) in a
 child process of its own (``run_world(..., 1)``), as the CPU tests run theirs: no CUDA context
 and no process group in the pytest process.
 
@@ -31,9 +31,9 @@ import traceback
 import pytest
 import torch
 
-from lightning_3d.harness.parity import loss_mismatches
-from lightning_3d.harness.runs import Run, fit_gpt
-from lightning_3d.harness.world import run_world
+from tools.harness.parity import loss_mismatches
+from tools.harness.runs import Run, fit_gpt
+from tools.harness.world import run_world
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(

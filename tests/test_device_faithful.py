@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.harness.runs import Run
-from lightning_3d.harness.world import run_world
 from support.guarded_runs import guarded_fit
+from tools.harness.runs import Run
+from tools.harness.world import run_world
 
 STEPS = 2
 CLIP = {"gradient_clip_val": 0.5}

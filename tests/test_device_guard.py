@@ -3,7 +3,7 @@ GPU with NCCL would refuse: it must flag each planted kind and pass what a GPU a
 
 import torch
 
-from lightning_3d.harness.world import run_world
+from tools.harness.world import run_world
 
 
 def _planted(rank):

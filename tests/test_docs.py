@@ -12,7 +12,7 @@ from urllib.parse import unquote
 
 import pytest
 
-from lightning_3d.options.docs_page import OPTIONS_PAGE, REGENERATE, options_page
+from tools.options_page import OPTIONS_PAGE, REGENERATE, options_page
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", REPO / "CHANGELOG.md", *sorted((REPO / "docs").glob("*.md"))]

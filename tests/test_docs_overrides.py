@@ -1,9 +1,10 @@
 """The command-line overrides the adapter and chat pages show compose with the apps' config.
 
-Every ``key=value`` of a ``python examples/train.py`` / ``examples/finetune.py`` command in the
-pages' ``bash`` / ``console`` blocks, and every inline code span made only of overrides, is
-composed with Hydra's compose API against ``conf/`` (the schemas registered, nothing run), with
-the page's groups in front (``model=hf``; ``data=chat`` on the chat page) so a lone
+Every ``key=value`` of a ``python examples/train.py`` / ``examples/finetune.py`` command (or
+``lightning3d-train`` / ``lightning3d-finetune``, the same apps installed) in the pages' ``bash`` /
+``console`` blocks, and every inline code span made only of overrides, is composed with Hydra's
+compose API against the apps' configs (``lightning_3d/app/conf/``, the schemas registered, nothing
+run), with the page's groups in front (``model=hf``; ``data=chat`` on the chat page) so a lone
 ``data.packing=true`` is read where the page means it. Before: docs/adapters.md spelled
 ``adapter.quantization=bitsandbytes``, which Hydra refuses (the adapter group lives at
 ``model.adapter``); seen failing on it.
@@ -17,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.harness.apps import compose_config
+from tools.harness.apps import compose_config
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PAGES = {"adapters.md": ["model=hf"], "chat.md": ["model=hf", "data=chat"]}
 OVERRIDE = re.compile(r"^[+~]?[A-Za-z_][\w.]*=\S*$")
-APP = re.compile(r"examples/(train|finetune)\.py")
+APP = re.compile(r"(?:examples/|lightning3d-)(train|finetune)(?:\.py)?\b")
 BLOCK = re.compile(r"```(?:bash|console)\n(.*?)```", re.S)
 # Prose writes a number as N: composed as one.
 PLACEHOLDERS = {"parallelism.context=N": "parallelism.context=2"}
@@ -50,7 +51,9 @@ def _inline(text: str) -> list[tuple[str | None, list[str]]]:
     prose = re.sub(r"```.*?```", "", text, flags=re.S)
     spans = []
     for span in INLINE.findall(prose):
-        app = re.match(r"^(?:python )?examples/(train|finetune)\.py(?:\s|$)", span)
+        app = re.match(
+            r"^(?:python )?(?:examples/|lightning3d-)(train|finetune)(?:\.py)?(?:\s|$)", span
+        )
         words = span[app.end() :].split() if app else span.split()
         if not all(OVERRIDE.match(w) for w in words):
             continue

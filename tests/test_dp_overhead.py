@@ -11,7 +11,7 @@ Counted from the second step on, per optimizer step, on rank 0:
   FSDP2's, DDP's reducer): signal broadcasts and agreements, norm sums, flag reductions;
 * aten ops (kernels on a GPU) of the whole step, forward and backward included, against DDP's.
 
-Timings belong to ``python -m lightning_3d.bench``; on a GPU every read waits for the device's
+Timings belong to ``python -m tools.bench``; on a GPU every read waits for the device's
 queue and every small collective is a launch and a round trip, so the counts are what a CPU can
 check of that overhead.
 """
@@ -20,8 +20,8 @@ import collections
 
 import pytest
 
-from lightning_3d.harness.runs import Run, fit_gpt
-from lightning_3d.harness.world import run_world
+from tools.harness.runs import Run, fit_gpt
+from tools.harness.world import run_world
 
 STEPS = 5
 TRAINER = {"gradient_clip_val": 1.0}  # the norm is computed every step: it must ride along

@@ -27,9 +27,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_3d.harness.parity import assert_same_run
-from lightning_3d.harness.runs import Run, fit_gpt
-from lightning_3d.harness.world import run_world
+from tools.harness.parity import assert_same_run
+from tools.harness.runs import Run, fit_gpt
+from tools.harness.world import run_world
 
 SEED = 1234
 STEPS = 4
@@ -91,8 +91,8 @@ def _dropout_seen(rank: int) -> dict:
 
     from lightning_3d import ThreeDStrategy
     from lightning_3d.data import TextDataModule
-    from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL
     from lightning_3d.models import LitGPT
+    from tools.harness.runs import TINY_DATA, TINY_MODEL
 
     seen: dict = {}
 

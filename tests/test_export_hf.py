@@ -22,9 +22,9 @@ from safetensors import safe_open  # noqa: E402
 from lightning_3d.checkpoint import export_hf, sharded_files  # noqa: E402
 from lightning_3d.checkpoint.__main__ import main as cli  # noqa: E402
 from lightning_3d.checkpoint.checks import load_lightning_checkpoint  # noqa: E402
-from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.harness.world import run_world  # noqa: E402
 from lightning_3d.models.hf import HFCausalLM  # noqa: E402
+from tools.harness.runs import Run, fit_gpt  # noqa: E402
+from tools.harness.world import run_world  # noqa: E402
 
 SEED = 1234
 DATA = {"max_bytes": 1000, "val_fraction": 0.3}

@@ -24,13 +24,13 @@ from lightning.pytorch.plugins.precision import (
 )
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from lightning_3d.harness.world import run_world
 from lightning_3d.parallel.loss import vocab_parallel_loss
 from lightning_3d.strategy.precision import (
     distributed_precision,
     scale_loss,
     shared_overflow_scaler,
 )
+from tools.harness.world import run_world
 
 CROSS_ENTROPY = F.cross_entropy
 PLUGIN_CLASSES = (Precision, MixedPrecision, HalfPrecision, DoublePrecision, FSDPPrecision)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.harness.apps import start_app, wait_all
 from lightning_3d.runtime.exit_codes import IO_ERROR, PEER_LOST
+from tools.harness.apps import start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"
@@ -143,8 +143,8 @@ def _hf_checkpoint(path: Path) -> Path:
     """A consolidated checkpoint of a tiny ``HFCausalLM`` (what ``export-hf`` takes)."""
     import torch
 
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HF_CONFIG_KEY, HFCausalLM
+    from tools.harness.hf_configs import tiny_hf_config
 
     module = HFCausalLM(config=tiny_hf_config("llama"))
     torch.save(
@@ -244,7 +244,7 @@ def _dp2_where_rank_one(
     the run directory and the launcher's finished process."""
     import os
 
-    from lightning_3d.harness.apps import app_env
+    from tools.harness.apps import app_env
 
     hook = tmp_path / "hook"
     hook.mkdir()

@@ -15,7 +15,7 @@ import torch
 
 from lightning_3d.app.finetune import resolve_pretrained
 from lightning_3d.checkpoint.__main__ import main as checkpoint_cli
-from lightning_3d.harness.apps import start_app, wait_all
+from tools.harness.apps import start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN, FINETUNE = str(REPO / "examples/train.py"), str(REPO / "examples/finetune.py")
@@ -162,10 +162,10 @@ def test_missing_pretrained_is_one_error_line(runs):
 def _compose(overrides):
     from hydra import compose, initialize_config_dir
 
-    from lightning_3d.app.config import register_configs
+    from lightning_3d.app.config import CONF_DIR, register_configs
 
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose("finetune", overrides=overrides)
 
 
@@ -237,5 +237,5 @@ def test_latest_is_newest_pretraining_run(tmp_path):
     ckpt("finetune/2024-01-03/08-00-00", age=10)  # a fine-tune's output: never "latest"
     assert resolve_pretrained("latest", tmp_path) == newest
     assert resolve_pretrained("rel/w.safetensors", tmp_path) == tmp_path / "rel/w.safetensors"
-    with pytest.raises(ValueError, match="run examples/train.py first"):
+    with pytest.raises(ValueError, match=r"run the training app \(lightning3d-train\) first"):
         resolve_pretrained("latest", tmp_path / "elsewhere")

@@ -25,8 +25,8 @@ from test_precision import (
     _fp16,
 )
 
-from lightning_3d.harness.parity import update_mismatches
-from lightning_3d.harness.world import run_world
+from tools.harness.parity import update_mismatches
+from tools.harness.world import run_world
 
 # A step's loss is a mean of cross-entropies of fp16 logits, each layout rounding its own parts
 # of the batch: a few units of fp16's rounding (u = 2**-11), 4 u = 0.2% (measured: 0.02%, ZeRO-3).

@@ -1,4 +1,4 @@
-"""The GPU smoke step (``python -m lightning_3d.bench.smoke``, the first step of ``.ci/gpu``):
+"""The GPU smoke step (``python -m tools.bench.smoke``, the first step of ``.ci/gpu``):
 every case listed, its CPU fall-back runs them and says ``ok`` each, one failing or crashing
 case is one ``FAIL`` line and the others still run, and it runs without Hydra / OmegaConf (the
 device image has neither)."""
@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lightning_3d.bench import smoke
+from tools.bench import smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 PIDS_ENV = "LIGHTNING3D_SMOKE_TEST_PIDS"  # where planted_child notes its process
@@ -78,7 +78,7 @@ def test_cpu_fallback_runs_every_case_without_hydra(tmp_path):
     command and in its rank: an ``ok`` line for each case a CPU can run, ``skip`` for the rest,
     exit 0. Catches: a case that breaks on its own, a Hydra import on the smoke's path."""
     out = subprocess.run(
-        [sys.executable, "-m", "lightning_3d.bench.smoke", "--accelerator", "cpu"],
+        [sys.executable, "-m", "tools.bench.smoke", "--accelerator", "cpu"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -97,7 +97,7 @@ def test_cpu_fallback_runs_every_case_without_hydra(tmp_path):
 def test_the_module_imports_with_hydra_and_omegaconf_blocked():
     code = (
         "import sys; sys.modules['hydra'] = None; sys.modules['omegaconf'] = None\n"
-        "from lightning_3d.bench import smoke\n"
+        "from tools.bench import smoke\n"
         "import lightning_3d.models.hf, lightning_3d.data, lightning_3d.observe.summary\n"
         "sys.exit(smoke.main(['--dry-run', '--accelerator', 'cpu']))\n"
     )
@@ -193,7 +193,7 @@ def test_ci_gpu_dry_run_runs_the_smoke_step_first(tmp_path):
     assert [s[0] for s in steps] == ["smoke", "tests", "bench", "planner", "ladder", "largest"]
     assert sum(int(s[1]) for s in steps) <= 600
     name, limit, command = steps[0]
-    assert int(limit) <= 60 and "-m lightning_3d.bench.smoke --accelerator gpu" in command
-    argv = command.split("-m lightning_3d.bench.smoke ", 1)[1].split()
+    assert int(limit) <= 60 and "-m tools.bench.smoke --accelerator gpu" in command
+    argv = command.split("-m tools.bench.smoke ", 1)[1].split()
     assert smoke.parse(argv).timeout_s < int(limit)  # its summary prints before the step's limit
     assert [s[0] for s in dry("smoke")] == ["smoke"]

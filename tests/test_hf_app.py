@@ -18,7 +18,7 @@ import torch  # noqa: E402
 
 from lightning_3d.data import TokenizedTextDataModule  # noqa: E402
 from lightning_3d.data.tokenized import find_text_files, read_documents, tokenize_documents  # noqa: E402
-from lightning_3d.harness.apps import start_app, wait_all  # noqa: E402
+from tools.harness.apps import start_app, wait_all  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN, FINETUNE = str(REPO / "examples/train.py"), str(REPO / "examples/finetune.py")
@@ -57,8 +57,8 @@ def _tokenizer():
 def _save_model(directory: Path) -> None:
     """A tiny random Llama whose LM head is scaled up: its first loss (~15) is far from a fresh
     init's (~ln 32), so a run that did not load these weights cannot pass for one that did."""
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
+    from tools.harness.hf_configs import tiny_hf_config
 
     torch.manual_seed(7)
     model = HFCausalLM(config=tiny_hf_config("llama", vocab_size=VOCAB)).model
@@ -491,10 +491,10 @@ def test_text_loader_resumes_mid_epoch(files):
 def _compose(overrides, name="train"):
     from hydra import compose, initialize_config_dir
 
-    from lightning_3d.app.config import register_configs
+    from lightning_3d.app.config import CONF_DIR, register_configs
 
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose(name, overrides=overrides)
 
 

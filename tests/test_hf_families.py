@@ -1,6 +1,6 @@
 """Hugging Face decoder families under every layout reproduce one process (gloo worlds).
 
-The CI set (``lightning_3d.harness.hf_configs.TINY_HF``): each family stands for something the
+The CI set (``tools.harness.hf_configs.TINY_HF``): each family stands for something the
 layouts must get right — per-head norms (Qwen3), an embedding scaled inside itself with sliding
 windows and soft-capping (Gemma2), fused projections (Phi-3), full-width q/k norms (OLMo2),
 experts (Mixtral), interleaved fused q/k/v and a parallel residual (GPT-NeoX), partial rotary
@@ -9,7 +9,7 @@ the single-process losses and every tensor's update; ``cp2`` (context parallelis
 for Qwen3 and Phi, the rest under ``-m slow``. Packed chat rows: each conversation of a packed row
 gives its logits alone, or packing is refused; one family per kind of token mixer that cannot
 honour packing or context parallelism (linear-attention hybrid, Mamba, gpt-oss) is refused,
-naming the layer. The whole registry: ``-m slow`` and ``python -m lightning_3d.harness.hf_matrix``.
+naming the layer. The whole registry: ``-m slow`` and ``python -m tools.harness.hf_matrix``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from lightning_3d.harness.hf_matrix import LAYOUTS  # noqa: E402  (the whole matrix's layouts)
-from lightning_3d.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
-from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.harness.world import run_world  # noqa: E402
+from tools.harness.hf_matrix import LAYOUTS  # noqa: E402  (the whole matrix's layouts)
+from tools.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
+from tools.harness.runs import Run, fit_gpt  # noqa: E402
+from tools.harness.world import run_world  # noqa: E402
 
 STEPS, SEED = 5, 1234
 TRAINER = {"gradient_clip_val": 0.05}
@@ -94,10 +94,10 @@ def test_family_matches_single_process(reference, family, layout):
     if (family, layout) in REFUSED:
         import torch
 
-        from lightning_3d.harness.hf_configs import tiny_hf_config
         from lightning_3d.models.hf import HFCausalLM
         from lightning_3d.options import Plan
         from lightning_3d.parallel.model_check import check
+        from tools.harness.hf_configs import tiny_hf_config
 
         with torch.device("meta"):  # as the app's launcher checks it
             module = HFCausalLM(config=tiny_hf_config(family))
@@ -212,8 +212,8 @@ CONTEXT_REFUSED = {
 def _on_meta(family):
     import torch
 
-    from lightning_3d.harness.hf_configs import tiny_config
     from lightning_3d.models.hf import HFCausalLM
+    from tools.harness.hf_configs import tiny_config
 
     with torch.device("meta"):  # as the app's launcher checks it
         return HFCausalLM(config=tiny_config(family))
@@ -227,8 +227,8 @@ def test_packed_conversations_match_each_alone_or_packing_is_refused(family):
     nothing). Catches: a linear-attention or Mamba layer carrying one conversation's state into
     the next (Qwen3.5 ~0.1, Mamba ~1), a family whose mask ignores the positions (gpt-oss ~0.2)."""
     from lightning_3d.data.chat import ChatDataModule
-    from lightning_3d.harness.hf_configs import tiny_config
-    from lightning_3d.harness.hf_matrix import packed_leak
+    from tools.harness.hf_configs import tiny_config
+    from tools.harness.hf_matrix import packed_leak
 
     leak = packed_leak(tiny_config(family))
     if family in PACKING_REFUSED:

@@ -8,11 +8,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_3d.harness.hf_configs import tiny_hf_config  # noqa: E402
-from lightning_3d.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
-from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.harness.world import run_world  # noqa: E402
 from lightning_3d.models.hf import HFCausalLM  # noqa: E402
+from tools.harness.hf_configs import tiny_hf_config  # noqa: E402
+from tools.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
+from tools.harness.runs import Run, fit_gpt  # noqa: E402
+from tools.harness.world import run_world  # noqa: E402
 
 STEPS, SEED = 3, 1234
 LAYOUTS = {

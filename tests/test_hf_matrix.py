@@ -1,7 +1,7 @@
 """The whole family matrix: every decoder family of the installed ``transformers`` that ships
-a plan (and GPT-2, StableLM) under every layout of ``lightning_3d.harness.hf_matrix``: none may
+a plan (and GPT-2, StableLM) under every layout of ``tools.harness.hf_matrix``: none may
 differ from one process or crash; what a layout cannot run is refused. About 20 minutes on 2
-cores: ``pytest -m slow tests/test_hf_matrix.py``, or ``python -m lightning_3d.harness.hf_matrix``
+cores: ``pytest -m slow tests/test_hf_matrix.py``, or ``python -m tools.harness.hf_matrix``
 for the table (docs/hugging-face.md)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 
 @pytest.mark.slow
 def test_no_family_differs_from_one_process_under_any_layout(capsys):
-    from lightning_3d.harness.hf_matrix import main
+    from tools.harness.hf_matrix import main
 
     code = main([])
     table = capsys.readouterr().out
@@ -35,14 +35,14 @@ def test_the_packed_chat_column_asserts_a_refusal_or_the_conversations_alone(fam
     alone, ``refused`` (with the reason) where ``data.packing=true`` is refused, so a refused
     family shows as such and a leak nothing refuses shows as ``DIFFERS``. (Seen failing: the
     check run inside the meta device context found no leak, and gpt-oss read ``DIFFERS``.)"""
-    from lightning_3d.harness.hf_matrix import packed_cell
+    from tools.harness.hf_matrix import packed_cell
 
     cell = packed_cell(family)
     assert cell.state == state and detail in cell.detail, cell
 
 
 def test_matrix_cells_name_what_is_wrong():
-    from lightning_3d.harness.hf_matrix import Cell, table
+    from tools.harness.hf_matrix import Cell, table
 
     rows = {
         "a": (None, {"tp2": Cell("ok"), "pp2_eager": Cell("refused", "why")}),
@@ -65,7 +65,7 @@ def _runs(update: float, start: float = 0.01) -> dict:
 
 
 def test_an_absolute_floor_passes_rounding_of_a_zero_gradient_not_a_wrong_update():
-    from lightning_3d.harness.hf_matrix import FP64, mismatches
+    from tools.harness.hf_matrix import FP64, mismatches
 
     zero_gradient = _runs(1e-17)  # an update that is rounding noise, 100 % off relative to 1e-16
     assert mismatches(zero_gradient, _runs(1e-16), (FP64[0], FP64[1], 0.0))
@@ -77,7 +77,7 @@ def test_an_absolute_floor_passes_rounding_of_a_zero_gradient_not_a_wrong_update
 def test_a_layout_that_differs_in_fp32_is_judged_in_fp64_with_sgd(monkeypatch):
     """The fp32 difference is rerun in fp64 with SGD: the same there is ``ok (fp64)``, a
     difference there too is ``DIFFERS``; the fp64 runs train with SGD (linear in the gradient)."""
-    from lightning_3d.harness import hf_matrix
+    from tools.harness import hf_matrix
 
     calls = []
 
@@ -110,7 +110,7 @@ def test_hybrid_families_get_tiny_state_space_sizes(family):
     import torch
     import transformers
 
-    from lightning_3d.harness.hf_configs import tiny_config
+    from tools.harness.hf_configs import tiny_config
 
     config = transformers.AutoConfig.for_model(**tiny_config(family))
     with torch.device("meta"):
@@ -122,7 +122,7 @@ def test_hybrid_families_get_tiny_state_space_sizes(family):
 
 def test_rows_saved_and_read_back_rebuild_the_same_table(tmp_path):
     """``--rows``: a run of some families adds to, or replaces in, an earlier run's rows."""
-    from lightning_3d.harness.hf_matrix import Cell, load_rows, save_rows, table
+    from tools.harness.hf_matrix import Cell, load_rows, save_rows, table
 
     rows = {
         "a": (None, {"tp2": Cell("ok", figures=(1e-7, 2e-4)), "pp2_eager": Cell("refused", "why")}),

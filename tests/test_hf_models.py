@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` models under every layout reproduce one process (gloo worlds).
 
-Tiny random configs built here (``lightning_3d.harness.hf_configs``; no downloads): Llama with
+Tiny random configs built here (``tools.harness.hf_configs``; no downloads): Llama with
 grouped-query attention, Qwen2 with tied input embedding and LM head, GPT-2 (``Conv1D``, fused
 q/k/v, tied). Each layout trains 5 fp32 steps and must give the single-process losses within
 1e-5 and its weights (``assert_same_run``), and every tied weight must still be one tensor:
@@ -20,9 +20,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_3d.harness.parity import loss_mismatches, weight_mismatches  # noqa: E402
-from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.harness.world import run_world  # noqa: E402
+from tools.harness.parity import loss_mismatches, weight_mismatches  # noqa: E402
+from tools.harness.runs import Run, fit_gpt  # noqa: E402
+from tools.harness.world import run_world  # noqa: E402
 
 STEPS, SEED = 5, 1234
 TRAINER = {"gradient_clip_val": 0.05}  # always hit: norms must count shards and tied copies once
@@ -196,11 +196,11 @@ def test_tie_survives_a_resume(tmp_path, reference):
 def test_tied_weights_sharded_differently_are_refused(capfd):
     """A plan that splits the embedding on the vocabulary but the head on the hidden size
     cannot keep one parameter: ValueError naming both, never a silent untie."""
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.parallel.plans import plan_from_names
     from lightning_3d.parallel.tensor import resolve_plan
     from lightning_3d.parallel.tied import check_tied_styles, find_tied
+    from tools.harness.hf_configs import tiny_hf_config
 
     module = HFCausalLM(config=tiny_hf_config("qwen2"))
     ties = find_tied(module)

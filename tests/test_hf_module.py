@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_3d.harness.hf_configs import TINY_HF, tiny_config, tiny_hf_config  # noqa: E402
 from lightning_3d.models.hf import IGNORE_INDEX, HFCausalLM  # noqa: E402
+from tools.harness.hf_configs import TINY_HF, tiny_config, tiny_hf_config  # noqa: E402
 
 
 def test_config_builds_deterministically_and_model_instance_is_kept():

@@ -21,9 +21,6 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
-from lightning_3d.harness.parity import assert_same_run, loss_mismatches, update_mismatches  # noqa: E402
-from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.harness.world import run_world  # noqa: E402
 from lightning_3d.parallel.plans import detect_plan, plan_from_names  # noqa: E402
 from lightning_3d.parallel.tensor import (  # noqa: E402
     FUSED_ROWS_ATTR,
@@ -35,14 +32,17 @@ from lightning_3d.parallel.tensor import (  # noqa: E402
     regroup_fused_rows,
     resolve_plan,
 )
+from tools.harness.parity import assert_same_run, loss_mismatches, update_mismatches  # noqa: E402
+from tools.harness.runs import Run, fit_gpt  # noqa: E402
+from tools.harness.world import run_world  # noqa: E402
 
 STEPS, SEED = 5, 1234
 UNTIED = {"tie_word_embeddings": False}
 
 
 def _hf(family: str = "gpt2", **overrides):
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
+    from tools.harness.hf_configs import tiny_hf_config
 
     return HFCausalLM(config=tiny_hf_config(family, **{**UNTIED, **overrides}))
 
@@ -267,7 +267,7 @@ def test_hf_gpt2_tensor_parallel_matches_single_process(reference, sequence_para
 def _meta_model(family: str):
     import transformers
 
-    from lightning_3d.harness.hf_configs import tiny_config
+    from tools.harness.hf_configs import tiny_config
 
     options = dict(tiny_config(family))
     config = transformers.AutoConfig.for_model(options.pop("model_type"), **options)
@@ -331,10 +331,10 @@ def test_scalar_parameters_between_split_projections_sum_their_gradients():
     ``up_proj`` and the row-parallel ``down_proj``, where each rank holds part of the features:
     its gradient is a share per rank, summed over tp (transformers' plan does not list it; the
     replica guard stopped tp2 at the first step). A parameter-free activation gets no entry."""
-    from lightning_3d.harness.hf_configs import tiny_config
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.parallel.plans.hf import hf_tensor_plan
     from lightning_3d.parallel.tensor import ReplicatedGradSum
+    from tools.harness.hf_configs import tiny_config
 
     if "apertus" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no Apertus")
@@ -361,7 +361,7 @@ def test_scalar_parameters_between_split_projections_sum_their_gradients():
 
 
 def _fit_family(rank: int, family: str, strategy: dict | None, devices: int) -> dict:
-    from lightning_3d.harness.hf_configs import tiny_config
+    from tools.harness.hf_configs import tiny_config
 
     run = Run(
         strategy=strategy,

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from lightning_3d.harness.world import run_world
+from tools.harness.world import run_world
 
 
 def _resume(rank: int, directory: str, layouts: list[str]) -> dict[str, Any]:

@@ -27,10 +27,10 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from lightning_3d.harness.parity import weight_mismatches
-from lightning_3d.harness.world import run_world
 from support.compat_cases import CASES, run_cases
 from support.compat_run import GLOBAL_BATCH
+from tools.harness.parity import weight_mismatches
+from tools.harness.world import run_world
 
 # name -> (strategy: "ddp", "3d" or ThreeDStrategy keywords, ranks)
 REFERENCE = "ddp"

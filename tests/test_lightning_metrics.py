@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from lightning_3d.harness.world import run_world
+from tools.harness.world import run_world
 
 TRAIN_SAMPLES, VAL_SAMPLES, BATCH, SEQ, VOCAB = 16, 8, 4, 8, 32
 DRAWN = 4  # tokens drawn from [0, DRAWN): "next token = this token" holds often enough to count

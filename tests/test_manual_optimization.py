@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from lightning_3d.harness.parity import weight_mismatches
-from lightning_3d.harness.world import run_world
+from tools.harness.parity import weight_mismatches
+from tools.harness.world import run_world
 
 STAGES = (0, 1, 2, 3)
 RANKS = 2

@@ -11,12 +11,12 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_3d.harness.parity import assert_same_run
-from lightning_3d.harness.runs import Run, fit_gpt
-from lightning_3d.harness.world import run_world
 from lightning_3d.models.gpt import GPT, GPTConfig
 from lightning_3d.parallel.materialize import AHEAD, DeferredInit, ParamInit, materialize
 from lightning_3d.parallel.tensor import local_tensor
+from tools.harness.parity import assert_same_run
+from tools.harness.runs import Run, fit_gpt
+from tools.harness.world import run_world
 
 CONFIG = GPTConfig(vocab_size=300, block_size=37, n_layer=3, n_head=4, n_embd=64, bias=True)
 

@@ -8,9 +8,9 @@ without the feature (fp32, 5 steps).
 
 import pytest
 
-from lightning_3d.harness.parity import assert_same_run
-from lightning_3d.harness.runs import Run, fit_gpt
-from lightning_3d.harness.world import run_world
+from tools.harness.parity import assert_same_run
+from tools.harness.runs import Run, fit_gpt
+from tools.harness.world import run_world
 
 STEPS, SEED, TIGHT = 5, 1234, 1e-6
 

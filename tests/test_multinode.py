@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_3d.harness.apps import start_app, wait_all
-from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.harness.runs import Run, fit_gpt
 from support.multinode import slurm_env, slurm_nodes, slurm_tasks, torchrun_nodes
+from tools.harness.apps import start_app, wait_all
+from tools.harness.parity import assert_same_run, rank_state_mismatches
+from tools.harness.runs import Run, fit_gpt
 
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "examples" / "slurm" / "train.sbatch"
@@ -258,7 +258,7 @@ def test_sbatch_example_is_valid_bash_and_its_overrides_a_valid_run(tmp_path, mo
     from omegaconf import open_dict
 
     from lightning_3d.app.run import validate
-    from lightning_3d.harness.apps import compose_config
+    from tools.harness.apps import compose_config
 
     subprocess.run(["bash", "-n", str(SBATCH)], check=True, timeout=30)
     options = _sbatch_options()

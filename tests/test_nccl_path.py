@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.harness.runs import Run, fit_gpt
-from lightning_3d.harness.world import run_world
+from tools.harness.parity import assert_same_run, rank_state_mismatches
+from tools.harness.runs import Run, fit_gpt
+from tools.harness.world import run_world
 
 BACKEND = "cpu:gloo"  # gloo underneath; any name but "gloo" takes the NCCL branch
 STEPS, SEED = 5, 1234
@@ -114,8 +114,8 @@ def fit_off_the_gloo_branch(rank: int, run: Run) -> dict:
     import torch
     import torch.distributed as dist
 
-    from lightning_3d.bench.comm import count_collectives
     from lightning_3d.strategy.collectives import _all_reduce
+    from tools.bench.comm import count_collectives
 
     averaged = []
     with count_collectives() as counter:

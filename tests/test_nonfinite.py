@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL
-from lightning_3d.harness.world import run_world
 from lightning_3d.options import Plan
 from lightning_3d.runtime.nonfinite import (
     NonFiniteError,
@@ -23,6 +21,8 @@ from lightning_3d.runtime.nonfinite import (
     NonFiniteOptions,
     SkipStep,
 )
+from tools.harness.runs import TINY_DATA, TINY_MODEL
+from tools.harness.world import run_world
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT = 300.0
@@ -255,7 +255,7 @@ def test_a_diverging_pipeline_stops_both_stages_at_the_same_step():
 def _fp16_clipped(rank):
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    from lightning_3d.harness.runs import Run, fit_gpt
+    from tools.harness.runs import Run, fit_gpt
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**36, backoff_factor=2.0**-8)
     plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
@@ -331,11 +331,11 @@ def test_the_app_refuses_max_steps_0_and_bad_nonfinite_options_up_front(override
     it trained nothing, saved untrained weights and ended in KeyError: 'steps'."""
     from hydra import compose, initialize_config_dir
 
-    from lightning_3d.app.config import register_configs
+    from lightning_3d.app.config import CONF_DIR, register_configs
     from lightning_3d.app.run import validate
 
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose(config_name="train", overrides=overrides)
     with pytest.raises(ValueError, match=re.escape(named)):
         validate(cfg)

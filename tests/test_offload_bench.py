@@ -1,10 +1,11 @@
-"""``python -m lightning_3d.bench.offload`` runs and reports the step against fused AdamW."""
+"""``python -m tools.bench.offload`` runs and reports the step against fused AdamW."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ def test_bench_reports_params_per_second_against_fused_adamw(tmp_path):
         [
             sys.executable,
             "-m",
-            "lightning_3d.bench.offload",
+            "tools.bench.offload",
             "--numel",
             "48000",
             "--rounds",
@@ -31,6 +32,7 @@ def test_bench_reports_params_per_second_against_fused_adamw(tmp_path):
         text=True,
         timeout=300,
         check=True,
+        cwd=Path(__file__).resolve().parents[1],  # python -m tools.*: from the repository root
     ).stdout
     table = [line for line in out.splitlines() if re.match(r"\| (none|fused|cpu|nvme) \|", line)]
     rows = {line.split("|")[1].strip(): line for line in table}

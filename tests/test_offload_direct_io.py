@@ -244,7 +244,7 @@ def test_bad_direct_io_value_and_repeated_indices_are_refused(tmp_path):
 def test_the_strategy_option_reaches_the_nvme_store(value, mode, tmp_path, monkeypatch):
     """``offload_direct_io`` (Hydra ``offload.direct_io``) through the plan and the recipe to the
     store of a one-process fit: ``None`` is the store's "auto"."""
-    from lightning_3d.harness.runs import Run, fit_gpt
+    from tools.harness.runs import Run, fit_gpt
 
     seen = []
     real = storage.FileChunkStore.__init__

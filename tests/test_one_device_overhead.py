@@ -4,14 +4,14 @@ to shard: the same numbers, no collectives and no more host reads per step.
 On a GPU every read of a device value (``.item()``, ``float(t)``, ``bool(t)``, ``.tolist()``) or
 copy of a host number to the device waits for the device to finish its queue, so the count of
 them per step is what a CPU can check of the GPU's overhead; timings belong to
-``python -m lightning_3d.bench.one_device``.
+``python -m tools.bench.one_device``.
 """
 
 import collections
 
-from lightning_3d.harness.parity import assert_same_run
-from lightning_3d.harness.runs import Run, fit_gpt
-from lightning_3d.harness.world import run_world
+from tools.harness.parity import assert_same_run
+from tools.harness.runs import Run, fit_gpt
+from tools.harness.world import run_world
 
 STEPS = 6
 TRAINER = {"gradient_clip_val": 1.0}  # the benchmark's setting: the norm is computed every step

@@ -9,7 +9,6 @@ import pytest
 
 pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[1]
 REFUSAL = r"data.packing=true would let conversations of a packed row see each other: "
 HYBRID = r"Qwen3_5ForCausalLM: layers 0, 2 mix tokens in Qwen3_5GatedDeltaNet"
 
@@ -19,9 +18,9 @@ def _write_model(root: Path, family: str) -> dict[str, str]:
     import torch
     from transformers import AutoTokenizer
 
-    from lightning_3d.harness.hf_configs import tiny_config
     from lightning_3d.models.hf import build_hf_model
     from support.chat_files import write_chat_files
+    from tools.harness.hf_configs import tiny_config
 
     files = write_chat_files(root)
     torch.manual_seed(0)
@@ -33,10 +32,10 @@ def _write_model(root: Path, family: str) -> dict[str, str]:
 def _compose(overrides):
     from hydra import compose, initialize_config_dir
 
-    from lightning_3d.app.config import register_configs
+    from lightning_3d.app.config import CONF_DIR, register_configs
 
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return compose("finetune", overrides=overrides)
 
 
@@ -73,8 +72,8 @@ def test_the_data_module_refuses_packing_at_setup_before_reading_a_row(family, r
     import torch
 
     from lightning_3d.data.chat import ChatDataModule
-    from lightning_3d.harness.hf_configs import tiny_config
     from lightning_3d.models.hf import HFCausalLM
+    from tools.harness.hf_configs import tiny_config
 
     with torch.device("meta"):
         module = HFCausalLM(config=tiny_config(family))

@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks
-from lightning_3d.harness.world import run_world
 from lightning_3d.parallel.stages import stage_blocks, stage_ids
+from tools.harness.parity import assert_same_run, rank_state_mismatches
+from tools.harness.runs import Run, fit_gpt, fit_gpt_ranks
+from tools.harness.world import run_world
 
 STEPS, SEED = 5, 1234
 SGD = {"n_layer": 4, "optimizer": "sgd", "lr": 0.3}

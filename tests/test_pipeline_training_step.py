@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from lightning_3d.harness.parity import weight_mismatches
-from lightning_3d.harness.world import run_world
+from tools.harness.parity import weight_mismatches
+from tools.harness.world import run_world
 
 SAMPLES, RANK_BATCH, SEQ, VOCAB = 32, 4, 8, 32
 MODEL = dict(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=16, warmup_steps=1)

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_3d.calibration.layouts import LAYOUTS, choice_of
-from lightning_3d.calibration.memory import compare, run_layout, tiny_facts
-from lightning_3d.harness.runs import TINY_DATA
-from lightning_3d.harness.world import run_world
 from lightning_3d.observe.memory import zero_formula_bytes
 from lightning_3d.options import Plan
 from lightning_3d.planner import Choice, Cluster, PlannerOptions, model_facts, plan_layouts
 from lightning_3d.planner.memory import model_state, stage_parts
+from tools.calibration.layouts import LAYOUTS, choice_of
+from tools.calibration.memory import compare, run_layout, tiny_facts
+from tools.harness.runs import TINY_DATA
+from tools.harness.world import run_world
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = TINY_DATA["batch_size"]
@@ -50,8 +50,8 @@ def test_options_name_bad_values():
 
 def test_facts_count_the_model(facts):
     """Parameters from the meta model (each once), the tp-split share from the GPT plan."""
-    from lightning_3d.harness.runs import TINY_MODEL
     from lightning_3d.models import LitGPT
+    from tools.harness.runs import TINY_MODEL
 
     with torch.device("meta"):
         module = LitGPT(**TINY_MODEL)
@@ -262,8 +262,8 @@ def test_the_models_own_check_rejects_with_its_message():
 
 
 def _plan_app(*overrides):
-    from lightning_3d.harness.apps import compose_config
     from lightning_3d.planner.__main__ import plan
+    from tools.harness.apps import compose_config
 
     return plan(compose_config("plan", "model=gpt_tiny", *overrides))
 
@@ -331,8 +331,8 @@ def _gathered_blocks_at_once(rank: int) -> int:
 
     from lightning_3d import ThreeDStrategy
     from lightning_3d.data import TextDataModule
-    from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL
     from lightning_3d.models import LitGPT
+    from tools.harness.runs import TINY_DATA, TINY_MODEL
 
     alive, most = set(), [0]
     unshard, reshard = fsdp_group.FSDPParamGroup.unshard, fsdp_group.FSDPParamGroup.reshard

@@ -14,8 +14,6 @@ import pytest
 import torch
 
 from lightning_3d import ThreeDStrategy
-from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL, Run, fit_gpt
-from lightning_3d.harness.world import run_world
 from lightning_3d.options import Plan
 from lightning_3d.parallel.model_check import check
 from lightning_3d.planner import Cluster, PlannerOptions, model_facts, plan_layouts
@@ -29,6 +27,8 @@ from lightning_3d.strategy.auto import (
     planned_figures,
     record_planned,
 )
+from tools.harness.runs import TINY_DATA, TINY_MODEL, Run, fit_gpt
+from tools.harness.world import run_world
 
 REPO = Path(__file__).resolve().parents[1]
 BATCH, SEQ = TINY_DATA["batch_size"], TINY_DATA["block_size"]
@@ -366,14 +366,14 @@ def test_the_apps_choice_hands_the_split_to_the_ranks():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from lightning_3d.app.config import register_configs
+    from lightning_3d.app.config import CONF_DIR, register_configs
     from lightning_3d.app.run import model_on_meta
     from lightning_3d.app.spec import read_spec, with_auto
 
     register_configs()
     overrides = ["parallelism=auto", "model=gpt_tiny", f"model.block_size={LONG}"]
     overrides += [f"data.block_size={LONG}", "data.batch_size=1", "trainer.devices=2"]
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         spec = read_spec(compose("train", overrides=overrides))
     model = model_on_meta(spec.model)
     spec = replace(spec, plan=spec.plan.updated(auto_memory_gb=_split_budget(model)))
@@ -400,7 +400,7 @@ def test_the_apps_choice_plans_with_accumulate_grad_batches():
     loader's batch per optimizer step, 4x the samples per rank, activations of one micro-batch."""
     from lightning_3d.app.run import model_on_meta
     from lightning_3d.app.spec import read_spec, with_auto
-    from lightning_3d.harness.apps import compose_config
+    from tools.harness.apps import compose_config
 
     planned_ = {}
     for accumulate in (1, 4):

@@ -2,7 +2,7 @@
 per-rank parameter, gradient and optimizer bytes and its activations per block (now metered on
 the family's own block, not a GPT formula) within 10 % of what the runs measure.
 
-Tiny random configs (``lightning_3d.harness.hf_configs``), fp32, the reference run's data
+Tiny random configs (``tools.harness.hf_configs``), fp32, the reference run's data
 (``TINY_DATA``: 8 sequences of 32 tokens a step), one process and dp2 ZeRO-3 (gloo)."""
 
 from __future__ import annotations
@@ -14,10 +14,6 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_3d.calibration.layouts import choice_of  # noqa: E402
-from lightning_3d.harness.hf_configs import tiny_hf_config  # noqa: E402
-from lightning_3d.harness.runs import TINY_DATA, Run, fit_gpt  # noqa: E402
-from lightning_3d.harness.world import run_world  # noqa: E402
 from lightning_3d.models.hf import HFCausalLM  # noqa: E402
 from lightning_3d.planner.facts import model_facts  # noqa: E402
 from lightning_3d.planner.memory import (  # noqa: E402
@@ -26,6 +22,10 @@ from lightning_3d.planner.memory import (  # noqa: E402
     stage_block_parts,
     stage_parts,  # noqa: E402
 )
+from tools.calibration.layouts import choice_of  # noqa: E402
+from tools.harness.hf_configs import tiny_hf_config  # noqa: E402
+from tools.harness.runs import TINY_DATA, Run, fit_gpt  # noqa: E402
+from tools.harness.world import run_world  # noqa: E402
 
 BATCH, SEQ = TINY_DATA["batch_size"], TINY_DATA["block_size"]
 WIDE = {"hidden_size": 256, "intermediate_size": 512, "num_key_value_heads": 4}  # NF4-sized

@@ -3,7 +3,7 @@ schedules, sequence parallelism and NVMe offload — their memory and time terms
 layout is built as predicted (fake world, one process).
 
 Plain unit tests on a 4-block tiny GPT; the sequence-parallel activation bytes are measured in a
-fake world (and equal a real gloo run's meter: ``python -m lightning_3d.calibration.memory
+fake world (and equal a real gloo run's meter: ``python -m tools.calibration.memory
 --layouts tp2_sp``, and the ``-m slow`` calibration test in test_planner.py).
 """
 
@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_3d.calibration.validate import rank_kinds, validate_layout
 from lightning_3d.parallel.pipeline import pipeline_options
 from lightning_3d.planner import Cluster, PlannerOptions, plan_layouts
 from lightning_3d.planner.choice import Choice
 from lightning_3d.planner.memory import NVME_RESIDENT_BYTES, model_state, rank_memory, stage_parts
 from lightning_3d.planner.schedule import bubble_share, in_flight_chunks, messages
 from lightning_3d.planner.timing import step_time
+from lightning_3d.strategy.choice_check import rank_kinds, validate_layout
 
 TINY = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32)
 
@@ -319,9 +319,9 @@ def test_a_block_that_cannot_run_alone_leaves_its_sequence_parallel_layouts_unme
     pytest.importorskip("transformers")
     import dataclasses
 
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.planner.search import plan_candidates
+    from tools.harness.hf_configs import tiny_hf_config
 
     with torch.device("meta"):
         module = HFCausalLM(config=tiny_hf_config("llama"))

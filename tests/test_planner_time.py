@@ -1,4 +1,4 @@
-"""Step-time calibration of the planner (lightning_3d.calibration.machine, .time_calibration): the
+"""Step-time calibration of the planner (tools.calibration.machine, .time_calibration): the
 ranking arithmetic on synthetic numbers, the constants' measurement on this machine, and (slow)
 real runs of a few layouts against the planner's prediction."""
 
@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from lightning_3d.calibration.machine import (
+from lightning_3d.planner.choice import PlannerOptions
+from tools.calibration.machine import (
     MachineConstants,
     fit_link,
     from_probes,
@@ -17,7 +18,7 @@ from lightning_3d.calibration.machine import (
     step_overheads,
     threads_per_rank,
 )
-from lightning_3d.calibration.step_time import (
+from tools.calibration.step_time import (
     TIME_LAYOUTS,
     _alone_constants,
     calibrate,
@@ -33,7 +34,6 @@ from lightning_3d.calibration.step_time import (
     time_facts,
     verdict,
 )
-from lightning_3d.planner.choice import PlannerOptions
 
 # Round figures of this 2-core machine when it is quiet (see the calibration table in docs/planner.md).
 QUIET = MachineConstants(
@@ -301,10 +301,10 @@ def test_collective_efficiencies_and_shares_come_from_the_probes():
 def test_step_overhead_is_the_tiny_runs_unpredicted_time():
     """The tiny GPT's measured step minus the model's prediction for it: 10 ms more than predicted
     is 10 ms of step overhead, and a step faster than predicted is none (not negative)."""
-    from lightning_3d.calibration.layouts import choice_of, tiny_facts
-    from lightning_3d.calibration.machine import machine_cluster
-    from lightning_3d.harness.runs import TINY_DATA
     from lightning_3d.planner.timing import step_time
+    from tools.calibration.layouts import choice_of, tiny_facts
+    from tools.calibration.machine import machine_cluster
+    from tools.harness.runs import TINY_DATA
 
     facts, batch = tiny_facts((1,)), TINY_DATA["batch_size"]
     none = dataclasses.replace(QUIET, step_overhead_us={1: 0.0, 2: 0.0})
@@ -339,7 +339,7 @@ def test_a_round_without_a_world_of_two_measures_no_link():
 def test_selective_checkpointing_share_is_the_checkpointed_blocks_extra_time(monkeypatch):
     """The share is selective's time over the plain block's, less one, timed on the same block
     (plain first, then checkpointed), and never below 0 (a noisy run's faster recompute)."""
-    import lightning_3d.calibration.machine as machine
+    import tools.calibration.machine as machine
     from lightning_3d.parallel.activation_checkpoint import is_checkpointed
 
     blocks, seen = [], []
@@ -361,7 +361,7 @@ def test_selective_checkpointing_share_is_the_checkpointed_blocks_extra_time(mon
 
 
 def _bench_json(tmp_path, rows):
-    """A one-device benchmark's JSON (python -m lightning_3d.bench.one_device) with the given
+    """A one-device benchmark's JSON (python -m tools.bench.one_device) with the given
     ``(row, options, step_s)`` records, at a tiny model on the CPU."""
     import json
 
@@ -394,11 +394,11 @@ def _bench_json(tmp_path, rows):
 
 
 def test_the_device_check_ranks_the_benchmarks_rows(tmp_path, capsys):
-    """``python -m lightning_3d.calibration.device_check``: the planner predicts full checkpointing
+    """``python -m tools.calibration.device_check``: the planner predicts full checkpointing
     slowest and none fastest; a run where that held is 0 % off, one where full measured fastest is
     as far off as none measured slower than full; unmodelled rows are left out; no modelled row is
     one error line."""
-    from lightning_3d.calibration.device_check import main
+    from tools.calibration.device_check import main
 
     rows = [
         ("torch", {}, 0.001),

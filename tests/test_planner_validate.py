@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from lightning_3d.calibration.validate import rank_kinds, validate_layout
 from lightning_3d.planner.choice import Choice
+from lightning_3d.strategy.choice_check import rank_kinds, validate_layout
 
 TINY = dict(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=32)
 
@@ -37,8 +37,8 @@ def tiny_facts():
 
 
 def _app(*overrides: str) -> int:
-    from lightning_3d.harness.apps import compose_config
     from lightning_3d.planner.__main__ import plan
+    from tools.harness.apps import compose_config
 
     return plan(compose_config("plan", *overrides))
 
@@ -79,19 +79,22 @@ def test_app_validates_a_64_rank_layout(capsys, zero, policy):
 
 
 def test_a_wrong_memory_model_is_caught(monkeypatch, capsys, tiny_facts):
-    import lightning_3d.calibration.memory as calibration
+    import lightning_3d.planner.memory as planner_memory
 
-    honest = calibration.model_state
+    honest = planner_memory.predicted_rank
 
-    def inflated(
-        facts, choice, part, *rank
-    ):  # a memory model that forgets ZeRO's sharding of the optimizer state
-        params, grads, optimizer, host, disk = honest(facts, choice, part, *rank)
-        return params, grads, optimizer * choice.data, host, disk
+    # The per-rank prediction validation checks (the search keeps the honest model): one that
+    # forgets ZeRO's sharding of the optimizer state.
+    def inflated(facts, choice, rank):
+        predicted = honest(facts, choice, rank)
+        return {
+            **predicted,
+            "optimizer_state_bytes": predicted["optimizer_state_bytes"] * choice.data,
+        }
 
     choice = Choice(data=4, tensor=2, pipeline=2, zero_stage=1, micro_batches=2, batch_per_rank=2)
     assert not validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
-    monkeypatch.setattr(calibration, "model_state", inflated)
+    monkeypatch.setattr(planner_memory, "predicted_rank", inflated)
     problems = validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
     assert problems and all("optimizer_state_bytes" in p for p in problems)
     ratio = float(problems[0].split("ratio ")[1].split(",")[0])
@@ -114,16 +117,16 @@ def test_a_wrong_memory_model_is_caught(monkeypatch, capsys, tiny_facts):
 def test_a_memory_model_that_under_predicts_is_caught(monkeypatch, tiny_facts):
     """The dangerous direction: a model that predicts too little plans layouts that do not fit.
     Broken variant caught (seen failing): ``Row.off`` flagging only ``ratio > 1 + TOLERANCE``."""
-    import lightning_3d.calibration.memory as calibration
+    import lightning_3d.planner.memory as planner_memory
 
-    honest = calibration.model_state
+    honest = planner_memory.predicted_rank
 
-    def deflated(facts, choice, part, *rank):  # a ZeRO-3 model that shards the gradients twice over
-        params, grads, optimizer, host, disk = honest(facts, choice, part, *rank)
-        return params, grads / choice.data, optimizer, host, disk
+    def deflated(facts, choice, rank):  # a ZeRO-3 model that shards the gradients twice over
+        predicted = honest(facts, choice, rank)
+        return {**predicted, "grad_bytes": predicted["grad_bytes"] / choice.data}
 
     choice = Choice(data=4, tensor=2, pipeline=1, zero_stage=3)
-    monkeypatch.setattr(calibration, "model_state", deflated)
+    monkeypatch.setattr(planner_memory, "predicted_rank", deflated)
     problems = validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
     assert problems and all("grad_bytes" in p for p in problems)
     ratio = float(problems[0].split("ratio ")[1].split(",")[0])

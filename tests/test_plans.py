@@ -20,8 +20,6 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from lightning_3d.harness.tiny_models import LitTinyLM, TinyGPT2, TinyLlama
-from lightning_3d.harness.world import run_world
 from lightning_3d.models import GPT, GPTConfig, LitGPT
 from lightning_3d.parallel.fake_world import fake_world
 from lightning_3d.parallel.plans import BUILTIN, build_plan, detect_plan, plan_from_names
@@ -32,6 +30,8 @@ from lightning_3d.parallel.tensor import (
     regroup_fused_rows,
     resolve_plan,
 )
+from tools.harness.tiny_models import LitTinyLM, TinyGPT2, TinyLlama
+from tools.harness.world import run_world
 
 
 def _gpt(**kw) -> GPT:

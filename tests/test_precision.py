@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
-from lightning_3d.harness.parity import update_mismatches
-from lightning_3d.harness.runs import Run, fit_gpt
-from lightning_3d.harness.world import run_world
+from tools.harness.parity import update_mismatches
+from tools.harness.runs import Run, fit_gpt
+from tools.harness.world import run_world
 
 SEED = 1234
 SGD = {"optimizer": "sgd", "lr": 0.3}

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from lightning_3d.harness.world import run_world
 from support.faults import fit_until_killed
+from tools.harness.world import run_world
 
 STEPS, STOP_AT = 4, 2
 

@@ -15,11 +15,11 @@ pytest.importorskip("peft")
 pytest.importorskip("torchao")
 
 from lightning_3d.adapters import is_adapter_name  # noqa: E402
-from lightning_3d.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
-from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks  # noqa: E402
-from lightning_3d.harness.world import run_world  # noqa: E402
 from support.qlora import SEED, WIDE  # noqa: E402
 from support.qlora import qlora_run as support_run  # noqa: E402
+from tools.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
+from tools.harness.runs import Run, fit_gpt, fit_gpt_ranks  # noqa: E402
+from tools.harness.world import run_world  # noqa: E402
 
 QLORA = {"method": "qlora", "r": 4, "lora_alpha": 8}
 
@@ -44,8 +44,8 @@ def initial_base():
     ``initial_state`` (a clone) cannot stand for the base."""
     import lightning as L
 
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
+    from tools.harness.hf_configs import tiny_hf_config
 
     L.seed_everything(SEED, verbose=False)
     module = HFCausalLM(config=tiny_hf_config("llama", **WIDE), adapter=QLORA)
@@ -58,8 +58,8 @@ def test_qlora_base_is_nf4_and_only_adapters_train(reference, initial_base):
     """Catches: a base left dense (no memory saved); a base that moves; adapters that do not."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
+    from tools.harness.hf_configs import tiny_hf_config
 
     module = HFCausalLM(config=tiny_hf_config("llama", **WIDE), adapter=QLORA)
     q_proj = module.model.model.layers[0].self_attn.q_proj
@@ -113,9 +113,9 @@ def test_qlora_under_tensor_parallelism_is_refused():
 
 def test_qlora_layouts_that_cannot_work_are_refused_naming_every_option():
     from lightning_3d.adapters.qlora import check_qlora_plan
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.options import Plan
+    from tools.harness.hf_configs import tiny_hf_config
 
     module = HFCausalLM(config=tiny_hf_config("llama", **WIDE), adapter=QLORA)
     plan = Plan.from_options(tensor=2, zero_stage=3, offload="cpu", offload_params=True)
@@ -136,9 +136,9 @@ def test_qlora_under_zero3_refuses_nf4_weights_that_do_not_split_over_the_data_r
     missing (FSDP2 dies on every rank in torchao's chunk with "quantization_factor.numel() not
     divisible by 8")."""
     from lightning_3d.adapters.qlora import check_qlora_plan
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.options import Plan
+    from tools.harness.hf_configs import tiny_hf_config
 
     module = HFCausalLM(config=tiny_hf_config("llama", **WIDE), adapter=QLORA)
     zero3 = Plan.from_options(zero_stage=3)
@@ -154,8 +154,8 @@ def test_qlora_under_zero3_refuses_nf4_weights_that_do_not_split_over_the_data_r
 
 
 def test_qlora_refuses_bases_torchao_cannot_hold():
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
+    from tools.harness.hf_configs import tiny_hf_config
 
     with pytest.raises(
         ValueError,
@@ -175,8 +175,8 @@ def test_qlora_checkpoint_resumes_exactly_and_exports_to_peft(tmp_path, referenc
 
     from lightning_3d.adapters import AdapterOptions
     from lightning_3d.adapters.export import save_peft
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
+    from tools.harness.hf_configs import tiny_hf_config
 
     save = qlora_run({}, steps=1, save_to=str(tmp_path / "q.ckpt"), save_every_n_steps=1)
     run_world(fit_gpt, 1, save)

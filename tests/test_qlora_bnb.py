@@ -13,10 +13,10 @@ pytest.importorskip("peft")
 pytest.importorskip("bitsandbytes")
 
 from lightning_3d.adapters import AdapterOptions, is_adapter_name  # noqa: E402
-from lightning_3d.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
-from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks  # noqa: E402
-from lightning_3d.harness.world import run_world  # noqa: E402
 from support.qlora import WIDE, qlora_run  # noqa: E402
+from tools.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
+from tools.harness.runs import Run, fit_gpt, fit_gpt_ranks  # noqa: E402
+from tools.harness.world import run_world  # noqa: E402
 
 QLORA = {"method": "qlora", "r": 4, "lora_alpha": 8, "quantization": "bitsandbytes"}
 
@@ -31,8 +31,8 @@ def reference():
 
 
 def _module():
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import HFCausalLM
+    from tools.harness.hf_configs import tiny_hf_config
 
     return HFCausalLM(config=tiny_hf_config("llama", **WIDE), adapter=QLORA)
 

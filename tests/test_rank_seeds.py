@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks
-from lightning_3d.harness.world import run_world
+from tools.harness.parity import assert_same_run, rank_state_mismatches
+from tools.harness.runs import Run, fit_gpt, fit_gpt_ranks
+from tools.harness.world import run_world
 
 LAYOUTS = {
     "dp2_zero0": {"zero_stage": 0},

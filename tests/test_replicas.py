@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_3d.harness.runs import Run, fit_gpt
-from lightning_3d.harness.world import run_world
 from lightning_3d.parallel.replicas import fingerprint, replicated_over
+from tools.harness.runs import Run, fit_gpt
+from tools.harness.world import run_world
 
 transformers = pytest.importorskip("transformers")
 

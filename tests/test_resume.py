@@ -16,8 +16,8 @@ import torch
 
 from lightning_3d.checkpoint.checks import load_lightning_checkpoint
 from lightning_3d.data.resumable import ResumableDataLoader, ResumableDistributedSampler
-from lightning_3d.harness.runs import Run, fit_gpt
-from lightning_3d.harness.world import run_world
+from tools.harness.runs import Run, fit_gpt
+from tools.harness.world import run_world
 
 SEED = 1234
 K = 3

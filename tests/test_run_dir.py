@@ -22,7 +22,7 @@ import torch
 
 from lightning_3d.app.run_dir import LOCK, RunDirInUse, hold
 from lightning_3d.checkpoint.resume import check_steps_left
-from lightning_3d.harness.apps import start_app, wait_all
+from tools.harness.apps import start_app, wait_all
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
@@ -132,7 +132,7 @@ def test_the_app_refuses_to_resume_a_finished_run_before_launch(tmp_path):
     from hydra.utils import instantiate
 
     from lightning_3d.app.run import validate
-    from lightning_3d.harness.apps import compose_config
+    from tools.harness.apps import compose_config
 
     cfg = compose_config("train", "model=gpt_tiny", "trainer.max_steps=3")
     path = tmp_path / "last.ckpt"

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_3d.harness.world import run_world
+from tools.harness.world import run_world
 
 WIDTH = 8
 

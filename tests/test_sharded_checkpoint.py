@@ -22,9 +22,9 @@ from lightning_3d.checkpoint import sharded_files
 from lightning_3d.checkpoint.checks import inspect_checkpoint, load_lightning_checkpoint
 from lightning_3d.checkpoint.export import export_safetensors
 from lightning_3d.checkpoint.files import publish, remove_stale_temps
-from lightning_3d.harness.parity import assert_same_run, checkpoint_tensors, weight_mismatches
-from lightning_3d.harness.runs import Run, fit_gpt, fit_layout
-from lightning_3d.harness.world import run_world
+from tools.harness.parity import assert_same_run, checkpoint_tensors, weight_mismatches
+from tools.harness.runs import Run, fit_gpt, fit_layout
+from tools.harness.world import run_world
 
 SEED = 1234
 DATA = {"max_bytes": 1000, "val_fraction": 0.3}  # 21 training windows: 2 steps of 8 per epoch

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from torch.distributed import HashStore
 
-from lightning_3d.harness.apps import app_env
 from lightning_3d.offload.paths import DIR_PREFIX
 from lightning_3d.runtime.watchdog import STORE_TIMEOUT, Watchdog
+from tools.harness.apps import app_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = [

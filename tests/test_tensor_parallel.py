@@ -13,9 +13,9 @@ import math
 
 import pytest
 
-from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks
-from lightning_3d.harness.world import run_world
+from tools.harness.parity import assert_same_run, rank_state_mismatches
+from tools.harness.runs import Run, fit_gpt, fit_gpt_ranks
+from tools.harness.world import run_world
 
 STEPS, SEED = 5, 1234
 TRAINER = {"gradient_clip_val": 0.05}

@@ -5,9 +5,9 @@ thread per core for their Adam steps and oversubscribe the host N times."""
 
 import os
 
-from lightning_3d.harness.runs import Run, fit_gpt
-from lightning_3d.harness.world import run_world
 from lightning_3d.strategy.three_d import computes_on_host
+from tools.harness.runs import Run, fit_gpt
+from tools.harness.world import run_world
 
 
 def test_which_ranks_take_a_share_of_the_host():

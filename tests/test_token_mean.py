@@ -19,9 +19,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from lightning_3d.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
-from lightning_3d.harness.runs import Run, fit_gpt  # noqa: E402
-from lightning_3d.harness.world import run_world  # noqa: E402
+from tools.harness.parity import loss_mismatches, update_mismatches  # noqa: E402
+from tools.harness.runs import Run, fit_gpt  # noqa: E402
+from tools.harness.world import run_world  # noqa: E402
 
 STEPS = 3
 BLOCK = 48
@@ -90,11 +90,13 @@ def test_layouts_train_the_token_mean_of_the_global_batch(chat_files, name, worl
     assert_one_objective(ranks[0], expected)
 
 
-@pytest.mark.parametrize("strategy", [{}, {"data": 2, "zero_stage": 2}])
+@pytest.mark.parametrize("strategy", [{}, {"data": 2, "zero_stage": 2}, {"pipeline": 2}])
 def test_accumulated_steps_train_the_token_mean_of_the_whole_step(chat_files, strategy):
-    """Accumulation 2 of 4 rows (on one device, and on two data ranks of 2 rows each) against
-    one step of 8 rows: Lightning divides each micro-batch's loss by 2, which weighs the rows of
-    the micro-batch with fewer answer tokens more."""
+    """Accumulation 2 of 4 rows (on one device, on two data ranks of 2 rows each, and through a
+    pipeline of 2 micro-batches each: 4 losses a step, on the last stage only, whose factor the
+    first stage takes from the broadcast) against one step of 8 rows: Lightning divides each
+    micro-batch's loss by 2, which weighs the rows of the micro-batch with fewer answer tokens
+    more."""
     expected = reference(chat_files)
     world = 2 if strategy else 1
     run = chat_run(

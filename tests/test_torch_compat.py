@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_3d import compat
-from lightning_3d.harness.world import run_world
+from tools.harness.world import run_world
 
 NEW = ("all_gather_single", "reduce_scatter_single")
 OLD = ("all_gather_into_tensor", "reduce_scatter_tensor")

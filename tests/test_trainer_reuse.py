@@ -18,8 +18,6 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_3d.harness.parity import weight_mismatches
-from lightning_3d.harness.world import run_world
 from support.ddp_parity import (
     RANKS,
     loader,
@@ -28,6 +26,8 @@ from support.ddp_parity import (
     trainer,
     whole_state,
 )
+from tools.harness.parity import weight_mismatches
+from tools.harness.world import run_world
 
 REUSED = ["ddp", "zero1", "zero3", "tp2", "cp2", "pp2"]
 

@@ -15,8 +15,6 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_3d.harness.parity import weight_mismatches
-from lightning_3d.harness.world import run_world
 from support.ddp_parity import (
     LAYOUTS,
     RANKS,
@@ -26,6 +24,8 @@ from support.ddp_parity import (
     trainer,
     whole_state,
 )
+from tools.harness.parity import weight_mismatches
+from tools.harness.world import run_world
 
 
 def _fit_and_predict(rank: int, layouts: list[str]) -> dict[str, Any]:

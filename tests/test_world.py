@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 import lightning_3d.app.launch
-import lightning_3d.harness.world
+import tools.harness.world
 from lightning_3d.app.launch import free_port, local_rank_env
-from lightning_3d.harness.world import run_world
+from tools.harness.world import run_world
 
 WORLD_TIMEOUT_S = 90.0  # a broken rendezvous fails, or times out, well before this
 PG_TIMEOUT = timedelta(seconds=30)
@@ -55,7 +55,7 @@ def _expected(tag, world_size):
 def _pick(monkeypatch, port):
     """Make the port picker return ``port``, wherever a launcher looks it up."""
     monkeypatch.setattr(lightning_3d.app.launch, "free_port", lambda: port)
-    monkeypatch.setattr(lightning_3d.harness.world, "free_port", lambda: port, raising=False)
+    monkeypatch.setattr(tools.harness.world, "free_port", lambda: port, raising=False)
 
 
 # Each rank imports Lightning (~8 s of CPU on the 2-core CI machine), hence small worlds.

@@ -5,7 +5,7 @@ compare saved param groups with one process's)."""
 
 import pytest
 
-from lightning_3d.harness.world import run_world
+from tools.harness.world import run_world
 
 WORLD = 3  # odd: every shard of the 7- and 5-wide weights is padded
 

@@ -5,7 +5,7 @@ the whole reduction after backward). Two gloo ranks, stage 0 and stage 2."""
 
 import pytest
 
-from lightning_3d.harness.world import run_world
+from tools.harness.world import run_world
 
 
 def _buckets(rank: int, spec: dict) -> dict:

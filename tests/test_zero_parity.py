@@ -13,10 +13,10 @@ import math
 
 import pytest
 
-from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
-from lightning_3d.harness.runs import Run, fit_gpt, fit_gpt_ranks
-from lightning_3d.harness.world import run_world
 from lightning_3d.observe.memory import zero_formula_bytes
+from tools.harness.parity import assert_same_run, rank_state_mismatches
+from tools.harness.runs import Run, fit_gpt, fit_gpt_ranks
+from tools.harness.world import run_world
 
 STEPS = 5
 SEED = 1234

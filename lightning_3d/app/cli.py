@@ -1,4 +1,5 @@
-"""Hydra's entry point for the example apps, with the app's exit codes and sweep semantics.
+"""Hydra's entry point for the apps (train, fine-tune, the planner), with the apps' exit codes and
+sweep semantics.
 
 ``@hydra.main`` alone ends a bad command line (an unknown key, group option or a wrong type)
 with a paragraph and exit code 1, the code a crash has too, and a ``-m`` sweep stops at the first
@@ -11,13 +12,14 @@ job that exits. :func:`hydra_app` runs the same ``hydra.main`` but
 * under ``-m`` every job runs: a job that fails (a non-zero exit code or an exception) is
   recorded, the next one starts, and at the end the failed ones are listed and the sweep exits 1.
 
-Example (``examples/train.py``)::
+Example (:mod:`lightning_3d.app.train`)::
 
-    def main(cfg):
-        return run(cfg, script=__file__)
+    def task(cfg):
+        return run(cfg)
 
-    if __name__ == "__main__":
-        hydra_app(main, config_path="../conf", config_name="train")
+    def main():
+        register_configs()
+        hydra_app(task, config_path=str(CONF_DIR), config_name="train")
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def hydra_app(task: Callable[[DictConfig], int], config_path: str, config_name: 
     """Run ``task`` (config -> exit code) under ``hydra.main`` and exit with the app's code:
     0, 2 for a bad config (Hydra's or the app's), the task's own otherwise; a sweep with failed
     jobs exits 1 after running all of them. ``config_path`` is relative to ``task``'s file, as
-    in ``hydra.main``."""
+    in ``hydra.main``, or absolute (:data:`lightning_3d.app.config.CONF_DIR`)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 

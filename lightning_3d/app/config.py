@@ -12,12 +12,17 @@ model accepts (vocabulary, positions) is read without building it (:func:`model_
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
 from lightning_3d.options import Plan, from_hydra, hydra_schema
 from lightning_3d.strategy.three_d import ThreeDStrategy
+
+# The apps' Hydra configs (train.yaml, finetune.yaml, plan.yaml and their groups), shipped inside
+# the package so that an installed wheel's apps find them wherever they run.
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 # The schemas are made from the one option table (lightning_3d.options.OPTIONS): every key and
 # default of the parallelism and offload groups is the strategy's own.
@@ -26,11 +31,12 @@ OffloadConfig = hydra_schema("offload")
 
 
 def register_configs(store: Optional[ConfigStore] = None) -> None:
-    """Register the schemas that ``conf/parallelism/*.yaml`` and ``conf/offload/*.yaml`` extend."""
+    """Register the schemas that ``conf/parallelism/*.yaml`` and ``conf/offload/*.yaml`` extend
+    (:data:`CONF_DIR`)."""
     from omegaconf import OmegaConf
 
     store = store or ConfigStore.instance()
-    # conf/*.yaml: hydra.run.dir / hydra.sweep.dir: ${unique_dir:outputs/${now:...}}
+    # CONF_DIR/*.yaml: hydra.run.dir / hydra.sweep.dir: ${unique_dir:outputs/${now:...}}
     OmegaConf.register_new_resolver("unique_dir", unique_dir, use_cache=True, replace=True)
     store.store(group="parallelism", name="schema", node=ParallelismConfig)
     store.store(group="offload", name="schema", node=OffloadConfig)

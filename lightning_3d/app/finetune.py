@@ -1,6 +1,7 @@
-"""The body of ``examples/finetune.py``: train from pretrained weights on one workstation.
+"""The fine-tune app (``lightning3d-finetune``, ``python -m lightning_3d.app.finetune``, from a
+checkout ``python examples/finetune.py``): train from pretrained weights on one workstation.
 
-The preset (``conf/finetune.yaml``) is the main job's, with one process, NVMe offload,
+The preset (``conf/finetune.yaml`` in this package) is the main job's, with one process, NVMe offload,
 activation checkpointing and bf16; what this module adds is *where the weights come from*:
 
 1. :func:`resolve_pretrained` turns ``finetune.pretrained`` (a path, or ``"latest"``) into a file
@@ -14,10 +15,20 @@ activation checkpointing and bf16; what this module adds is *where the weights c
 
 Example::
 
-    python examples/train.py trainer.devices=1                        # writes outputs/<date>/<time>/final.ckpt
-    python examples/finetune.py                                       # fine-tunes the newest one
-    python examples/finetune.py offload=cpu finetune.pretrained=gpt.safetensors
-    python examples/finetune.py model=hf model.path=/models/qwen2-0.5b data=text data.path=notes/  # its own weights
+    lightning3d-train trainer.devices=1         # pretrain: writes outputs/<date>/<time>/final.ckpt
+    lightning3d-finetune                        # newest final.ckpt, offload=nvme under $TMPDIR
+    lightning3d-finetune offload=cpu finetune.pretrained=gpt.safetensors
+    lightning3d-finetune offload.path=/mnt/nvme trainer.max_steps=500
+    lightning3d-finetune model=hf model.path=/models/qwen2-0.5b data=text data.path=notes/ offload=cpu
+    lightning3d-finetune model=hf model.path=DIR data=chat data.path=chats.jsonl
+    lightning3d-finetune resume=last            # continue the newest fine-tune run (outputs/finetune/)
+
+Writes summary.json (as the training app, plus the pretrained file), last.ckpt and final.ckpt to
+the run directory, outputs/finetune/<date>/<time>. A Hugging Face model directory (``model=hf
+model.path=DIR``) brings its own weights and tokenizer (``data=text``: local .txt / .jsonl
+files). A missing or mismatched pretrained file, model directory, tokenizer or text ends the app
+with one ``error:`` line and exit code 2, before any work (so does a bad command line, see
+:mod:`lightning_3d.app.cli`).
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -34,11 +45,14 @@ from lightning_3d.checkpoint.resume import FINETUNE_RUNS
 from lightning_3d.options import hydra_group_values
 
 LATEST = "latest"
+# This module's importable name, also where ``python -m`` runs it as ``__main__``: Hydra's
+# ``_target_`` imports it by this name.
+_MODULE = "lightning_3d.app.finetune"
 
 
 def resolve_pretrained(value: str, project_dir: str | Path) -> Path:
     """The pretrained file ``value`` names: a path (relative to ``project_dir``), or ``"latest"``:
-    the newest ``outputs/**/final.ckpt`` under ``project_dir`` written by ``examples/train.py``
+    the newest ``outputs/**/final.ckpt`` under ``project_dir`` written by the training app
     (fine-tune runs, under ``outputs/finetune/``, are skipped: fine-tuning never silently chains).
 
     ``ValueError`` when ``"latest"`` finds nothing; the file itself is checked by :func:`check_pretrained`.
@@ -52,8 +66,8 @@ def resolve_pretrained(value: str, project_dir: str | Path) -> Path:
     ]
     if not found:
         raise ValueError(
-            f"finetune.pretrained=latest: no final.ckpt under {outputs}; run examples/train.py first "
-            "or pass finetune.pretrained=PATH (a .ckpt or .safetensors file)"
+            f"finetune.pretrained=latest: no final.ckpt under {outputs}; run the training app "
+            "(lightning3d-train) first or pass finetune.pretrained=PATH (a .ckpt or .safetensors file)"
         )
     return max(found, key=lambda p: p.stat().st_mtime)
 
@@ -148,7 +162,7 @@ def finetune(spec: RunSpec, output_dir: str) -> dict[str, Any]:
         # first and hands it to pretrained_module: the weights are in before trainer.fit.
         # (Resolved first: its ${...} references stay with the config it came from.)
         module = OmegaConf.to_container(spec.model, resolve=True)
-        wrapped = {"_target_": f"{__name__}.pretrained_module", "module": module}
+        wrapped = {"_target_": f"{_MODULE}.pretrained_module", "module": module}
         spec = replace(spec, model=OmegaConf.create({**wrapped, "path": str(spec.pretrained)}))
     summary = {
         **train(spec, output_dir),
@@ -160,8 +174,8 @@ def finetune(spec: RunSpec, output_dir: str) -> dict[str, Any]:
     return summary
 
 
-def main(cfg: DictConfig, script: str) -> int:
-    """``examples/finetune.py``'s entry point: :func:`lightning_3d.app.run` with :func:`finetune`
+def task(cfg: DictConfig) -> int:
+    """One Hydra job of the fine-tune app: :func:`lightning_3d.app.run.run` with :func:`finetune`
     on every rank and, once the configuration (model, data, layout) is checked, the pretrained
     file checked against the model (:func:`prepare`); returns the exit code (2: bad input)."""
     from hydra.utils import get_original_cwd
@@ -180,4 +194,17 @@ def main(cfg: DictConfig, script: str) -> int:
         pretrained = cfg.finetune.pretrained
         return replace(spec, pretrained=Path(pretrained) if pretrained is not None else None)
 
-    return run(cfg, script, body=finetune, prepare=pinned)
+    return run(cfg, body=finetune, prepare=pinned)
+
+
+def main() -> NoReturn:
+    """The ``lightning3d-finetune`` console script: Hydra's command line over the package's configs."""
+    from lightning_3d.app.cli import hydra_app
+    from lightning_3d.app.config import CONF_DIR, register_configs
+
+    register_configs()
+    hydra_app(task, config_path=str(CONF_DIR), config_name="finetune")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,9 @@
 """Start the ranks of one Hydra job on this machine, for single runs and ``-m`` sweeps alike.
 
 Lightning's own launcher re-runs ``sys.argv``, which under ``-m`` would make every child run the
-whole sweep. Here the parent re-runs the script with the current job's overrides only, in the
+whole sweep. Here the parent re-runs the app as it was started (:func:`rank_command`: ``python -m
+lightning_3d.app.train``, ``python examples/train.py``, a console script) with the current job's
+overrides only, in the
 job's output directory, with the environment ``torchrun`` would set (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); Lightning then sees an externally launched
 world. Transport is torch.distributed's; this only starts and watches processes.
@@ -40,7 +42,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
@@ -119,6 +121,17 @@ def quoted(value: str) -> str:
     return f"{quote}{value}{quote}"
 
 
+def rank_command() -> list[str]:
+    """The command that starts one rank of this app: as this process was started, with this
+    interpreter — ``python -m NAME`` for a module run with ``-m`` (its ranks import it the same
+    way, not as a file whose folder would shadow top-level modules), else ``python SCRIPT`` (an
+    example, or a console script, which is a Python script too)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return [sys.executable, "-m", spec.name.removesuffix(".__main__")]
+    return [sys.executable, os.path.abspath(sys.argv[0])]
+
+
 def already_launched() -> bool:
     """True inside a rank started by us, torchrun, SLURM or any launcher that sets ``LOCAL_RANK``."""
     return "LOCAL_RANK" in os.environ or "SLURM_PROCID" in os.environ
@@ -126,13 +139,14 @@ def already_launched() -> bool:
 
 def launch_job(
     world_size: int,
-    script: str,
+    command: Sequence[str],
     overrides: list[str],
     output_dir: str,
     threads: int,
     grace_s: float = GRACE_S,
 ) -> int:
-    """Run ``script`` with ``overrides`` on ``world_size`` local ranks; return the worst exit code
+    """Run ``command`` (``[python, script]``, see :func:`rank_command`) with ``overrides`` on
+    ``world_size`` local ranks; return the worst exit code
     (``128 + n`` for a rank killed by signal ``n``, or for this launcher signalled with ``n``).
 
     SIGTERM / SIGINT / SIGHUP to the launcher are forwarded to every rank (SIGHUP as SIGTERM), so
@@ -145,12 +159,12 @@ def launch_job(
     if not grace_s >= 0:
         raise ValueError(f"grace_s must be a number of seconds >= 0, got {grace_s!r}")
     with hosted_store() as port:
-        return _run_ranks(world_size, script, overrides, output_dir, threads, port, grace_s)
+        return _run_ranks(world_size, command, overrides, output_dir, threads, port, grace_s)
 
 
 def _run_ranks(
     world_size: int,
-    script: str,
+    command: Sequence[str],
     overrides: list[str],
     output_dir: str,
     threads: int,
@@ -181,9 +195,8 @@ def _run_ranks(
                 **local_rank_env(rank, world_size, port, threads, agent_store=True),
                 LAUNCHER_PID_ENV: str(os.getpid()),
             }  # its watchdog stops the rank should this process die
-            command = [
-                sys.executable,
-                script,
+            argv = [
+                *command,
                 *overrides,
                 f"hydra.run.dir={quoted(output_dir)}",
                 "hydra.output_subdir=null",
@@ -191,7 +204,7 @@ def _run_ranks(
             ]
             # A session of their own: Ctrl-C in a terminal reaches the launcher only, which
             # forwards it once (a second SIGINT would interrupt a rank before it saves).
-            procs.append(subprocess.Popen(command, env=env, start_new_session=True))
+            procs.append(subprocess.Popen(argv, env=env, start_new_session=True))
         pids = [p.pid for p in procs]
         return _watch(
             procs,

@@ -1,4 +1,4 @@
-"""The body of the Hydra apps (``examples/train.py``): validate, launch ranks, train, summarise.
+"""The body of the Hydra apps (:mod:`lightning_3d.app.train`): validate, launch ranks, train, summarise.
 
 Everything that can be wrong with a configuration is checked in the launching process, before
 any rank, process group or file exists; a bad value ends the app with one ``error:`` line and
@@ -26,7 +26,7 @@ from lightning_3d.app.config import (
     target_of,
     without_weights,
 )
-from lightning_3d.app.launch import already_launched, launch_job, quoted
+from lightning_3d.app.launch import already_launched, launch_job, quoted, rank_command
 from lightning_3d.app.rank_report import report_here, send
 from lightning_3d.app.run_dir import RunDirInUse, hold
 from lightning_3d.app.spec import RunSpec, check_trainer_counts, read_spec, with_auto
@@ -404,7 +404,7 @@ def train(spec: RunSpec, output_dir: str) -> dict[str, Any]:
             trainer.fit(model, datamodule, ckpt_path=str(resume) if resume is not None else None)
     except (NonFiniteError, Preempted) as err:
         _stop(trainer, err)
-    # The trained model, consolidated (any layout, plain Lightning or examples/finetune.py
+    # The trained model, consolidated (any layout, plain Lightning or the fine-tune app
     # loads it; `python -m lightning_3d.checkpoint consolidate` turns it into safetensors).
     trainer.save_checkpoint(Path(output_dir) / "final.ckpt")
     return summary.summary
@@ -412,11 +412,10 @@ def train(spec: RunSpec, output_dir: str) -> dict[str, Any]:
 
 def run(
     cfg: DictConfig,
-    script: str,
     body: Callable[[RunSpec, str], dict[str, Any]] | None = None,
     prepare: Prepare | None = None,
 ) -> int:
-    """Entry point shared by the example apps; returns the process exit code. ``cfg`` is read
+    """Entry point shared by the apps (train, fine-tune); returns the process exit code. ``cfg`` is read
     once (:func:`~lightning_3d.app.spec.read_spec`: ``resume=last`` names the newest checkpoint
     now, before this run writes any, so every rank and a relaunch resume from the same file),
     ``parallelism=auto`` planned, the run validated, then ``prepare`` (the app's own launcher
@@ -444,7 +443,7 @@ def run(
         print(f"error: {err}", file=sys.stderr)
         discard_run_dir(Path(output_dir), hydra_cfg.job.name)
         return 2
-    launch = functools.partial(_launch_or_train, spec, script, body, hydra_cfg, chosen, planned)
+    launch = functools.partial(_launch_or_train, spec, body, hydra_cfg, chosen, planned)
     if already_launched():  # a rank: its launcher holds the run directory
         return _reporting(output_dir, launch)
     try:
@@ -487,7 +486,6 @@ def _reporting(output_dir: str, call: Callable[[], int]) -> int:
 
 def _launch_or_train(
     spec: RunSpec,
-    script: str,
     body: Callable[[RunSpec, str], dict[str, Any]] | None,
     hydra_cfg: Any,
     chosen: list[str],
@@ -508,7 +506,7 @@ def _launch_or_train(
         ] + chosen
         if spec.resume is not None:
             overrides.append(resume_override(spec.resume))
-        code = launch_job(spec.world, script, overrides, output_dir, threads)
+        code = launch_job(spec.world, rank_command(), overrides, output_dir, threads)
         if code == 0:
             record_planned(
                 Path(output_dir) / "summary.json", planned

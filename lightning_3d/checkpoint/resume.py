@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -257,11 +258,30 @@ def resume_hint(checkpoint: Optional[Path]) -> str:
         return f"resume with trainer.fit(..., ckpt_path={str(checkpoint) if checkpoint is not None else LAST!r})"
     if checkpoint is None:
         return "this run wrote no checkpoint to resume from (see checkpoint.every_n_steps): start it again"
-    script = sys.argv[0]
-    if os.path.isabs(script) and not os.path.relpath(script).startswith(".."):
-        script = os.path.relpath(script)  # examples/train.py, as typed from the project's directory
     kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "resume"]
-    return "resume with: " + shlex.join(["python", script, *kept, f"resume={checkpoint}"])
+    return "resume with: " + shlex.join([*typed_command(), *kept, f"resume={checkpoint}"])
+
+
+def typed_command() -> list[str]:
+    """This process's app as a user types it: ``python -m lightning_3d.app.train``, a console
+    script's name where ``PATH`` finds it (``lightning3d-train``), else ``python SCRIPT``
+    (``examples/train.py``, relative where it lies under the working directory)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return ["python", "-m", spec.name.removesuffix(".__main__")]
+    script = sys.argv[0]
+    name = os.path.basename(script)
+    found = shutil.which(name)
+    if (
+        not name.endswith(".py")
+        and found
+        and os.path.exists(script)
+        and os.path.samefile(found, script)
+    ):
+        return [name]
+    if os.path.isabs(script) and not os.path.relpath(script).startswith(".."):
+        script = os.path.relpath(script)
+    return ["python", script]
 
 
 def resume_override(path: Path) -> str:

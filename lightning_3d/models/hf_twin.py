@@ -1,7 +1,7 @@
 """A tiny random copy of a ``transformers`` model: the same family's code, with small sizes.
 
 A pipeline split is checked on such a twin before any process starts (``hf_pipeline``), and
-the tests and the family matrix build their models the same way (``testing.hf_configs``). The
+the tests and the family matrix build their models the same way (``tools.harness.hf_configs``). The
 sizes (:data:`SIZES`) fit every family that derives nothing else from them: 4 heads over 2 k/v
 heads (tensor=2 splits both), 4 layers (pipeline=2 gets 2 each; a family that alternates layer
 types gets each type twice), a sliding window shorter than a test's 32-token blocks, 4 experts,

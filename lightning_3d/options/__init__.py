@@ -614,7 +614,7 @@ def hydra_group_values(plan: Plan, group: str) -> dict[str, Any]:
 
 
 def options_table() -> str:
-    """The option table of docs/options.md (rendered by lightning_3d.options.docs_page)."""
+    """The option table of docs/options.md (rendered by tools.options_page)."""
     rows = ["| option | default | Hydra key | meaning |", "|---|---|---|---|"]
     for option in OPTIONS:
         hydra = f"`{option.hydra_group}.{option.key}`" if option.hydra_group else "—"

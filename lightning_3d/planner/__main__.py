@@ -1,4 +1,5 @@
-"""``python -m lightning_3d.planner``: rank layouts of a model for a cluster, before any GPU is rented.
+"""``python -m lightning_3d.planner`` (``lightning3d-plan``): rank layouts of a model for a cluster,
+before any GPU is rented.
 
     python -m lightning_3d.planner                                  # gpt_small on one 8 x 80 GB node
     python -m lightning_3d.planner model=gpt_50m cluster=workstation_24gb
@@ -6,15 +7,16 @@
     python -m lightning_3d.planner model=gpt_70b cluster=128_nodes_8x80gb layout.tensor=8 layout.pipeline=8 \
         planner.zero_stages=[1] planner.offloads=[none] validate=true
 
-The ``model`` group is training's (``conf/model/``); ``cluster`` is ``conf/cluster/``; the
-``planner`` keys are :class:`~lightning_3d.planner.choice.PlannerOptions`. Prints the model's
-facts (activation bytes measured per block), the ranked table and the rejected layouts. A bad
-value, or a cluster on which nothing fits, ends with one ``error:`` line and exit code 2.
+The configs are the app's (``lightning_3d/app/conf/``): the ``model`` group is training's
+(``conf/model/``); ``cluster`` is ``conf/cluster/``; the ``planner`` keys are
+:class:`~lightning_3d.planner.choice.PlannerOptions`. Prints the model's facts (activation bytes
+measured per block), the ranked table and the rejected layouts. A bad value, or a cluster on which
+nothing fits, ends with one ``error:`` line and exit code 2.
 
 ``layout.data`` / ``layout.tensor`` / ``layout.pipeline`` / ``layout.context`` keep only layouts of
 those sizes (a fixed ``tensor`` also limits the activation measurement to that size, which is what
 makes a 70B model quick to plan). ``validate=true`` then builds the first choice at its full world
-size in this one process (:mod:`lightning_3d.calibration.validate`), prints its per-rank-kind table
+size in this one process (:mod:`lightning_3d.strategy.choice_check`), prints its per-rank-kind table
 of predicted against built bytes, and ends with an ``error:`` line and exit code 2 if a shape or
 placement is wrong or a figure is more than 10% off.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import NoReturn
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -85,7 +88,7 @@ def plan(cfg: DictConfig) -> int:
                 f"adapter={candidates[0].choice.adapter} (give planner.adapters=[none])"
             )
         if validate and candidates[0].fits:
-            from lightning_3d.calibration.validate import check_choice
+            from lightning_3d.strategy.choice_check import check_choice
 
             check_choice(candidates[0].choice, options.precision)
     except ValueError as err:
@@ -144,7 +147,7 @@ def validated(make_module, facts, choice, precision: str, started: float) -> int
     """Build ``choice`` at full size and print the comparison; 2 and an ``error:`` line if it is off."""
     import resource
 
-    from lightning_3d.calibration.validate import table, validate_layout
+    from lightning_3d.strategy.choice_check import table, validate_layout
 
     start = time.perf_counter()
     try:
@@ -185,5 +188,12 @@ def planner_options(node: DictConfig):
     return PlannerOptions(**values)
 
 
+def main() -> NoReturn:
+    """The ``lightning3d-plan`` console script: Hydra's command line over the app's ``plan.yaml``."""
+    from lightning_3d.app.config import CONF_DIR
+
+    hydra_app(plan, config_path=str(CONF_DIR), config_name="plan")
+
+
 if __name__ == "__main__":
-    hydra_app(plan, config_path="../../conf", config_name="plan")
+    main()

@@ -129,7 +129,7 @@ class PlannerOptions:
     micro-batch (kernel launches), which many tiny micro-batches cannot go below;
     ``forward_share``: the forward's share of a block's forward + backward time, which full
     activation checkpointing runs again (1/3: the forward's 2 of 6 matmul FLOPs; 0.29-0.34
-    measured on this project's 2-core CPU; ``python -m lightning_3d.calibration.machine`` measures it);
+    measured on this project's 2-core CPU; ``python -m tools.calibration.machine`` measures it);
     ``adam_params_per_s``: parameters one device's (not offloaded) Adam updates per second, a
     memory-bound pass over parameters, gradients and moments (~28 bytes each in fp32: 1e11 is an
     H100's 3 TB/s; measured ~1e8 per core of this project's CPU);
@@ -144,7 +144,7 @@ class PlannerOptions:
     per-op dispatch; 0.05 on a GPU, ~0.4 measured on this project's CPU);
     ``step_overhead_us``: the fixed cost of one optimizer step whatever the model (the training
     loop, the data loader, the strategy's per-step agreement collectives; ~10 ms measured on two
-    gloo ranks here). Every one of these is measured by ``python -m lightning_3d.calibration.machine``.
+    gloo ranks here). Every one of these is measured by ``python -m tools.calibration.machine``.
 
     What is enumerated: ``zero_stages``, ``ac_policies``, ``offloads`` (:data:`OFFLOADS`),
     ``schedules`` (with a pipeline; the interleaved ones with each of ``virtual_stages`` stages

@@ -171,6 +171,29 @@ def model_state(
     return params, grads, optimizer, host, disk
 
 
+def predicted_rank(facts: ModelFacts, choice: Choice, rank: int) -> dict[str, float]:
+    """What the planner predicts ``rank`` holds (mesh ``(pp, dp, tp)``, tensor innermost)."""
+    stage, dp_rank = rank // (choice.data * choice.tensor), rank // choice.tensor % choice.data
+    part, _ = stage_parts(facts, choice.pipeline, choice.virtual_stages)[stage]
+    params, grads, optimizer, _, _ = model_state(facts, choice, part, dp_rank)
+    # The run's meter adds up every micro-batch of the step: the whole per-rank batch.
+    fit = facts.activation(choice.ac_policy, choice.tensor, choice.sequence_parallel)
+    act = fit.bytes_per_sample(facts.seq_len) * choice.batch_per_rank
+    return {
+        "param_bytes": params,
+        "grad_bytes": grads,
+        "optimizer_state_bytes": optimizer,
+        "activation_bytes_per_block": act,
+    }
+
+
+def ratio(predicted: float, measured: float) -> float:
+    """``predicted / measured``; 1 when both are 0, infinite when only ``measured`` is."""
+    if measured:
+        return predicted / measured
+    return float("inf") if predicted else 1.0
+
+
 def activation_bytes(
     facts: ModelFacts, choice: Choice, stage: int, blocks: int, lora_r: int = 8
 ) -> float:

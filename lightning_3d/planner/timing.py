@@ -46,9 +46,9 @@ memory-bound pass over the weight, small beside the matmul at training batch siz
 
 MFU counts the model's FLOPs (without recomputation) per second over the world's peak.
 
-**Calibrated against measured runs** (``python -m lightning_3d.calibration.memory --time``:
+**Calibrated against measured runs** (``python -m tools.calibration.memory --time``:
 a 3.3 M-parameter GPT, fp32, on this project's 2-core CPU, gloo; the table in docs/planner.md).
-What the measurements led to, each a device constant that ``lightning_3d.calibration.machine``
+What the measurements led to, each a device constant that ``tools.calibration.machine``
 measures rather than a per-layout factor:
 
 - **optimizer step** (new, ``StepTime.optimizer``): Adam's memory-bound pass over the rank's parameters

@@ -28,6 +28,9 @@ The watchdog uses its own connection to the store (a clone), so its short timeou
 the process group's. Its store calls run in a thread of their own that it waits on for at most
 :data:`STORE_TIMEOUT` (a store whose host is stopped does not answer, and a client's ``set``
 waits on it past any timeout): a store that does not answer counts as silence, never blocks it.
+Both the watchdog's thread and the training thread (:meth:`Watchdog.silent_peers` after a failed
+collective, :meth:`Watchdog.stop`) make such calls: one lock lets one call at a time use the
+connection, and a call abandoned on timeout keeps the others off it until it returns.
 :func:`record_offload_path` / :func:`recorded_offload_paths` tell the
 launcher, which hosts the store, where the ranks keep NVMe offload files.
 """
@@ -173,6 +176,9 @@ class Watchdog:
         self._stopped = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._call: Optional[threading.Thread] = None  # the store call under way, should one hang
+        # One store call at a time, whichever thread asks (the watchdog's, or the training
+        # thread's silent_peers / stop): they share the connection and the slot above.
+        self._calling = threading.Lock()
 
     def start(self) -> Watchdog:
         """Write the first heartbeat and start the thread (once)."""
@@ -246,7 +252,9 @@ class Watchdog:
     def _run(self) -> None:
         answered = time.monotonic()  # the last time the store answered
         while not self._stopped.wait(self.interval_s):
-            looked = self._bounded(lambda: (self._beat("running"), self._look())[1])
+            looked = self._bounded(self._beat_and_look)
+            if self._stopped.is_set():  # stopped meanwhile: stop() has written the last beat
+                return
             if looked is not None:
                 stalled = [
                     s for s in looked if s.seconds > self.timeout_s and s.state not in FINISHED
@@ -264,6 +272,14 @@ class Watchdog:
             if stalled:
                 self._give_up(stalled)
                 return
+
+    def _beat_and_look(self) -> Optional[list[Silence]]:
+        """One round of the thread: beat "running" and read the peers; nothing once stopped (the
+        call may get its turn after the last beat stop() wrote: "done" must stay the last)."""
+        if self._stopped.is_set():
+            return None
+        self._beat("running")
+        return self._look()
 
     def _beat(self, state: str) -> None:
         self._beats += 1
@@ -297,23 +313,30 @@ class Watchdog:
     def _bounded(self, call: Callable[[], Any]) -> Optional[Any]:
         """``call()``'s result, run in a thread of its own and waited on for at most
         :data:`STORE_TIMEOUT`; ``None`` if it failed, has not returned by then, or an earlier
-        call still hangs (a store whose host is stopped answers nothing)."""
-        if self._call is not None and self._call.is_alive():
+        call still hangs (a store whose host is stopped answers nothing). One call at a time
+        from any thread: a caller waits at most :data:`STORE_TIMEOUT` for another's to end."""
+        if not self._calling.acquire(timeout=STORE_TIMEOUT.total_seconds()):
             return None
-        result: list[Any] = []
+        try:
+            if self._call is not None and self._call.is_alive():
+                return None  # abandoned by an earlier caller and still inside the store
+            result: list[Any] = []
 
-        def work() -> None:
-            try:
-                result.append(call())
-            except Exception:  # noqa: BLE001 -- the store's host is gone or stopped
-                pass
+            def work() -> None:
+                try:
+                    result.append(call())
+                except Exception:  # noqa: BLE001 -- the store's host is gone or stopped
+                    pass
 
-        self._call = threading.Thread(
-            target=work, name=f"lightning3d-watchdog-store-rank{self.rank}", daemon=True
-        )
-        self._call.start()
-        self._call.join(STORE_TIMEOUT.total_seconds())
-        return result[0] if result else None
+            helper = threading.Thread(
+                target=work, name=f"lightning3d-watchdog-store-rank{self.rank}", daemon=True
+            )
+            self._call = helper
+            helper.start()
+            helper.join(STORE_TIMEOUT.total_seconds())
+            return result[0] if result else None
+        finally:
+            self._calling.release()
 
     def _watch_launcher(self) -> None:
         """SIGTERM to this rank once the launcher is gone (this rank's parent changed) or has

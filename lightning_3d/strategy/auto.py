@@ -12,7 +12,7 @@ CPU the host's RAM divided by its ranks (the ranks share the host; offload then 
 so CPU offload is not enumerated on CPUs unless asked for). Links and peaks the machine cannot
 report are assumptions, named in :data:`CPU_ASSUMED` / :data:`GPU_ASSUMED`: they shift the
 ranking's compute-to-communication balance, never what fits. On CPU ranks communication does
-not overlap compute (:data:`CPU_OPTIONS`); ``python -m lightning_3d.calibration.machine`` measures
+not overlap compute (:data:`CPU_OPTIONS`); ``python -m tools.calibration.machine`` measures
 a machine's own figures.
 
 Options given together with ``auto`` (rule: an option set to anything but its default):
@@ -64,8 +64,8 @@ CPU_ASSUMED = {
     "host_link_gbps": 20.0,
 }
 # CPU ranks: a collective is CPU work on the rank's own cores (gloo reduces and copies there), so
-# no share of it hides behind compute (measured: python -m lightning_3d.calibration.memory --time).
-# Round figures python -m lightning_3d.calibration.machine measured on gloo ranks of this project's
+# no share of it hides behind compute (measured: python -m tools.calibration.memory --time).
+# Round figures python -m tools.calibration.machine measured on gloo ranks of this project's
 # 2-core CPU (2026-12-01, a loaded machine): gloo's all-to-all reduce-scatter and its all-gather
 # reach ~0.8 and ~0.4 of an all-reduce's bytes/s; a tensor-parallel block costs ~0.5 more than its
 # FLOP share (norms every rank repeats, DTensor dispatch); selective checkpointing adds ~0.3 of a

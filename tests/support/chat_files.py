@@ -86,8 +86,8 @@ def write_model_dir(root: Path, family: str = "llama") -> str:
     directory ``model.path`` and ``data.tokenizer`` can both name."""
     import torch
 
-    from lightning_3d.harness.hf_configs import tiny_hf_config
     from lightning_3d.models.hf import build_hf_model
+    from tools.harness.hf_configs import tiny_hf_config
 
     files = write_chat_files(root)
     torch.manual_seed(0)

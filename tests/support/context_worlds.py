@@ -140,7 +140,7 @@ def assert_matches_one_process(
     (``logged``) the loss each rank's ``self.log`` saw, the whole sequence's."""
     import pytest
 
-    from lightning_3d.harness.parity import assert_same_run, rank_state_mismatches
+    from tools.harness.parity import assert_same_run, rank_state_mismatches
 
     assert_same_run(ranks[0], reference, atol=atol)
     assert rank_state_mismatches(ranks, reference, atol=atol) == []

@@ -32,10 +32,10 @@ def fit_until_killed(
 
     from lightning_3d import ThreeDStrategy
     from lightning_3d.data import TextDataModule
-    from lightning_3d.harness.runs import TINY_DATA, TINY_MODEL
     from lightning_3d.models import LitGPT
     from lightning_3d.observe.summary import RunSummary
     from lightning_3d.runtime.preemption import Preempted
+    from tools.harness.runs import TINY_DATA, TINY_MODEL
 
     catchable = signum in (signal.SIGTERM, signal.SIGINT)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_3d.harness.runs import Run, fit_gpt
+from tools.harness.runs import Run, fit_gpt
 
 
 def guarded_fit(rank: int, run: Run, then: tuple = ()) -> dict[str, Any]:

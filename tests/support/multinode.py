@@ -10,7 +10,7 @@ Two ways, each through Lightning's own cluster environment detection, none throu
   not needed). Lightning sees ``SLURMEnvironment`` and resolves the main address from the node list.
 
 Every process runs :func:`_worker`: it records which cluster environment a ``Trainer`` built with
-``num_nodes`` picked and the ranks it read, then trains :func:`~lightning_3d.harness.runs.fit_gpt_ranks`
+``num_nodes`` picked and the ranks it read, then trains :func:`~tools.harness.runs.fit_gpt_ranks`
 with ``num_nodes`` and returns its result and the size and rank of the world that trained.
 
 The rendezvous store is hosted by the calling process on a port the OS assigned
@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_3d.app.launch import hosted_store
-from lightning_3d.harness.runs import Run
+from tools import pythonpath
+from tools.harness.runs import Run
 
 POLL_S = 0.2
 # Variables of the calling environment that would make a child look launched already, or belong
@@ -61,6 +62,7 @@ _FOREIGN = (
 def _base_env(threads: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _FOREIGN and not k.startswith("SLURM_")}
     env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONPATH"] = pythonpath()  # the children run from work/ and import tools.*
     return env
 
 
@@ -247,7 +249,7 @@ def _worker(run_file: str, work: str) -> None:
     import torch.distributed as dist
 
     from lightning_3d import ThreeDStrategy
-    from lightning_3d.harness.runs import fit_gpt_ranks
+    from tools.harness.runs import fit_gpt_ranks
 
     torch.set_num_threads(1)
     run: Run = pickle.loads(Path(run_file).read_bytes())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_3d.harness.runs import Run
+from tools.harness.runs import Run
 
 WIDE = {"hidden_size": 256, "intermediate_size": 512, "num_key_value_heads": 4}
 STEPS, SEED = 3, 1234
