@@ -38,8 +38,14 @@ COLLECTIVES = (
 )
 # Callers whose collectives move gradients or parameters (the engines' own traffic).
 GRADIENT_CALLERS = ("lightning_3d/parallel/zero.py", "lightning_3d/compat.py", "/fsdp/")
-# The strategy's ``reduce``, answering a caller (here RunSummary's step loss): in both runs.
-REQUESTED_CALLERS = ("lightning_3d/strategy/collectives.py", "lightning/fabric/utilities/")
+# The step loss over the ranks: the strategy's ``reduce`` answering RunSummary under DDP; under
+# ThreeDStrategy the objective's sum and count (parallel/objective.py), which RunSummary reads
+# instead of asking for a reduction. One per step in both runs.
+REQUESTED_CALLERS = (
+    "lightning_3d/strategy/collectives.py",
+    "lightning/fabric/utilities/",
+    "lightning_3d/parallel/objective.py",
+)
 
 
 def _caller() -> str:

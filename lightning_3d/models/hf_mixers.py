@@ -103,6 +103,8 @@ def layers_without_attention(model: nn.Module) -> dict[str, list[int]]:
         kind = kinds[index] if index < len(kinds) else None
         if kind in NON_MIXING_KINDS or (kind is not None and kind not in ATTENTION_KINDS):
             continue  # no token mixing, or a mixer unrouted_mixers names
+        if next(layer.parameters(), None) is None:
+            continue  # a stand-in for another pipeline stage's layer: it mixes nothing here
         if not any(is_routed_attention(m) for m in layer.modules()):
             found.setdefault(type(layer).__name__, []).append(index)
     return found
