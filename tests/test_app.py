@@ -183,9 +183,8 @@ def test_cli_real_run_zero2(zero2_run):
             "activation_bytes_per_block",
         ):
             assert rank[key] > 0, (key, rank)
-        assert rank["blocks_on_rank"] == 2 and rank["checkpointed_blocks"] == 0, (
-            rank
-        )  # gpt_tiny: 2 blocks
+        # gpt_tiny: 2 blocks.
+        assert rank["blocks_on_rank"] == 2 and rank["checkpointed_blocks"] == 0, rank
     # One summary per job: the ranks write into the job directory, rank 0 only.
     assert sorted(p.name for p in tmp_path.glob("**/summary.json")) == ["summary.json"]
 

@@ -275,7 +275,7 @@ def test_a_stopped_run_names_the_checkpoint_to_resume_from(tmp_path):
     run wrote, else the one it resumed from itself; outside the apps, the Lightning call."""
     from types import SimpleNamespace
 
-    from lightning_3d.checkpoint.resume import resume_hint, written_checkpoint
+    from lightning_3d.runtime.resume_hint import resume_hint, written_checkpoint
 
     trainer = SimpleNamespace(
         checkpoint_callback=SimpleNamespace(dirpath=str(tmp_path)),
@@ -294,6 +294,21 @@ def test_a_stopped_run_names_the_checkpoint_to_resume_from(tmp_path):
     assert resume_hint(None) == "resume with trainer.fit(..., ckpt_path='last')"
 
 
+def test_inside_an_app_the_resume_hint_is_its_command_line():
+    """What the app hands the stop messages (``resume_command``, around a rank's run): its command
+    line with ``resume=<checkpoint>``; outside the block, the Lightning call again."""
+    from lightning_3d.runtime.resume_hint import resume_command, resume_hint
+
+    checkpoint = Path("/runs/a b/preempted.ckpt")
+    with resume_command(["python", "examples/train.py", "trainer.max_steps=5"]):
+        assert resume_hint(checkpoint) == (
+            "resume with: python examples/train.py trainer.max_steps=5 "
+            "'resume=/runs/a b/preempted.ckpt'"
+        )
+        assert resume_hint(None).startswith("this run wrote no checkpoint to resume from")
+    assert resume_hint(None) == "resume with trainer.fit(..., ckpt_path='last')"
+
+
 def test_the_resume_hint_names_the_app_as_it_was_typed(tmp_path, monkeypatch):
     """``python -m lightning_3d.app.train``, a console script ``PATH`` finds, ``python
     examples/train.py``: the three ways to start the training app, each named as typed (a rank
@@ -301,7 +316,7 @@ def test_the_resume_hint_names_the_app_as_it_was_typed(tmp_path, monkeypatch):
     import sys
     from types import ModuleType, SimpleNamespace
 
-    from lightning_3d.checkpoint.resume import typed_command
+    from lightning_3d.app.launch import typed_command
 
     main = ModuleType("__main__")
     main.__spec__ = SimpleNamespace(name="lightning_3d.app.train")

@@ -169,12 +169,10 @@ def test_validate_accepts_default_config(compose):
     from lightning_3d.app.run import validate
 
     validate(compose())  # no exception
-    validate(
-        compose("trainer.devices=4", "parallelism.tensor=2", "data.batch_size=30")
-    )  # 30 % dp(2) == 0
-    validate(
-        compose("trainer.max_steps=-1", "+trainer.max_epochs=1")
-    )  # the epochs decide; the schedule too
+    # 30 % dp(2) == 0.
+    validate(compose("trainer.devices=4", "parallelism.tensor=2", "data.batch_size=30"))
+    # The epochs decide; the schedule too.
+    validate(compose("trainer.max_steps=-1", "+trainer.max_epochs=1"))
 
 
 @pytest.mark.parametrize(

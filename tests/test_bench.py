@@ -111,9 +111,8 @@ def test_quick_run_of_two_rows(tmp_path, capsys):
     assert by["3d_zero1"]["vs_ddp"] == pytest.approx(
         by["3d_zero1"]["tokens_per_s"] / by["ddp"]["tokens_per_s"]
     )
-    assert (
-        "dist.all_reduce" in by["ddp"]["ranks"][0]["comm_ops"]
-    )  # DDP's reducer went through the hook
+    # DDP's reducer went through the hook.
+    assert "dist.all_reduce" in by["ddp"]["ranks"][0]["comm_ops"]
     table = (tmp_path / "bench.md").read_text()
     assert (
         "| 3d_zero1 | 2 |" in table
@@ -296,9 +295,8 @@ def test_one_device_rows_and_figures_on_cpu():
     }
     torch_run, auto_run = raw["runs"]["torch"][0], raw["runs"]["auto"][0]
     assert len(torch_run["step_s"]) == len(auto_run["step_s"]) == cfg["steps"]
-    assert (
-        torch_run["num_params"] == auto_run["num_params"] == 133_440
-    )  # LitGPT 2 x 64, T = 32, vocab 256
+    # LitGPT 2 x 64, T = 32, vocab 256.
+    assert torch_run["num_params"] == auto_run["num_params"] == 133_440
     records = one_device.summarize(cfg, raw)
     by = {r["row"]: r for r in records}
     tokens = cfg["batch"] * cfg["model"]["block_size"]
@@ -309,9 +307,8 @@ def test_one_device_rows_and_figures_on_cpu():
     assert by["auto"]["vs_torch"] == pytest.approx(
         by["auto"]["tokens_per_s"] / by["torch"]["tokens_per_s"]
     )
-    assert (
-        by["auto"]["vs_auto"] == 1.0 and by["auto"]["activation_bytes_per_block"] > 0
-    )  # RunSummary's meter
+    # RunSummary's meter.
+    assert by["auto"]["vs_auto"] == 1.0 and by["auto"]["activation_bytes_per_block"] > 0
     failed = one_device.summarize(cfg, {"runs": raw["runs"], "notes": {"3d": "failed: boom"}})
     assert "| 3d | failed: boom |" in one_device.table(
         [*failed, {"row": "3d", "note": "failed: boom"}]
@@ -358,9 +355,8 @@ def test_offload_ladder_sizes_and_bad_input(tmp_path, capsys):
         "cpu",
         "params",
     ]
-    rows = {
-        mode: ladder.row_of(mode, args) for mode in ladder.MODES
-    }  # each mode: the strategy options it runs
+    # Each mode: the strategy options it runs.
+    rows = {mode: ladder.row_of(mode, args) for mode in ladder.MODES}
     assert {m: (r.offload, r.params, r.overlap, r.delay) for m, r in rows.items()} == {
         "none": ("none", False, True, False),
         "cpu": ("cpu", False, True, False),
@@ -420,9 +416,8 @@ def test_offload_ladder_table_counts_rows_that_do_not_fit():
         "| 1.3B | 1.30 B | cpu | fits | 10.0 | 2.00 | 0.50 | 1.50 | 1.00 | 1.33 |" in text
         and "| 6.0 | 20.0 |" in text
     )
-    assert (
-        "| 0.35B | 0.35 B | cpu | fits | 10.0 | 2.00 | 0.50 | 1.50 | - | - |" in text
-    )  # no CPU step measured
+    # No CPU step measured.
+    assert "| 0.35B | 0.35 B | cpu | fits | 10.0 | 2.00 | 0.50 | 1.50 | - | - |" in text
 
 
 def test_offload_ladder_runs_a_row_and_reports_one_that_does_not_finish(tmp_path):
@@ -441,9 +436,8 @@ def test_offload_ladder_runs_a_row_and_reports_one_that_does_not_finish(tmp_path
         > full_param_count(model_config(1, 64))
     )
     assert 0 < row["build_s"] and 0 < row["fwd_bwd_s"] < row["step_s"] and row["optimizer_s"] > 0
-    assert (
-        0 < row["cpu_step_s"] <= row["optimizer_s"]
-    )  # the fused CPU Adam alone, inside the optimizer's part
+    # The fused CPU Adam alone, inside the optimizer's part.
+    assert 0 < row["cpu_step_s"] <= row["optimizer_s"]
     assert row["peak_rss_mb"] >= row["base_rss_mb"] > 0 and row["tflops"] > 0
     late = ladder.run_ladder(
         _ladder_args(tmp_path, sizes=["1x64", "2x64"], row_timeout_s=0.5), log=lambda line: None

@@ -16,7 +16,8 @@ import torch  # noqa: E402
 
 from lightning_3d.data import ChatDataModule  # noqa: E402
 from lightning_3d.data.chat import load_chat_tokenizer, render  # noqa: E402
-from lightning_3d.data.chat_layout import IGNORE_INDEX, pack, pad_rows  # noqa: E402
+from lightning_3d.data.chat_layout import pack, pad_rows  # noqa: E402
+from lightning_3d.data.labels import IGNORE_INDEX  # noqa: E402
 from support.chat_files import (  # noqa: E402
     SPECIALS,
     WORDS,

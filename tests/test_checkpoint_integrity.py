@@ -100,10 +100,8 @@ def test_every_tensor_and_shard_item_has_a_checksum(saved):
         "items"
     ]
     assert len(items) == len(sharded_files.read_metadata(directory).storage_data)
-    assert {item[2] for item in items} == {
-        "__0_0.distcp",
-        "__1_0.distcp",
-    }  # each rank checksummed its own
+    # Each rank checksummed its own.
+    assert {item[2] for item in items} == {"__0_0.distcp", "__1_0.distcp"}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -119,9 +117,8 @@ def test_intact_checkpoint_loads_verified(saved, name, capsys):
 def test_flipped_bytes_are_refused_naming_file_and_tensor(saved, flipped, name, tmp_path, capsys):
     copy, file = flipped[name]
     intact = load_lightning_checkpoint(saved[name])["state_dict"][WEIGHT]
-    damaged = load_lightning_checkpoint(copy, verify=None)["state_dict"][
-        WEIGHT
-    ]  # what loaded before
+    # What loaded before.
+    damaged = load_lightning_checkpoint(copy, verify=None)["state_dict"][WEIGHT]
     assert not torch.equal(damaged, intact)
     message = f"{file}: checksum mismatch in tensor (state_dict.)?{WEIGHT}"
     with pytest.raises(ValueError, match=message):

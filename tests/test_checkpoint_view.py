@@ -43,9 +43,8 @@ def test_to_full_copies_and_passes_non_tensors_through():
     t = torch.arange(6.0).reshape(2, 3)
     full = to_full(t)
     assert torch.equal(full, t) and full.data_ptr() != t.data_ptr()
-    assert (
-        to_full(3) == 3 and to_full(torch.tensor(2.0), (3, 2)) == 2.0
-    )  # scalars are never regrouped
+    # Scalars are never regrouped.
+    assert to_full(3) == 3 and to_full(torch.tensor(2.0), (3, 2)) == 2.0
 
 
 def test_a_tied_weight_is_one_entry_under_its_one_process_name():
@@ -70,9 +69,8 @@ def _owned(rank: int) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine.attach(optimizer)
     slices = engine.owned_slices()
-    assert [id(o.param) for o in slices] == [
-        id(p) for p in optimizer.param_groups[0]["params"]
-    ]  # what it steps
+    # What it steps.
+    assert [id(o.param) for o in slices] == [id(p) for p in optimizer.param_groups[0]["params"]]
     out = []
     for owned in slices:
         local = owned.param.to_local()

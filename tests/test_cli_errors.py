@@ -213,9 +213,8 @@ def cli_runs(tmp_path_factory):
     """Every CLI case at once (each is the imports and the checks, nothing else)."""
     run_dirs, procs = {}, {}
     for case in CLI:
-        run_dirs[case] = (
-            tmp_path_factory.mktemp(case.replace(":", "_")) / "run"
-        )  # Hydra would make it
+        # Hydra would make it.
+        run_dirs[case] = tmp_path_factory.mktemp(case.replace(":", "_")) / "run"
         procs[case] = start_app(SCRIPT, [*BAD[case][0], f"hydra.run.dir={run_dirs[case]}"], REPO)
     return run_dirs, wait_all(procs, timeout=300)
 

@@ -87,6 +87,5 @@ def test_compiled_layouts_match_one_process(strategy):
     compiled = fit_layout(Run(strategy=strategy, steps=3), 2)
     assert_same_run(compiled, reference)  # losses of every step and the trained weights
     blocks = [rank.get("compiled_blocks") for rank in compiled["summary"]["ranks"]]
-    assert blocks == (
-        [1, 1] if strategy.get("pipeline") else [2, 2]
-    )  # every block this rank holds (n_layer=2)
+    # Every block this rank holds (n_layer=2).
+    assert blocks == ([1, 1] if strategy.get("pipeline") else [2, 2])

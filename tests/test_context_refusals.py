@@ -9,7 +9,7 @@ import pytest
 
 from lightning_3d.models import LitGPT
 from lightning_3d.options import Plan
-from lightning_3d.parallel.model_check import check
+from lightning_3d.options.model_check import check
 from tools.harness.apps import start_app, wait_all
 from tools.harness.hf_configs import tiny_hf_config
 from tools.harness.tiny_models import LitTinyLM

@@ -41,9 +41,8 @@ needs_cuda = pytest.mark.skipif(
 )
 
 STEPS, SEED = 5, 1234
-CLIP = {
-    "gradient_clip_val": 1.0
-}  # NCCL crashed here once with CPU-resident shards (parallel/clip.py)
+# NCCL crashed here once with CPU-resident shards (parallel/clip.py).
+CLIP = {"gradient_clip_val": 1.0}
 # (loss rtol per step, update rtol over all tensors) per precision; see the module docstring.
 TOLERANCE = {"bf16-mixed": (2e-2, 4e-2), "bf16-true": (3e-2, 4e-2), "32-true": (1e-4, 1e-3)}
 
@@ -141,10 +140,8 @@ def test_strategy_option_matches_auto_on_one_device(case, auto, tmp_path):
         assert torch.equal(run["initial_state"][name], w0), name
     assert_matches_auto(run, reference, precision)
     rank = run["summary"]["ranks"][0]
-    for trained in (
-        rank,
-        reference["summary"]["ranks"][0],
-    ):  # both trained on the device, not the CPU
+    # Both trained on the device, not the CPU.
+    for trained in (rank, reference["summary"]["ranks"][0]):
         assert trained.get("device_peak_mb", 0) > 0, trained
     if options.get("offload_params"):  # every sharded parameter lived in CPU memory
         assert rank["offloaded_param_bytes"] == rank["param_bytes"] > 0
@@ -175,9 +172,8 @@ def test_a_model_built_on_meta_trains_as_the_eager_build(options):
     )
     for name, w0 in eager["initial_state"].items():
         assert torch.equal(deferred["initial_state"][name], w0), name
-    assert_matches_auto(
-        deferred, eager, "bf16-true"
-    )  # CUDA's embedding backward is not bit-reproducible
+    # CUDA's embedding backward is not bit-reproducible.
+    assert_matches_auto(deferred, eager, "bf16-true")
 
 
 def test_update_bound_detects_a_ten_percent_learning_rate_change():
@@ -206,9 +202,8 @@ def _world_of_one(rank: int, device_type: str = "cuda") -> dict:
     cuda = device_type == "cuda"
     if cuda:
         torch.cuda.set_device(0)
-    dist.init_process_group(
-        "nccl" if cuda else "gloo"
-    )  # one backend, named: no "cpu:gloo,cuda:nccl" mix
+    # One backend, named: no "cpu:gloo,cuda:nccl" mix.
+    dist.init_process_group("nccl" if cuda else "gloo")
     mesh = init_device_mesh(device_type, (1,), mesh_dim_names=("dp",))
     group = mesh.get_group()
     out: dict = {"backend": dist.get_backend(group)}
@@ -247,9 +242,8 @@ def _world_of_one(rank: int, device_type: str = "cuda") -> dict:
     check("broadcast", in_place(dist.broadcast, src=0))
     check("all_gather_into_tensor", into(dist.all_gather_into_tensor, async_op=True))
     check("reduce_scatter_tensor", into(dist.reduce_scatter_tensor, async_op=True))
-    from lightning_3d import (
-        compat,
-    )  # the engine's calls: torch's own where it has them, else a fallback
+    # The engine's calls: torch's own where it has them, else a fallback.
+    from lightning_3d import compat
 
     for name in ("all_gather_single", "reduce_scatter_single"):
         check(name, into(getattr(compat, name), async_op=True))
@@ -380,9 +374,8 @@ def _offload_overlap(rank: int, device: str, delay: bool = False) -> dict:
     OffloadedAdam.prefetch_devices = ("cuda",) if cuda else ("cuda", "cpu")
     for overlap in (True, False):
         params = [torch.nn.Parameter(t.to(device, copy=True)) for t in start]
-        staged = [
-            [g.to(device, copy=True) for g in step] for step in grads
-        ]  # on the device before the loop
+        # On the device before the loop.
+        staged = [[g.to(device, copy=True) for g in step] for step in grads]
         opt = OffloadedAdam(
             params, lr=1e-2, chunk_bytes=12 * 256, overlap=overlap, delay_update=delay
         )
@@ -394,16 +387,13 @@ def _offload_overlap(rank: int, device: str, delay: bool = False) -> dict:
                 p.grad = g.clone()  # a kernel on the compute stream, queued behind the sleep
             opt.step()
             for p in params:
-                p.grad.fill_(
-                    float("nan")
-                )  # in place, on the compute stream, before the host waits for anything
+                # In place, on the compute stream, before the host waits for anything.
+                p.grad.fill_(float("nan"))
             opt.zero_grad(set_to_none=True)
-            refill = [
-                torch.full_like(g, float("nan")) for g in staged[s]
-            ]  # the freed gradients' memory
-            sums.append(
-                sum(p.float().sum() for p in params).item()
-            )  # compute stream, right after the step
+            # The freed gradients' memory.
+            refill = [torch.full_like(g, float("nan")) for g in staged[s]]
+            # Compute stream, right after the step.
+            sums.append(sum(p.float().sum() for p in params).item())
             seen.append([p.detach().to("cpu", copy=True) for p in params])
             del refill
         opt.synchronize()

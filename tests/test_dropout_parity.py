@@ -138,9 +138,8 @@ def test_every_pipeline_stage_drops_in_training_and_not_in_validation():
         trained = {name for (phase, name) in seen if phase == "train"}
         assert trained, f"stage {rank} ran no dropout"
         for (phase, name), calls in seen.items():
-            if (
-                phase == "train"
-            ):  # in training mode at every call, and dropping (a call may drop nothing)
+            # In training mode at every call, and dropping (a call may drop nothing).
+            if phase == "train":
                 assert (
                     all(training for training, _ in calls)
                     and sum(z for _, z in calls) > len(calls) // 2
@@ -151,8 +150,7 @@ def test_every_pipeline_stage_drops_in_training_and_not_in_validation():
                     name,
                     calls,
                 )
-        assert {name for (phase, name) in seen if phase == "eval"} == trained, (
-            rank
-        )  # validation ran them all
+        # Validation ran them all.
+        assert {name for (phase, name) in seen if phase == "eval"} == trained, rank
     names = [set(name for _, name in seen) for seen in stages]
     assert not names[0] & names[1]  # each stage its own blocks' dropout: the split is real

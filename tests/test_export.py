@@ -176,18 +176,16 @@ def test_exported_weights_load_into_plain_gpt(trained: dict, exported: Path) -> 
         True,
     )
     assert info["shapes"]["model.tok_emb.weight"] == (256, 32)
-    assert not list(
-        (trained["root"] / "ckpts").glob(".*")
-    )  # no temp file left by the Trainer's saves
+    # No temp file left by the Trainer's saves.
+    assert not list((trained["root"] / "ckpts").glob(".*"))
 
 
 def test_load_pretrained_round_trips(trained: dict, exported: Path) -> None:
     torch.manual_seed(5)
     fresh = LitGPT(**TINY)
     assert not _same_outputs(fresh, trained)
-    assert load_pretrained(fresh, exported) == list(
-        fresh.state_dict()
-    )  # "tok_emb.weight" -> "model.tok_emb..."
+    # "tok_emb.weight" -> "model.tok_emb..."
+    assert load_pretrained(fresh, exported) == list(fresh.state_dict())
     assert _same_outputs(fresh, trained)
     gpt = GPT(trained["lit"].config)  # .ckpt -> plain module: "model." dropped
     assert load_pretrained(gpt, trained["ckpt"])[0] == "tok_emb.weight" and _same_outputs(
@@ -315,9 +313,8 @@ def test_kill_during_save_keeps_last_checkpoint(trained: dict, killed_save: tupl
 
     # Lightning's own "last" resolution (ModelCheckpoint(save_last=True) layout) sees the first save only.
     resumed = LitGPT(**TINY)
-    trainer = _fit(
-        target.parent.parent, resumed, ckpt_path="last"
-    )  # step 2 = max_steps: restore, no training
+    # Step 2 = max_steps: restore, no training.
+    trainer = _fit(target.parent.parent, resumed, ckpt_path="last")
     resolved = trainer._checkpoint_connector._parse_ckpt_path(
         TrainerFn.FITTING, "last", model_provided=True, model_connected=True
     )
@@ -349,15 +346,10 @@ def test_atomic_io_refusals_and_failed_save(trained: dict, tmp_path: Path) -> No
 def test_stale_temp_rules(tmp_path: Path) -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
-    stale = [
-        f".a.ckpt.tmp-{dead.pid}",
-        f".b.ckpt.tmp-{os.getpid()}",
-    ]  # writer gone; ours but older than us
-    kept = [
-        f".c.ckpt.tmp-{os.getpid()}",
-        ".d.ckpt.tmp-1",
-        "e.ckpt",
-    ]  # ours in flight; live writer; not a temp
+    # Writer gone; ours but older than us.
+    stale = [f".a.ckpt.tmp-{dead.pid}", f".b.ckpt.tmp-{os.getpid()}"]
+    # Ours in flight; live writer; not a temp.
+    kept = [f".c.ckpt.tmp-{os.getpid()}", ".d.ckpt.tmp-1", "e.ckpt"]
     for name in stale + kept:
         (tmp_path / name).write_bytes(b"x")
     os.utime(tmp_path / stale[1], (0, 0))

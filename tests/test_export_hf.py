@@ -80,9 +80,8 @@ def _rebuilt_logits(ckpt: Path) -> torch.Tensor:
     checkpoint = load_lightning_checkpoint(ckpt)
     module = HFCausalLM(**checkpoint["hyper_parameters"])
     result = module.load_state_dict(checkpoint["state_dict"], strict=False)
-    assert (
-        set(result.missing_keys) <= {"model.lm_head.weight"} and not result.unexpected_keys
-    )  # tied: saved once
+    # Tied: saved once.
+    assert set(result.missing_keys) <= {"model.lm_head.weight"} and not result.unexpected_keys
     with torch.no_grad():
         return module.eval()(IDS)
 
@@ -168,9 +167,8 @@ def test_dtype_cast_keeps_ties_and_force_replaces(qwen2_ckpt, tmp_path):
 
 
 def test_sharded_two_process_checkpoint_exports_exactly(llama_sharded, tmp_path):
-    assert (
-        sharded_files.read_meta(llama_sharded)["hf_config"]["model_type"] == "llama"
-    )  # rank 0's meta.pt keeps it
+    # Rank 0's meta.pt keeps it.
+    assert sharded_files.read_meta(llama_sharded)["hf_config"]["model_type"] == "llama"
     out = tmp_path / "llama-hf"
     assert cli(["export-hf", str(llama_sharded), str(out)]) == 0
     model = _assert_exact_export(out, llama_sharded)
@@ -273,9 +271,8 @@ def test_bad_input_on_the_command_line(qwen2_ckpt, llama_sharded, tmp_path):
             tmp_path / "b",
         ),
     }
-    runs = {
-        name: _run_cli(*args) for name, (args, _, _) in cases.items()
-    }  # in parallel: each imports torch
+    # In parallel: each imports torch.
+    runs = {name: _run_cli(*args) for name, (args, _, _) in cases.items()}
     for name, (_, named, absent) in cases.items():
         _, stderr = runs[name].communicate(timeout=120)
         assert runs[name].returncode == 2, (name, stderr)
@@ -335,9 +332,8 @@ def test_a_damaged_checkpoint_is_refused_naming_file_and_tensor(fixture, request
     name = "model.model.layers.0.mlp.down_proj.weight"
     weight = load_lightning_checkpoint(source)["state_dict"][name]
     copy = copy_checkpoint(source, tmp_path / "damaged.ckpt")
-    stored = (
-        weight if fixture == "qwen2_ckpt" else weight.chunk(2)[0]
-    )  # ZeRO-3: each rank wrote half the rows
+    # ZeRO-3: each rank wrote half the rows.
+    stored = weight if fixture == "qwen2_ckpt" else weight.chunk(2)[0]
     file = flip_in_tensor(copy, stored, one_bit=True)
     assert _exit_code(["export-hf", str(copy), str(tmp_path / "out")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()

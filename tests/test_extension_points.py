@@ -253,9 +253,8 @@ def test_vocab_parallel_loss_is_plain_cross_entropy_on_a_tp_mesh(two_ranks):
         torch.testing.assert_close(got["module_loss"], got["want"])
         for g, w in zip(got["grads"], got["want_grads"]):
             torch.testing.assert_close(g, w)
-    assert torch.equal(
-        two_ranks[0]["loss"]["loss"], two_ranks[1]["loss"]["loss"]
-    )  # identical per tp rank
+    # Identical per tp rank.
+    assert torch.equal(two_ranks[0]["loss"]["loss"], two_ranks[1]["loss"]["loss"])
 
 
 def test_nothing_in_torch_or_lightning_was_reassigned(two_ranks):

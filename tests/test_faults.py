@@ -72,6 +72,5 @@ def test_a_killed_rank_stops_the_others_and_last_resumes(tmp_path):
             raise AssertionError("the relaunched world did not finish") from None
     for _rank, status, out, _ in outs:
         assert status == "ok", out
-        assert (
-            out["global_step"] == 6 and len(out["losses"]) == 6 - saved_step
-        )  # only the remaining steps
+        # Only the remaining steps.
+        assert out["global_step"] == 6 and len(out["losses"]) == 6 - saved_step

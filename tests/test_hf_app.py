@@ -108,9 +108,8 @@ def files(tmp_path_factory):
     tokenizer.save_pretrained(paths["no_config"])  # weights and tokenizer, no config.json
     weights = (paths["model"] / "model.safetensors").read_bytes()
     (paths["no_config"] / "model.safetensors").write_bytes(weights)
-    (paths["no_tokenizer"] / "model.safetensors").write_bytes(
-        weights
-    )  # weights and config.json only
+    # Weights and config.json only.
+    (paths["no_tokenizer"] / "model.safetensors").write_bytes(weights)
     (paths["no_tokenizer"] / "config.json").write_text((paths["model"] / "config.json").read_text())
     for name in ("truncated", "reshaped"):  # the model's files, then one of them broken
         tokenizer.save_pretrained(paths[name])
@@ -297,9 +296,8 @@ def test_finetune_app_offloads_from_model_directory(runs, files):
     assert summary["pretrained"] == str(files["model"].resolve())
     assert summary["offload"]["device"] == "cpu"
     assert summary["layout"]["precision"] == "bf16-mixed" and summary["layout"]["world_size"] == 1
-    assert (
-        summary["ranks"][0]["checkpointed_blocks"] == 2
-    )  # the preset's full activation checkpointing
+    # The preset's full activation checkpointing.
+    assert summary["ranks"][0]["checkpointed_blocks"] == 2
     assert summary["steps"] == 3 and all(math.isfinite(x) for x in summary["losses"])
     # bf16 autocast: close to, not equal to, the fp32 loss of the directory's weights.
     assert summary["losses"][0] == pytest.approx(_first_loss(files, jsonl_only=True), rel=3e-2)
@@ -448,12 +446,10 @@ def test_documents_joined_with_eos_and_packed(files, tmp_path):
             x, y = dataset[i]
             assert x.dtype == torch.int64 and x.shape == (BLOCK,)
             assert x.tolist() == split[i * BLOCK : i * BLOCK + BLOCK].tolist()
-            assert (
-                y.tolist() == split[i * BLOCK + 1 : i * BLOCK + BLOCK + 1].tolist()
-            )  # shifted by one
-    assert (
-        int(tokens.max()) < len(tokenizer) and (tokens == eos).sum() == 300 + 1
-    )  # 300 lines + one .txt
+            # Shifted by one.
+            assert y.tolist() == split[i * BLOCK + 1 : i * BLOCK + BLOCK + 1].tolist()
+    # 300 lines + one .txt.
+    assert int(tokens.max()) < len(tokenizer) and (tokens == eos).sum() == 300 + 1
 
 
 def test_text_loader_resumes_mid_epoch(files):

@@ -96,7 +96,7 @@ def test_family_matches_single_process(reference, family, layout):
 
         from lightning_3d.models.hf import HFCausalLM
         from lightning_3d.options import Plan
-        from lightning_3d.parallel.model_check import check
+        from lightning_3d.options.model_check import check
         from tools.harness.hf_configs import tiny_hf_config
 
         with torch.device("meta"):  # as the app's launcher checks it
@@ -248,7 +248,7 @@ def test_token_mixers_context_parallelism_cannot_route_are_refused(family):
     Qwen3.5 and Mamba passed the check and trained their recurrences on each rank's chunks as if
     they were contiguous.)"""
     from lightning_3d.options import Plan
-    from lightning_3d.parallel.model_check import check
+    from lightning_3d.options.model_check import check
 
     with pytest.raises(ValueError, match=CONTEXT_REFUSED[family]):
         check(_on_meta(family), Plan.from_options(context=2), 2)

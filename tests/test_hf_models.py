@@ -99,9 +99,8 @@ def test_hf_model_matches_single_process(reference, family, layout):
     )
     assert_matches(world[0], reference(family))
     assert_ties_hold(world)
-    assert (
-        world[0]["summary"]["num_params"] == reference(family)["summary"]["num_params"]
-    )  # a tie counted once
+    # A tie counted once.
+    assert world[0]["summary"]["num_params"] == reference(family)["summary"]["num_params"]
     tied = family != "llama"
     assert bool(world[0]["ties"]) == tied  # the tie is seen (and only where the config ties)
 
@@ -206,18 +205,15 @@ def test_tied_weights_sharded_differently_are_refused(capfd):
     ties = find_tied(module)
     assert ties == [("model.model.embed_tokens.weight", "model.lm_head.weight")]
     good = {"*embed_tokens": "vocab", "*lm_head": "head"}
-    check_tied_styles(
-        module, resolve_plan(module, plan_from_names(good), 2), ties
-    )  # both split the vocabulary
+    # Both split the vocabulary.
+    check_tied_styles(module, resolve_plan(module, plan_from_names(good), 2), ties)
     plan = {"*embed_tokens": "vocab", "*lm_head": "rowwise"}
     message = r"tied parameters model\.model\.embed_tokens\.weight .*model\.lm_head\.weight .*sharded differently"
-    with pytest.raises(
-        ValueError, match=message
-    ):  # without processes, as the app checks before launch
+    # Without processes, as the app checks before launch.
+    with pytest.raises(ValueError, match=message):
         check_tied_styles(module, resolve_plan(module, plan_from_names(plan), 2), ties)
-    with pytest.raises(
-        RuntimeError, match=message
-    ):  # and by the strategy on the ranks, before any rewrite
+    # And by the strategy on the ranks, before any rewrite.
+    with pytest.raises(RuntimeError, match=message):
         run_world(_fit_module_with_plan, 2, plan)
     # Reported as what it is (the step, the exception), not as a lost peer with resume advice.
     err = capfd.readouterr().err

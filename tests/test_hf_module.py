@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from lightning_3d.models.hf import IGNORE_INDEX, HFCausalLM  # noqa: E402
+from lightning_3d.data.labels import IGNORE_INDEX  # noqa: E402
+from lightning_3d.models.hf import HFCausalLM  # noqa: E402
 from tools.harness.hf_configs import TINY_HF, tiny_config, tiny_hf_config  # noqa: E402
 
 
@@ -125,7 +126,7 @@ def test_models_a_pipeline_split_would_change_are_refused():
     if "dory" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no Dory")
     from lightning_3d.options import Plan
-    from lightning_3d.parallel.model_check import check
+    from lightning_3d.options.model_check import check
 
     module = HFCausalLM(config=tiny_config("dory"))
     with pytest.raises(
@@ -150,7 +151,7 @@ def test_a_split_the_models_own_code_fails_on_is_refused_naming_the_class():
     if "deepseek_v4" not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip("this transformers has no DeepSeek-V4")
     from lightning_3d.options import Plan
-    from lightning_3d.parallel.model_check import check
+    from lightning_3d.options.model_check import check
 
     with torch.device("meta"):
         on_meta = HFCausalLM(config=tiny_config("deepseek_v4"), attn_implementation="eager")

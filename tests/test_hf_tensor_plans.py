@@ -216,15 +216,13 @@ def test_world_hf_gpt2_conv1d_shards_round_trip_and_forward(values_world, sp):
         out = world[sp]
         original = out["original"]
         for key, value in original.items():
-            assert torch.equal(out["full"][key], value), (
-                key
-            )  # regrouping undone along Conv1D's dim -1
+            # Regrouping undone along Conv1D's dim -1.
+            assert torch.equal(out["full"][key], value), key
             assert torch.equal(out["after_load"][key], value), key
         assert out["fused_attr"] == (3, 2, -1)
         assert (out["split_size"], out["num_heads"]) == (16, 2)  # this rank's 2 of 4 heads
-        w = original[
-            "model.transformer.h.1.attn.c_attn.weight"
-        ]  # (in 32, out 96): q | k | v columns
+        # (in 32, out 96): q | k | v columns.
+        w = original["model.transformer.h.1.attn.c_attn.weight"]
         b = original["model.transformer.h.1.attn.c_attn.bias"]
         cols = slice(rank * 16, (rank + 1) * 16)
         assert torch.equal(

@@ -43,9 +43,8 @@ def test_same_initial_weights_bit_for_bit(dtype):
     ):
         assert name == other and b.dtype == dtype and not b.is_meta
         assert torch.equal(a, b), name
-    assert not torch.equal(
-        _deferred(8, dtype).lm_head.weight, deferred.lm_head.weight
-    )  # the seed matters
+    # The seed matters.
+    assert not torch.equal(_deferred(8, dtype).lm_head.weight, deferred.lm_head.weight)
 
 
 def test_unplanned_meta_tensors_are_refused_before_any_work():
@@ -132,11 +131,11 @@ ZERO3_PARAMS = Run(strategy={"zero_stage": 3, "offload": "cpu", "offload_params"
 def _eager_and_deferred(rank: int, runs: list) -> list:
     """Each run eager, then deferred, in this one process (a world of one); where the recipe
     materialised the deferred model."""
-    import lightning_3d.strategy.recipe as recipe
+    import lightning_3d.parallel.materialize as recipe_step
 
     places = []
-    original = recipe.materialize
-    recipe.materialize = lambda module, device: (
+    original = recipe_step.materialize
+    recipe_step.materialize = lambda module, device: (
         places.append(str(device)) or original(module, device)
     )
     try:
@@ -145,7 +144,7 @@ def _eager_and_deferred(rank: int, runs: list) -> list:
             for i, run in enumerate(runs)
         ]
     finally:
-        recipe.materialize = original
+        recipe_step.materialize = original
 
 
 def test_trainer_same_run_as_eager_build():
@@ -153,9 +152,8 @@ def test_trainer_same_run_as_eager_build():
     for eager, deferred, places in run_world(_eager_and_deferred, 1, [OFFLOAD_CPU, ZERO3_PARAMS])[
         0
     ]:
-        assert places[:1] == [
-            "cpu"
-        ]  # the recipe did it, after sharding (offload_params: FSDP2's CPU shards)
+        # The recipe did it, after sharding (offload_params: FSDP2's CPU shards).
+        assert places[:1] == ["cpu"]
         assert len(eager["losses"]) == 2
         assert_same_run(deferred, eager, rtol=0.0, atol=0.0)
 
@@ -254,7 +252,6 @@ def test_a_fused_projection_under_tensor_parallelism_gets_its_regrouped_rows():
         assert materialize(holder, torch.device("cpu")) == 1
         local = holder.weight.to_local()
     full = torch.arange(48, dtype=torch.float32).view(12, 4)
-    expected = torch.cat(
-        [full[c * 4 + 2 : c * 4 + 4] for c in range(3)]
-    )  # the second half of each chunk
+    # The second half of each chunk.
+    expected = torch.cat([full[c * 4 + 2 : c * 4 + 4] for c in range(3)])
     assert torch.equal(local, expected)

@@ -141,6 +141,5 @@ def test_offload_delay_update_reaches_the_optimizer():
     )
     assert delayed["losses"][0] == pytest.approx(plain["losses"][0], rel=TIGHT)
     assert delayed["losses"][1] != pytest.approx(plain["losses"][1], rel=1e-4)
-    assert all(
-        loss == loss for loss in delayed["losses"]
-    )  # finite: no NaN from a half-written weight
+    # Finite: no NaN from a half-written weight.
+    assert all(loss == loss for loss in delayed["losses"])

@@ -78,9 +78,8 @@ def test_layers_of_different_widths_count_their_mean():
 
     class PerLayer(SimpleNamespace):
         def __getattribute__(self, key):
-            if (
-                key == "head_dim"
-            ):  # as transformers' AmbiguousGlobalPerLayerAttributeError, no AttributeError
+            # As transformers' AmbiguousGlobalPerLayerAttributeError, no AttributeError.
+            if key == "head_dim":
                 raise RuntimeError("'head_dim' is a per-layer attribute")
             return super().__getattribute__(key)
 

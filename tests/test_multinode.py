@@ -197,9 +197,8 @@ def test_slurm_variables_make_a_launched_rank(monkeypatch):
         k for k in os.environ if k.startswith("SLURM_") or k in ("LOCAL_RANK", "MASTER_ADDR")
     ]:
         monkeypatch.delenv(key)
-    monkeypatch.setenv(
-        "MASTER_ADDR", ""
-    )  # Lightning's SLURMEnvironment sets it: undone after the test
+    # Lightning's SLURMEnvironment sets it: undone after the test.
+    monkeypatch.setenv("MASTER_ADDR", "")
     monkeypatch.delenv("MASTER_ADDR")
     for key, value in slurm_env(rank=5, nodes=2, procs_per_node=4, port=29511, job_id="77").items():
         monkeypatch.setenv(key, value)
@@ -207,9 +206,8 @@ def test_slurm_variables_make_a_launched_rank(monkeypatch):
     assert SLURMEnvironment.detect() and already_launched()
     assert (env.world_size(), env.global_rank(), env.local_rank(), env.node_rank()) == (8, 5, 1, 1)
     assert (env.main_address, env.main_port) == ("127.0.0.1", 29511)
-    env.validate_settings(
-        num_devices=4, num_nodes=2
-    )  # raises on a mismatch with devices / num_nodes
+    # Raises on a mismatch with devices / num_nodes.
+    env.validate_settings(num_devices=4, num_nodes=2)
     with pytest.raises(ValueError, match="ntasks-per-node=4"):
         env.validate_settings(num_devices=8, num_nodes=2)
 
@@ -283,9 +281,8 @@ def test_sbatch_example_is_valid_bash_and_its_overrides_a_valid_run(tmp_path, mo
         k for k in os.environ if k.startswith("SLURM_") or k in ("LOCAL_RANK", "MASTER_ADDR")
     ]:
         monkeypatch.delenv(key)
-    monkeypatch.setenv(
-        "MASTER_ADDR", ""
-    )  # Lightning's SLURMEnvironment sets it: undone after the test
+    # Lightning's SLURMEnvironment sets it: undone after the test.
+    monkeypatch.setenv("MASTER_ADDR", "")
     monkeypatch.delenv("MASTER_ADDR")
     for key, value in slurm_env(
         rank=0, nodes=nodes, procs_per_node=per_node, port=29500, job_id="4242"

@@ -90,9 +90,8 @@ def test_matches_torch_with_groups_weight_decay_and_scheduler(kind, device, sche
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
 def test_bf16_params_keep_an_fp32_master(device, tmp_path):
     params = _params(dtype=torch.bfloat16)
-    ref = _build(
-        torch.optim.AdamW, [nn.Parameter(p.detach().float()) for p in params], fused=True
-    )  # bit-exact
+    # Bit-exact.
+    ref = _build(torch.optim.AdamW, [nn.Parameter(p.detach().float()) for p in params], fused=True)
     ref_params = [p for g in ref.param_groups for p in g["params"]]
     opt = _offloaded(torch.optim.AdamW, params, device, tmp_path)
     for step in range(4):
@@ -142,9 +141,8 @@ def test_grad_none_is_skipped_and_zero_grad_works(tmp_path):
     assert opt.state[params[0]]["step"].item() == 1.0
     opt.zero_grad()
     assert params[0].grad is None
-    opt.param_groups[0]["params"] = [
-        nn.Parameter(torch.zeros(3))
-    ]  # e.g. ZeRO attached after wrapping
+    # e.g. ZeRO attached after wrapping.
+    opt.param_groups[0]["params"] = [nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match="param_groups changed"):
         opt.step()
     opt.close()
@@ -210,9 +208,8 @@ def test_plain_adamw_checkpoints_load_both_ways(tmp_path):
         torch.equal(a, b) and torch.equal(a, c)
         for a, b, c in zip(plain_params, params, back_params)
     )
-    wrapped = _offloaded(
-        torch.optim.AdamW, plain_params, "cpu", tmp_path, plain
-    )  # imports existing state
+    # Imports existing state.
+    wrapped = _offloaded(torch.optim.AdamW, plain_params, "cpu", tmp_path, plain)
     assert all(
         torch.equal(wrapped.state[p]["exp_avg_sq"], plain.state[p]["exp_avg_sq"])
         for p in plain_params

@@ -69,16 +69,14 @@ def test_on_lags_one_update_and_synchronize_catches_up(device, dtype, tmp_path):
         opt.step(), ref.step()
         history.append([r.detach().clone() for r in ref_params])
         for p in params:
-            p.grad.fill_(
-                float("nan")
-            )  # the update in flight works on its own copy of the gradients
+            # The update in flight works on its own copy of the gradients.
+            p.grad.fill_(float("nan"))
         # The parameters hold the update before last: the one this step() waited for.
         assert all(torch.equal(p, h.to(dtype)) for p, h in zip(params, history[-2]))
     assert not torch.equal(params[0], history[-1][0].to(dtype))
     for p, r in zip(params, ref_params):  # the state is a full update ahead of the parameters
-        assert torch.equal(
-            opt.state[p]["master"], r.detach()
-        )  # fp32 CPU parameters get a master too
+        # fp32 CPU parameters get a master too.
+        assert torch.equal(opt.state[p]["master"], r.detach())
         assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[r]["exp_avg_sq"])
     opt.synchronize()
     assert all(torch.equal(p, r.detach().to(dtype)) for p, r in zip(params, ref_params))

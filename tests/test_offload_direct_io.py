@@ -73,21 +73,18 @@ def test_direct_and_buffered_store_the_same_bits(direct_dir, tmp_path):
     direct = FileChunkStore(direct_dir, ODD, direct_io=True)
     buffered = FileChunkStore(tmp_path, ODD, direct_io=False)
     assert direct.direct_io and not buffered.direct_io
-    assert direct.directory._fds == [
-        direct._fd
-    ]  # the buffered descriptor it was created with is closed
+    # The buffered descriptor it was created with is closed.
+    assert direct.directory._fds == [direct._fd]
     got_direct, got_buffered = _fill_and_step(direct), _fill_and_step(buffered)
     assert [t.numel() for t in got_direct] == ODD
     assert all(torch.equal(a, b) for a, b in zip(got_direct, got_buffered))
     # what the file holds at the recorded offsets is what read() returns, in both layouts
     assert all(torch.equal(a, b) for a, b in zip(_file_segments(direct), got_direct))
     assert all(torch.equal(a, b) for a, b in zip(_file_segments(buffered), got_buffered))
-    assert (
-        os.path.getsize(buffered.file_path) == buffered.nbytes == 4 * sum(ODD)
-    )  # buffered: packed
-    assert (
-        os.path.getsize(direct.file_path) == direct.file_bytes == DIRECT_IO_ALIGNMENT * 9
-    )  # 1025: 2 blocks, 3001: 3
+    # Buffered: packed.
+    assert os.path.getsize(buffered.file_path) == buffered.nbytes == 4 * sum(ODD)
+    # 1025: 2 blocks, 3001: 3.
+    assert os.path.getsize(direct.file_path) == direct.file_bytes == DIRECT_IO_ALIGNMENT * 9
     direct.close(), buffered.close()
 
 
@@ -113,9 +110,8 @@ def test_direct_io_aligns_every_offset_length_and_buffer(direct_dir, monkeypatch
         for a, n, o in calls
     ), [c for c in calls if any(x % DIRECT_IO_ALIGNMENT for x in c)]
     assert sorted({o for _, _, o in calls}) == store.file_offsets
-    assert (
-        store.resident_state_bytes_peak == 3 * 3 * DIRECT_IO_ALIGNMENT
-    )  # 3 buffers of 3001 padded
+    # 3 buffers of 3001 padded.
+    assert store.resident_state_bytes_peak == 3 * 3 * DIRECT_IO_ALIGNMENT
     assert [t.numel() for t in got] == ODD
     store.close()
 
@@ -169,9 +165,8 @@ def _adam_run(path, direct_io, monkeypatch) -> tuple[list[torch.Tensor], dict]:
     monkeypatch.setattr(offload_optimizer, "FileChunkStore", forced)
     gen = torch.Generator().manual_seed(1)
     params = [nn.Parameter(torch.randn(n, generator=gen)) for n in (1000, 333, 77, 4099)]
-    opt = OffloadedAdam(
-        params, lr=1e-2, device="nvme", path=path, chunk_bytes=1000
-    )  # 120-element chunks
+    # 120-element chunks.
+    opt = OffloadedAdam(params, lr=1e-2, device="nvme", path=path, chunk_bytes=1000)
     assert opt._store.direct_io is direct_io
     for _ in range(3):
         for p in params:
@@ -213,9 +208,8 @@ def test_every_free_buffer_reads_ahead(tmp_path, direct_io, window):
         for ahead in range(1, window):  # window - 1 reads land while this chunk is computed
             if index + ahead < 6:
                 assert loaded[index + ahead].wait(5), (index, ahead)
-        assert not any(
-            e.is_set() for e in loaded[index + window :]
-        )  # no buffer is overwritten early
+        # No buffer is overwritten early.
+        assert not any(e.is_set() for e in loaded[index + window :])
     assert [store.read(i)[0].item() for i in range(6)] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     store.close()
 
@@ -260,9 +254,8 @@ def test_the_strategy_option_reaches_the_nvme_store(value, mode, tmp_path, monke
         "offload_chunk_mb": 0.01,
         "offload_direct_io": value,
     }
-    with mock.patch.dict(
-        os.environ
-    ):  # the in-process fit sets MASTER_PORT: later apps must not inherit it
+    # The in-process fit sets MASTER_PORT: later apps must not inherit it.
+    with mock.patch.dict(os.environ):
         try:
             result = fit_gpt(0, Run(strategy=options, devices=1, steps=1))
         finally:

@@ -62,9 +62,8 @@ def test_bit_exact_with_fused_torch_and_close_to_unfused(kind, device, tmp_path)
         assert torch.equal(p, f)  # element-wise kernel: chunking and batching change no bit
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(opt.state[p][key], fused.state[f][key])
-        torch.testing.assert_close(
-            p, u, rtol=1e-6, atol=1e-7
-        )  # torch's default path: rounding only
+        # torch's default path: rounding only.
+        torch.testing.assert_close(p, u, rtol=1e-6, atol=1e-7)
     opt.close()
 
 

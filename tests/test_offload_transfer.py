@@ -98,9 +98,8 @@ def test_a_snapshot_is_an_owned_copy_in_the_gradients_dtype_in_buffers_kept_betw
     assert second[0].data_ptr() == kept[0] and torch.equal(
         second[0], torch.ones(21, dtype=torch.bfloat16)
     )
-    assert second[2].numel() == 6 and torch.equal(
-        second[2], torch.ones(6)
-    )  # a new size: a new buffer
+    # A new size: a new buffer.
+    assert second[2].numel() == 6 and torch.equal(second[2], torch.ones(6))
 
 
 def test_uploader_on_a_cpu_copies_and_casts():
@@ -146,9 +145,8 @@ def test_prefetched_steps_equal_fused_adamw(monkeypatch, dtypes):
     start = [torch.randn(n, generator=torch.Generator().manual_seed(n)) for n in sizes]
     params = [torch.nn.Parameter(t.to(dtype, copy=True)) for t, dtype in zip(start, dtypes)]
     opt = OffloadedAdam(params, lr=1e-2, chunk_bytes=12 * 64)
-    masters = [
-        torch.nn.Parameter(t.to(dtype).float().clone()) for t, dtype in zip(start, dtypes)
-    ]  # no alias
+    # No alias.
+    masters = [torch.nn.Parameter(t.to(dtype).float().clone()) for t, dtype in zip(start, dtypes)]
     reference = torch.optim.AdamW(masters, lr=1e-2, fused=True)
     for step in range(3):
         grads = [

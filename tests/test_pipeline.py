@@ -80,9 +80,8 @@ CASES = {
     # 1 block on the first stage, 3 on the second
     "explicit_split": ({"pipeline": 2, "micro_batches": 2, "split": ["model.blocks.1"]}, 2),
 }
-SLOW_CASES = {  # run with -m slow
-    "balanced_split": ({"pipeline": 2, "micro_batches": 2, "split": "params"}, 2),
-}
+# Run with -m slow.
+SLOW_CASES = {"balanced_split": ({"pipeline": 2, "micro_batches": 2, "split": "params"}, 2)}
 CASES.update(SLOW_CASES)
 
 
@@ -297,9 +296,8 @@ def test_balanced_split_minimises_the_heaviest_stage():
 def test_split_by_parameters_counts_embedding_and_head():
     from lightning_3d.parallel.stages import plan_stages
 
-    model = _meta_gpt(
-        vocab_size=4096
-    )  # embedding and head of 4096 x 32 each outweigh a block (12k)
+    # Embedding and head of 4096 x 32 each outweigh a block (12k).
+    model = _meta_gpt(vocab_size=4096)
     runs = plan_stages(model, model.pipeline_spec(), 3, "params")
     assert [len(r) for r in runs] == [1, 4, 1]
     assert [len(r) for r in plan_stages(model, model.pipeline_spec(), 3, "uniform")] == [2, 2, 2]
@@ -402,6 +400,5 @@ def test_an_fp64_run_reports_fp64_losses(reference):
     )
     for got, want in zip(runs[0]["losses"], one["losses"]):
         assert got == pytest.approx(want, rel=1e-12, abs=0.0)
-    assert any(
-        float(torch.tensor(x, dtype=torch.float32)) != x for x in one["losses"]
-    )  # not fp32 values
+    # Not fp32 values.
+    assert any(float(torch.tensor(x, dtype=torch.float32)) != x for x in one["losses"])

@@ -61,9 +61,7 @@ def test_1f1b_keeps_at_most_p_micro_batches_in_flight(pp, m):
 
 
 def test_a_deadlocking_order_is_caught():
-    orders = {
-        0: [("F", 0, 0), ("B", 0, 0)],
-        1: [("B", 1, 0), ("F", 1, 0)],
-    }  # backward before forward
+    # Backward before forward.
+    orders = {0: [("F", 0, 0), ("B", 0, 0)], 1: [("B", 1, 0), ("F", 1, 0)]}
     with pytest.raises(RuntimeError, match="deadlocks"):
         simulate(orders)

@@ -243,7 +243,7 @@ def test_the_models_own_check_rejects_with_its_message():
     from functools import partial
 
     from lightning_3d.models import LitGPT
-    from lightning_3d.parallel.model_check import check
+    from lightning_3d.options.model_check import check
 
     with torch.device("meta"):
         module = LitGPT(vocab_size=255, block_size=16, n_layer=2, n_head=2, n_embd=16)

@@ -15,7 +15,7 @@ import torch
 
 from lightning_3d import ThreeDStrategy
 from lightning_3d.options import Plan
-from lightning_3d.parallel.model_check import check
+from lightning_3d.options.model_check import check
 from lightning_3d.planner import Cluster, PlannerOptions, model_facts, plan_layouts
 from lightning_3d.strategy.auto import (
     CPU_OPTIONS,

@@ -70,9 +70,8 @@ def test_verdict_is_the_first_choices_measured_gap():
 
 def test_only_confident_predictions_are_held_to_their_order():
     predicted = {"a": 1.0, "b": 1.1, "c": 1.5}
-    assert (
-        confident_misorders({"a": 1.2, "b": 1.0, "c": 1.6}, predicted) == []
-    )  # a/b: 10% apart, not judged
+    # a/b: 10% apart, not judged.
+    assert confident_misorders({"a": 1.2, "b": 1.0, "c": 1.6}, predicted) == []
     assert confident_misorders({"a": 1.2, "b": 1.0, "c": 1.1}, predicted) == [("a", "c")]
     with pytest.raises(ValueError, match=r"\['a'\] and predicted"):
         confident_misorders({"a": 1.0}, predicted)

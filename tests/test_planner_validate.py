@@ -137,9 +137,8 @@ def test_a_misread_tensor_plan_is_caught(monkeypatch, tiny_facts):
     import lightning_3d.planner.facts as facts_module
 
     choice = Choice(data=2, tensor=2, pipeline=1, zero_stage=3)
-    monkeypatch.setattr(
-        facts_module, "split_dims", lambda module: ({}, set())
-    )  # "TP splits nothing"
+    # "TP splits nothing".
+    monkeypatch.setattr(facts_module, "split_dims", lambda module: ({}, set()))
     problems = validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
     assert any(
         "is not split by the plan but placed" in p and "attn.wq.weight" in p for p in problems
@@ -187,13 +186,11 @@ def test_zero3_chunks_of_small_dims_are_predicted_on_every_rank(tensor):
     for dp_rank in (0, 4):
         for quantity in ("param_bytes", "grad_bytes"):
             assert rows[dp_rank, quantity].predicted == rows[dp_rank, quantity].built
-        optimizer = rows[
-            dp_rank, "optimizer_state_bytes"
-        ]  # and Adam's fp32 step counter per parameter
+        # And Adam's fp32 step counter per parameter.
+        optimizer = rows[dp_rank, "optimizer_state_bytes"]
         assert optimizer.built - optimizer.predicted == 4 * len(list(narrow().parameters()))
-    assert (
-        rows[4, "param_bytes"].built < 0.9 * rows[0, "param_bytes"].built
-    )  # the chunks really differ
+    # The chunks really differ.
+    assert rows[4, "param_bytes"].built < 0.9 * rows[0, "param_bytes"].built
 
 
 def test_offload_is_refused_before_building(tiny_facts):

@@ -380,9 +380,8 @@ def test_world_gpt2_fused_qkv_round_trip_and_local_rows(values_world):
         assert out["fused_attr"] == (3, 2)
         w = original["transformer.h.1.attn.c_attn.weight"]
         b = original["transformer.h.1.attn.c_attn.bias"]
-        rows = slice(
-            r * 16, (r + 1) * 16
-        )  # this rank's 2 of 4 heads (head_dim 8) in each of q, k, v
+        # This rank's 2 of 4 heads (head_dim 8) in each of q, k, v.
+        rows = slice(r * 16, (r + 1) * 16)
         assert torch.equal(out["local_w"], torch.cat([c[rows] for c in w.chunk(3)]))
         assert torch.equal(out["local_b"], torch.cat([c[rows] for c in b.chunk(3)]))
         torch.testing.assert_close(out["logits"], out["expected"], atol=1e-5, rtol=1e-5)

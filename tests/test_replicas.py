@@ -65,9 +65,8 @@ def test_a_per_head_norm_without_its_gradient_sum_stops_the_run(capfd):
         "*.self_attn.q_norm": "replicated_with_grad_allreduce",
         "*.self_attn.k_norm": "replicated_with_grad_allreduce",
     }
-    assert (
-        len(run_world(_qwen3_tp2, 2, fixed, "first")[0]["losses"]) == 2
-    )  # the advice, taken, works
+    # The advice, taken, works.
+    assert len(run_world(_qwen3_tp2, 2, fixed, "first")[0]["losses"]) == 2
     unguarded = run_world(_qwen3_tp2, 2, QWEN3_WITHOUT_NORM_SUMS, "off")  # silently another model
     assert len(unguarded[0]["losses"]) == 2
 

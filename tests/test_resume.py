@@ -155,9 +155,8 @@ def _fit(world, strategy, steps, data, save_to=None, resume_from=None, trainer=N
 def _save_first(tmp_path: Path, world, strategy, data, stop=K, trainer=None):
     first = _fit(world, strategy, stop, data, save_to=str(tmp_path / "run.ckpt"), trainer=trainer)
     ckpt = tmp_path / f"run-step={stop}.ckpt"
-    assert ckpt.exists(), sorted(
-        p.name for p in tmp_path.iterdir()
-    )  # a file, or a sharded directory
+    # A file, or a sharded directory.
+    assert ckpt.exists(), sorted(p.name for p in tmp_path.iterdir())
     return first, ckpt
 
 
@@ -222,9 +221,8 @@ def test_resume_equals_uninterrupted_dp2_zero3(tmp_path):
     straight = _fit(2, strategy, 2 * K, ACROSS_EPOCHS)
     first, second, ckpt = _stop_and_resume(tmp_path, 2, strategy, ACROSS_EPOCHS)
     _assert_exact(straight, first, second)
-    assert (
-        len(ckpt["callbacks"]["RNGStateCheckpoint"]["ranks"]) == 2
-    )  # every rank's states, in rank 0's file
+    # Every rank's states, in rank 0's file.
+    assert len(ckpt["callbacks"]["RNGStateCheckpoint"]["ranks"]) == 2
 
 
 SHARDED = {"checkpoint_format": "sharded"}

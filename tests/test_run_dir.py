@@ -99,9 +99,8 @@ def test_a_live_holder_is_refused_and_a_dead_ones_lock_taken_over(tmp_path, caps
     )
     assert not stale_save.exists() and not (tmp_path / LOCK).exists()
     (tmp_path / LOCK).write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "then"}))
-    with pytest.raises(
-        RunDirInUse, match="pid 1 on host elsewhere"
-    ):  # cannot tell: refused, the lock named
+    # Cannot tell: refused, the lock named.
+    with pytest.raises(RunDirInUse, match="pid 1 on host elsewhere"):
         with hold(tmp_path):
             pass
 

@@ -213,15 +213,13 @@ def test_after_a_failed_collective_the_silent_peer_is_named():
     dead._beat("running")
     line = alive.failure_line(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
     assert line is not None and "rank 1 has not made progress" in line, line
-    assert (
-        alive.failure_line(ValueError("this rank's own bug")) is None
-    )  # stopped already: said once
+    # Stopped already: said once.
+    assert alive.failure_line(ValueError("this rank's own bug")) is None
     alive, dead = _watchdogs(5.0, exits)
     alive.start()
     dead._beat("running")
-    assert (
-        alive.failure_line(KeyboardInterrupt()) is None
-    )  # an interrupt, not a peer's doing: no wait
+    # An interrupt, not a peer's doing: no wait.
+    assert alive.failure_line(KeyboardInterrupt()) is None
     assert exits == []
 
 
@@ -314,9 +312,8 @@ def test_a_store_that_never_answers_is_silence_not_a_blocked_watchdog():
     exits: list[int] = []
     store = _HangingStore()
     watchdog = Watchdog(store, 0, 2, timeout_s=1.0, grace_s=0.2, exit=exits.append, launcher=None)
-    watchdog._thread = threading.Thread(
-        target=watchdog._run, daemon=True
-    )  # start() beats first, which hangs
+    # start() beats first, which hangs.
+    watchdog._thread = threading.Thread(target=watchdog._run, daemon=True)
     started = time.monotonic()
     watchdog._thread.start()
     watchdog._thread.join(timeout=20)

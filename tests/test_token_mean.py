@@ -65,13 +65,14 @@ def test_answer_counts_differ_between_ranks_and_micro_batches(chat_files):
     """The premise: the two data ranks' rows (and a row's halves) hold different numbers of
     answer tokens, so a mean of means differs from the token mean."""
     from lightning_3d.data import ChatDataModule
+    from lightning_3d.data.labels import IGNORE_INDEX
 
     chat = {**chat_files, "block_size": BLOCK, "batch_size": 8, "packing": False}
     chat["val_fraction"] = 0.2
     data = ChatDataModule(seed=1234, **chat)
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
-    counted = (batch["labels"][:, 1:] != -100).sum(dim=1)
+    counted = (batch["labels"][:, 1:] != IGNORE_INDEX).sum(dim=1)
     assert counted[:4].sum() != counted[4:].sum()
     assert counted[0::2].sum() != counted[1::2].sum()
 

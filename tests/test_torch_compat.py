@@ -81,9 +81,8 @@ def _train_with_and_without_new_names(rank: int) -> dict:
     def train(stage: int) -> dict:
         model = _model()
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-        engine = ZeroDataParallel(
-            mesh, stage=stage, bucket_numel=20, scatter="reduce_scatter"
-        )  # 3 buckets, padded
+        # 3 buckets, padded.
+        engine = ZeroDataParallel(mesh, stage=stage, bucket_numel=20, scatter="reduce_scatter")
         engine.attach(optimizer)
         for step in range(STEPS):
             engine.prepare_backward(sync=True)
@@ -236,9 +235,8 @@ def test_rng_neutral_stage_restores_the_generators_and_returns_what_inference_re
     expected = torch.rand(3)
     torch.manual_seed(5)
     drawn, args = neutral()._shape_inference(("x",))
-    assert torch.equal(drawn, expected) and args == (
-        "x",
-    )  # inference saw the generator as it was...
+    # Inference saw the generator as it was...
+    assert torch.equal(drawn, expected) and args == ("x",)
     assert torch.equal(torch.rand(3), expected)  # ...and left it so: the next draw is the same one
     torch.manual_seed(5)
     Stage()._shape_inference(())

@@ -81,9 +81,8 @@ def test_concurrent_worlds_handed_the_same_port(monkeypatch, tmp_path):
     for tag, size in sizes.items():
         assert len(results[tag]) == size
         for rank, (value, env) in enumerate(results[tag]):
-            assert value == _expected(
-                tag, size
-            )  # each world reduced its own ranks' values, no others
+            # Each world reduced its own ranks' values, no others.
+            assert value == _expected(tag, size)
             assert env["RANK"] == env["LOCAL_RANK"] == str(rank) and env["WORLD_SIZE"] == str(size)
             assert (
                 env["MASTER_ADDR"] == "127.0.0.1"
@@ -113,9 +112,8 @@ def test_the_store_lives_exactly_as_long_as_the_block():
 
 def test_rank_env_says_who_hosts_the_store():
     assert local_rank_env(1, 2, 1234, 1, agent_store=True)["TORCHELASTIC_USE_AGENT_STORE"] == "True"
-    assert (
-        local_rank_env(1, 2, 1234, 1)["TORCHELASTIC_USE_AGENT_STORE"] == "False"
-    )  # rank 0 starts it
+    # Rank 0 starts it.
+    assert local_rank_env(1, 2, 1234, 1)["TORCHELASTIC_USE_AGENT_STORE"] == "False"
 
 
 def _fail_like_a_world(rank, kind):
@@ -170,9 +168,8 @@ def _where_am_i(rank):
 def test_forked_ranks_take_the_callers_environment_and_directory(monkeypatch, tmp_path):
     """A fork server started earlier (by an earlier world) holds an older environment; a rank
     must see the caller's as it is now, as a spawned one would."""
-    run_world(
-        _where_am_i, 1, timeout=WORLD_TIMEOUT_S, start_method="forkserver"
-    )  # the server is up
+    # The server is up.
+    run_world(_where_am_i, 1, timeout=WORLD_TIMEOUT_S, start_method="forkserver")
     monkeypatch.setenv("LIGHTNING3D_TEST_MARK", "now")
     monkeypatch.chdir(tmp_path)
     for method in ("forkserver", "spawn"):
@@ -194,9 +191,8 @@ def _speak_and_leave_a_mark(rank, mark):
 @pytest.mark.parametrize("method", ["forkserver", "spawn"])
 def test_ranks_write_where_the_caller_writes_and_run_their_exit_handlers(capfd, tmp_path, method):
     saved = [os.dup(1), os.dup(2)]
-    with open(
-        tmp_path / "elsewhere", "w"
-    ) as elsewhere:  # a fork server (if none yet) started writing there
+    # A fork server (if none yet) started writing there.
+    with open(tmp_path / "elsewhere", "w") as elsewhere:
         os.dup2(elsewhere.fileno(), 1)
         os.dup2(elsewhere.fileno(), 2)
         try:

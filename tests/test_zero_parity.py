@@ -142,9 +142,8 @@ def _engine_slices(rank: int) -> dict:
     for stage in (1, 2):
         for scatter in ("point_to_point", "reduce_scatter"):
             model, loss = model_and_loss()
-            engine = ZeroDataParallel(
-                mesh, stage=stage, bucket_numel=20, scatter=scatter
-            )  # 3 buckets, padded
+            # 3 buckets, padded.
+            engine = ZeroDataParallel(mesh, stage=stage, bucket_numel=20, scatter=scatter)
             assert engine._point_to_point == (scatter == "point_to_point")
             engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
             engine.prepare_backward(sync=True)

@@ -144,9 +144,8 @@ def hydra_app(task: Callable[[DictConfig], int], config_path: str, config_name: 
             # Hydra could not write its own files: not the command line's fault.
             io_error = io_error_of(exit_)  # (not Hydra's MissingConfigException, an IOError too)
             io_error = io_error if io_error is not None and io_error.errno is not None else None
-            if (
-                io_error is not None and not io_error.filename
-            ):  # failed at close: name the directory
+            # Failed at close: name the directory.
+            if io_error is not None and not io_error.filename:
                 io_error = OSError(io_error.errno, io_error.strerror, _run_dir())
             message = (
                 io_error_words(io_error)

@@ -59,12 +59,10 @@ def unique_dir(path: str) -> str:
 
     base = Path(str(path))
     job = launcher_job_id()
-    if (
-        job is not None
-    ):  # every rank of a torchrun / srun job resolves this itself: one name for all
-        shared = (
-            base.parent / f"job-{job}" if job != "none" else base
-        )  # torchrun's default id is "none"
+    # Every rank of a torchrun / srun job resolves this itself: one name for all.
+    if job is not None:
+        # torchrun's default id is "none".
+        shared = base.parent / f"job-{job}" if job != "none" else base
         shared.mkdir(parents=True, exist_ok=True)
         return str(shared)
     base.parent.mkdir(parents=True, exist_ok=True)

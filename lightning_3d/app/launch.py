@@ -36,6 +36,7 @@ and being used. The ranks connect to it as clients (``TORCHELASTIC_USE_AGENT_STO
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -130,6 +131,35 @@ def rank_command() -> list[str]:
     if spec is not None and spec.name:
         return [sys.executable, "-m", spec.name.removesuffix(".__main__")]
     return [sys.executable, os.path.abspath(sys.argv[0])]
+
+
+def typed_command() -> list[str]:
+    """This process's app as a user types it: ``python -m lightning_3d.app.train``, a console
+    script's name where ``PATH`` finds it (``lightning3d-train``), else ``python SCRIPT``
+    (``examples/train.py``, relative where it lies under the working directory)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return ["python", "-m", spec.name.removesuffix(".__main__")]
+    script = sys.argv[0]
+    name = os.path.basename(script)
+    found = shutil.which(name)
+    if (
+        not name.endswith(".py")
+        and found
+        and os.path.exists(script)
+        and os.path.samefile(found, script)
+    ):
+        return [name]
+    if os.path.isabs(script) and not os.path.relpath(script).startswith(".."):
+        script = os.path.relpath(script)
+    return ["python", script]
+
+
+def resume_override(path: Path) -> str:
+    """``resume=<path>`` as a Hydra command-line override, quoted so that spaces, ``=`` and ``,``
+    parse (Hydra's quoted strings escape only quotes)."""
+    quoted = str(path).replace("'", "\\'")
+    return f"resume='{quoted}'"
 
 
 def already_launched() -> bool:

@@ -26,23 +26,24 @@ from lightning_3d.app.config import (
     target_of,
     without_weights,
 )
-from lightning_3d.app.launch import already_launched, launch_job, quoted, rank_command
+from lightning_3d.app.launch import (
+    already_launched,
+    launch_job,
+    quoted,
+    rank_command,
+    resume_override,
+    typed_command,
+)
 from lightning_3d.app.rank_report import report_here, send
 from lightning_3d.app.run_dir import RunDirInUse, hold
 from lightning_3d.app.spec import RunSpec, check_trainer_counts, read_spec, with_auto
-from lightning_3d.checkpoint.resume import (
-    PeriodicCheckpoint,
-    check_fits,
-    check_steps_left,
-    resume_hint,
-    resume_override,
-    written_checkpoint,
-)
+from lightning_3d.checkpoint.resume import PeriodicCheckpoint, check_fits, check_steps_left
 from lightning_3d.options import Plan
-from lightning_3d.parallel.model_check import check
+from lightning_3d.options.model_check import check
 from lightning_3d.runtime.failures import REPORTS_ENV
 from lightning_3d.runtime.nonfinite import NonFiniteError
 from lightning_3d.runtime.preemption import Preempted
+from lightning_3d.runtime.resume_hint import resume_command, resume_hint, written_checkpoint
 from lightning_3d.runtime.watchdog import LAUNCHER_PID_ENV
 from lightning_3d.strategy.auto import record_planned
 from lightning_3d.strategy.three_d import ThreeDStrategy
@@ -501,9 +502,7 @@ def _launch_or_train(
             )
             return 2
         threads = max(1, (os.cpu_count() or 1) // spec.world)
-        overrides = [
-            o for o in hydra_cfg.overrides.task if o.split("=", 1)[0].lstrip("+~") != "resume"
-        ] + chosen
+        overrides = _without_resume(hydra_cfg.overrides.task) + chosen
         if spec.resume is not None:
             overrides.append(resume_override(spec.resume))
         code = launch_job(spec.world, rank_command(), overrides, output_dir, threads)
@@ -513,11 +512,19 @@ def _launch_or_train(
             )  # the ranks did not plan: add it
             _report(Path(output_dir) / "summary.json")
         return code
-    summary = (body or train)(spec, output_dir)
+    # The stop messages of this rank (a preemption, a lost peer, a non-finite loss) name this
+    # app's command line with resume=<checkpoint>.
+    with resume_command([*typed_command(), *_without_resume(hydra_cfg.overrides.task)]):
+        summary = (body or train)(spec, output_dir)
     if spec.world == 1:
         record_planned(Path(output_dir) / "summary.json", planned)
         _report(Path(output_dir) / "summary.json", summary)
     return 0
+
+
+def _without_resume(overrides: Any) -> list[str]:
+    """The run's Hydra overrides but ``resume=`` (``+resume=``, ``~resume``)."""
+    return [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "resume"]
 
 
 def discard_run_dir(path: Path, job_name: str) -> None:

@@ -132,9 +132,8 @@ def full_optimizer_state(
         parts: list[Any] = [None] * dist.get_world_size(pp_group)
         dist.all_gather_object(parts, state, group=pp_group)
         merged: dict[int, Any] = {}
-        for (
-            part
-        ) in parts:  # a tied weight's state comes from each stage holding a copy: equal, kept once
+        # A tied weight's state comes from each stage holding a copy: equal, kept once.
+        for part in parts:
             for index, entry in part.items():
                 merged.setdefault(index, entry)
         state = dict(sorted(merged.items()))

@@ -123,9 +123,8 @@ def export_safetensors(
         raise FileExistsError(
             f"output {output} already exists; pass --force (force=True) to overwrite it"
         )
-    state = load_lightning_checkpoint(
-        checkpoint, mmap=True, verify=WEIGHTS
-    )  # the weights' checksums
+    # The weights' checksums.
+    state = load_lightning_checkpoint(checkpoint, mmap=True, verify=WEIGHTS)
     strip = _strip(list(state["state_dict"]), prefix)
     tensors = _plain_tensors(state["state_dict"], strip)
     if "" in tensors:

@@ -49,7 +49,6 @@ from lightning_3d.checkpoint.files import (
     remove_stale_temps,
     temp_path_for,
 )
-from lightning_3d.models.hf import HF_CONFIG_KEY
 from lightning_3d.parallel.tied import find_tied
 
 MODEL_PREFIX = "model."  # HFCausalLM keeps the transformers model at self.model
@@ -111,6 +110,10 @@ def export_hf(
         >>> export_hf("outputs/last.ckpt", "qwen2-finetuned").files  # doctest: +SKIP
         ('config.json', 'generation_config.json', 'model.safetensors', 'tokenizer.json', 'tokenizer_config.json')
     """
+    # HFCausalLM's module (with the models and data it loads) only when an export runs:
+    # import lightning_3d needs none of it.
+    from lightning_3d.models.hf import HF_CONFIG_KEY
+
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     cast = _dtype(dtype)
     _check_paths(checkpoint, out_dir, force)
@@ -206,6 +209,8 @@ def _check_not_adapters(entries: Mapping[str, Any], checkpoint: Path) -> None:
 
 
 def _check_hf_config(entries: Mapping[str, Any], checkpoint: Path) -> None:
+    from lightning_3d.models.hf import HF_CONFIG_KEY
+
     config = entries.get(HF_CONFIG_KEY)
     if config is None:
         found = ", ".join(sorted(map(str, entries))[:12])

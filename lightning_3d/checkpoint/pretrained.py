@@ -72,9 +72,8 @@ def load_pretrained(
     if owner is not None:  # built on meta, its weights read later: read them from this file
         return _defer_to_file(module, owner, Path(path))
     _refuse_unloadable(module)
-    kind, tensors = read_tensors(
-        path, mmap=True
-    )  # a .ckpt: only the weights are read, not the optimizer state
+    # A .ckpt: only the weights are read, not the optimizer state.
+    kind, tensors = read_tensors(path, mmap=True)
     own = module.state_dict()
     view = matched_view(list(own), list(tensors), Path(path))
     names = map_names(list(tensors), list(view), kind, prefix)

@@ -27,25 +27,18 @@ same file.
 
 from __future__ import annotations
 
-import os
-import shlex
-import shutil
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 from typing_extensions import override
 
-LAST = "last"
-LAST_NAME = "last.ckpt"
-PREEMPTED = (
-    "preempted.ckpt"  # written on SIGTERM / SIGINT by lightning_3d.runtime.preemption.StopOnSignal
-)
+from lightning_3d.runtime.resume_hint import LAST_NAME, RESUMABLE, written_at
+
+LAST = "last"  # resume=last: the newest checkpoint of this app's runs
 FINETUNE_RUNS = (
     "finetune"  # outputs/finetune/...: examples/finetune.py's own run dirs (see conf/finetune.yaml)
 )
-RESUMABLE = (LAST_NAME, PREEMPTED)  # what a run leaves to resume from, in its run directory
 OUTPUTS = "outputs"  # the apps' run directories, relative to the working directory (conf/*.yaml)
 
 
@@ -106,13 +99,6 @@ def runs_of(finetune: bool) -> tuple[str, Optional[str]]:
     return (f"{OUTPUTS}/{FINETUNE_RUNS}", None) if finetune else (OUTPUTS, FINETUNE_RUNS)
 
 
-def _written_at(path: Path) -> float:
-    """When a checkpoint was written: a file's mtime; a sharded directory's newest entry's."""
-    if path.is_dir():
-        return max([path.stat().st_mtime, *(p.stat().st_mtime for p in path.iterdir())])
-    return path.stat().st_mtime
-
-
 def newest_checkpoint(runs: Path, skip: Optional[str] = None) -> Optional[Path]:
     """The ``last.ckpt`` or ``preempted.ckpt`` under ``runs`` (any depth; not under ``runs/skip``)
     written most recently, or ``None``."""
@@ -127,7 +113,7 @@ def newest_checkpoint(runs: Path, skip: Optional[str] = None) -> Optional[Path]:
         if (p.is_file() or is_sharded_checkpoint(p))
         and (skip is None or p.relative_to(runs).parts[0] != skip)
     ]
-    return max(found, key=_written_at, default=None)
+    return max(found, key=written_at, default=None)
 
 
 def resolve_resume(value: Any, project_dir: str | Path, finetune: bool = False) -> Optional[Path]:
@@ -242,63 +228,3 @@ def check_steps_left(path: Path, max_steps: Any) -> None:
             f"resume={path}: that run is finished (global step {step}, trainer.max_steps={max_steps}): "
             f"nothing to train; raise trainer.max_steps above {step} to go on"
         )
-
-
-def resume_hint(checkpoint: Optional[Path]) -> str:
-    """How to continue the run this process belongs to from ``checkpoint``, as one phrase: inside
-    one of the Hydra apps its own command line (its overrides, ``resume=`` replaced); elsewhere
-    the Lightning call (``ckpt_path='last'`` for ``None``)."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
-    except Exception:  # noqa: BLE001 -- no Hydra run (or not one of ours): the Lightning call
-        overrides = None
-    if overrides is None:
-        return f"resume with trainer.fit(..., ckpt_path={str(checkpoint) if checkpoint is not None else LAST!r})"
-    if checkpoint is None:
-        return "this run wrote no checkpoint to resume from (see checkpoint.every_n_steps): start it again"
-    kept = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != "resume"]
-    return "resume with: " + shlex.join([*typed_command(), *kept, f"resume={checkpoint}"])
-
-
-def typed_command() -> list[str]:
-    """This process's app as a user types it: ``python -m lightning_3d.app.train``, a console
-    script's name where ``PATH`` finds it (``lightning3d-train``), else ``python SCRIPT``
-    (``examples/train.py``, relative where it lies under the working directory)."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if spec is not None and spec.name:
-        return ["python", "-m", spec.name.removesuffix(".__main__")]
-    script = sys.argv[0]
-    name = os.path.basename(script)
-    found = shutil.which(name)
-    if (
-        not name.endswith(".py")
-        and found
-        and os.path.exists(script)
-        and os.path.samefile(found, script)
-    ):
-        return [name]
-    if os.path.isabs(script) and not os.path.relpath(script).startswith(".."):
-        script = os.path.relpath(script)
-    return ["python", script]
-
-
-def resume_override(path: Path) -> str:
-    """``resume=<path>`` as a Hydra command-line override, quoted so that spaces, ``=`` and ``,``
-    parse (Hydra's quoted strings escape only quotes)."""
-    quoted = str(path).replace("'", "\\'")
-    return f"resume='{quoted}'"
-
-
-def written_checkpoint(trainer: Any) -> Optional[Path]:
-    """What a run that stopped can be resumed from: the newest ``last.ckpt`` / ``preempted.ckpt``
-    it wrote (in its checkpoint directory), else the checkpoint it resumed from itself, else ``None``."""
-    if trainer is None:
-        return None
-    callback = getattr(trainer, "checkpoint_callback", None)
-    directory = Path(getattr(callback, "dirpath", None) or trainer.default_root_dir)
-    found = [directory / name for name in RESUMABLE if (directory / name).exists()]
-    resumed_from = getattr(trainer, "ckpt_path", None)
-    newest = max(found, key=_written_at, default=None)
-    return newest if newest is not None else (Path(resumed_from) if resumed_from else None)

@@ -166,9 +166,8 @@ def read_meta(path: Any) -> dict[str, Any]:
             f"{file}: not a lightning_3d sharded checkpoint (format {getattr(meta, 'get', dict)('format')!r})"
         )
     if KEY in meta:
-        check_tensors(
-            meta, meta[KEY], file
-        )  # its own tensors (RNG states, ...); the shards: verify()
+        # Its own tensors (RNG states, ...); the shards: verify().
+        check_tensors(meta, meta[KEY], file)
     return meta
 
 

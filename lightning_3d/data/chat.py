@@ -39,7 +39,8 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import Dataset
 
-from lightning_3d.data.chat_layout import IGNORE_INDEX, Conversation, pack, pad_rows
+from lightning_3d.data.chat_layout import Conversation, pack, pad_rows
+from lightning_3d.data.labels import IGNORE_INDEX
 from lightning_3d.data.text import TextDataModule
 from lightning_3d.data.tokenized import find_text_files, load_tokenizer, text_of
 

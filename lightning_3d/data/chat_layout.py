@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE_INDEX = -100
+from lightning_3d.data.labels import IGNORE_INDEX
 
 
 @dataclass

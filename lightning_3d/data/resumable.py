@@ -46,9 +46,8 @@ class ResumableDistributedSampler(DistributedSampler):
             raise ValueError(
                 f"cannot skip {skip} samples of an epoch of {self.num_samples} on this rank"
             )
-        self.set_epoch(
-            epoch
-        )  # so that even an iterator created eagerly (worker processes) sees this epoch
+        # So that even an iterator created eagerly (worker processes) sees this epoch.
+        self.set_epoch(epoch)
         self._resume = (epoch, skip)
 
     def pending_skip(self) -> Optional[int]:
@@ -147,9 +146,7 @@ class ResumableDataLoader(DataLoader):
             )
         skip = samples // sampler.num_replicas
         if skip >= sampler.num_samples // self.batch_size * self.batch_size:
-            epoch, skip = (
-                epoch + 1,
-                0,
-            )  # saved after the epoch's last full batch: the next epoch is fresh
+            # Saved after the epoch's last full batch: the next epoch is fresh.
+            epoch, skip = (epoch + 1, 0)
         sampler.resume_at(epoch, skip)
         self._position = (epoch, skip)

@@ -102,9 +102,8 @@ def read_documents(
             if text.strip():
                 yield text
             continue
-        for number, line in enumerate(
-            text.split("\n"), 1
-        ):  # not splitlines: JSON strings may hold U+2028
+        # Not splitlines: JSON strings may hold U+2028.
+        for number, line in enumerate(text.split("\n"), 1):
             if line.strip():
                 document = _jsonl_text(line, text_field, f"{file}:{number}")
                 if document.strip():

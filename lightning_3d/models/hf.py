@@ -34,20 +34,9 @@ import torch.nn.functional as F
 import torchmetrics
 from torch import nn
 
+from lightning_3d.data.labels import IGNORE_INDEX, shifted_targets
 from lightning_3d.models.lit_gpt import check_training_options, warmup_cosine_factor
 from lightning_3d.parallel.materialize import has_meta, materialize
-
-IGNORE_INDEX = -100  # Hugging Face's (and F.cross_entropy's) "no target here"
-
-
-def shifted_targets(labels: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """Hugging Face-style ``labels`` (B, T) as targets: padding (``mask == 0``) unlabelled, then
-    shifted by one (position ``t`` predicts ``t + 1``; the last has no target)."""
-    if mask is not None:
-        labels = labels.masked_fill(mask == 0, IGNORE_INDEX)
-    pad = torch.full_like(labels[:, :1], IGNORE_INDEX)
-    return torch.cat([labels[:, 1:], pad], dim=1)
-
 
 HF_CONFIG_KEY = "hf_config"  # checkpoint entry: the model's transformers config as a dict
 

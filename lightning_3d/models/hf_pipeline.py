@@ -131,12 +131,10 @@ def stage_layout(outer: nn.Module) -> tuple[list[str], str, list[str]]:
     prefix = next(n for n, m in names.items() if m is base)
     head = next((n for n, m in names.items() if m is outer.get_output_embeddings()), None)
     plan = [k for k in (getattr(outer, "pp_plan", None) or {}) if k in names]
-    if any(
-        isinstance(names[k], nn.ModuleList) for k in plan
-    ):  # the class's own entries alone name no blocks
-        inner = [
-            k for k in plan if k.startswith(prefix + ".")
-        ]  # the base model's, in its forward's order
+    # The class's own entries alone name no blocks.
+    if any(isinstance(names[k], nn.ModuleList) for k in plan):
+        # The base model's, in its forward's order.
+        inner = [k for k in plan if k.startswith(prefix + ".")]
         order = inner + [k for k in plan if k not in inner]
     else:
         with_params = [
@@ -414,10 +412,8 @@ def check_split(lit: Any, wrap: Callable[[nn.Module], Any]) -> None:
     the copy."""
     from lightning_3d.models.hf_twin import tiny_twin
 
-    with (
-        torch.device("cpu"),
-        torch.no_grad(),
-    ):  # the launcher's model may be on meta: the twin is not
+    # The launcher's model may be on meta: the twin is not.
+    with torch.device("cpu"), torch.no_grad():
         twin_model = tiny_twin(lit.model)
         if twin_model is None:
             return

@@ -50,9 +50,8 @@ def model_state_bytes(
     ``offloaded_param_bytes``: the part of ``param_bytes`` that FSDP2 keeps in CPU memory under a
     ``CPUOffloadPolicy`` (``ThreeDStrategy(offload_params=True)``).
     """
-    optimizers = [
-        getattr(opt, "_optimizer", opt) for opt in optimizers
-    ]  # unwrap LightningOptimizer
+    # Unwrap LightningOptimizer.
+    optimizers = [getattr(opt, "_optimizer", opt) for opt in optimizers]
     params = list(module.parameters())
     seen: set[int] = set()
     param_bytes = _storage_bytes(params, seen)

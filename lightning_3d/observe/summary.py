@@ -165,9 +165,8 @@ class RunSummary(Callback):
         # Once per fit, off the step: a collective under a pipeline (stages add up), on every rank.
         self._num_params = _count_parameters(trainer, pl_module)
         per_token, self._flops_formula = model_flops_per_token(pl_module, self._num_params)
-        self._per_token = functools.lru_cache(maxsize=16)(
-            per_token
-        )  # a few sequence lengths at most
+        # A few sequence lengths at most.
+        self._per_token = functools.lru_cache(maxsize=16)(per_token)
         self._peak = device_peak(
             trainer.strategy.root_device, str(trainer.precision), self.peak_tflops
         )

@@ -106,9 +106,8 @@ class FusedBatch:
         self._pending: dict[tuple[AdamHyper, int], tuple[list[Tensor], ...]] = {}
         self._copy_back: list[tuple[Tensor, Tensor]] = []
         self.numel = 0  # elements pending
-        self.kernel_seconds = (
-            0.0  # wall time in the fused Adam calls since set to 0 (not the copy-back)
-        )
+        # Wall time in the fused Adam calls since set to 0 (not the copy-back).
+        self.kernel_seconds = 0.0
         # (weights, new master) -> None; default ``weights.copy_(master)`` (an accelerator's
         # WeightUploader starts the copy on a side stream instead).
         self.copy_back = copy_back or (lambda weights, master: weights.copy_(master))

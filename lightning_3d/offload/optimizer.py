@@ -45,9 +45,8 @@ from lightning_3d.parallel.tensor import local_tensor as _local
 
 DEVICES = ("cpu", "nvme")
 DEFAULT_CHUNK_BYTES = 16 * 2**20
-DEFAULT_WINDOW = (
-    3  # NVMe: chunks in RAM at once (one stepping, the rest reading ahead / writing back)
-)
+# NVMe: chunks in RAM at once (one stepping, the rest reading ahead / writing back).
+DEFAULT_WINDOW = 3
 _REFUSED = ("amsgrad", "maximize", "capturable", "differentiable")
 _STATE_KEYS = ("exp_avg", "exp_avg_sq", "master")
 
@@ -272,9 +271,8 @@ class OffloadedAdam(torch.optim.Optimizer):
             )
         for group in self.param_groups:
             _check_group(group)
-        hyper = [
-            AdamHyper.of(g) for g in self.param_groups
-        ]  # read at every step: schedulers change "lr"
+        # Read at every step: schedulers change "lr".
+        hyper = [AdamHyper.of(g) for g in self.param_groups]
         grads = self._gradients()
         if self._worker is not None:
             self._wait()
@@ -357,9 +355,8 @@ class OffloadedAdam(torch.optim.Optimizer):
                 if fetch is not None:
                     fetch.close()
             finally:
-                if (
-                    self._uploader is not None and write_weights
-                ):  # delayed: synchronize() sends them
+                # Delayed: synchronize() sends them.
+                if self._uploader is not None and write_weights:
                     self._uploader.finish()
         for i in grads:
             self._slots[i].master_valid = True

@@ -2,10 +2,36 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_3d.offload.optimizer import DEVICES
+from lightning_3d.offload.optimizer import DEFAULT_CHUNK_BYTES, DEVICES
 from lightning_3d.offload.paths import check_offload_path
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """Where the optimizer state lives (the ``offload`` group of
+    :class:`~lightning_3d.options.Plan`), checked by :func:`offload_options`."""
+
+    device: str = "none"
+    """One of :data:`~lightning_3d.offload.optimizer.DEVICES`: ``"none"``, ``"cpu"``, ``"nvme"``."""
+    path: Optional[str] = None
+    """``"nvme"``: the directory that holds the state."""
+    chunk_mb: float = DEFAULT_CHUNK_BYTES / 2**20
+    """``"nvme"``: the state streams through RAM in chunks of this many MiB."""
+    params: bool = False
+    """With ZeRO-3: sharded parameters and gradients in CPU memory too."""
+    delay_update: bool = False
+    """ZeRO-Offload's one-step delayed parameter update."""
+    direct_io: Optional[bool] = None
+    """``"nvme"``: ``O_DIRECT``; ``None``: where the file system allows it."""
+    overlap: bool = True
+    """Parameters on an accelerator: transfers on side streams beside the CPU step."""
+
+    @property
+    def chunk_bytes(self) -> int:
+        return max(1, int(self.chunk_mb * 2**20))
 
 
 def offload_options(

@@ -66,9 +66,8 @@ class _Lane:
 
     def record(self, slot: int) -> None:
         if self.cuda:
-            event = torch.cuda.Event(
-                blocking=True
-            )  # a waiting host thread sleeps: the CPU step needs the cores
+            # A waiting host thread sleeps: the CPU step needs the cores.
+            event = torch.cuda.Event(blocking=True)
             event.record(self.stream)
             self.events[slot] = event
 

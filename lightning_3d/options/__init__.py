@@ -26,12 +26,12 @@ from datetime import timedelta
 from typing import Any, Optional, Union
 
 from lightning_3d.layout import Layout
-from lightning_3d.offload.optimizer import DEFAULT_CHUNK_BYTES
-from lightning_3d.offload.options import offload_options
-from lightning_3d.parallel.activation_checkpoint import DEFAULT_EVERY_N, ac_options
+from lightning_3d.offload.options import OffloadOptions, offload_options
+from lightning_3d.parallel.activation_checkpoint import ActivationCheckpointOptions, ac_options
 from lightning_3d.parallel.compile import check_backend
-from lightning_3d.parallel.context import scheme_problems
-from lightning_3d.parallel.pipeline import pipeline_options
+from lightning_3d.parallel.context import ContextParallelOptions, scheme_problems
+from lightning_3d.parallel.pipeline import PipelineOptions, pipeline_options
+from lightning_3d.parallel.zero import ZeroOptions
 from lightning_3d.runtime.nonfinite import NonFiniteOptions
 
 CHECKPOINT_FORMATS = ("consolidated", "sharded")
@@ -45,51 +45,6 @@ class TensorParallelOptions:
         None  # {module-name pattern: style}; None: recognise the model
     )
     sequence_parallel: bool = False
-
-
-@dataclass(frozen=True)
-class ContextParallelOptions:
-    scheme: str = "ring"  # "ring" (k/v passed round the cp ranks) or "alltoall" (Ulysses)
-
-
-@dataclass(frozen=True)
-class PipelineOptions:
-    micro_batches: Optional[int] = None  # None: one per pipeline stage
-    schedule: str = "1f1b"
-    virtual_stages: Optional[int] = None  # None: 2 for the interleaved schedules, else 1
-    split: Union[str, Sequence[str]] = "uniform"
-
-
-@dataclass(frozen=True)
-class ZeroOptions:
-    bucket_size_mb: float = 25.0
-
-    @property
-    def bucket_bytes(self) -> int:
-        return max(1, int(self.bucket_size_mb * 2**20))
-
-
-@dataclass(frozen=True)
-class ActivationCheckpointOptions:
-    policy: str = "none"
-    every_n: int = DEFAULT_EVERY_N
-
-
-@dataclass(frozen=True)
-class OffloadOptions:
-    device: str = "none"
-    path: Optional[str] = None
-    chunk_mb: float = DEFAULT_CHUNK_BYTES / 2**20
-    params: bool = False
-    delay_update: bool = False
-    direct_io: Optional[bool] = None  # None: O_DIRECT where the file system allows
-    overlap: bool = (
-        True  # parameters on an accelerator: transfers on side streams beside the CPU step
-    )
-
-    @property
-    def chunk_bytes(self) -> int:
-        return max(1, int(self.chunk_mb * 2**20))
 
 
 @dataclass(frozen=True)
@@ -500,8 +455,7 @@ def _checked(plan: Plan) -> Plan:
         problems.append(
             f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {plan.checkpoint.format!r}"
         )
-    if not _positive(plan.zero.bucket_size_mb):
-        problems.append(f"bucket_size_mb must be positive, got {plan.zero.bucket_size_mb!r}")
+    problems += plan.zero.problems()
     if not isinstance(plan.compile.enabled, bool):
         problems.append(f"compile={plan.compile.enabled!r} must be True or False")
     if not isinstance(plan.compile.backend, str) or not plan.compile.backend:

@@ -31,6 +31,7 @@ import functools
 import gc
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,6 +75,17 @@ SAVED_OPS = _ops(
     "_scaled_dot_product_cudnn_attention",
     "_scaled_dot_product_fused_attention_overrideable",
 ) | _ops(torch.ops._c10d_functional, "all_reduce", "reduce_scatter_tensor")
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointOptions:
+    """Activation checkpointing's options (the ``ac`` group of
+    :class:`~lightning_3d.options.Plan`), checked by :func:`ac_options`."""
+
+    policy: str = "none"
+    """One of :data:`POLICIES`: which blocks recompute their activations in backward."""
+    every_n: int = DEFAULT_EVERY_N
+    """With ``"every_n"``: blocks 0, n, 2n, ... recompute."""
 
 
 def ac_options(policy: str, every_n: int = DEFAULT_EVERY_N) -> dict:
@@ -235,9 +247,8 @@ class _StorageRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.owners: list[str | None] = [None]  # stack of running blocks
-        self.seen: dict[
-            int, tuple[Callable, int, str | None]
-        ] = {}  # ptr -> (weakref, bytes, owner)
+        # ptr -> (weakref, bytes, owner)
+        self.seen: dict[int, tuple[Callable, int, str | None]] = {}
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None

@@ -86,9 +86,8 @@ class ActivationMeter:
         self.block_bytes: dict[str, int] = {}
         self._refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self._param_storages: set[int] = set()
-        self._running: list[
-            tuple[str, set[int]]
-        ] = []  # watched blocks in forward, their parameter storages
+        # Watched blocks in forward, their parameter storages.
+        self._running: list[tuple[str, set[int]]] = []
 
     def reset(self, params: Any = ()) -> None:
         self.peak, self.in_flight_peak, self.in_flight = self.live, 0, 0

@@ -41,9 +41,8 @@ def global_grad_norm(
     collectives of their own: the step's agreement carries them
     (:mod:`lightning_3d.runtime.agreement`).
     """
-    groups: dict[
-        tuple, list
-    ] = {}  # (mesh id, sharded dims) -> [mesh, sharded dims, local gradients]
+    # (mesh id, sharded dims) -> [mesh, sharded dims, local gradients]
+    groups: dict[tuple, list] = {}
     device = None
     for p in parameters:
         grad = p.grad
@@ -143,9 +142,8 @@ def clip_grad_norm_(
     parameters = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(parameters, sum_over, skip_in_norm, world_sum)
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for (device, dtype), grads in by_device_and_dtype(
-        p.grad for p in parameters
-    ).items():  # one fused multiply each
+    # One fused multiply each.
+    for (device, dtype), grads in by_device_and_dtype(p.grad for p in parameters).items():
         torch._foreach_mul_(grads, scale.to(device, dtype))
     return norm
 

@@ -13,9 +13,14 @@ per-block all-gather and reshard hooks run around the compiled call.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional
+
 from torch import nn
 
 from lightning_3d.parallel.fsdp import find_blocks
+
+if TYPE_CHECKING:
+    from lightning_3d.observe.telemetry import Telemetry
 
 
 def check_backend(backend: str) -> None:
@@ -29,10 +34,15 @@ def check_backend(backend: str) -> None:
         )
 
 
-def compile_blocks(module: nn.Module, backend: str = "inductor") -> int:
-    """Compile every block of ``module`` in place; returns how many were compiled."""
+def compile_blocks(
+    module: nn.Module, backend: str = "inductor", telemetry: Optional[Telemetry] = None
+) -> int:
+    """Compile every block of ``module`` in place; returns how many were compiled (and tells
+    ``telemetry`` in a ``"compiled"`` event)."""
     check_backend(backend)
     blocks = find_blocks(module)
     for block in blocks:
         block.compile(backend=backend)
+    if telemetry is not None:
+        telemetry.publish("compiled", blocks=len(blocks), backend=backend)
     return len(blocks)

@@ -72,9 +72,8 @@ class DeferredInit:
 
     def check(self, owner: nn.Module) -> None:
         """``ValueError`` if the module no longer has the shapes recorded (before any storage)."""
-        params = dict(
-            owner.named_parameters(remove_duplicate=False)
-        )  # a tied weight under each name
+        # A tied weight under each name.
+        params = dict(owner.named_parameters(remove_duplicate=False))
         for init in self.inits:
             param = params.get(init.name)
             if param is not None and tuple(param.shape) != init.shape:
@@ -99,9 +98,8 @@ def to_device_keeping_meta(module: nn.Module, device: torch.device) -> None:
         module.to(device)
         return
     module._apply(lambda t: t if t.is_meta else t.to(device))
-    if hasattr(
-        module, "_device"
-    ):  # Lightning's DeviceDtypeModuleMixin (what `module.device` reports)
+    # Lightning's DeviceDtypeModuleMixin (what `module.device` reports).
+    if hasattr(module, "_device"):
         module._device = torch.device(device)
 
 
@@ -152,6 +150,16 @@ def materialize(module: nn.Module, device: torch.device) -> int:
     return filled
 
 
+def materialize_shards(module: nn.Module, device: torch.device, offloaded: bool = False) -> int:
+    """The recipe's step for a module built on ``meta``, once it is split and sharded:
+    :func:`materialize` on ``device``, or in CPU memory where FSDP2 keeps ``offloaded``
+    parameter shards. Nothing to do for a module with nothing on ``meta``, nor onto the ``meta``
+    device (the planner's ``validate=true``: only shapes are wanted)."""
+    if not has_meta(module) or torch.device(device).type == "meta":
+        return 0
+    return materialize(module, torch.device("cpu") if offloaded else device)
+
+
 def _ties(module: nn.Module) -> list[list[str]]:
     """Names of each parameter reachable under several names, the first as named_parameters() has it."""
     names: dict[int, list[str]] = {}
@@ -182,9 +190,8 @@ def _replay(owner: nn.Module, record: DeferredInit) -> int:
     # 4 KiB of every parameter (large allocations are fresh mmaps), as much as the fill itself.
     largest = max((math.prod(init.shape) for init in record.inits), default=0)
     scratch = [torch.empty(largest, dtype=torch.float32) for _ in range(AHEAD + 1)]
-    with ThreadPoolExecutor(
-        max_workers=1, thread_name_prefix="materialize"
-    ) as pool:  # one: draws stay in order
+    # One: draws stay in order.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="materialize") as pool:
 
         def submit() -> None:
             index, init = next(todo, (None, None))
@@ -213,9 +220,8 @@ def _replay(owner: nn.Module, record: DeferredInit) -> int:
 
 
 def _generate(init: ParamInit, generator: torch.Generator, buffer: Tensor) -> Tensor:
-    full = buffer[: math.prod(init.shape)].view(
-        init.shape
-    )  # what the eager init wrote: fp32 on CPU
+    # What the eager init wrote: fp32 on CPU.
+    full = buffer[: math.prod(init.shape)].view(init.shape)
     with torch.no_grad():  # grad mode is per thread
         init.fill(full, generator)
     return full
@@ -257,5 +263,6 @@ __all__ = [
     "local_part",
     "local_region",
     "materialize",
+    "materialize_shards",
     "to_device_keeping_meta",
 ]

@@ -40,6 +40,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from lightning_3d.data.labels import IGNORE_INDEX
+
 
 class TokenMean:
     """The running sums of one optimizer step's ``F.cross_entropy`` calls, on the device.
@@ -190,7 +192,7 @@ class _TokenMeanCrossEntropy(TorchFunctionMode):
         if target.is_floating_point():  # class probabilities: no targets to count
             return func(*args, **kwargs)
         total = func(*args, **{**kwargs, "reduction": "sum"})  # this rank's counted tokens
-        counted = (target != kwargs.get("ignore_index", -100)).sum()
+        counted = (target != kwargs.get("ignore_index", IGNORE_INDEX)).sum()
         return self._loss(total, counted)
 
 

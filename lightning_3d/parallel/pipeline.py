@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -59,12 +59,10 @@ class PipelineSpec:
     last: Sequence[str]  # modules only the last stage keeps
     embed: Optional[Callable[[Any], torch.Tensor]] = None  # first stage: inputs -> residual stream
     head: Optional[Callable[[torch.Tensor], Any]] = None  # last stage: residual stream -> outputs
-    loss: Optional[Callable[[Any, Any], torch.Tensor]] = (
-        None  # outputs, targets -> scalar mean loss
-    )
-    split_batch: Callable[[Any], tuple[Any, Any]] = field(
-        default=_split_batch
-    )  # batch -> (inputs, targets)
+    # outputs, targets -> scalar mean loss
+    loss: Optional[Callable[[Any, Any], torch.Tensor]] = None
+    # batch -> (inputs, targets)
+    split_batch: Callable[[Any], tuple[Any, Any]] = field(default=_split_batch)
     inputs: Callable[[Any], Any] = field(default=_inputs)  # batch (also a predict batch) -> inputs
     # How a stage runs one block on the residual stream (default ``block(x)``): blocks that need
     # more than the stream (rotary position embeddings, say) compute it here, on their own stage.
@@ -107,9 +105,8 @@ def build_schedule(
     Returns ``(schedule, pipeline_stages)``."""
     from torch.distributed.pipelining import PipelineStage
 
-    stage_class = rng_neutral_stage(
-        stage_class or PipelineStage
-    )  # torch 2.11 infers shapes by a forward
+    # torch 2.11 infers shapes by a forward.
+    stage_class = rng_neutral_stage(stage_class or PipelineStage)
     pipeline_stages = [
         stage_class(module, index, num_stages, device, group=group)
         for module, index in zip(stages, stage_indices)
@@ -139,6 +136,23 @@ def interleaved_rounds(micro_batches: int, pipeline: int) -> int:
     """How torch's interleaved schedules group ``micro_batches`` (rounds of about ``pipeline``
     each); the micro-batches must be a multiple of it."""
     return max(1, micro_batches // pipeline)
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """The pipeline's options (the ``pp`` group of :class:`~lightning_3d.options.Plan`; the
+    ``pipeline`` size is part of the :class:`~lightning_3d.layout.Layout`), checked and their
+    defaults filled in by :func:`pipeline_options`."""
+
+    micro_batches: Optional[int] = None
+    """Micro-batches per batch; ``None``: one per pipeline stage."""
+    schedule: str = "1f1b"
+    """One of :data:`SCHEDULES`."""
+    virtual_stages: Optional[int] = None
+    """Stages per rank; ``None``: 2 for the interleaved schedules, else 1."""
+    split: Union[str, Sequence[str]] = "uniform"
+    """``"uniform"`` (by block count), ``"params"`` (by parameter count), or the names of the
+    blocks that start stages 1, 2, ..."""
 
 
 def pipeline_options(

@@ -15,14 +15,15 @@ group and one all-reduce of the verdict over the world, at the first optimizer s
 naming the parameters, the ranks, and the plan entry to change.
 
 Replicas must also *start* equal: :func:`broadcast_start` hands every rank of a stage the first
-rank's initial weights, whatever each process was seeded with.
+rank's initial weights, whatever each process was seeded with (:func:`broadcast_initial` says over
+which groups, for the recipe).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,12 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_3d.compat import all_gather_single
+from lightning_3d.layout import MeshAxis, shard_mesh
+from lightning_3d.parallel.materialize import has_meta
 from lightning_3d.parallel.tensor import local_tensor, plain_parts
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 RTOL = 1e-5  # replicas computed alike are equal bit for bit; a plan mistake moves them by O(1)
 WEIGHTS = 17  # the weighted sum's period: positions i and i + 17 weigh alike
@@ -59,6 +65,21 @@ def broadcast_start(
         for t in tensors:
             for part in plain_parts(t):  # an NF4Tensor's or a 4-bit Params4bit's codes and scales
                 dist.broadcast(part, src=src, group=group)
+
+
+def broadcast_initial(module: torch.nn.Module, mesh: DeviceMesh, zero_stage: int) -> None:
+    """:func:`broadcast_start` over the groups nothing else makes equal, on this rank's stages
+    before any sharding: the tensor ranks, and under ZeRO-3 the ranks FSDP2 shards over. ZeRO 0-2's
+    buckets broadcast over those ranks themselves, but hold no frozen weight (a LoRA base): those
+    are broadcast here. Nothing while a tensor is on ``meta`` (filled alike on every rank later)."""
+    if has_meta(module):
+        return
+    if mesh.get_group(MeshAxis.TENSOR.value).size() > 1 or zero_stage == 3:
+        groups = [mesh[MeshAxis.TENSOR.value].get_group()]
+        groups += [shard_mesh(mesh).get_group()] if zero_stage == 3 else []
+        broadcast_start(module, groups)
+    if zero_stage < 3:
+        broadcast_start(module, [shard_mesh(mesh).get_group()], frozen_only=True)
 
 
 class ReplicaMismatch(RuntimeError):

@@ -9,15 +9,22 @@ Three ways to split a model's ``nn.ModuleList`` of blocks into contiguous stages
   stage boundary), e.g. ``["model.blocks.3"]`` for two stages of a 6-block model.
 
 :func:`plan_stages` only reads the model (it works on a ``meta`` model, before any process does
-work); :func:`split_stages` then keeps this rank's stages in place.
+work); :func:`split_stages` then keeps this rank's stages in place, and :func:`split_pipeline`
+does both for the recipe, with the process groups of the weights tied across stages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from torch import nn
+
+from lightning_3d.layout import MeshAxis
+from lightning_3d.parallel.tied import TiedGroups
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 SPLITS = ("uniform", "params")
 Split = Union[str, Sequence[str]]
@@ -309,3 +316,36 @@ def split_stages(
             root, name, placeholder(root.get_submodule(name)) if placeholder is not None else None
         )
     return stages
+
+
+def pipeline_spec(module: nn.Module) -> Any:
+    """The module's :class:`~lightning_3d.PipelineSpec`; ``ValueError`` if it has none."""
+    if not callable(getattr(module, "pipeline_spec", None)):
+        raise ValueError(
+            f"{type(module).__name__} cannot be split into pipeline stages: define "
+            "pipeline_spec() returning a lightning_3d.PipelineSpec (see docs/parallelism.md)"
+        )
+    return module.pipeline_spec()
+
+
+def split_pipeline(
+    root: nn.Module,
+    mesh: DeviceMesh,
+    virtual: int,
+    split: Split = "uniform",
+    sequence_parallel: bool = False,
+) -> tuple[Any, Optional[list[StageModule]], Optional[TiedGroups]]:
+    """Keep this rank's stages of ``root`` in place, by its pipeline coordinate on ``mesh``;
+    returns the model's spec, this rank's stage modules and the weights tied across the pipeline
+    ranks (their gradient groups), or three ``None`` when the mesh has no pipeline. Under
+    ``sequence_parallel`` a stage's input holds the tensor ranks' share of the sequence."""
+    if mesh.get_group(MeshAxis.PIPELINE.value).size() == 1:
+        return None, None, None
+    spec, pp_mesh = pipeline_spec(root), mesh[MeshAxis.PIPELINE.value]
+    # Found before the split, while every stage's modules are still here.
+    tied = TiedGroups(mesh, tied_holders(root, spec, pp_mesh.size(), virtual, split))
+    shards = mesh.get_group(MeshAxis.TENSOR.value).size() if sequence_parallel else 1
+    stages = split_stages(
+        root, spec, pp_mesh.get_local_rank(), pp_mesh.size(), virtual, split, shards
+    )
+    return spec, stages, tied

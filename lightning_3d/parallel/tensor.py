@@ -19,7 +19,7 @@ import fnmatch
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -39,8 +39,12 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_3d.parallel.tied import check_tied_styles, retie
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+    from lightning_3d.observe.telemetry import Telemetry
 
 # Set on a module whose parameters' output features FusedColwiseParallel regrouped:
 # (chunks, tp size) for nn.Linear, (chunks, tp size, -1) for Conv1D, whose output features are
@@ -466,8 +470,36 @@ def apply_tensor_parallel(
     tp_mesh: DeviceMesh,
     plan: Mapping[str, ParallelStyle],
     require_all: bool = True,
+    ties: Sequence[tuple[str, ...]] = (),
+    telemetry: Optional[Telemetry] = None,
 ) -> dict:
-    """Rewrite ``module`` in place with ``plan`` on ``tp_mesh``; returns the resolved plan."""
+    """Rewrite ``module`` in place with ``plan`` on ``tp_mesh``; returns the resolved plan.
+
+    ``ties``: the tied weights :func:`~lightning_3d.parallel.tied.find_tied` found while the
+    model was whole, refused if the plan splits them differently and made one parameter again
+    after. ``telemetry``: told a ``"logits"`` event per forward of the vocab-parallel head."""
     resolved = resolve_plan(module, plan, tp_mesh.size(), require_all)
+    check_tied_styles(module, resolved, ties)
     parallelize_module(module, tp_mesh, resolved)
+    # Each module got its own sharded copy: make them one again.
+    retie(module, ties)
+    if telemetry is not None:
+        _publish_logits_sizes(module, resolved, telemetry)
     return resolved
+
+
+def _publish_logits_sizes(module: nn.Module, resolved: dict, telemetry: Telemetry) -> None:
+    """A ``"logits"`` event per forward of the vocab-parallel head (local and full bytes)."""
+
+    def publish(head: nn.Module, inputs: object, output: object) -> None:
+        if isinstance(output, DTensor):
+            telemetry.publish(
+                "logits",
+                local_bytes=output.to_local().numel() * output.element_size(),
+                dense_bytes=output.numel() * output.element_size(),
+            )
+
+    for name, style in resolved.items():
+        # The loss-parallel head: its logits stay sharded over the vocabulary.
+        if isinstance(style, ColwiseParallel) and not style.use_local_output:
+            module.get_submodule(name).register_forward_hook(publish)

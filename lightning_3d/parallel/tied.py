@@ -45,6 +45,14 @@ def record_aliases(module: nn.Module, groups: Sequence[tuple[str, ...]]) -> None
     setattr(module, TIED_ALIASES_ATTR, {alias: group[0] for group in groups for alias in group[1:]})
 
 
+def record_ties(module: nn.Module) -> list[tuple[str, ...]]:
+    """:func:`find_tied` on the whole model, its aliases recorded on it (:func:`record_aliases`)
+    so that checkpoints key a tied weight by its one-process name on any stage."""
+    groups = find_tied(module)
+    record_aliases(module, groups)
+    return groups
+
+
 def param_names(module: nn.Module) -> dict[int, str]:
     """``id(parameter) -> name`` with each tied weight under its one-process (canonical) name,
     whichever of its modules this rank still holds."""

@@ -34,7 +34,6 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_3d.compat import all_gather_single, reduce_scatter_single
-from lightning_3d.options import ZeroOptions
 from lightning_3d.parallel.point_to_point import (
     SCATTER_MODES,
     add_rows,
@@ -46,6 +45,27 @@ from lightning_3d.parallel.tensor import local_tensor as _local
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class ZeroOptions:
+    """The ZeRO 0-2 engine's options (the ``zero`` group of :class:`~lightning_3d.options.Plan`;
+    ``zero_stage`` itself is part of the :class:`~lightning_3d.layout.Layout`)."""
+
+    bucket_size_mb: float = 25.0
+    """The largest gradient bucket, in MiB (option ``bucket_size_mb``)."""
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(1, int(self.bucket_size_mb * 2**20))
+
+    def problems(self) -> list[str]:
+        """What is wrong with these values, in the option names users give (empty: nothing)."""
+        size = self.bucket_size_mb
+        if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0:
+            return []
+        return [f"bucket_size_mb must be positive, got {size!r}"]
+
 
 MIN_BUCKETS = 4  # a param group smaller than this many full buckets is cut into this many
 MIN_BUCKET_BYTES = 2**20  # ... but none under 1 MiB (DDP's first bucket): latency would dominate

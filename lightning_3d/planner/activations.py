@@ -37,9 +37,8 @@ from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpo
 from lightning_3d.parallel.activations import ActivationMeter
 
 MEASURE_TOKENS = 32  # T1; T2 = 2 * T1 (both capped at seq_len)
-REPLICATED_SHARE = (
-    10 / 34
-)  # Megatron (Korthikanti et al. 2022): 10 of 34 bytes·s·b·h per layer unsplit by TP
+# Megatron (Korthikanti et al. 2022): 10 of 34 bytes·s·b·h per layer unsplit by TP.
+REPLICATED_SHARE = 10 / 34
 
 
 @dataclass(frozen=True)
@@ -134,9 +133,8 @@ def _measure(
         with meter.hooks():
             y = forward(block, x)
             y = y[0] if isinstance(y, (tuple, list)) else y
-            y = (
-                y.to_local() if isinstance(y, DTensor) else y
-            )  # sequence-parallel: this rank's shard
+            # Sequence-parallel: this rank's shard.
+            y = y.to_local() if isinstance(y, DTensor) else y
             if backward:
                 y.float().sum().backward()  # frees what was saved (and checks the block runs backward)
             del y
@@ -244,9 +242,8 @@ def measure_sequence_parallel(
     out: dict[tuple, ActivationFit] = {}
     with fake_world(0, tp):
         mesh = init_device_mesh("cpu", (tp,))
-        real = copy.deepcopy(block).to(
-            dtype
-        )  # still on meta: split first, so only this rank's shards exist
+        # Still on meta: split first, so only this rank's shards exist.
+        real = copy.deepcopy(block).to(dtype)
         inner = {name: style for name, style in plan.items() if name}
         parallelize_module(real, mesh, inner)
         if "" in plan:  # the block's own style (turns the replicated stream into sequence shards)

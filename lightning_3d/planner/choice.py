@@ -32,20 +32,17 @@ class Choice:
     tensor: int
     pipeline: int
     zero_stage: int = 0
-    micro_batches: int = (
-        1  # pipeline > 1: the schedule's micro-batches; else gradient accumulation steps
-    )
+    # Pipeline > 1: the schedule's micro-batches; else gradient accumulation steps.
+    micro_batches: int = 1
     schedule: str = "1f1b"  # only meaningful with pipeline > 1
     ac_policy: str = "none"
     offload: str = "none"  # one of OFFLOADS
     batch_per_rank: int = 1  # samples per data-parallel rank per optimizer step
     virtual_stages: int = 1  # stages per pipeline rank (the interleaved schedules: more than 1)
-    sequence_parallel: bool = (
-        False  # tensor > 1: norms, dropout and the residual stream sharded by sequence
-    )
-    adapter: str = (
-        "none"  # one of ADAPTERS: the model's option (HFCausalLM(adapter=...)), not the strategy's
-    )
+    # Tensor > 1: norms, dropout and the residual stream sharded by sequence.
+    sequence_parallel: bool = False
+    # One of ADAPTERS: the model's option (HFCausalLM(adapter=...)), not the strategy's.
+    adapter: str = "none"
     context: int = 1  # ranks each sequence is split over (context parallelism)
     context_scheme: str = "ring"  # with context > 1: "ring" or "alltoall"
 

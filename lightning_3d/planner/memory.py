@@ -54,9 +54,8 @@ from lightning_3d.planner.methods import (
 from lightning_3d.planner.schedule import in_flight_chunks
 
 GB = 1e9
-NVME_RESIDENT_BYTES = (
-    DEFAULT_WINDOW * DEFAULT_CHUNK_BYTES
-)  # the NVMe store's streaming window in host RAM
+# The NVMe store's streaming window in host RAM.
+NVME_RESIDENT_BYTES = DEFAULT_WINDOW * DEFAULT_CHUNK_BYTES
 
 
 def human(nbytes: float) -> str:

@@ -59,8 +59,7 @@ def in_flight_chunks(
     if schedule not in MULTI_STAGE:
         return min(m, p - rank)
     per_round = m // interleaved_rounds(m, p)
-    behind = (
-        0 if schedule == "zero_bubble" else rank
-    )  # zero-bubble: graphs alive until the weight pass
+    # Zero-bubble: graphs alive until the weight pass.
+    behind = 0 if schedule == "zero_bubble" else rank
     warmup = min((v - 1) * per_round + _WARMUP_FACTOR[schedule] * (p - 1 - behind), v * m)
     return min(warmup + 1, v * m)

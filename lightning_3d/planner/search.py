@@ -15,7 +15,7 @@ ZeRO-3's parameters or without) and the fine-tune method (``PlannerOptions.adapt
 LoRA, QLoRA; adapters without sequence parallelism, which the project refuses for them; QLoRA's
 own refusals asked of :func:`lightning_3d.adapters.qlora.refuse_qlora_plan`).
 Every candidate is built as a :class:`~lightning_3d.options.Plan` (``Plan.from_options``), and,
-given ``check`` (:func:`lightning_3d.parallel.model_check.check` bound to the model on ``meta``), checked
+given ``check`` (:func:`lightning_3d.options.model_check.check` bound to the model on ``meta``), checked
 against the model's shapes; their ``ValueError`` is the rejection's reason. A split that is
 refused as a whole (a tensor size that crosses nodes, say) is one rejected candidate, not one
 per ZeRO stage and micro-batch count.
@@ -298,7 +298,7 @@ def plan_candidates(
     """Facts of ``module`` (built on ``meta``), activations measured at every tensor size a node
     allows (or ``tp_sizes``), and :func:`plan_layouts` with the strategy's own check of the model:
     what the CLI and ``parallelism=auto`` both plan from."""
-    from lightning_3d.parallel.model_check import check
+    from lightning_3d.options.model_check import check
     from lightning_3d.planner.facts import model_facts
 
     facts = model_facts(

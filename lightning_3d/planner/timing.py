@@ -101,9 +101,8 @@ class StepTime:
     offload: float
     tokens: int  # tokens per optimizer step, whole world
     optimizer: float = 0.0  # the on-device optimizer step (after the pipeline flushes: no bubble)
-    overhead: float = (
-        0.0  # the step's fixed cost: loop, data loader, per-step agreement collectives
-    )
+    # The step's fixed cost: loop, data loader, per-step agreement collectives.
+    overhead: float = 0.0
 
     @property
     def total(self) -> float:
@@ -189,9 +188,8 @@ def step_time(
     dp_bw = (
         cluster.intra_node_gbps if inside or cluster.nodes == 1 else cluster.inter_node_gbps
     ) * 1e9
-    hideable = (compute * 2 / 3) / (
-        m if pp > 1 else 1
-    )  # backward of the last micro-batch only, under a pipeline
+    # Backward of the last micro-batch only, under a pipeline.
+    hideable = (compute * 2 / 3) / (m if pp > 1 else 1)
     if choice.zero_stage == 3:
         hideable = compute / (m if pp > 1 else 1)
     latency = options.latency_us * 1e-6
@@ -230,15 +228,13 @@ def step_time(
     if choice.offload != "none":
         shard = elements / (shards if choice.zero_stage >= 1 else 1)
         adam = shard / (options.cpu_adam_params_per_s / cluster.devices_per_node)
-        if (
-            choice.offload_device == "nvme"
-        ):  # the store reads ahead and writes back while Adam steps
+        # The store reads ahead and writes back while Adam steps.
+        if choice.offload_device == "nvme":
             state = shard * offloaded_state_bytes(p_b, choice.offload_params)
             adam = max(adam, state / (cluster.nvme_gbps * 1e9 / cluster.devices_per_node))
         offload = adam + shard * (g_b + p_b) / (cluster.host_link_gbps * 1e9)
-        if (
-            choice.offload_params
-        ):  # per micro-batch: shards up for forward and backward, gradients down
+        # Per micro-batch: shards up for forward and backward, gradients down.
+        if choice.offload_params:
             up = gathered_bytes / gathered * p_b / shards  # this rank's shards at their own dtype
             offload += m * (2 * up + shard * g_b) / (cluster.host_link_gbps * 1e9)
     tokens = choice.batch_per_rank * dp * seq

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from lightning_3d.runtime.exit_codes import IO_ERROR, PEER_LOST, RANK_ERROR
+from lightning_3d.runtime.resume_hint import resume_hint, written_checkpoint
 
 # What gloo, NCCL and the TCP store say when the other side of a collective is gone or silent
 # (gloo's timeout: "Application timeout caused pair closure").
@@ -160,8 +161,6 @@ def describe_failure(
             f"{setup_step}: {type(exception).__name__}: {first_line[:300]}"
         )
     if is_collective_failure(exception) and dist.is_available() and dist.is_initialized():
-        from lightning_3d.checkpoint.resume import resume_hint, written_checkpoint
-
         return (
             f"lightning_3d: rank {rank}: a collective failed ({type(exception).__name__}: {first_line[:200]}). "
             "Another rank has probably stopped; checkpoints already written are complete (saves are atomic); "

@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_3d.checkpoint.resume import PREEMPTED as CHECKPOINT_NAME
-from lightning_3d.checkpoint.resume import resume_hint
+from lightning_3d.runtime.resume_hint import PREEMPTED, resume_hint
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -128,7 +127,7 @@ def checkpoint_path(trainer: Any) -> Path:
     else the trainer's ``default_root_dir``."""
     callback: Optional[Any] = getattr(trainer, "checkpoint_callback", None)
     directory = getattr(callback, "dirpath", None) or trainer.default_root_dir
-    return Path(directory) / CHECKPOINT_NAME
+    return Path(directory) / PREEMPTED
 
 
 @functools.lru_cache(maxsize=None)

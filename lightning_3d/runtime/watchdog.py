@@ -188,9 +188,8 @@ class Watchdog:
                 target=self._run, name=f"lightning3d-watchdog-rank{self.rank}", daemon=True
             )
             self._thread.start()
-            atexit.register(
-                self.stop
-            )  # never leave the thread inside a store call at interpreter exit
+            # Never leave the thread inside a store call at interpreter exit.
+            atexit.register(self.stop)
         return self
 
     def stop(self, state: str = "done") -> None:
@@ -202,9 +201,8 @@ class Watchdog:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=STORE_TIMEOUT.total_seconds() + self.interval_s)
         atexit.unregister(self.stop)
-        self._bounded(
-            lambda: self._beat(state)
-        )  # the store's host may be gone: nobody left to read it
+        # The store's host may be gone: nobody left to read it.
+        self._bounded(lambda: self._beat(state))
 
     def silent_peers(self, wait_s: Optional[float] = None) -> list[Silence]:
         """The watched peers that have not beaten for ``wait_s`` (default: one and a half
@@ -232,13 +230,11 @@ class Watchdog:
         did (else ``None``); then stops the watchdog. Not only after a recognised collective
         failure: gloo words a timed-out collective in several ways ("Application timeout caused
         pair closure"), and a silent peer is worth naming whatever this rank saw."""
-        agreed = getattr(exception, "agreed_stop", False) or not isinstance(
-            exception, Exception
-        )  # Preempted, Ctrl-C
+        # Preempted, Ctrl-C.
+        agreed = getattr(exception, "agreed_stop", False) or not isinstance(exception, Exception)
         try:
-            said = (
-                self.verdict is not None or self._stopped.is_set()
-            )  # by the thread, or by an earlier call
+            # By the thread, or by an earlier call.
+            said = self.verdict is not None or self._stopped.is_set()
             silent = self.silent_peers() if not (said or agreed) else []
         finally:
             self.stop("failed")

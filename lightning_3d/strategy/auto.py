@@ -94,12 +94,10 @@ _DEFAULTS = {option.name: option.default for option in OPTIONS}
 class Constraints:
     """What the options given with ``auto`` leave the planner: its enumeration and the sizes to keep."""
 
-    planner: Mapping[
-        str, Any
-    ]  # PlannerOptions keywords (zero_stages, ac_policies, offloads, schedules)
-    sizes: Mapping[
-        str, Any
-    ]  # Choice field -> the only value kept (data, tensor, pipeline, sequence_parallel)
+    # PlannerOptions keywords (zero_stages, ac_policies, offloads, schedules).
+    planner: Mapping[str, Any]
+    # Choice field -> the only value kept (data, tensor, pipeline, sequence_parallel)
+    sizes: Mapping[str, Any]
     micro_batches: Optional[int] = None  # pipelined layouts: only this many
 
 
@@ -169,9 +167,8 @@ def constraints(plan: Plan, device_type: str = "cuda") -> Constraints:
     elif given.get("offload_params"):
         raise ValueError("auto=True with offload_params=True needs offload='cpu' or 'nvme'")
     elif device_type != "cuda":
-        planner["offloads"] = (
-            "none",
-        )  # CPU ranks: host memory is device memory, offload saves nothing
+        # CPU ranks: host memory is device memory, offload saves nothing.
+        planner["offloads"] = ("none",)
     elif "offload_path" not in given:  # NVMe needs a drive the run names
         planner["offloads"] = tuple(
             o for o in PlannerOptions().offloads if not o.startswith("nvme")

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from lightning_3d.layout import MeshAxis
-from lightning_3d.parallel.stages import plan_stages, stage_blocks, stage_ids
+from lightning_3d.parallel.stages import pipeline_spec, plan_stages, stage_blocks, stage_ids
 from lightning_3d.parallel.tensor import local_tensor as _local
 from lightning_3d.planner.choice import Choice
 from lightning_3d.planner.facts import ModelFacts
@@ -118,9 +118,8 @@ class Reference:
     shapes: dict[str, tuple[int, ...]]
     stage_names: list[set[str]]  # parameter names the planner puts on each pipeline stage
     split: set[str]  # names the tensor-parallel plan splits (the planner's ``Part.split``)
-    measured_block: Optional[
-        dict[str, tuple[int, ...]]
-    ]  # the block activations were measured on, by name in it
+    # The block activations were measured on, by name in it.
+    measured_block: Optional[dict[str, tuple[int, ...]]]
 
 
 def reference(module: nn.Module, choice: Choice) -> Reference:
@@ -134,9 +133,8 @@ def reference(module: nn.Module, choice: Choice) -> Reference:
     dims, columns = split_dims(module)
     split = set(dims)
     name, block = transformer_blocks(module)[0]
-    local = local_block(
-        block, name, split, columns, choice.tensor
-    )  # as lightning_3d.planner.facts measures it
+    # As lightning_3d.planner.facts measures it.
+    local = local_block(block, name, split, columns, choice.tensor)
     measured = (
         {n: tuple(p.shape) for n, p in local.named_parameters()} if local is not None else None
     )
@@ -144,8 +142,6 @@ def reference(module: nn.Module, choice: Choice) -> Reference:
     if pipeline == 1:
         stages = [set(shapes)]
     else:
-        from lightning_3d.parallel.model_check import pipeline_spec
-
         spec = pipeline_spec(module)
         virtual = choice.virtual_stages
         # The uniform split the run (and the planner) uses, its stage s on pipeline rank s % pipeline.
@@ -195,9 +191,8 @@ def build_rank(
         module = module.to(torch.bfloat16)
     with fake_world(kind.rank, world):
         plan = Plan.from_options(**choice.options()).resolved(world)
-        mesh = build_mesh(
-            plan.layout, "cpu"
-        )  # the device type names the mesh; shapes do not depend on it
+        # The device type names the mesh; shapes do not depend on it.
+        mesh = build_mesh(plan.layout, "cpu")
         made = parallelize(module, mesh, plan, device=torch.device("meta"), precision=precision)
         optimizers = attach_optimizers(made, _optimizers(module), plan)
         _backward_and_step(made, optimizers)
@@ -353,9 +348,8 @@ def _bucket_problems(made: Any, module: nn.Module, choice: Choice) -> list[str]:
     if choice.zero_stage == 3 or not made.engines:
         return []
     engines = made.engines
-    if all(
-        e.passthrough for e in engines
-    ):  # one rank per dp x tp group, nothing shared: no buckets
+    # One rank per dp x tp group, nothing shared: no buckets.
+    if all(e.passthrough for e in engines):
         return []
     count: dict[int, int] = {}
     out = []

@@ -117,15 +117,13 @@ class GlobalNormClipping(_Adapted):
     ) -> Any:
         guard = self.nonfinite
         guard.step = model.trainer.global_step
-        check = getattr(
-            model, "automatic_optimization", False
-        )  # manual steps run no training closure
+        # Manual steps run no training closure.
+        check = getattr(model, "automatic_optimization", False)
 
         def checked_closure() -> Any:
             result = closure()
-            if (
-                check and self._has_scaler()
-            ):  # gradient overflow under 16-mixed is the scaler's to find
+            # Gradient overflow under 16-mixed is the scaler's to find.
+            if check and self._has_scaler():
                 guard.check_step(result, [], model.device)  # now: the scaler unscales right after
             elif (
                 check

@@ -1,29 +1,36 @@
 """The recipe: a module and a :class:`~lightning_3d.options.Plan` in, this rank's part of the
-parallel model out, in one place and in this order.
+parallel model out, in one place and in this order (one call per step, each owning its special
+cases):
 
-1. **Names and ties**, while the model is whole: checkpoints are keyed by the names one process
-   has, and tied weights (embedding = head) must stay one parameter (or one copy per pipeline
-   stage with summed gradients) through every rewrite below.
-2. **Pipeline split**: keep only this rank's stages, so nothing else is ever sharded, wrapped or
-   handed to the optimizer.
-3. **Tensor parallelism** on the ``tp`` axis: weights become tp-sharded DTensors; ties re-made.
-4. **Activation checkpointing** per block: after the split (placeholders are skipped) and after
+1. **While the model is whole**: a QLoRA plan it cannot take refused; the names one process has
+   recorded (checkpoints are keyed by them); tied weights (embedding = head) found, to stay one
+   parameter (or one copy per pipeline stage with summed gradients) through every rewrite below;
+   the tensor plan recognised from the architecture (``parallel/plans/``, adapters included).
+2. **Pipeline split** (``parallel/stages.py``): keep only this rank's stages, so nothing else is
+   ever sharded, wrapped or handed to the optimizer.
+3. **Initial weights**: the first rank's, over the tensor ranks and the ZeRO-3 ranks
+   (``parallel/replicas.py``), before anything shards them.
+4. **Tensor parallelism** on the ``tp`` axis (``parallel/tensor.py``): weights become
+   tp-sharded DTensors; ties re-made.
+5. With ``context`` > 1, **context parallelism** (``parallel/context/``): attention layers run
+   across the ``cp`` ranks.
+6. **Activation checkpointing** per block: after the split (placeholders are skipped) and after
    TP (its hooks run inside the recomputed region); before FSDP2, whose per-block gather and
-   reshard hooks then wrap the checkpointed forward. Then, optionally, ``torch.compile`` of each
-   block (it traces the TP layers and the checkpointed region; FSDP2's hooks stay outside).
-   With ``context`` > 1, **context parallelism**: attention layers run across the ``cp`` ranks.
-5. **ZeRO-3**: FSDP2 on the ``dp`` axis (``dp`` × ``cp`` with context parallelism: those ranks
-   hold the same layers), with precision and offload policies.
-   Then, for a module built on ``meta`` (``LitGPT(deferred_init=True)``), **materialisation**:
-   each parameter filled once in its final dtype, device and shard (``parallel/materialize.py``).
-6. **Pipeline runtime**: the schedule over this rank's stages.
-7. At optimizer setup (:func:`attach_optimizers`): **ZeRO 0-2** flat-bucket engines, then
-   **offload** of the (already sharded) optimizer state.
+   reshard hooks then wrap the checkpointed forward.
+7. Optionally **torch.compile** of each block: it traces the TP layers and the checkpointed
+   region; FSDP2's hooks stay outside.
+8. **ZeRO-3**: FSDP2 on the ``dp`` axis (``dp`` × ``cp`` with context parallelism: those ranks
+   hold the same layers), with precision and offload policies (``parallel/fsdp.py``).
+9. For a module built on ``meta`` (``LitGPT(deferred_init=True)``), **materialisation**: each
+   parameter filled once in its final dtype, device and shard (``parallel/materialize.py``).
+10. **Pipeline runtime**: the schedule over this rank's stages.
+11. At optimizer setup (:func:`attach_optimizers`): **ZeRO 0-2** flat-bucket engines, then
+    **offload** of the (already sharded) optimizer state.
 
-:func:`~lightning_3d.parallel.model_check.check` runs the shape-only part of 1-3 on a ``meta``
-model in the launching process, so a bad plan fails before any rank starts. :class:`Parallelized`
-is the public record of what the
-recipe made, read by the strategy, the checkpoint hooks and the run summary.
+:func:`~lightning_3d.options.model_check.check` runs the shape-only part of 1, 2, 4 and 5 on a
+``meta`` model in the launching process, so a bad plan fails before any rank starts.
+:class:`Parallelized` is the public record of what the recipe made, read by the strategy, the
+checkpoint hooks and the run summary.
 """
 
 from __future__ import annotations
@@ -36,7 +43,6 @@ import torch
 from torch import Tensor, nn
 
 from lightning_3d.adapters.qlora import check_qlora_plan
-from lightning_3d.adapters.tensor import adapter_tensor_plan
 from lightning_3d.layout import MeshAxis, shard_mesh
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.options import Plan
@@ -44,21 +50,13 @@ from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpo
 from lightning_3d.parallel.compile import compile_blocks
 from lightning_3d.parallel.foreach import step_shards_together
 from lightning_3d.parallel.fsdp import apply_zero3, fsdp_policies
-from lightning_3d.parallel.materialize import has_meta, materialize
-from lightning_3d.parallel.model_check import pipeline_spec
+from lightning_3d.parallel.materialize import materialize_shards
 from lightning_3d.parallel.pipeline_runtime import PipelineRuntime
-from lightning_3d.parallel.plans import build_plan
-from lightning_3d.parallel.replicas import broadcast_start, tensor_replicas
-from lightning_3d.parallel.stages import split_stages, tied_holders
-from lightning_3d.parallel.tensor import resolve_plan
-from lightning_3d.parallel.tied import (
-    TiedGroups,
-    check_tied_styles,
-    find_tied,
-    param_names,
-    record_aliases,
-    retie,
-)
+from lightning_3d.parallel.plans import build_styles
+from lightning_3d.parallel.replicas import broadcast_initial, tensor_replicas
+from lightning_3d.parallel.stages import split_pipeline
+from lightning_3d.parallel.tensor import apply_tensor_parallel
+from lightning_3d.parallel.tied import TiedGroups, param_names, record_ties
 from lightning_3d.parallel.zero import ZeroDataParallel
 
 if TYPE_CHECKING:
@@ -80,10 +78,15 @@ class Parallelized:
     runtime: Optional[PipelineRuntime] = None  # the pipeline schedule runner
     tied: Optional[TiedGroups] = None  # tied weights with a copy on several pipeline ranks
     engines: list[ZeroDataParallel] = field(default_factory=list)  # ZeRO 0-2, one per optimizer
-    tp_plan: dict = field(
-        default_factory=dict
-    )  # module name -> the style tensor parallelism gave it
+    tp_plan: dict = field(default_factory=dict)  # module name -> its tensor-parallel style
     _bound: dict[int, ZeroDataParallel] = field(default_factory=dict)  # id(optimizer) -> its engine
+
+    @classmethod
+    def whole(cls, module: nn.Module, mesh: DeviceMesh) -> Parallelized:
+        """The record begun while ``module`` is whole: its names as one process has them."""
+        return cls(
+            module, mesh, list(module.state_dict()), [n for n, _ in module.named_parameters()]
+        )
 
     @property
     def pp_group(self) -> Any:
@@ -163,9 +166,8 @@ class Parallelized:
         up; a tied weight once). A collective under a pipeline."""
         import torch.distributed as dist
 
-        copies = sum(
-            p.numel() for p, _, first in self.tied_copies() if not first
-        )  # counted on another stage
+        # A tied weight's copies past the first: counted on another stage.
+        copies = sum(p.numel() for p, _, first in self.tied_copies() if not first)
         count = sum(p.numel() for p in self.module.parameters()) - copies
         if self.pp_group is None:
             return count
@@ -190,81 +192,53 @@ def parallelize(
 ) -> Parallelized:
     """Rewrite ``module`` in place into this rank's part of ``plan`` on ``mesh``; returns the
     record of what was made. ``step(name)`` is told each step as it starts (for error reports)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     layout = plan.layout
-    data = mesh.get_group(MeshAxis.DATA.value).size()
-    check_qlora_plan(module, plan, data)  # what an NF4 base (adapter method="qlora") cannot take
-    made = Parallelized(
-        module, mesh, list(module.state_dict()), [n for n, _ in module.named_parameters()]
-    )
-    ties = find_tied(module)
-    record_aliases(module, ties)
-    if layout.tensor > 1:  # recognise the architecture while the model is still whole
-        styles = build_plan(module, plan.tp.plan, plan.tp.sequence_parallel)
-        styles = adapter_tensor_plan(module, styles)  # LoRA adapters split beside their base
+    # Before any rewrite: what an NF4 base (adapter method="qlora") cannot take.
+    check_qlora_plan(module, plan, mesh.get_group(MeshAxis.DATA.value).size())
+    # While the model is whole: checkpoints use one process's names, ties must outlive every
+    # rewrite below, and the tensor plan is recognised from the whole architecture.
+    made, ties = Parallelized.whole(module, mesh), record_ties(module)
+    if layout.tensor > 1:
+        styles = build_styles(module, plan.tp.plan, plan.tp.sequence_parallel)
     step("the pipeline split")
-    spec = None
-    if layout.pipeline > 1:
-        spec, pp_mesh = pipeline_spec(module), mesh[MeshAxis.PIPELINE.value]
-        virtual, split = plan.pp.virtual_stages, plan.pp.split
-        made.tied = TiedGroups(mesh, tied_holders(module, spec, pp_mesh.size(), virtual, split))
-        shards = (
-            layout.tensor if plan.tp.sequence_parallel else 1
-        )  # a stage's input: this share of the sequence
-        made.stages = split_stages(
-            module, spec, pp_mesh.get_local_rank(), pp_mesh.size(), virtual, split, shards
-        )
-    if not has_meta(module) and (
-        layout.tensor > 1 or layout.zero_stage == 3
-    ):  # ZeRO 0-2: the engine's buckets
-        step("the first rank's initial weights")
-        # ZeRO 0-2's buckets broadcast over dp themselves: here only what they do not cover.
-        groups = [mesh[MeshAxis.TENSOR.value].get_group()]
-        groups += [shard_mesh(mesh).get_group()] if layout.zero_stage == 3 else []
-        broadcast_start(module, groups)
-    if not has_meta(module) and layout.zero_stage < 3:
-        # A frozen weight (a LoRA base) is in no ZeRO 0-2 bucket: rank 0's, broadcast over dp here.
-        broadcast_start(module, [shard_mesh(mesh).get_group()], frozen_only=True)
+    # First: what other ranks' stages hold is never sharded, wrapped or given an optimizer.
+    spec, made.stages, made.tied = split_pipeline(
+        module, mesh, plan.pp.virtual_stages, plan.pp.split, plan.tp.sequence_parallel
+    )
+    step("the first rank's initial weights")
+    # Before any sharding: each rank would otherwise shard its own differently seeded weights.
+    broadcast_initial(module, mesh, layout.zero_stage)
     step("tensor parallelism")
     if layout.tensor > 1:
-        # Under a pipeline, patterns for other stages' modules (the head, say) match nothing here.
+        # After the split (other stages' modules match nothing), before AC, compile and FSDP2.
         tp_mesh = mesh[MeshAxis.TENSOR.value]
-        resolved = resolve_plan(module, styles, tp_mesh.size(), spec is None)
-        check_tied_styles(module, resolved, ties)
-        parallelize_module(module, tp_mesh, resolved)
-        made.tp_plan = resolved
-        retie(module, ties)  # each module got its own sharded copy: make them one again
-        if telemetry is not None:
-            _publish_logits_sizes(module, resolved, telemetry)
+        made.tp_plan = apply_tensor_parallel(
+            module, tp_mesh, styles, require_all=spec is None, ties=ties, telemetry=telemetry
+        )
     if layout.context > 1:
         step("context parallelism")
-        # Attention across the cp ranks, each holding its tokens of every sequence (the strategy
-        # splits the batches); only attributes of the attention layers change, so any order works.
+        # Only attributes of the attention layers change, so any place in the order works.
         from lightning_3d.parallel.context.apply import apply_context_parallel
 
         apply_context_parallel(module, mesh.get_group(MeshAxis.CONTEXT.value), plan.cp.scheme)
     step("activation checkpointing")
+    # After the split (placeholders skipped) and TP (its hooks run inside the recomputed region).
     apply_activation_checkpointing(module, plan.ac.policy, plan.ac.every_n)
     if plan.compile.enabled:
         step("torch.compile")
-        compiled = compile_blocks(module, plan.compile.backend)
-        if telemetry is not None:
-            telemetry.publish("compiled", blocks=compiled, backend=plan.compile.backend)
+        # Traces the TP layers and the checkpointed region; FSDP2's hooks stay outside the graph.
+        compile_blocks(module, plan.compile.backend, telemetry)
     step("ZeRO-3 (FSDP2) sharding")
     if layout.zero_stage == 3:
+        # Last of the wrappers: per-block gather and reshard hooks around all of the above.
         policies = fsdp_policies(precision, plan.offload.params, device.type)
         apply_zero3(module, shard_mesh(mesh), roots=made.stages, **policies)
     step("materialising the weights")
-    # Built on meta: each parameter filled once, in its final dtype, place and shard. Onto the
-    # meta device (the planner's validate=true) only shapes are wanted: nothing to fill.
-    if has_meta(module) and device.type != "meta":
-        offloaded = (
-            layout.zero_stage == 3 and plan.offload.params
-        )  # FSDP2 keeps those shards in CPU memory
-        materialize(module, torch.device("cpu") if offloaded else device)
+    # Built on meta: each parameter filled once, in its final dtype, place and shard.
+    materialize_shards(module, device, offloaded=layout.zero_stage == 3 and plan.offload.params)
     step("the pipeline schedule")
     if spec is not None:
+        # Over the finished stages: the schedule calls the wrapped, sharded modules.
         made.runtime = PipelineRuntime(
             made.stages,
             spec,
@@ -280,30 +254,10 @@ def parallelize(
     return made
 
 
-def _publish_logits_sizes(module: nn.Module, resolved: dict, telemetry: Telemetry) -> None:
-    """A ``"logits"`` event per forward of the vocab-parallel head (local and full bytes)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    def publish(head: nn.Module, inputs: Any, output: Any) -> None:
-        if isinstance(output, DTensor):
-            telemetry.publish(
-                "logits",
-                local_bytes=output.to_local().numel() * output.element_size(),
-                dense_bytes=output.numel() * output.element_size(),
-            )
-
-    for name, style in resolved.items():
-        if (
-            isinstance(style, ColwiseParallel) and not style.use_local_output
-        ):  # the loss-parallel head
-            module.get_submodule(name).register_forward_hook(publish)
-
-
 def attach_optimizers(
     parallelized: Parallelized, optimizers: list[Optimizer], plan: Plan
 ) -> list[Optimizer]:
-    """Step 7 of the recipe, once the optimizers exist: ZeRO 0-2 engines rewrite them to step
+    """Step 11 of the recipe, once the optimizers exist: ZeRO 0-2 engines rewrite them to step
     their own slices (ZeRO-3's FSDP2 shards need none; both step with ``foreach``), then an
     offload device wraps the sharded optimizers in :class:`~lightning_3d.offload.OffloadedAdam`
     (only this rank's shard of the state moves). Returns the optimizers Lightning should step
@@ -334,9 +288,8 @@ def attach_optimizers(
             direct_io="auto" if plan.offload.direct_io is None else plan.offload.direct_io,
             overlap=plan.offload.overlap,
         )
-        optimizer._opt_called = (
-            True  # its step is now the wrapper's: no "scheduler before step" warning
-        )
+        # Its step is now the wrapper's: no "scheduler before step" warning.
+        optimizer._opt_called = True
         engine = parallelized.engine_for(optimizer)
         if engine is not None:
             parallelized.bind(offloaded, engine)

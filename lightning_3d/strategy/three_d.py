@@ -153,25 +153,21 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         )
         self.telemetry = Telemetry()  # RunSummary subscribes (logits sizes, pipeline bubbles)
         self.signals = StopOnSignal()  # a callback: on SIGTERM / SIGINT every rank saves and stops
-        self.parallelized: Optional[Parallelized] = (
-            None  # what the recipe made of the module (setup)
-        )
+        # What the recipe made of the module (setup).
+        self.parallelized: Optional[Parallelized] = None
         self.num_nodes = 1
         self._device_mesh: Optional[DeviceMesh] = None
         self._sample_group: Optional[Any] = None  # the mesh's dp group (setup_environment)
         # The token mean over the global batch (setup_environment: over ZeRO's axis).
-        self.objective: Optional[Any] = (
-            None  # parallel/objective.py's TokenMean (setup_environment)
-        )
+        # parallel/objective.py's TokenMean (setup_environment).
+        self.objective: Optional[Any] = None
         self._sync_grads = True
         self._in_step_context = False  # inside _step_context (manual_backward runs in it)
         self._setting_up: Optional[str] = None  # the setup step under way (for error reports)
-        self.watchdog: Optional[Watchdog] = (
-            None  # heartbeats: names a stalled or dead peer (setup_environment)
-        )
-        self.planned: Optional[dict[str, Any]] = (
-            None  # auto=True: the planner's predictions (RunSummary writes them)
-        )
+        # Heartbeats: names a stalled or dead peer (setup_environment).
+        self.watchdog: Optional[Watchdog] = None
+        # auto=True: the planner's predictions (RunSummary writes them).
+        self.planned: Optional[dict[str, Any]] = None
         self._replica_steps = 0  # optimizer steps of this run so far (the replica check's clock)
 
     @classmethod
@@ -267,9 +263,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         resolved = self.plan.resolved(self.num_nodes * self.num_processes)
         if not self.plan.auto.enabled:  # auto: data stays free (a size given is a constraint)
             self.plan = resolved
-        if (
-            self.cluster_environment.creates_processes_externally
-        ):  # torchrun, srun: Lightning checks only its own launches
+        # torchrun, srun: Lightning checks only its own launches.
+        if self.cluster_environment.creates_processes_externally:
             self.cluster_environment.validate_settings(
                 num_devices=self.num_processes, num_nodes=self.num_nodes
             )
@@ -304,9 +299,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         _init_dist_connection(
             self.cluster_environment, backend, timeout=self.plan.dist.timeout, device_id=device_id
         )
-        if (
-            self.plan.auto.enabled
-        ):  # the planner's first choice for the world found (lightning_3d/strategy/auto.py)
+        # The planner's first choice for the world found (lightning_3d/strategy/auto.py).
+        if self.plan.auto.enabled:
             from lightning_3d.strategy.auto import resolve_for_strategy  # loads the planner
 
             self.plan = resolve_for_strategy(self)
@@ -345,9 +339,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         module = self.lightning_module
         self._adopt_earlier_run(module)  # a module an earlier Trainer parallelized: its record
-        if (
-            self.parallelized is None or self.parallelized.module is not module
-        ):  # validate() after fit() reuses
+        # validate() after fit() reuses.
+        if self.parallelized is None or self.parallelized.module is not module:
             # Through module.trainer: a later Trainer's strategy may run this schedule.
             self.parallelized = parallelize(
                 module,
@@ -371,9 +364,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         agreement_device = collective_device(None)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            trainer.callbacks += (
-                [] if self.signals in trainer.callbacks else [self.signals]
-            )  # SIGTERM: save, stop
+            # SIGTERM: save, stop.
+            trainer.callbacks += [] if self.signals in trainer.callbacks else [self.signals]
             without_signal_broadcast(trainer)  # the step's agreement carries the signal
         error: Optional[Exception] = None
         try:
@@ -432,9 +424,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        to_device_keeping_meta(
-            self.model, self.root_device
-        )  # meta: the recipe materialises it in place
+        # meta: the recipe materialises it in place.
+        to_device_keeping_meta(self.model, self.root_device)
 
     @contextmanager
     @override
@@ -692,9 +683,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         for engine in self.parallelized.engines if self.parallelized is not None else ():
             engine.detach()
         self.cluster_environment.teardown()
-        for (
-            optimizer
-        ) in self.optimizers:  # offload_delay_update: the last step's weights into the model
+        # offload_delay_update: the last step's weights into the model.
+        for optimizer in self.optimizers:
             if isinstance(optimizer, OffloadedAdam):
                 optimizer.synchronize()
         _optimizers_to_device(

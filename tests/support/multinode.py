@@ -92,9 +92,8 @@ def torchrun_nodes(
     _check(nodes, procs_per_node, timeout)
     run_file = _write_run(run, nodes, work)
     env = _base_env(threads=1)
-    rdzv_id = (
-        f"multinode-{uuid.uuid4().hex[:8]}"  # one per world: every launcher must give the same
-    )
+    # One per world: every launcher must give the same.
+    rdzv_id = f"multinode-{uuid.uuid4().hex[:8]}"
     with hosted_store() as port:
         commands = [
             [

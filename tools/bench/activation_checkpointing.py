@@ -49,9 +49,8 @@ def _step_seconds(model: GPT, x: torch.Tensor, y: torch.Tensor) -> tuple[float, 
     """(wall, CPU) seconds of one training step's forward + backward (gradients dropped first)."""
     model.zero_grad(set_to_none=True)
     wall, cpu = time.perf_counter(), time.process_time()
-    loss = F.cross_entropy(
-        model(x).flatten(0, 1), y.flatten()
-    )  # logits (B, T, vocab) -> (B*T, vocab)
+    # logits (B, T, vocab) -> (B*T, vocab)
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
     return time.perf_counter() - wall, time.process_time() - cpu
 

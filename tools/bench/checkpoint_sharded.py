@@ -79,9 +79,8 @@ def measure(
             path = Path(directory) / f"{fmt}.ckpt"
             dist.barrier()
             start = time.perf_counter()
-            trainer.save_checkpoint(
-                path, weights_only=False
-            )  # ends with a barrier: every rank has finished
+            # Ends with a barrier: every rank has finished.
+            trainer.save_checkpoint(path, weights_only=False)
             times[fmt]["save"].append(time.perf_counter() - start)
             written[fmt] = _written_by(path, rank, fmt)
             dist.barrier()

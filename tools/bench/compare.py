@@ -146,10 +146,8 @@ def row_spec(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
     options = dict(row.options)
     if row.pipeline > 1 and row.engine == "lightning":
         options["micro_batches"] = cfg["micro_batches"]
-    data = {
-        **cfg["data"],
-        "block_size": cfg["model"]["block_size"],
-    }  # windows as long as the model's T
+    # windows as long as the model's T.
+    data = {**cfg["data"], "block_size": cfg["model"]["block_size"]}
     keys = ("steps", "warmup_steps", "comm_skip", "micro_batches", "seed")
     return {
         "kind": row.kind,

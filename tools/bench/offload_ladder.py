@@ -85,9 +85,8 @@ def check(args: argparse.Namespace) -> list[tuple[str, int, int]]:
 
 
 def row_of(mode: str, args: argparse.Namespace) -> om.Row:
-    precision = (
-        "bf16-true" if args.accelerator == "gpu" else "32-true"
-    )  # CPUs without AMX crawl in bf16
+    # CPUs without AMX crawl in bf16.
+    precision = "bf16-true" if args.accelerator == "gpu" else "32-true"
     offload = "cpu" if mode in ("params", "cpu-blocking", "cpu-delayed") else mode
     return om.Row(
         precision,

@@ -56,9 +56,8 @@ class Row:
     checkpointing: str = "none"  # activation checkpointing: none | full
     params: bool = False  # ZeRO-3 with the parameters offloaded too (offload_params=True)
     overlap: bool = True  # offload: transfers on side streams beside the CPU step (offload_overlap)
-    delay: bool = (
-        False  # offload: the update one step behind, beside the next forward (offload_delay_update)
-    )
+    # Offload: the update one step behind, beside the next forward (offload_delay_update).
+    delay: bool = False
 
 
 def _say(record: dict[str, Any]) -> None:
@@ -189,9 +188,8 @@ def run_worker(args: argparse.Namespace) -> None:
             _say({"oom": str(error).strip().splitlines()[0][:300]})
             return
     rank = summary.summary["ranks"][0]
-    device = (
-        {"device_peak_mb": rank["device_peak_mb"]} if "device_peak_mb" in rank else {}
-    )  # CUDA only
+    # CUDA only.
+    device = {"device_peak_mb": rank["device_peak_mb"]} if "device_peak_mb" in rank else {}
     _say(
         {
             "peak_rss_mb": peak_rss_mb(),

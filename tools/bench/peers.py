@@ -68,9 +68,8 @@ class CPUFSDPStrategy(FSDPStrategy):
             device_id=torch.device("cpu"),
             **self.kwargs,
         )
-        self.kwargs.pop(
-            "auto_wrap_policy", None
-        )  # used above; Lightning would warn that it is ignored
+        # Used above; Lightning would warn that it is ignored.
+        self.kwargs.pop("auto_wrap_policy", None)
         return super()._setup_model(wrapped)
 
 
@@ -292,9 +291,8 @@ def fit_deepspeed(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
         config = deepspeed_config(options, global_batch, micro, lit.hparams.lr)
         optimizer = None
         if not options.get("offload"):
-            groups = lit.configure_optimizers()[
-                "optimizer"
-            ].param_groups  # LitGPT's AdamW and its groups
+            # LitGPT's AdamW and its groups.
+            groups = lit.configure_optimizers()["optimizer"].param_groups
             optimizer = torch.optim.AdamW(
                 [{k: v for k, v in g.items() if k != "initial_lr"} for g in groups],
                 lr=lit.hparams.lr,

@@ -28,9 +28,8 @@ def measure(data: int, stage: int, model: dict) -> dict:
         model=model,
         data={"block_size": model["block_size"]},
     )
-    runs = run_world(
-        fit_gpt, data, run, start_method="spawn"
-    )  # peak RSS: nothing inherited from a fork server
+    # Peak RSS: nothing inherited from a fork server.
+    runs = run_world(fit_gpt, data, run, start_method="spawn")
     summary = runs[0]["summary"]
     return {"num_params": summary["num_params"], **summary["ranks"][0]}
 

@@ -43,35 +43,27 @@ from typing import Any, Optional
 class MachineConstants:
     """What :func:`measure` found. Rates per rank; ``threads``: intra-op threads per rank by world size."""
 
-    gflops: dict[
-        int, float
-    ]  # world size -> GFLOP/s one rank reaches in a whole block (its share of the cores)
+    # world size -> GFLOP/s one rank reaches in a whole block (its share of the cores)
+    gflops: dict[int, float]
     intra_node_gbps: float  # GB/s one rank sends in a ring all-reduce
     latency_us: float  # fixed cost of one collective
     launch_overhead_us: float  # fixed cost of one block's forward + backward on one micro-batch
     threads: dict[int, int]  # world size -> intra-op threads per rank
     forward_share: float = 1 / 3  # of a block's forward + backward time, the forward's
-    adam_params_per_s: Optional[dict[int, float]] = (
-        None  # world size -> parameters one rank's AdamW steps per second
-    )
-    matmul_gflops: Optional[dict[int, float]] = (
-        None  # world size -> bare matmul GFLOP/s (for reference)
-    )
-    reduce_scatter_efficiency: float = (
-        1.0  # a reduce-scatter's bytes/s over the all-reduce's (ZeRO 1-3's gradients)
-    )
-    all_gather_efficiency: float = (
-        1.0  # an all-gather's likewise (ZeRO 1-2's updated parameters, ZeRO 3's gathers)
-    )
-    tp_overhead: float = (
-        0.0  # a tensor-parallel block's time beyond its FLOP share and all-reduces, over that share
-    )
-    selective_share: float = (
-        0.0  # what selective checkpointing adds to a block's forward + backward time
-    )
-    step_overhead_us: Optional[dict[int, float]] = (
-        None  # world size -> fixed cost of one optimizer step
-    )
+    # world size -> parameters one rank's AdamW steps per second
+    adam_params_per_s: Optional[dict[int, float]] = None
+    # world size -> bare matmul GFLOP/s (for reference)
+    matmul_gflops: Optional[dict[int, float]] = None
+    # A reduce-scatter's bytes/s over the all-reduce's (ZeRO 1-3's gradients).
+    reduce_scatter_efficiency: float = 1.0
+    # An all-gather's likewise (ZeRO 1-2's updated parameters, ZeRO 3's gathers).
+    all_gather_efficiency: float = 1.0
+    # A tensor-parallel block's time beyond its FLOP share and all-reduces, over that share.
+    tp_overhead: float = 0.0
+    # What selective checkpointing adds to a block's forward + backward time.
+    selective_share: float = 0.0
+    # world size -> fixed cost of one optimizer step
+    step_overhead_us: Optional[dict[int, float]] = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -218,9 +210,8 @@ def rank_probe(
     # Every rank a tensor-parallel rank: the world's whole batch on each, as a tensor-parallel run has it.
     world = dist.get_world_size()
     tp_block, tp_allreduces = tp_block_seconds(d_model, batch * world, seq_len)
-    share = (
-        block_flops(d_model, batch * world * seq_len, seq_len) / world / (block * 1e9)
-    )  # its FLOPs at the block rate
+    # Its FLOPs at the block rate.
+    share = block_flops(d_model, batch * world * seq_len, seq_len) / world / (block * 1e9)
     scatter, gather = scatter_gather_seconds(max(sizes))
     times = []
     for n in sizes:
@@ -456,9 +447,8 @@ def from_probes(
     }
     extra: dict[str, float] = {}
     if all("scatter_s" in r for r in ranks):
-        sent = (
-            (world - 1) / world * 4 * max(sizes) / (gbps * 1e9)
-        )  # seconds at the all-reduce's bandwidth
+        # Seconds at the all-reduce's bandwidth.
+        sent = (world - 1) / world * 4 * max(sizes) / (gbps * 1e9)
         extra["reduce_scatter_efficiency"] = min(
             sent / statistics.median(r["scatter_s"] for r in ranks), 1.0
         )

@@ -41,9 +41,8 @@ from tools.calibration.machine import (
     tiny_step_seconds,
 )
 
-TIME_MODEL = dict(
-    n_layer=4, n_head=4, n_embd=256, block_size=128
-)  # 3.3 M parameters, ~20 GFLOP a step
+# 3.3 M parameters, ~20 GFLOP a step.
+TIME_MODEL = dict(n_layer=4, n_head=4, n_embd=256, block_size=128)
 TIME_DATA = dict(block_size=128, batch_size=8)
 STEPS = 7  # the run summary's median skips the first 3
 SIZES = (256, 1 << 20)  # fp32 elements of the all-reduces that measure the link

@@ -211,7 +211,7 @@ def refused_before_launch(family: str, layout: str) -> Optional[str]:
 
     from lightning_3d.models.hf import HFCausalLM
     from lightning_3d.options import Plan
-    from lightning_3d.parallel.model_check import check
+    from lightning_3d.options.model_check import check
 
     world, strategy, attn = LAYOUTS[layout]
     config = _config(family, attn)

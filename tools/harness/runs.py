@@ -163,12 +163,10 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
         if isinstance(fit.strategy, ThreeDStrategy)
         else full_state_dict(module)
     )
-    own = (
-        full_state_dict(fit.lightning_module) if run.rank_state else None
-    )  # a collective: every rank
-    scaler = getattr(
-        fit.precision_plugin, "scaler", None
-    )  # 16-mixed: the dynamic loss scale reached
+    # A collective: every rank.
+    own = full_state_dict(fit.lightning_module) if run.rank_state else None
+    # 16-mixed: the dynamic loss scale reached.
+    scaler = getattr(fit.precision_plugin, "scaler", None)
     return {
         "losses": summary.losses,
         "summary": summary.summary,

@@ -36,9 +36,8 @@ class LlamaAttention(nn.Module):
         q = _rope(q.view(B, T, -1, self.head_dim).transpose(1, 2))  # (B, nh, T, hs)
         k = _rope(k.view(B, T, -1, self.head_dim).transpose(1, 2))  # (B, nkv, T, hs)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        repeat = (
-            q.shape[1] // k.shape[1]
-        )  # grouped-query attention: each k/v head serves `repeat` q heads
+        # Grouped-query attention: each k/v head serves `repeat` q heads.
+        repeat = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -109,9 +108,8 @@ class GPT2Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.c_attn(x).chunk(3, dim=-1)  # (B, T, nh * hs) each
         B, T, _ = q.shape
-        q, k, v = (
-            t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v)
-        )  # (B, nh, T, hs)
+        # (B, nh, T, hs).
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 

@@ -250,9 +250,8 @@ def run_world(
                     )
                 except queue.Empty:
                     if _died_silently(procs, errors, outputs):  # its peers may wait on it for ever
-                        _drain(
-                            results, errors, outputs, procs
-                        )  # (or its report is still in the pipe)
+                        # (or its report is still in the pipe).
+                        _drain(results, errors, outputs, procs)
                         if errors or _died_silently(procs, errors, outputs):
                             raise _failure(errors, procs, outputs) from None
                     if time.monotonic() >= deadline:

@@ -16,7 +16,19 @@ splits each batch (:func:`.chunks.shard_sequence`) and averages the loss over ``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 SCHEMES = ("ring", "alltoall")
+
+
+@dataclass(frozen=True)
+class ContextParallelOptions:
+    """Context parallelism's options (the ``cp`` group of :class:`~lightning_3d.options.Plan`;
+    the ``context`` size is part of the :class:`~lightning_3d.layout.Layout`)."""
+
+    scheme: str = "ring"
+    """Attention across the cp ranks: ``"ring"`` (k/v passed round) or ``"alltoall"``
+    (Ulysses); checked by :func:`scheme_problems`."""
 
 
 def scheme_problems(scheme: object) -> list[str]:

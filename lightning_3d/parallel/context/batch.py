@@ -31,6 +31,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_3d.data.labels import shifted_targets
 from lightning_3d.parallel.context.chunks import gather_sequence, shard_sequence
 
 DICT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
@@ -63,8 +64,6 @@ def shard_dict_batch(batch: Mapping[str, Tensor], rank: int, size: int) -> dict[
             f"context parallelism splits dict batches of {list(DICT_KEYS)} (input_ids needed), "
             f"got keys {sorted(batch)}"
         )
-    from lightning_3d.models.hf import shifted_targets
-
     ids, mask = batch["input_ids"], batch.get("attention_mask")
     positions = batch.get("position_ids")
     if mask is not None:

@@ -176,9 +176,8 @@ class _RingAttention(torch.autograd.Function):
                 dk[j] = dk[j] + ((ds.transpose(-2, -1) @ queries[i]) * scale).sum_to_size(
                     dk[j].shape
                 )
-            dkv = _Pass(
-                torch.stack([torch.cat(dk, dim=-2), torch.cat(dv, dim=-2)]), group
-            ).wait()  # after the last step's hand-over, each rank holds its own block's gradient
+            # After the last step's hand-over, each rank holds its own block's gradient.
+            dkv = _Pass(torch.stack([torch.cat(dk, dim=-2), torch.cat(dv, dim=-2)]), group).wait()
             if sending is not None:
                 kv = sending.wait()
         dq_all = torch.cat(dq, dim=-2).to(ctx.dtype)

@@ -177,9 +177,8 @@ class _Translation:
         self.entries = {_join(prefix, k): v for k, v in entries.items()}
         self.modules = dict(root.named_modules())
         self.params = dict(root.named_parameters(remove_duplicate=False))
-        self.col_in = (
-            Shard(1) if sp else Replicate()
-        )  # activations (B, T, C): dim 1 is the sequence
+        # Activations (B, T, C): dim 1 is the sequence.
+        self.col_in = Shard(1) if sp else Replicate()
         self.row_out = Shard(1) if sp else Replicate()
 
     def plan(self) -> dict[str, ParallelStyle]:
@@ -212,9 +211,8 @@ class _Translation:
             return ColwiseConv1DParallel(input_layouts=self.col_in, output_layouts=Replicate())
         beside_regrouped = pattern.rpartition(".")[0] in {r.rpartition(".")[0] for r in regrouped}
         local = not self.sp  # under sequence parallelism the residual stream stays a DTensor
-        if style == "rowwise" or (
-            style in SPLIT_INPUT_ROW and beside_regrouped
-        ):  # its input is this rank's
+        # Its input is this rank's.
+        if style == "rowwise" or (style in SPLIT_INPUT_ROW and beside_regrouped):
             return RowwiseConv1DParallel(output_layouts=self.row_out, use_local_output=local)
         if style in SPLIT_INPUT_ROW:
             return RowwiseConv1DParallel(

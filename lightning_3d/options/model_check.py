@@ -3,28 +3,19 @@ only, no memory, no process group. The recipe, the app's launcher and the planne
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from lightning_3d.adapters.qlora import check_qlora_plan
-from lightning_3d.adapters.tensor import adapter_tensor_plan
-from lightning_3d.options import Plan
-from lightning_3d.parallel.plans import build_plan
+from lightning_3d.parallel.plans import build_styles
 from lightning_3d.parallel.plans.hf import whole_output_conflicts
-from lightning_3d.parallel.stages import plan_stages
+from lightning_3d.parallel.stages import pipeline_spec, plan_stages
 from lightning_3d.parallel.tensor import resolve_plan
 from lightning_3d.parallel.tied import check_tied_styles, find_tied
 
-
-def pipeline_spec(module: nn.Module) -> Any:
-    """The module's :class:`~lightning_3d.PipelineSpec`; ``ValueError`` if it has none."""
-    if not callable(getattr(module, "pipeline_spec", None)):
-        raise ValueError(
-            f"{type(module).__name__} cannot be split into pipeline stages: define "
-            "pipeline_spec() returning a lightning_3d.PipelineSpec (see docs/parallelism.md)"
-        )
-    return module.pipeline_spec()
+if TYPE_CHECKING:
+    from lightning_3d.options import Plan
 
 
 def check(module: nn.Module, plan: Plan, world_size: int) -> None:
@@ -38,8 +29,7 @@ def check(module: nn.Module, plan: Plan, world_size: int) -> None:
         conflicts = whole_output_conflicts(module, plan.tp.plan or {})
         if conflicts:
             raise ValueError("; ".join(conflicts))
-        styles = build_plan(module, plan.tp.plan, plan.tp.sequence_parallel)
-        styles = adapter_tensor_plan(module, styles)
+        styles = build_styles(module, plan.tp.plan, plan.tp.sequence_parallel)
         check_tied_styles(module, resolve_plan(module, styles, layout.tensor), find_tied(module))
     if layout.pipeline > 1:
         virtual = plan.pp.virtual_stages
