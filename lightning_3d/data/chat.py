@@ -389,15 +389,8 @@ class ChatDataModule(TextDataModule):
         for name, value in (("block_size", block_size), ("batch_size", batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"data.{name}={value!r} must be a positive integer")
-        _row_counts(
-            _stamp(path),
-            tokenizer,
-            chat_template,
-            block_size,
-            batch_size,
-            val_fraction,
-            packing,
-            too_long,
+        cls.split_windows(
+            path, tokenizer, chat_template, block_size, batch_size, val_fraction, packing, too_long
         )
         return len(load_chat_tokenizer(tokenizer, chat_template))
 

@@ -627,6 +627,8 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         divisor = self.lightning_module.trainer.accumulate_grad_batches * (
             1 if self.pipeline is None else self.pipeline.micro_batches
         )
+        if self.objective.factor(divisor) is None:  # one micro-batch a step: nothing to scale
+            return
         grads = [p.grad for p in self.precision_plugin.main_params(optimizer)]
         self.objective.weigh([_local(g) for g in grads if g is not None], divisor)
 
