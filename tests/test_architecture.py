@@ -138,7 +138,9 @@ def test_the_package_import_graph_has_no_cycle():
 # The floors, bottom to top. A folder of the package (a top-level module counts as one) imports
 # only from itself and from folders on lower floors: folders that share a floor do not import
 # each other. The order is the code's: each floor is the lowest its imports allow.
-#   compat, layout, data  import nothing of ours (data: the label convention, data/labels.py)
+#   compat, layout,       import nothing of ours (families: what a transformers family's config
+#   families              and modules say: its token mixers, its tiny twin)
+#   data                  the label convention (data/labels.py), chat rows checked by families
 #   parallel              the techniques, each on its mesh slice; ZeroOptions beside its engine
 #   offload, observe,     each stands on parallel alone: the offloaded optimizer, the run summary,
 #   runtime, adapters     the failure and preemption handling, LoRA/QLoRA layers and their splits
@@ -152,7 +154,8 @@ def test_the_package_import_graph_has_no_cycle():
 #   app                   the Hydra apps and every ``__main__``: the only place Hydra is imported
 #   tools                 tools/ at the repository root, not installed: stands on all of it
 FLOORS = (
-    ("compat", "layout", "data"),
+    ("compat", "layout", "families"),
+    ("data",),
     ("parallel",),
     ("offload", "observe", "runtime", "adapters"),
     ("models", "options"),
@@ -163,18 +166,6 @@ FLOORS = (
     ("tools",),
 )
 FLOOR = {folder: i for i, floor in enumerate(FLOORS) for folder in floor}
-# Upward imports not untied yet, each with its reason; the test fails when one of them goes away
-# too, so that it leaves this list.
-NOT_UNTIED = {
-    # hf_mixers (which token mixers of a transformers model keep packed rows and cp apart) and
-    # hf_twin, which it runs, need nothing of ours: both belong on the bottom floor, in a folder
-    # of what a transformers model is, read by data/, parallel/ and models/.
-    "lightning_3d.data.chat imports lightning_3d.models.hf_mixers (data < models)",
-    "lightning_3d.parallel.context.hf imports lightning_3d.models.hf_mixers (parallel < models)",
-    # build_styles (the tensor plan with the adapters' split beside their base weights) belongs
-    # with adapter_tensor_plan in adapters/tensor.py, or in the recipe.
-    "lightning_3d.parallel.plans imports lightning_3d.adapters.tensor (parallel < adapters)",
-}
 MODULE_BUDGET = 75  # what ``import lightning_3d`` may load (70 when this was written)
 
 
@@ -210,7 +201,7 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 def test_imports_point_down_the_floors():
     graph = import_graph()
     assert {folder_of(m) for m in graph} == set(FLOOR)
-    assert set(upward_imports(graph)) ^ NOT_UNTIED == set()
+    assert upward_imports(graph) == []
 
 
 def test_the_floor_check_finds_an_upward_and_a_sideways_import():

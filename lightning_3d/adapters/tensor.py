@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from lightning_3d.adapters.lora import adapted_modules
+from lightning_3d.parallel.plans import build_plan
 from lightning_3d.parallel.tensor import name_matches
 
 
@@ -65,3 +66,13 @@ def adapter_tensor_plan(
             "outputs (sequence_parallel=False): " + "; ".join(problems)
         )
     return out
+
+
+def build_styles(
+    module: nn.Module, plan: Mapping | None, sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
+    """The tensor plan to apply (:func:`~lightning_3d.parallel.plans.build_plan`) with LoRA
+    adapters split beside the base weights they adapt (:func:`adapter_tensor_plan`): what the
+    recipe applies and the launcher's check resolves. Call it on the whole model: it recognises
+    the architecture."""
+    return adapter_tensor_plan(module, build_plan(module, plan, sequence_parallel))

@@ -427,9 +427,9 @@ class ChatDataModule(TextDataModule):
         """``packing=true`` keeps each conversation of a row to itself only where every token
         mixer of the model is attention that reads the restarting positions: ``ValueError``
         naming the layer class otherwise (linear attention, Mamba, a mask built without the
-        positions; :mod:`lightning_3d.models.hf_mixers`). A model built on ``meta`` is enough."""
+        positions; :mod:`lightning_3d.families.mixers`). A model built on ``meta`` is enough."""
         if packing:
-            from lightning_3d.models.hf_mixers import check_packing
+            from lightning_3d.families.mixers import check_packing
 
             check_packing(model)
 

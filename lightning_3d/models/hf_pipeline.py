@@ -404,13 +404,13 @@ def run_in_turn(stages: list[Any], ids: torch.Tensor) -> torch.Tensor:
 
 
 def check_split(lit: Any, wrap: Callable[[nn.Module], Any]) -> None:
-    """Before launch: split a tiny random copy of the model's family (``hf_twin``: its code, its
+    """Before launch: split a tiny random copy of the model's family (``families.twin``: its code, its
     layer types, small sizes) into 2 stages in one process; ``ValueError`` naming the class if
     the stages in turn do not compute the copy's logits (a forward that loops over its layers or
     passes them more than the hidden states). A family that does not build small is checked at
     its first forward instead (:func:`_checked`). ``wrap`` makes the LightningModule that holds
     the copy."""
-    from lightning_3d.models.hf_twin import tiny_twin
+    from lightning_3d.families.twin import tiny_twin
 
     # The launcher's model may be on meta: the twin is not.
     with torch.device("cpu"), torch.no_grad():

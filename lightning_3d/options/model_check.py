@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from lightning_3d.adapters.qlora import check_qlora_plan
-from lightning_3d.parallel.plans import build_styles
+from lightning_3d.adapters.tensor import build_styles
 from lightning_3d.parallel.plans.hf import whole_output_conflicts
 from lightning_3d.parallel.stages import pipeline_spec, plan_stages
 from lightning_3d.parallel.tensor import resolve_plan

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_3d.adapters.qlora import check_qlora_plan
+from lightning_3d.adapters.tensor import build_styles
 from lightning_3d.layout import MeshAxis, shard_mesh
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.options import Plan
@@ -52,7 +53,6 @@ from lightning_3d.parallel.foreach import step_shards_together
 from lightning_3d.parallel.fsdp import apply_zero3, fsdp_policies
 from lightning_3d.parallel.materialize import materialize_shards
 from lightning_3d.parallel.pipeline_runtime import PipelineRuntime
-from lightning_3d.parallel.plans import build_styles
 from lightning_3d.parallel.replicas import broadcast_initial, tensor_replicas
 from lightning_3d.parallel.stages import split_pipeline
 from lightning_3d.parallel.tensor import apply_tensor_parallel

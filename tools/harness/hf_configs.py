@@ -5,7 +5,7 @@ with one process number by number.
 Two sources: :data:`TINY_HF`, hand-picked families that together cover what the parallel code
 must handle (the CI set), and :func:`registry_families` / :func:`tiny_config`, every decoder
 family of the installed ``transformers`` whose config ships a tensor or pipeline plan, shrunk
-by the sizes a pipeline check's twin gets (:mod:`lightning_3d.models.hf_twin`; the whole matrix:
+by the sizes a pipeline check's twin gets (:mod:`lightning_3d.families.twin`; the whole matrix:
 ``python -m tools.harness.hf_matrix``).
 """
 
@@ -134,14 +134,14 @@ def registry_families() -> list[str]:
 
 def tiny_config(model_type: str, **overrides: Any) -> dict[str, Any]:
     """``model_type``'s default config shrunk as a pipeline check's twin is
-    (:func:`lightning_3d.models.hf_twin.shrunk`: its sizes where the config has them, every
+    (:func:`lightning_3d.families.twin.shrunk`: its sizes where the config has them, every
     dropout at 0), then ``overrides``: a dict for :class:`~lightning_3d.models.HFCausalLM`'s
     ``config=``. A family in :data:`TINY_HF` gets its hand-picked config instead."""
     if model_type in TINY_HF:
         return tiny_hf_config(model_type, **overrides)
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from lightning_3d.models.hf_twin import SIZES, shrunk
+    from lightning_3d.families.twin import SIZES, shrunk
 
     cls = CONFIG_MAPPING[model_type]
     defaults = cls().to_dict()

@@ -27,7 +27,7 @@ process on the losses (1e-5) and on every tensor's update (1e-3 relative). A cel
 * ``packed_chat`` (a column, not a layout: one process, no training) — ``ok`` where every
   conversation of a packed row (positions restarting at 0, as ``data=chat`` packs) gives the
   logits of the same conversation alone, within :data:`PACKED_TOLERANCE`; ``refused`` where
-  ``data.packing=true`` is refused for the family (``lightning_3d.models.hf_mixers``);
+  ``data.packing=true`` is refused for the family (``lightning_3d.families.mixers``);
   ``DIFFERS`` where it leaks and nothing refuses it. ``cp2`` is a layout like the others;
 * ``refused`` — refused before launch (the launcher's check on a ``meta`` model) or at the first
   forward (a pipeline split the model's forward does not allow), with the reason;
@@ -165,8 +165,8 @@ def packed_cell(family: str) -> Cell:
     ``DIFFERS`` (a leak between conversations that nothing refused)."""
     import torch
 
+    from lightning_3d.families.mixers import check_packing
     from lightning_3d.models.hf import HFCausalLM
-    from lightning_3d.models.hf_mixers import check_packing
 
     config = _config(family, None)["hf"]
     try:

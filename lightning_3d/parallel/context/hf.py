@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
-from lightning_3d.models.hf_mixers import (
+from lightning_3d.families.mixers import (
     is_routed_attention,
     layer_list,
     layers_without_attention,
@@ -65,7 +65,7 @@ def is_hf_model(module: nn.Module) -> bool:
 def hf_problems(model: nn.Module) -> list[str]:
     """What context parallelism (``parallelism.context``) cannot route in a ``transformers``
     model: token mixers that are not attention through the attention interface (linear attention,
-    Mamba, convolutions: :mod:`lightning_3d.models.hf_mixers`), and attention its kernels do not
+    Mamba, convolutions: :mod:`lightning_3d.families.mixers`), and attention its kernels do not
     compute (dropout, sliding windows, chunked attention, soft-capping, sinks)."""
     config, name = model.config, type(model).__name__
     problems = mixer_problems(model)

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_3d.adapters.tensor import adapter_tensor_plan
 from lightning_3d.parallel.plans.common import TransformerNames, plan_from_names, transformer_plan
 from lightning_3d.parallel.plans.gpt import GPT_NAMES
 from lightning_3d.parallel.plans.gpt2 import GPT2_NAMES
@@ -54,20 +53,10 @@ def build_plan(
     return detect_plan(module, sequence_parallel)[1]
 
 
-def build_styles(
-    module: nn.Module, plan: Mapping | None, sequence_parallel: bool
-) -> dict[str, ParallelStyle]:
-    """:func:`build_plan` with LoRA adapters split beside the base weights they adapt
-    (:func:`~lightning_3d.adapters.tensor.adapter_tensor_plan`): what the recipe applies and the
-    launcher's check resolves. Call it on the whole model: it recognises the architecture."""
-    return adapter_tensor_plan(module, build_plan(module, plan, sequence_parallel))
-
-
 __all__ = [
     "BUILTIN",
     "TransformerNames",
     "build_plan",
-    "build_styles",
     "detect_plan",
     "hf_tensor_plan",
     "plan_from_names",

@@ -14,7 +14,7 @@ the sequence (every state-space and linear-attention mixer of ``transformers`` d
 Attention that does go through the interface can still ignore the packing: a family whose model
 builds its mask without the ``position_ids`` (gpt-oss, AFMoE in transformers 5.25) lets the second
 conversation of a row see the first. :func:`packing_problems` therefore also runs the family's
-tiny twin (:mod:`.hf_twin`) on a packed row and on its conversations alone.
+tiny twin (:mod:`.twin`) on a packed row and on its conversations alone.
 
 Example::
 
@@ -172,7 +172,7 @@ def check_packing(module: nn.Module, option: str = "data.packing=true") -> None:
 def _packed_leak(model: nn.Module) -> Optional[float]:
     """The largest logit difference between two conversations packed in one row and each
     alone, on the family's tiny twin; ``None`` when they agree or no twin can be built."""
-    from lightning_3d.models.hf_twin import tiny_twin
+    from lightning_3d.families.twin import tiny_twin
 
     with torch.device("cpu"):
         twin = tiny_twin(model)
