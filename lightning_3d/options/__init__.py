@@ -23,14 +23,16 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from lightning_3d.layout import Layout
 from lightning_3d.offload.options import OffloadOptions, offload_options
 from lightning_3d.parallel.activation_checkpoint import ActivationCheckpointOptions, ac_options
-from lightning_3d.parallel.compile import check_backend
+from lightning_3d.parallel.compile import CompileOptions
 from lightning_3d.parallel.context import ContextParallelOptions, scheme_problems
 from lightning_3d.parallel.pipeline import PipelineOptions, pipeline_options
+from lightning_3d.parallel.plans import TensorParallelOptions
+from lightning_3d.parallel.replicas import ReplicaOptions
 from lightning_3d.parallel.zero import ZeroOptions
 from lightning_3d.runtime.nonfinite import NonFiniteOptions
 
@@ -40,65 +42,64 @@ AUTO_UNPLANNED = {"ac_policy": ("every_n",)}
 
 
 @dataclass(frozen=True)
-class TensorParallelOptions:
-    plan: Optional[Mapping[str, Any]] = (
-        None  # {module-name pattern: style}; None: recognise the model
-    )
-    sequence_parallel: bool = False
-
-
-@dataclass(frozen=True)
 class CheckpointOptions:
+    """The ``checkpoint`` group (the files are written by ``lightning_3d.checkpoint``, a floor
+    above the option table, so the group lives here)."""
+
     format: str = "consolidated"
+    """``consolidated`` (one file, rank 0 writes) or ``sharded`` (a DCP directory, every rank
+    writes) (option ``checkpoint_format``)."""
 
-
-@dataclass(frozen=True)
-class CompileOptions:
-    enabled: bool = False  # torch.compile each transformer block
-    backend: str = "inductor"
+    def problems(self) -> list[str]:
+        """What is wrong with these values, in the option names users give (empty: nothing)."""
+        if self.format in CHECKPOINT_FORMATS:
+            return []
+        return [f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {self.format!r}"]
 
 
 @dataclass(frozen=True)
 class DistOptions:
-    backend: Optional[str] = None  # None: nccl on GPUs, gloo on CPUs
-    timeout_s: float = 600.0  # a collective that waits longer fails (a peer stopped or stalled)
+    """The ``dist`` group: the process group the strategy creates."""
+
+    backend: Optional[str] = None
+    """``gloo``, ``nccl``, ... (option ``process_group_backend``); ``None``: nccl on GPUs, gloo on
+    CPUs."""
+    timeout_s: float = 600.0
+    """Seconds a collective may wait before it fails: a peer stopped or stalled (option
+    ``timeout_s``; Lightning's ``timeout=timedelta(...)`` is taken too)."""
 
     @property
     def timeout(self) -> timedelta:
         return timedelta(seconds=self.timeout_s)
 
-
-@dataclass(frozen=True)
-class ReplicaOptions:
-    # When replicas of a parameter (tensor ranks, tied copies on pipeline stages) are checked to
-    # agree (parallel/replicas.py): "first" optimizer step of the run, "off", or every n steps.
-    check: Union[str, int] = "first"
-
     def problems(self) -> list[str]:
-        ok = self.check in ("first", "off") or (
-            isinstance(self.check, int) and not isinstance(self.check, bool) and self.check >= 1
-        )
-        return (
-            []
-            if ok
-            else [
-                f"replica_check={self.check!r} must be 'first', 'off' or a positive number of steps"
-            ]
-        )
-
-    def due(self, steps_done: int) -> bool:
-        """Whether the check runs at this run's optimizer step ``steps_done`` (0: its first)."""
-        if self.check == "off":
-            return False
-        return steps_done == 0 or (isinstance(self.check, int) and steps_done % self.check == 0)
+        """What is wrong with these values, in the option names users give (empty: nothing)."""
+        if _positive(self.timeout_s):
+            return []
+        return [f"timeout_s must be a positive number of seconds, got {self.timeout_s!r}"]
 
 
 @dataclass(frozen=True)
 class AutoOptions:
-    enabled: bool = (
-        False  # the layout planner chooses the layout when the world is known (strategy/auto.py)
-    )
-    memory_gb: Optional[float] = None  # device memory a rank may fill; None: what the device has
+    """The ``auto`` group: the layout planner's choice at start (``strategy/auto.py``)."""
+
+    enabled: bool = False
+    """The planner chooses the layout when the world is known (option ``auto``)."""
+    memory_gb: Optional[float] = None
+    """Device memory in GB a rank may fill (option ``auto_memory_gb``); ``None``: what the device
+    has."""
+
+    def problems(self) -> list[str]:
+        """What is wrong with these values alone, in the option names users give (the options
+        the planner does not model are checked against the whole plan)."""
+        problems = []
+        if not isinstance(self.enabled, bool):
+            problems.append(f"auto={self.enabled!r} must be True or False")
+        if self.memory_gb is not None and not _positive(self.memory_gb):
+            problems.append(
+                f"auto_memory_gb={self.memory_gb!r} must be a positive number of GB or None"
+            )
+        return problems
 
 
 @dataclass(frozen=True)
@@ -440,60 +441,16 @@ def _checked(plan: Plan) -> Plan:
         offload.direct_io,
         offload.overlap,
     )
+    # Each group's own values first, in the order of the plan's fields, then the rules that
+    # join a group to the layout.
     problems = []
-    if plan.tp.plan is not None and not isinstance(plan.tp.plan, Mapping):
-        problems.append(f"tp_plan={plan.tp.plan!r} must be a mapping {{module pattern: style}}")
-    if not isinstance(plan.tp.sequence_parallel, bool):
-        problems.append(f"sequence_parallel={plan.tp.sequence_parallel!r} must be True or False")
-    elif (
-        plan.tp.sequence_parallel and layout.tensor == 1
-    ):  # it shards activations over the tensor group
-        problems.append(
-            "sequence_parallel=True needs tensor > 1 (with tensor=1 it would be ignored)"
-        )
-    if plan.checkpoint.format not in CHECKPOINT_FORMATS:
-        problems.append(
-            f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {plan.checkpoint.format!r}"
-        )
-    problems += plan.zero.problems()
-    if not isinstance(plan.compile.enabled, bool):
-        problems.append(f"compile={plan.compile.enabled!r} must be True or False")
-    if not isinstance(plan.compile.backend, str) or not plan.compile.backend:
-        problems.append(
-            f"compile_backend={plan.compile.backend!r} must name a torch.compile backend"
-        )
-    elif plan.compile.enabled is True:
-        check_backend(plan.compile.backend)
-        if layout.tensor > 1 and layout.zero_stage < 3:
-            # Dynamo (torch 2.13) fails to trace tensor-parallel DTensors whose local tensors are
-            # views of the ZeRO 0-2 flat buckets; FSDP2's shards trace fine.
-            problems.append(
-                f"compile=True with tensor={layout.tensor} needs zero_stage=3, got "
-                f"zero_stage={layout.zero_stage}"
-            )
-    if not isinstance(plan.auto.enabled, bool):
-        problems.append(f"auto={plan.auto.enabled!r} must be True or False")
-    elif (
-        plan.auto.enabled
-    ):  # values the planner does not model: refused here, before any process starts
-        for option in OPTIONS:
-            value = getattr(getattr(plan, option.group), option.attr)
-            if value in AUTO_UNPLANNED.get(option.name, ()):
-                problems.append(
-                    f"auto=True cannot plan {option.name}={value!r} (the layout planner does not model "
-                    f"it); drop auto or choose another {option.name}"
-                )
-    if plan.auto.memory_gb is not None and not _positive(plan.auto.memory_gb):
-        problems.append(
-            f"auto_memory_gb={plan.auto.memory_gb!r} must be a positive number of GB or None"
-        )
-    if not _positive(plan.dist.timeout_s):
-        problems.append(
-            f"timeout_s must be a positive number of seconds, got {plan.dist.timeout_s!r}"
-        )
+    for group in (plan.tp, plan.zero, plan.checkpoint, plan.compile, plan.dist):
+        problems += group.problems()
     problems += scheme_problems(plan.cp.scheme)
     problems += plan.nonfinite.problems()
     problems += plan.replicas.problems()
+    problems += plan.auto.problems()
+    problems += _across_groups(plan)
     if problems:
         raise ValueError("; ".join(problems))
     tp = replace(plan.tp, plan=dict(plan.tp.plan)) if plan.tp.plan else replace(plan.tp, plan=None)
@@ -504,6 +461,33 @@ def _checked(plan: Plan) -> Plan:
         ac=ActivationCheckpointOptions(**ac),
         offload=replace(offload, path=checked["path"]),
     )
+
+
+def _across_groups(plan: Plan) -> list[str]:
+    """The rules that join an option group to the layout or to another group."""
+    layout, problems = plan.layout, []
+    if plan.tp.sequence_parallel is True and layout.tensor == 1:
+        # It shards activations over the tensor group: with one tensor rank it would do nothing.
+        problems.append(
+            "sequence_parallel=True needs tensor > 1 (with tensor=1 it would be ignored)"
+        )
+    if plan.compile.enabled is True and layout.tensor > 1 and layout.zero_stage < 3:
+        # Dynamo (torch 2.13) fails to trace tensor-parallel DTensors whose local tensors are
+        # views of the ZeRO 0-2 flat buckets; FSDP2's shards trace fine.
+        problems.append(
+            f"compile=True with tensor={layout.tensor} needs zero_stage=3, got "
+            f"zero_stage={layout.zero_stage}"
+        )
+    if plan.auto.enabled is True:
+        # Values the planner does not model: refused here, before any process starts.
+        for option in OPTIONS:
+            value = getattr(getattr(plan, option.group), option.attr)
+            if value in AUTO_UNPLANNED.get(option.name, ()):
+                problems.append(
+                    f"auto=True cannot plan {option.name}={value!r} (the layout planner does not "
+                    f"model it); drop auto or choose another {option.name}"
+                )
+    return problems
 
 
 def _positive(value: Any) -> bool:

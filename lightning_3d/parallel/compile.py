@@ -13,6 +13,7 @@ per-block all-gather and reshard hooks run around the compiled call.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from torch import nn
@@ -21,6 +22,31 @@ from lightning_3d.parallel.fsdp import find_blocks
 
 if TYPE_CHECKING:
     from lightning_3d.observe.telemetry import Telemetry
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """The ``compile`` group of :class:`~lightning_3d.options.Plan`."""
+
+    enabled: bool = False
+    """``torch.compile`` each transformer block (option ``compile``)."""
+    backend: str = "inductor"
+    """The ``torch.compile`` backend (option ``compile_backend``); checked against the backends
+    dynamo knows only when ``enabled``, so that an unused name costs no dynamo import."""
+
+    def problems(self) -> list[str]:
+        """What is wrong with these values, in the option names users give (empty: nothing)."""
+        problems = []
+        if not isinstance(self.enabled, bool):
+            problems.append(f"compile={self.enabled!r} must be True or False")
+        if not isinstance(self.backend, str) or not self.backend:
+            problems.append(f"compile_backend={self.backend!r} must name a torch.compile backend")
+        elif self.enabled is True:
+            try:
+                check_backend(self.backend)
+            except ValueError as error:
+                problems.append(str(error))
+        return problems
 
 
 def check_backend(backend: str) -> None:

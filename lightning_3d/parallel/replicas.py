@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,36 @@ from lightning_3d.parallel.tensor import local_tensor, plain_parts
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """The ``replicas`` group of :class:`~lightning_3d.options.Plan`."""
+
+    check: Union[str, int] = "first"
+    """When the replicas of a parameter (tensor ranks, tied copies on pipeline stages) are checked
+    to agree (option ``replica_check``): the run's ``"first"`` optimizer step, ``"off"``, or every
+    n steps."""
+
+    def problems(self) -> list[str]:
+        """What is wrong with these values, in the option names users give (empty: nothing)."""
+        ok = self.check in ("first", "off") or (
+            isinstance(self.check, int) and not isinstance(self.check, bool) and self.check >= 1
+        )
+        return (
+            []
+            if ok
+            else [
+                f"replica_check={self.check!r} must be 'first', 'off' or a positive number of steps"
+            ]
+        )
+
+    def due(self, steps_done: int) -> bool:
+        """Whether the check runs at this run's optimizer step ``steps_done`` (0: its first)."""
+        if self.check == "off":
+            return False
+        return steps_done == 0 or (isinstance(self.check, int) and steps_done % self.check == 0)
+
 
 RTOL = 1e-5  # replicas computed alike are equal bit for bit; a plan mistake moves them by O(1)
 WEIGHTS = 17  # the weighted sum's period: positions i and i + 17 weigh alike

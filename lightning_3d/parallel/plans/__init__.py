@@ -11,6 +11,8 @@ none, such as GPT-2 and StableLM).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -21,6 +23,29 @@ from lightning_3d.parallel.plans.gpt2 import GPT2_NAMES
 from lightning_3d.parallel.plans.hf import hf_tensor_plan
 from lightning_3d.parallel.plans.llama import LLAMA_NAMES
 from lightning_3d.parallel.tensor import name_matches
+
+
+@dataclass(frozen=True)
+class TensorParallelOptions:
+    """The ``tp`` group of :class:`~lightning_3d.options.Plan`."""
+
+    plan: Optional[Mapping[str, Any]] = None
+    """``{module-name pattern: style}`` (option ``tp_plan``; styles or their names, see
+    :func:`plan_from_names`); ``None``: the plan the model ships, else one recognised from its
+    module names."""
+    sequence_parallel: bool = False
+    """Also shard norms and the residual stream along the sequence over the tensor group (option
+    ``sequence_parallel``; needs ``tensor > 1``)."""
+
+    def problems(self) -> list[str]:
+        """What is wrong with these values, in the option names users give (empty: nothing)."""
+        problems = []
+        if self.plan is not None and not isinstance(self.plan, Mapping):
+            problems.append(f"tp_plan={self.plan!r} must be a mapping {{module pattern: style}}")
+        if not isinstance(self.sequence_parallel, bool):
+            problems.append(f"sequence_parallel={self.sequence_parallel!r} must be True or False")
+        return problems
+
 
 BUILTIN: dict[str, TransformerNames] = {"gpt": GPT_NAMES, "llama": LLAMA_NAMES, "gpt2": GPT2_NAMES}
 
@@ -55,6 +80,7 @@ def build_plan(
 
 __all__ = [
     "BUILTIN",
+    "TensorParallelOptions",
     "TransformerNames",
     "build_plan",
     "detect_plan",
