@@ -50,9 +50,8 @@ from typing import Any, Optional
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # what a scheduler or a terminal sends
 GRACE_S = 60.0  # after forwarding a signal: time for the ranks to finish the step and save
-FAILURE_GRACE_S = (
-    5.0  # after a rank failed: for the others to exit by themselves, then again after SIGTERM
-)
+# After a rank failed: for the others to exit by themselves, then again after SIGTERM.
+FAILURE_GRACE_S = 5.0
 POLL_S = 0.2
 
 
@@ -205,14 +204,12 @@ def _run_ranks(
 
     from lightning_3d.runtime.watchdog import LAUNCHER_PID_ENV, STORE_TIMEOUT
 
-    store = TCPStore(
-        "127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT
-    )  # what the ranks record
+    # What the ranks record.
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=STORE_TIMEOUT)
     received: list[int] = []
     previous = {}
-    if (
-        threading.current_thread() is threading.main_thread()
-    ):  # where Python lets signals be handled
+    # Only the main thread is where Python lets signals be handled.
+    if threading.current_thread() is threading.main_thread():
         previous = {
             signum: signal.signal(signum, lambda signum, _: received.append(signum))
             for signum in FORWARDED
@@ -369,9 +366,8 @@ def _end(
             signalled.add(rank)
             _send(proc, signum)
             if signum != signal.SIGKILL:
-                _send(
-                    proc, signal.SIGCONT
-                )  # a stopped (SIGSTOP) rank acts on it only once continued
+                # A stopped (SIGSTOP) rank acts on it only once continued.
+                _send(proc, signal.SIGCONT)
     _wait(procs, grace_s, lambda: received is not None and len(received) > count)
     for rank, proc in enumerate(procs):
         if proc.poll() is None:

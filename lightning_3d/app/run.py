@@ -148,9 +148,8 @@ def check_model_and_data(model: DictConfig, data: DictConfig) -> None:
             f"data.block_size={block_size} is above the model's maximum positions {limits.max_positions} "
             f"({limits.source}); set data.block_size={limits.max_positions} or less"
         )
-    _build(
-        data, "data"
-    )  # its constructor's own checks (batch_size, val_fraction, ...); reads no data
+    # Its constructor's own checks (batch_size, val_fraction, ...); reads no data.
+    _build(data, "data")
     data_check = getattr(target_of(data, "data"), "check", None)
     if data_check is None:
         return
@@ -382,9 +381,8 @@ def train(spec: RunSpec, output_dir: str) -> dict[str, Any]:
     model = instantiate(spec.model)
     datamodule = instantiate(spec.data)
     trainer_kwargs = spec.trainer_kwargs()
-    summary = RunSummary(
-        out_dir=output_dir, peak_tflops=trainer_kwargs.pop("peak_tflops", None)
-    )  # ours, for MFU
+    # peak_tflops is ours, for MFU.
+    summary = RunSummary(out_dir=output_dir, peak_tflops=trainer_kwargs.pop("peak_tflops", None))
     callbacks = [summary, RNGStateCheckpoint()]  # a resume from its checkpoints continues exactly
     if spec.every_n_steps is not None:  # <run dir>/last.ckpt; preempted.ckpt goes next to it
         callbacks.append(PeriodicCheckpoint(output_dir, spec.every_n_steps))
@@ -507,9 +505,8 @@ def _launch_or_train(
             overrides.append(resume_override(spec.resume))
         code = launch_job(spec.world, rank_command(), overrides, output_dir, threads)
         if code == 0:
-            record_planned(
-                Path(output_dir) / "summary.json", planned
-            )  # the ranks did not plan: add it
+            # The ranks did not plan: add it.
+            record_planned(Path(output_dir) / "summary.json", planned)
             _report(Path(output_dir) / "summary.json")
         return code
     # The stop messages of this rank (a preemption, a lost peer, a non-finite loss) name this
@@ -548,9 +545,8 @@ def _stop(trainer: Any, err: Exception) -> None:
 
     if trainer.global_rank == 0:
         hint = ""
-        if isinstance(
-            err, NonFiniteError
-        ):  # (Preempted names its checkpoint and the command itself)
+        # (Preempted names its checkpoint and the command itself.)
+        if isinstance(err, NonFiniteError):
             last_good = written_checkpoint(trainer)
             hint = f"; {'the last good checkpoint is kept, ' if last_good is not None else ''}{resume_hint(last_good)}"
         print(f"error: {err}{hint}", file=sys.stderr, flush=True)

@@ -40,10 +40,8 @@ class ClosedPipeSafe:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._stream.fileno())
             os.close(devnull)
-        except (
-            OSError,
-            ValueError,
-        ):  # no descriptor (a test's capture): the writes are dropped below
+        # No descriptor (a test's capture): the writes are dropped below.
+        except (OSError, ValueError):
             pass
         other = self.partner
         if other is not None and not other.closed_by_reader:

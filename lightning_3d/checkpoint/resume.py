@@ -36,9 +36,8 @@ from typing_extensions import override
 from lightning_3d.runtime.resume_hint import LAST_NAME, RESUMABLE, written_at
 
 LAST = "last"  # resume=last: the newest checkpoint of this app's runs
-FINETUNE_RUNS = (
-    "finetune"  # outputs/finetune/...: examples/finetune.py's own run dirs (see conf/finetune.yaml)
-)
+# outputs/finetune/...: the fine-tune app's own run directories (see conf/finetune.yaml).
+FINETUNE_RUNS = "finetune"
 OUTPUTS = "outputs"  # the apps' run directories, relative to the working directory (conf/*.yaml)
 
 
@@ -74,9 +73,8 @@ class PeriodicCheckpoint(ModelCheckpoint):
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         step = trainer.global_step
-        if (
-            step == trainer.max_steps and step % self.every_n_steps
-        ):  # the last step, not saved above
+        # The last step, not saved above.
+        if step == trainer.max_steps and step % self.every_n_steps:
             trainer.save_checkpoint(self.last_path)
 
     @override

@@ -124,9 +124,8 @@ class ResumableDataLoader(DataLoader):
         return {
             "epoch": sampler.epoch,
             "samples": self._consumed() * sampler.num_replicas,  # global: layout-free
-            "dataset_size": len(
-                sampler.dataset
-            ),  # to check on load (layout-free, unlike total_size)
+            # To check on load (layout-free, unlike total_size).
+            "dataset_size": len(sampler.dataset),
             "seed": sampler.seed,
         }
 

@@ -149,9 +149,8 @@ def describe_failure(
     """One line for stderr saying what failed on this rank (a setup step, a lost peer, or the
     rank's own error with the file of an I/O error); ``None`` for an interrupt (Ctrl-C)."""
     first_line = str(exception).splitlines()[0] if str(exception) else ""
-    if getattr(
-        exception, "agreed_stop", False
-    ):  # NonFiniteError, Preempted: one message says it all
+    # NonFiniteError, Preempted: one message says it all.
+    if getattr(exception, "agreed_stop", False):
         return None
     if getattr(exception, "peer_setup_failure", False):  # PeerSetupError: the peers' causes
         return f"lightning_3d: rank {rank}: stopping with the other ranks: {first_line[:600]}"
