@@ -205,7 +205,7 @@ def _hf_model(directory: Path) -> None:
 @pytest.mark.slow
 def test_the_apps_and_exports_run_from_the_wheel(venv, tmp_path):
     """The main job (2 ranks, ``python -m``), the fine-tune of its ``final.ckpt`` (console
-    script), a Hugging Face run exported with ``export-hf``, a LoRA fine-tune exported with
+    script), a Hugging Face run (2 ranks, console script) exported with ``export-hf``, a LoRA fine-tune exported with
     ``python -m lightning_3d.adapters``: each exits 0 and writes what it names."""
     pytest.importorskip("transformers")
     python = venv / "bin/python"
@@ -216,11 +216,13 @@ def test_the_apps_and_exports_run_from_the_wheel(venv, tmp_path):
     text = [" ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(12)) for i in range(200)]
     (corpus / "a.txt").write_text("\n".join(text) + "\n")
     hf = ["model=hf", f"model.path={model}", "data=text", f"data.path={corpus}", *ONE_PROCESS]
+    # The console script starts its second rank by running itself again (app/launch.py).
+    two_ranks = [a.replace("trainer.devices=1", "trainer.devices=2") for a in hf]
     runs = tmp_path / "runs"
     # The main job: the README's first command (python examples/train.py), 2 steps.
     main_job = _start([python, "-m", "lightning_3d.app.train", "trainer.max_steps=2"], tmp_path)
     hf_train = _start(
-        [venv / "bin/lightning3d-train", *hf, f"hydra.run.dir={runs / 'hf'}"], tmp_path
+        [venv / "bin/lightning3d-train", *two_ranks, f"hydra.run.dir={runs / 'hf'}"], tmp_path
     )
     lora = [*hf, "adapter=lora", "offload=none", f"hydra.run.dir={runs / 'lora'}"]
     lora_run = _start([venv / "bin/lightning3d-finetune", *lora], tmp_path)
