@@ -357,6 +357,14 @@ class _Translation:
                         f"{name} ({type(module).__name__}) would see a shard of the sequence, "
                         "its parameters not split by the tensor plan"
                     )
+                elif _reads_columns(module, name, plan):
+                    # One all-gather of the sequence for the whole module: its column-parallel
+                    # projections (q, k and v; gate and up) all read that one replicated copy,
+                    # and autograd saves it once, instead of each gathering and saving its own
+                    # (Megatron gathers once per attention and MLP too).
+                    out[name] = PrepareHiddenStates(
+                        input_layout=Shard(1), desired_layout=Replicate(), use_local_output=False
+                    )
         for name in final_norms:
             out[name] = SequenceParallel()
         return out
@@ -421,6 +429,16 @@ def _forward_source(module: nn.Module) -> str:
         return inspect.getsource(type(module).forward)
     except (OSError, TypeError):
         return ""
+
+
+def _reads_columns(module: nn.Module, name: str, plan: Mapping[str, ParallelStyle]) -> bool:
+    """Whether two or more of ``module``'s own children are column-parallel projections (the
+    inputs a sequence-parallel plan gathers, one gather each)."""
+    columns = 0
+    for child, _ in module.named_children():
+        styles = [style for p, style in plan.items() if name_matches(f"{name}.{child}", p)]
+        columns += any(isinstance(s, (ColwiseConv1DParallel, FusedColwiseParallel)) for s in styles)
+    return columns >= 2
 
 
 def _covered(module: nn.Module, name: str, plan: Mapping[str, ParallelStyle]) -> bool:
