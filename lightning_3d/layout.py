@@ -4,7 +4,9 @@ groups.
 A :class:`Layout` is pure data, validated before any process group exists, so bad input fails
 in the launching process with a sentence that names every value involved. :func:`build_mesh`
 turns a resolved layout into a ``DeviceMesh`` with axes ``("pp", "dp", "cp", "tp")`` (the
-context axis has size 1 unless ``context`` > 1).
+context axis has size 1 unless ``context`` > 1). With ``expert`` > 1, :func:`build_expert_mesh`
+cuts the data axis once more into the ranks that exchange tokens (``ep``) and the ranks that
+replicate the same experts (``dp_replica``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ class Layout:
 
     ``data="auto"`` means ``world_size / (tensor * pipeline * context)``; :meth:`resolve` fills
     it in. ``context`` splits every sequence over that many ranks (context parallelism); ZeRO
-    then shards over data × context, the ranks that hold the same layers.
+    then shards over data × context, the ranks that hold the same layers. ``expert`` is carved
+    from the data axis, not added to the world (torchtitan's choice): each group of ``expert``
+    neighbouring data ranks splits a mixture-of-experts model's experts between them, every
+    other weight stays data-parallel, so it must divide ``data``.
 
     Example::
 
@@ -58,11 +63,12 @@ class Layout:
     pipeline: int = 1
     zero_stage: int = 0
     context: int = 1
+    expert: int = 1
 
     def __post_init__(self) -> None:
         # Validate what can be validated without knowing the world size.
         problems = []
-        for name in ("tensor", "pipeline", "context"):
+        for name in ("tensor", "pipeline", "context", "expert"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 problems.append(f"{name}={value!r} must be a positive integer")
@@ -70,6 +76,15 @@ class Layout:
             problems.append(f"data={self.data!r} must be a positive integer or 'auto'")
         if self.zero_stage not in ZERO_STAGES or not _is_int(self.zero_stage):
             problems.append(f"zero_stage={self.zero_stage!r} must be one of {list(ZERO_STAGES)}")
+        if not problems and self.expert > 1:
+            # Expert parallelism is built on the data axis alone so far.
+            others = {n: getattr(self, n) for n in ("tensor", "pipeline", "context")}
+            combined = [f"{n}={v}" for n, v in others.items() if v > 1]
+            if combined:
+                problems.append(
+                    f"expert={self.expert} with {', '.join(combined)} is not supported yet "
+                    "(expert parallelism combines with data parallelism and ZeRO only)"
+                )
         if problems:
             raise ValueError("invalid parallel layout: " + "; ".join(problems))
 
@@ -77,6 +92,7 @@ class Layout:
         # Failure reports name the layout: context only where it is used.
         names = ("data", "tensor", "pipeline", "zero_stage")
         names += ("context",) if self.context != 1 else ()
+        names += ("expert",) if self.expert != 1 else ()
         return f"Layout({', '.join(f'{n}={getattr(self, n)!r}' for n in names)})"
 
     def resolve(self, world_size: int) -> Layout:
@@ -88,12 +104,18 @@ class Layout:
                     f"{self._product(False)} = {model_parallel} "
                     f"does not divide world size {world_size}"
                 )
-            return replace(self, data=world_size // model_parallel)
+            return replace(self, data=world_size // model_parallel)._check_expert()
         product = self.data * model_parallel
         if product != world_size:
             raise ValueError(
                 f"{self._product(True)} = {product} does not equal world size {world_size}"
             )
+        return self._check_expert()
+
+    def _check_expert(self) -> Layout:
+        # The expert axis is a sub-grouping of the data ranks: it cannot be larger than them.
+        if self.data % self.expert:
+            raise ValueError(f"expert={self.expert} does not divide data={self.data}")
         return self
 
     def _product(self, with_data: bool) -> str:
@@ -134,6 +156,23 @@ def build_mesh(layout: Layout, device_type: str) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, layout.shape, mesh_dim_names=MESH_AXES)
+
+
+EXPERT_AXES = ("pp", "dp_replica", "ep", "cp", "tp")
+"""The expert mesh's axes: the data axis cut into (ranks holding the same experts, ranks that
+split the experts), the ``ep`` ranks neighbours on the data axis."""
+
+
+def build_expert_mesh(mesh: DeviceMesh, expert: int) -> DeviceMesh:
+    """The ``EXPERT_AXES`` mesh over the same ranks as ``mesh`` (a :func:`build_mesh` mesh):
+    data rank ``d`` is expert rank ``d % expert`` of replica group ``d // expert``, so the
+    ranks that exchange tokens are adjacent (same node first). A collective: every rank builds
+    it. ``expert`` must divide the data size (:meth:`Layout.resolve` checks it)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    pp, dp, cp, tp = mesh.mesh.shape
+    ranks = mesh.mesh.reshape(pp, dp // expert, expert, cp, tp)
+    return DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_AXES)
 
 
 def shard_mesh(mesh: DeviceMesh, tensor: bool = False) -> DeviceMesh:

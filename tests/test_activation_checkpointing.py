@@ -84,7 +84,7 @@ def _assert_same(a: tuple[torch.Tensor, dict], b: tuple[torch.Tensor, dict]) -> 
     ],
 )
 def test_bad_options_raise_value_error_naming_them(policy, every_n, match):
-    assert ac_options("every_n", 3) == {"policy": "every_n", "every_n": 3}
+    assert ac_options("every_n", 3) == {"policy": "every_n", "every_n": 3, "offload": False}
     with pytest.raises(ValueError, match=match):
         ac_options(policy, every_n)
     with pytest.raises(ValueError, match=match):

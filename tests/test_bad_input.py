@@ -223,8 +223,8 @@ def test_validate_accepts_default_config(compose):
         ),
         (["parallelism=pp2", "parallelism.split=zigzag"], ["unknown pipeline split 'zigzag'"]),
         (
-            ["parallelism=pp2", "parallelism.schedule=interleaved_1f1b", "model.n_layer=6"],
-            ["do not divide 6 blocks"],
+            ["parallelism=pp2", "parallelism.schedule=interleaved_1f1b", "model.n_layer=3"],
+            ["4 pipeline stages for 3 blocks"],
         ),
         # values the ranks used to meet first (a traceback each), or took silently
         (["seed=abc"], ["seed='abc'", "whole number"]),

@@ -56,8 +56,8 @@ BAD = {
     ),
     "micro_batches": (["parallelism=pp2", "parallelism.micro_batches=3"], ["micro_batches=3"]),
     "interleaved_blocks": (
-        ["parallelism=pp2", "parallelism.schedule=interleaved_1f1b", "model.n_layer=6"],
-        ["do not divide 6 blocks"],
+        ["parallelism=pp2", "parallelism.schedule=interleaved_1f1b", "model.n_layer=3"],
+        ["4 pipeline stages for 3 blocks"],
     ),
     "tensor_heads": (
         ["parallelism.tensor=2", "trainer.devices=2", "model.n_head=3", "model.n_embd=48"],

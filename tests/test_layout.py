@@ -182,6 +182,7 @@ def test_as_dict():
         "pipeline": 1,
         "zero_stage": 0,
         "context": 1,
+        "expert": 1,
     }
 
 
@@ -211,6 +212,24 @@ def test_build_mesh_uneven_axes():
         assert tuple(mesh.shape) == (4, 8, 1, 2)
         assert tuple(mesh.get_coordinate()) == (45 // 16, (45 // 2) % 8, 0, 45 % 2)
         assert mesh["dp"].size() == 8
+
+
+@pytest.mark.parametrize("rank", [0, 3, 5, 6])
+def test_expert_mesh_cuts_the_data_axis_into_neighbouring_ep_ranks(rank):
+    """data 8 with expert=4: data rank d is ep rank d % 4 of replica group d // 4; the ep peers
+    are neighbours, the replicas 4 ranks apart."""
+    from lightning_3d.layout import EXPERT_AXES, build_expert_mesh
+
+    layout = Layout(expert=4).resolve(8)
+    with fake_world(rank, 8):
+        mesh = build_expert_mesh(build_mesh(layout, "cpu"), layout.expert)
+        assert mesh.mesh_dim_names == EXPERT_AXES
+        assert tuple(mesh.shape) == (1, 2, 4, 1, 1)
+        assert mesh["ep"].get_local_rank() == rank % 4
+        assert mesh["dp_replica"].get_local_rank() == rank // 4
+        assert mesh["ep"].mesh.tolist() == [rank - rank % 4 + i for i in range(4)]
+        assert mesh["dp_replica"].mesh.tolist() == [rank % 4, rank % 4 + 4]
+    assert not dist.is_initialized()
 
 
 # ------------------------------------------------------------------ the context axis

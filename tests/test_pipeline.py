@@ -247,6 +247,28 @@ def test_bad_pipeline_options(options, message):
         ThreeDStrategy(**options)
 
 
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        {"pipeline": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2, "micro_batches": 3},
+        {"pipeline": 2, "schedule": "1f1b", "micro_batches": 3},
+    ],
+    ids=["interleaved_5_blocks_on_4_stages", "1f1b_5_blocks_on_2_stages"],
+)
+def test_uneven_splits_and_three_micro_batches_match_single_process(reference, strategy):
+    """Real runs' layouts: 5 blocks on 4 interleaved stages (2, 1, 1, 1) or on 2 (3, 2), and 3
+    micro-batches of a 6-sample batch. Catches a stage that drops or repeats a block of an uneven
+    split, and a micro-batch factor that assumes a power of two (SGD: weights scale with it)."""
+    model, data = {**SGD, "n_layer": 5}, {"batch_size": 6}
+    runs = run_world(
+        fit_gpt_ranks,
+        2,
+        Run(strategy=strategy, devices=2, steps=3, seed=SEED, model=model, data=data),
+    )
+    one = fit_gpt(0, Run(steps=3, seed=SEED, model=model, data=data))
+    _assert_every_rank(runs, one)
+
+
 def _bad_split(rank, strategy, model):
     try:
         fit_gpt(rank, Run(strategy=strategy, devices=2, steps=1, seed=SEED, model=model))
@@ -349,14 +371,14 @@ def test_bad_split_option_is_refused_by_the_strategy(split, message):
         ThreeDStrategy(pipeline=2, split=split)
 
 
-def test_virtual_stages_must_divide_the_blocks():
+def test_virtual_stages_split_the_blocks_unevenly():
     from lightning_3d.parallel.stages import plan_stages
 
     model = _meta_gpt()  # 6 blocks
-    with pytest.raises(
-        ValueError, match=r"4 pipeline stages \(2 ranks x virtual_stages=2\) do not divide 6 blocks"
-    ):
-        plan_stages(model, model.pipeline_spec(), 4, "uniform", virtual=2)
+    runs = plan_stages(model, model.pipeline_spec(), 4, "uniform", virtual=2)
+    assert [len(r) for r in runs] == [2, 2, 1, 1]
+    with pytest.raises(ValueError, match=r"8 pipeline stages for 6 blocks"):
+        plan_stages(model, model.pipeline_spec(), 8, "uniform", virtual=4)
     assert [len(r) for r in plan_stages(model, model.pipeline_spec(), 4, "params", virtual=2)] == [
         1,
         2,

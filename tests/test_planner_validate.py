@@ -193,6 +193,32 @@ def test_zero3_chunks_of_small_dims_are_predicted_on_every_rank(tensor):
     assert rows[4, "param_bytes"].built < 0.9 * rows[0, "param_bytes"].built
 
 
+def test_context_layouts_validate_on_the_flattened_shard_axis(capsys, tiny_facts):
+    """The planner proposes context parallelism by default, and ZeRO then shards over data x
+    context flattened (``dp_cp``). Broken variant caught (seen failing): the check looked for a
+    ``dp`` placement and decoded ranks as ``(pp, dp, tp)``, refusing every ZeRO-3 parameter as
+    "placed None on dp" (the 70B plan's first choice at 1,024 ranks, dp=512 cp=2)."""
+    kinds = rank_kinds(Choice(data=2, tensor=2, pipeline=2, context=2), n_layer=4)
+    assert [(k.rank, k.shard_rank) for k in kinds] == [(0, 0), (7, 3), (8, 0), (15, 3)]
+    choice = Choice(data=3, tensor=2, pipeline=1, zero_stage=1, context=2)
+    assert not validate_layout(_tiny, tiny_facts, choice, "bf16-mixed").problems
+    code = _app(
+        "model=gpt_tiny",
+        "cluster.nodes=2",
+        "cluster.devices_per_node=8",
+        "layout.tensor=2",
+        "layout.pipeline=2",
+        "layout.context=2",
+        "planner.zero_stages=[3]",
+        "planner.offloads=[none]",
+        "planner.ac_policies=[none]",
+        "validate=true",
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "dp=2 cp=2" in out and "zero=3" in out and "every rank kind matches" in out
+
+
 def test_offload_is_refused_before_building(tiny_facts):
     with pytest.raises(ValueError, match=r"offload='cpu'.*planner.offloads=\[none\]"):
         validate_layout(

@@ -40,6 +40,8 @@ from lightning_3d.app.spec import RunSpec, check_trainer_counts, read_spec, with
 from lightning_3d.checkpoint.resume import PeriodicCheckpoint, check_fits, check_steps_left
 from lightning_3d.options import Plan
 from lightning_3d.options.model_check import check
+from lightning_3d.parallel.masters import refuse_master_combinations
+from lightning_3d.parallel.optimizers import optimizer_problems
 from lightning_3d.runtime.failures import REPORTS_ENV
 from lightning_3d.runtime.nonfinite import NonFiniteError
 from lightning_3d.runtime.preemption import Preempted
@@ -106,8 +108,12 @@ def check_spec(spec: RunSpec, model: Any = None) -> Any:
         check_target_keys(spec.model, "model")
         model_limits(spec.model)  # a Hugging Face model's directory or config, said as such
         check_adapter_plan(spec.model, plan)
+        check_optimizer_plan(spec.model, plan, spec.every_n_steps is not None)
+        # fp32 masters (bf16-true at ZeRO 0-2) and what they do not support yet.
+        refuse_master_combinations(plan, str(spec.trainer.get("precision", "32-true")))
         model = model if model is not None else model_on_meta(spec.model)
-        if model is not None and (layout.tensor > 1 or layout.pipeline > 1 or layout.context > 1):
+        split = (layout.tensor, layout.pipeline, layout.context, layout.expert)
+        if model is not None and any(size > 1 for size in split):
             check(model, plan, spec.world)
         if model is not None and plan.offload.device == "nvme":
             _check_offload_room(model, plan)
@@ -287,6 +293,17 @@ def check_adapter_plan(model: DictConfig, plan: Plan) -> None:
         raise ValueError(f"{' with '.join(keys)}: {err}") from None
 
 
+def check_optimizer_plan(model: DictConfig, plan: Plan, checkpoints: bool) -> None:
+    """The model's ``optimizer`` (low-bit AdamW among them) against the layout, offload and
+    periodic checkpoints: ``ValueError`` naming the keys (``parallel/optimizers.py``)."""
+    name = model.get("optimizer")
+    if name is None:
+        return
+    problems = optimizer_problems(name, plan.layout.zero_stage, plan.offload.device, checkpoints)
+    if problems:
+        raise ValueError(f"model.optimizer={name}: " + "; ".join(problems))
+
+
 def model_on_meta(model: DictConfig) -> Any:
     """The configured model built on ``meta`` (no memory, no weights read), so its constructor's
     checks run here; ``None`` for a module that cannot be built on meta for other reasons (the
@@ -405,7 +422,8 @@ def train(spec: RunSpec, output_dir: str) -> dict[str, Any]:
         _stop(trainer, err)
     # The trained model, consolidated (any layout, plain Lightning or the fine-tune app
     # loads it; `python -m lightning_3d.checkpoint consolidate` turns it into safetensors).
-    trainer.save_checkpoint(Path(output_dir) / "final.ckpt")
+    # The whole state (optimizer, loops, callbacks): a later run resumes from it.
+    trainer.save_checkpoint(Path(output_dir) / "final.ckpt", weights_only=False)
     return summary.summary
 
 

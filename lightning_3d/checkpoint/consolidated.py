@@ -18,7 +18,7 @@ parameter names before the split) — which is how a group built from ``self.par
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,6 +32,7 @@ from lightning_3d.checkpoint.view import (
     state_in_slices,
     tied_aliases,
 )
+from lightning_3d.parallel.optimizers import refuse_sharded_quantized
 from lightning_3d.parallel.zero import ZeroDataParallel
 
 
@@ -41,11 +42,14 @@ def full_model_state(
     pp_group: Any = None,
     names: Optional[list[str]] = None,
     keep: Optional[Callable[[str], bool]] = None,
+    engines: Sequence[ZeroDataParallel] = (),
 ) -> dict[str, Tensor]:
     """``module.state_dict()`` at full size on CPU (``names``: its keys in one process, for a
     pipeline stage that holds only some; ``keep(name)``: only those are gathered and returned).
+    Parameters with fp32 masters in ``engines`` are saved as their masters (:func:`master_state`).
     A collective: call on every rank."""
     full = full_state_dict(module, pp_group=pp_group, keep=keep)
+    full.update(master_state(module, engines, keep, pp_group))
     # state_dict() lists a tied weight under each of its names; full_state_dict once.
     aliases = tied_aliases(module)
     full.update({alias: full[name] for alias, name in aliases.items() if name in full})
@@ -84,6 +88,47 @@ def load_full_model_state(
         view.copy_into(target, full)
 
 
+def master_state(
+    module: nn.Module,
+    engines: Sequence[ZeroDataParallel],
+    keep: Optional[Callable[[str], bool]] = None,
+    pp_group: Any = None,
+) -> dict[str, Tensor]:
+    """The fp32 master weights the ZeRO 0-2 ``engines`` keep for low-precision parameters, at
+    full size on CPU under the parameters' one-process names, merged over the pipeline stages
+    (``pp_group``; a tied weight's copies are equal). A checkpoint saves these as the model's
+    weights: a resume in any layout (or in one process) starts from the values the optimizer
+    stepped, not from their bf16 roundings. A collective: call on every rank."""
+    view = StateView(module)
+    out = {}
+    for engine in engines:
+        for p, master in engine.master_weights():
+            name = view.name_of[id(p)]
+            if keep is None or keep(name):
+                out[name] = view.full(p, master)
+    if pp_group is not None:
+        parts: list[Any] = [None] * dist.get_world_size(pp_group)
+        dist.all_gather_object(parts, out, group=pp_group)
+        out = {name: value for part in parts for name, value in part.items()}
+    return out
+
+
+@torch.no_grad()
+def load_master_state(
+    module: nn.Module, state: Mapping[str, Tensor], engines: Sequence[ZeroDataParallel]
+) -> None:
+    """Load saved weights into the ``engines``' fp32 masters (after :func:`load_full_model_state`
+    rounded them into the bf16 parameters): fp32 in the checkpoint resumes exactly."""
+    view = StateView(module)
+    for engine in engines:
+        values = {}
+        for p in engine.master_params():
+            full = state.get(view.name_of[id(p)])
+            if full is not None:
+                values[id(p)] = view.local_like(p, full, full.dtype)
+        engine.load_master_weights(values)
+
+
 # ------------------------------------------------------------------------------ optimizer
 def _param_layout(
     view: StateView, groups: list[list[Tensor]], pp_group: Any, order: Optional[list[str]]
@@ -115,12 +160,16 @@ def full_optimizer_state(
     order: Optional[list[str]] = None,
 ) -> dict[str, Any]:
     """The user's optimizer's ``state_dict()`` as one process would have it. A collective."""
+    # Before any collective: quantized states split across ranks cannot be gathered.
+    refuse_sharded_quantized(optimizer)
     view = StateView(module)
     groups = optimizer_params(optimizer, engine)
     params = [p for group in groups for p in group]
     index_of, sizes = _param_layout(view, groups, pp_group, order)
     if state_in_slices(engine):
         per_param = engine.gather_param_states(optimizer)
+        # Parameters in no bucket (expert weights, parallel/expert.py) keep their own state.
+        per_param.update({id(p): optimizer.state[p] for p in params if p in optimizer.state})
     else:
         per_param = {id(p): optimizer.state.get(p, {}) for p in params}
     state = {
@@ -171,7 +220,7 @@ def load_full_optimizer_state(
     # torch's optimizers keep their state in the parameter's dtype (and cast to it on load); an
     # optimizer that says otherwise (OffloadedAdam: fp32 moments and master weights for bf16
     # parameters) gets it as saved — cast, a resumed run would step from rounded weights.
-    dtype = getattr(optimizer, "state_dtype", None)
+    dtype = getattr(optimizer, "state_dtype", None) or (engine and engine.state_dtype)
     per_param = {}
     for p in params:
         index = index_of[id(p)]
@@ -180,6 +229,9 @@ def load_full_optimizer_state(
             per_param[id(p)] = {k: view.local_like(p, v, dtype) for k, v in entry.items()}
     if state_in_slices(engine):
         engine.load_param_states(optimizer, per_param)
+        for p in params:  # in no bucket (expert weights): their own state, as saved
+            if id(p) in per_param and engine.slice_of(p) is None:
+                optimizer.state[p] = per_param[id(p)]
     else:
         for p in params:
             if id(p) in per_param:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import pickle
 import re
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_3d.parallel.optimizers import quantized_state_classes
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's default (zip) format
 _TEMP_NAME = re.compile(r"^\..+\.tmp-(\d+)$")
@@ -256,7 +259,18 @@ def load_weights_only(path: Path, mmap: bool, map_location: Any = "cpu") -> Any:
         check_records(path)
     try:
         # mmap: inspecting or exporting a large file does not read every tensor up front.
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap and zipped)
+        load = functools.partial(
+            torch.load, path, map_location=map_location, weights_only=True, mmap=mmap and zipped
+        )
+        try:
+            return load()
+        except pickle.UnpicklingError as error:
+            if "torchao.optim" not in str(error):
+                raise
+            # Low-bit AdamW's quantized states (parallel/optimizers.py): torchao's own tensor
+            # subclasses of codes, scales and map, allowed by name; still no arbitrary object.
+            with torch.serialization.safe_globals(quantized_state_classes()):
+                return load()
     except pickle.UnpicklingError as error:
         if "weights only" in str(error).lower():
             # torch's message is a page of advice; keep the line that names the refused object.

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 KEY = "checksums"
 ALGORITHM = "crc32"
@@ -40,6 +41,14 @@ ALGORITHM = "crc32"
 
 def tensor_crc(tensor: Tensor) -> int:
     """CRC-32 of a tensor's bytes in row-major order (its dtype and shape are checked apart)."""
+    if is_traceable_wrapper_subclass(tensor):
+        # A quantized optimizer state (low-bit AdamW): the bytes of its codes, scales and map.
+        names, _ = tensor.__tensor_flatten__()
+        crc = 0
+        for name in names:
+            inner = getattr(tensor, name).detach().cpu().contiguous().reshape(-1)
+            crc = zlib.crc32(inner.view(torch.uint8).numpy(), crc)
+        return crc
     flat = tensor.detach().cpu().contiguous().reshape(-1)
     return zlib.crc32(flat.view(torch.uint8).numpy()) if flat.numel() else zlib.crc32(b"")
 

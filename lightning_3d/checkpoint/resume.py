@@ -75,7 +75,7 @@ class PeriodicCheckpoint(ModelCheckpoint):
         step = trainer.global_step
         # The last step, not saved above.
         if step == trainer.max_steps and step % self.every_n_steps:
-            trainer.save_checkpoint(self.last_path)
+            trainer.save_checkpoint(self.last_path, weights_only=False)
 
     @override
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

@@ -31,6 +31,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from lightning_3d.checkpoint.pieces import Pieces, flat_boxes, flat_index
 from lightning_3d.checkpoint.sharded_files import MODEL
 from lightning_3d.checkpoint.view import StateView, optimizer_params, state_in_slices, to_full
+from lightning_3d.parallel.optimizers import refuse_sharded_quantized
 from lightning_3d.parallel.tensor import local_tensor
 from lightning_3d.parallel.zero import ZeroDataParallel
 
@@ -80,6 +81,8 @@ def optimizer_state(
 ) -> dict[str, Any]:
     """The optimizer's state for DCP, ``{"tensors": {"<param>.<key>": ...}, "param_groups": [...],
     "elementwise": [...], "extras": {...}}``. A collective (names are merged over ranks)."""
+    # Before any collective: quantized states split across ranks cannot be gathered.
+    refuse_sharded_quantized(optimizer)
     view = StateView(module)
     name_of, fused = view.name_of, view.fused
     tensors: dict[str, Any] = {}

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lightning_3d.parallel.tensor import FUSED_ROWS_ATTR, local_tensor, regroup_fused_rows
 from lightning_3d.parallel.tied import TIED_ALIASES_ATTR, param_names
@@ -78,6 +79,10 @@ def to_local_like(
     if not isinstance(full, Tensor) or full.dim() == 0:
         return full.clone() if isinstance(full, Tensor) else full
     device = local_tensor(param).device
+    if is_traceable_wrapper_subclass(full) and not isinstance(param, DTensor):
+        # A quantized optimizer state (low-bit AdamW, parallel/optimizers.py): its codes, scales
+        # and map as saved, copied to the parameter's device; a cast would change its meaning.
+        return full.to(device=device, copy=True)
     full = full.to(device=device, dtype=dtype or param.dtype)
     if fused is not None:
         full = regroup_fused_rows(full, *fused)
@@ -134,8 +139,9 @@ def optimizer_params(
 
 
 def state_in_slices(engine: Optional[ZeroDataParallel]) -> bool:
-    """Whether the optimizer state lives in the engine's flat slices (ZeRO 1/2), not per parameter."""
-    return engine is not None and engine.stage >= 1
+    """Whether the optimizer state lives in the engine's flat slices (ZeRO 1/2, or fp32 masters),
+    not per parameter."""
+    return engine is not None and engine.state_in_slices
 
 
 # ------------------------------------------------------------------------------ the whole model

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_3d.parallel.chunked_loss import chunked_cross_entropy
 from lightning_3d.parallel.materialize import DeferredInit, ParamInit
 
 
@@ -173,7 +174,7 @@ class GPT(nn.Module):
             self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
             self.pos_emb = nn.Embedding(config.block_size, config.n_embd)
             self.drop = nn.Dropout(config.dropout)
-            self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+            self.blocks = nn.ModuleList(self.build_block(config) for _ in range(config.n_layer))
             self.norm = nn.LayerNorm(config.n_embd, bias=config.bias)
             # Deliberately not tied to tok_emb: tied weights would have to live
             # on both the first and the last pipeline stage.
@@ -181,12 +182,19 @@ class GPT(nn.Module):
         # Context parallelism sets this (parallel/context/apply.py): the positions of this
         # rank's tokens, which are not 0..T-1 when a sequence is split over ranks.
         self.context_shard: Optional[Any] = None
+        # ThreeDStrategy(loss_chunks=n) sets this (parallel/chunked_loss.py): forward(idx,
+        # targets) then computes head and loss n chunks of tokens at a time, no whole logits.
+        self.loss_chunks = 1
         self.deferred_init: Optional[DeferredInit] = None
         if defer_init:
             self.deferred_init = DeferredInit.capture(self.parameter_inits())
         elif target.type != "meta":
             self.to_empty(device=target)
             self.init_weights()
+
+    def build_block(self, config: GPTConfig) -> nn.Module:
+        """One transformer block (built on ``meta``); variants swap in their own (``moe.py``)."""
+        return Block(config)
 
     def parameter_inits(self) -> list[ParamInit]:
         """Every parameter's initial fill, in the order :meth:`init_weights` draws random numbers
@@ -223,8 +231,9 @@ class GPT(nn.Module):
             init.fill(self.get_parameter(init.name), None)
         self.deferred_init = None
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Map token ids ``idx`` (B, T) to next-token logits (B, T, vocab)."""
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Map token ids ``idx`` (B, T) to next-token logits (B, T, vocab); with ``targets``
+        (B, T), to their mean cross-entropy instead (:meth:`loss`)."""
         B, T = idx.shape
         if self.context_shard is not None:  # idx: this rank's share of each sequence
             T *= self.context_shard.size
@@ -233,6 +242,8 @@ class GPT(nn.Module):
         x = self.embed(idx)  # (B, T, C)
         for block in self.blocks:
             x = block(x)  # (B, T, C)
+        if targets is not None:
+            return self.loss(x, targets)
         return self.head(x)  # (B, T, vocab)
 
     # embed / blocks / head: the three parts a pipeline splits across stages.
@@ -247,6 +258,20 @@ class GPT(nn.Module):
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Residual stream (B, T, C) to logits (B, T, vocab)."""
         return self.lm_head(self.norm(x))
+
+    def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The residual stream (B, T, C) to the mean cross-entropy against ``targets`` (B, T):
+        whole logits and ``F.cross_entropy``, or with ``loss_chunks`` > 1 the head and the loss
+        chunk by chunk (:func:`~lightning_3d.parallel.chunked_loss.chunked_cross_entropy`)."""
+        if self.loss_chunks == 1:
+            return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+        return self.head_loss(self.norm(x), targets)
+
+    def head_loss(self, normed: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The chunked head and loss of the normed residual stream (a pipeline's last stage
+        ends at the norm and calls this as its loss)."""
+        w, b = self.lm_head.weight, self.lm_head.bias
+        return chunked_cross_entropy(normed, w, targets, self.loss_chunks, bias=b)
 
     def num_params(self) -> int:
         """Total number of parameter elements (embeddings included)."""

@@ -36,7 +36,9 @@ from torch import nn
 
 from lightning_3d.data.labels import IGNORE_INDEX, shifted_targets
 from lightning_3d.models.lit_gpt import check_training_options, warmup_cosine_factor
+from lightning_3d.parallel.chunked_loss import chunked_cross_entropy, head_input, head_problems
 from lightning_3d.parallel.materialize import has_meta, materialize
+from lightning_3d.parallel.optimizers import build_optimizer
 
 HF_CONFIG_KEY = "hf_config"  # checkpoint entry: the model's transformers config as a dict
 
@@ -236,6 +238,9 @@ class HFCausalLM(pl.LightningModule):
         # Context parallelism sets this (parallel/context/apply.py): the positions of this rank's
         # tokens, passed as position_ids (rotary and learned positions read them).
         self.context_shard: Optional[Any] = None
+        # ThreeDStrategy(loss_chunks=n) sets this (parallel/chunked_loss.py): the head and the
+        # loss then run n chunks of tokens at a time, no whole logits tensor.
+        self.loss_chunks = 1
         self.save_hyperparameters(ignore=["model"])
         self.val_loss = torchmetrics.MeanMetric()
         self.test_loss = torchmetrics.MeanMetric()
@@ -336,8 +341,20 @@ class HFCausalLM(pl.LightningModule):
         """The loss and its count of trained tokens, both on the device (an ``int`` would wait
         for the device at every step)."""
         ids, mask, targets = self.split_batch(batch)
+        if self.loss_chunks > 1:  # the head's input, then head and loss by chunks
+            head = self.model.get_output_embeddings()
+            with head_input(head) as hidden:  # the model's own forward, logits of no token
+                self(ids, mask, self.positions_of(batch), self.documents_of(batch))
+            loss = chunked_cross_entropy(
+                hidden[0], head.weight, targets, self.loss_chunks, bias=head.bias
+            )
+            return loss, (targets != IGNORE_INDEX).sum()
         logits = self(ids, mask, self.positions_of(batch), self.documents_of(batch))
         return self.loss_fn(logits, targets), (targets != IGNORE_INDEX).sum()
+
+    def loss_chunk_problems(self, pipeline: int = 1) -> list[str]:
+        """Why the head and loss of this model cannot run in chunks (``loss_chunks`` > 1)."""
+        return head_problems(self.model, pipeline)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss, _ = self._loss(batch)
@@ -383,10 +400,7 @@ class HFCausalLM(pl.LightningModule):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        if hp.optimizer == "adamw":
-            opt = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
-        else:
-            opt = torch.optim.SGD(groups, lr=hp.lr, momentum=0.9)
+        opt = build_optimizer(hp.optimizer, groups, hp.lr, tuple(hp.betas))
         max_steps = hp.max_steps
         if max_steps is None or max_steps == -1:  # -1: trainer.max_steps=-1, the epochs decide
             max_steps = self.trainer.estimated_stepping_batches

@@ -12,6 +12,7 @@ import torchmetrics
 
 from lightning_3d.models.gpt import GPT, GPTConfig
 from lightning_3d.parallel.materialize import has_meta, materialize
+from lightning_3d.parallel.optimizers import build_optimizer, optimizer_problems
 from lightning_3d.parallel.pipeline import PipelineSpec
 
 
@@ -75,8 +76,7 @@ def check_training_options(
         )
     if not (_number(min_lr_ratio) and 0 <= min_lr_ratio <= 1):
         problems.append(f"min_lr_ratio={min_lr_ratio!r} must be a number in [0, 1]")
-    if optimizer not in ("adamw", "sgd"):
-        problems.append(f"optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+    problems += optimizer_problems(optimizer)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -160,7 +160,17 @@ class LitGPT(pl.LightningModule):
         return self.model(idx)
 
     def pipeline_spec(self) -> PipelineSpec:
-        """How ``ThreeDStrategy(pipeline=...)`` splits this module into stages."""
+        """How ``ThreeDStrategy(pipeline=...)`` splits this module into stages (with
+        ``loss_chunks`` > 1 the last stage ends at the norm and its loss is the chunked head)."""
+        if self.model.loss_chunks > 1:
+            return PipelineSpec(
+                blocks="model.blocks",
+                first=("model.tok_emb", "model.pos_emb", "model.drop"),
+                last=("model.norm", "model.lm_head"),
+                embed=self.model.embed,
+                head=self.model.norm,
+                loss=self.model.head_loss,
+            )
         return PipelineSpec(
             blocks="model.blocks",
             first=("model.tok_emb", "model.pos_emb", "model.drop"),
@@ -172,6 +182,8 @@ class LitGPT(pl.LightningModule):
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
+        if getattr(self.model, "loss_chunks", 1) > 1:  # no whole logits (parallel/chunked_loss.py)
+            return self.model(x, y)
         logits = self(x)  # (B, T, vocab)
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
@@ -232,14 +244,7 @@ class LitGPT(pl.LightningModule):
             {"params": decay, "weight_decay": hp.weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ]
-        if hp.optimizer == "adamw":
-            opt = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
-        elif (
-            hp.optimizer == "sgd"
-        ):  # plain momentum SGD: unlike Adam, sensitive to the gradient's scale
-            opt = torch.optim.SGD(groups, lr=hp.lr, momentum=0.9)
-        else:
-            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {hp.optimizer!r}")
+        opt = build_optimizer(hp.optimizer, groups, hp.lr, tuple(hp.betas))
 
         max_steps = hp.max_steps
         if max_steps is None or max_steps == -1:  # -1: trainer.max_steps=-1, the epochs decide

@@ -28,8 +28,10 @@ from typing import Any, Optional
 from lightning_3d.layout import Layout
 from lightning_3d.offload.options import OffloadOptions, offload_options
 from lightning_3d.parallel.activation_checkpoint import ActivationCheckpointOptions, ac_options
+from lightning_3d.parallel.chunked_loss import ChunkedLossOptions
 from lightning_3d.parallel.compile import CompileOptions
 from lightning_3d.parallel.context import ContextParallelOptions, scheme_problems
+from lightning_3d.parallel.fsdp import Zero3Options
 from lightning_3d.parallel.pipeline import PipelineOptions, pipeline_options
 from lightning_3d.parallel.plans import TensorParallelOptions
 from lightning_3d.parallel.replicas import ReplicaOptions
@@ -132,6 +134,7 @@ _GROUP_DEFAULTS = {
         ("cp", ContextParallelOptions),
         ("pp", PipelineOptions),
         ("zero", ZeroOptions),
+        ("fsdp", Zero3Options),
         ("ac", ActivationCheckpointOptions),
         ("offload", OffloadOptions),
         ("checkpoint", CheckpointOptions),
@@ -140,6 +143,7 @@ _GROUP_DEFAULTS = {
         ("nonfinite", NonFiniteOptions),
         ("replicas", ReplicaOptions),
         ("auto", AutoOptions),
+        ("loss", ChunkedLossOptions),
     )
 }
 
@@ -159,6 +163,13 @@ OPTIONS: tuple[Option, ...] = (
         "context",
         "context-parallel size: each sequence split over this many ranks "
         "(docs/context-parallelism.md)",
+    ),
+    Option(
+        "expert",
+        "layout",
+        "expert",
+        "expert-parallel size, carved from the data axis: each group of this many data ranks "
+        "splits a mixture-of-experts model's experts (docs/parallelism.md)",
     ),
     Option(
         "context_scheme",
@@ -218,12 +229,48 @@ OPTIONS: tuple[Option, ...] = (
         "buckets gets 4 (none under 1 MiB), so the reduction left after backward is short",
     ),
     Option(
+        "zero_master_weights",
+        "zero",
+        "master_weights",
+        "ZeRO 0–2 with a bf16 module (`precision='bf16-true'`): each rank's optimizer steps fp32 "
+        "masters of its slice only (2 + 2 + 12/N bytes a parameter at stage 2); False: bf16 steps",
+    ),
+    Option(
+        "zero_reduce_dtype",
+        "zero",
+        "reduce_dtype",
+        "with fp32 masters: gradients accumulated and reduced in `bf16` (2 bytes a parameter) or "
+        "`fp32` (Megatron's choice: no bf16 rounding of the sums, 2 bytes more at stages 0–1)",
+    ),
+    Option(
+        "zero2_defer_reduce",
+        "zero",
+        "defer_reduce",
+        "ZeRO-2 with gradient accumulation: hold full-size gradients over the micro-batches and "
+        "reduce-scatter once a step (one step's bytes, stage 1's gradient memory)",
+    ),
+    Option(
+        "zero3_keep_gathered",
+        "fsdp",
+        "keep_gathered",
+        "ZeRO-3 with gradient accumulation: weights stay gathered and gradients unsharded "
+        "through the step, one gather and one reduce-scatter a step instead of per micro-batch "
+        "(the stage's whole weights and gradients held meanwhile)",
+    ),
+    Option(
         "ac_policy",
         "ac",
         "policy",
         "activation checkpointing: `none`, `full`, `every_n`, `selective`",
     ),
     Option("ac_every_n", "ac", "every_n", "with `every_n`: blocks 0, n, 2n, ... recompute"),
+    Option(
+        "activation_offload",
+        "ac",
+        "offload",
+        "each block's saved activations (under `full`: its checkpointed inputs) wait in host "
+        "memory between forward and backward",
+    ),
     Option(
         "offload",
         "offload",
@@ -348,6 +395,13 @@ OPTIONS: tuple[Option, ...] = (
         "less the planner's 1 GB reserve)",
         hydra_type=Any,
     ),
+    Option(
+        "loss_chunks",
+        "loss",
+        "chunks",
+        "head and cross-entropy over this many chunks of tokens, no whole logits tensor "
+        "(LitGPT, HFCausalLM; not with tensor > 1); 1: whole logits (docs/memory.md)",
+    ),
 )
 OPTION_NAMES: tuple[str, ...] = tuple(option.name for option in OPTIONS)
 
@@ -361,6 +415,7 @@ class Plan:
     cp: ContextParallelOptions = field(default_factory=ContextParallelOptions)
     pp: PipelineOptions = field(default_factory=PipelineOptions)
     zero: ZeroOptions = field(default_factory=ZeroOptions)
+    fsdp: Zero3Options = field(default_factory=Zero3Options)
     ac: ActivationCheckpointOptions = field(default_factory=ActivationCheckpointOptions)
     offload: OffloadOptions = field(default_factory=OffloadOptions)
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
@@ -369,6 +424,7 @@ class Plan:
     nonfinite: NonFiniteOptions = field(default_factory=NonFiniteOptions)
     replicas: ReplicaOptions = field(default_factory=ReplicaOptions)
     auto: AutoOptions = field(default_factory=AutoOptions)
+    loss: ChunkedLossOptions = field(default_factory=ChunkedLossOptions)
     # The flat options this plan was built from (defaults such as micro_batches=None still
     # unresolved), so that updated(pipeline=4) re-derives them.
     given: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
@@ -429,7 +485,7 @@ def _checked(plan: Plan) -> Plan:
         plan.pp.virtual_stages,
         plan.pp.split,
     )
-    ac = ac_options(plan.ac.policy, plan.ac.every_n)
+    ac = ac_options(plan.ac.policy, plan.ac.every_n, plan.ac.offload)
     offload = plan.offload
     checked = offload_options(
         offload.device,
@@ -444,12 +500,13 @@ def _checked(plan: Plan) -> Plan:
     # Each group's own values first, in the order of the plan's fields, then the rules that
     # join a group to the layout.
     problems = []
-    for group in (plan.tp, plan.zero, plan.checkpoint, plan.compile, plan.dist):
+    for group in (plan.tp, plan.zero, plan.fsdp, plan.checkpoint, plan.compile, plan.dist):
         problems += group.problems()
     problems += scheme_problems(plan.cp.scheme)
     problems += plan.nonfinite.problems()
     problems += plan.replicas.problems()
     problems += plan.auto.problems()
+    problems += plan.loss.problems(plan.layout.tensor)
     problems += _across_groups(plan)
     if problems:
         raise ValueError("; ".join(problems))
@@ -471,6 +528,10 @@ def _across_groups(plan: Plan) -> list[str]:
         problems.append(
             "sequence_parallel=True needs tensor > 1 (with tensor=1 it would be ignored)"
         )
+    if plan.compile.enabled is True and plan.ac.offload is True:
+        # The offload hooks are Python callables around the block's forward: Dynamo would trace
+        # them into the graph (torch.compile has its own activation offloading).
+        problems.append("activation_offload=True with compile=True is not supported")
     if plan.compile.enabled is True and layout.tensor > 1 and layout.zero_stage < 3:
         # Dynamo (torch 2.13) fails to trace tensor-parallel DTensors whose local tensors are
         # views of the ZeRO 0-2 flat buckets; FSDP2's shards trace fine.
@@ -478,6 +539,29 @@ def _across_groups(plan: Plan) -> list[str]:
             f"compile=True with tensor={layout.tensor} needs zero_stage=3, got "
             f"zero_stage={layout.zero_stage}"
         )
+    if layout.expert > 1 and (plan.offload.device != "none" or plan.offload.params is True):
+        # The expert weights are stepped outside the ZeRO engines, which the offload wraps.
+        problems.append(
+            f"expert={layout.expert} with offload={plan.offload.device!r} / offload_params="
+            f"{plan.offload.params} is not supported yet"
+        )
+    if layout.expert > 1 and layout.zero_stage in (1, 2) and plan.checkpoint.format == "sharded":
+        # Its optimizer state is read from the ZeRO slices, which hold no expert weight.
+        problems.append(
+            f"expert={layout.expert} with zero_stage={layout.zero_stage} and "
+            "checkpoint_format='sharded' is not supported yet (consolidated is)"
+        )
+    if layout.expert > 1 and plan.auto.enabled is True:
+        problems.append(f"auto=True cannot plan expert={layout.expert} (no expert axis yet)")
+    if plan.fsdp.keep_gathered is True:
+        # FSDP2's accumulation switches: the strategy's, without a pipeline (torch's stages
+        # drive them there), and on device-resident weights.
+        if layout.zero_stage != 3 or layout.pipeline > 1 or plan.offload.params is True:
+            problems.append(
+                f"zero3_keep_gathered=True needs zero_stage=3, pipeline=1 and no offload_params, "
+                f"got zero_stage={layout.zero_stage}, pipeline={layout.pipeline}, "
+                f"offload_params={plan.offload.params}"
+            )
     if plan.auto.enabled is True:
         # Values the planner does not model: refused here, before any process starts.
         for option in OPTIONS:

@@ -9,6 +9,8 @@ from torch import nn
 
 from lightning_3d.adapters.qlora import check_qlora_plan
 from lightning_3d.adapters.tensor import build_styles
+from lightning_3d.parallel.chunked_loss import chunked_loss_problems
+from lightning_3d.parallel.expert import expert_problems
 from lightning_3d.parallel.plans.hf import whole_output_conflicts
 from lightning_3d.parallel.stages import pipeline_spec, plan_stages
 from lightning_3d.parallel.tensor import resolve_plan
@@ -25,6 +27,12 @@ def check(module: nn.Module, plan: Plan, world_size: int) -> None:
     context parallelism can route the model's attention. ``ValueError`` naming the problem."""
     layout = plan.layout.resolve(world_size)
     check_qlora_plan(module, plan, layout.data)
+    problems = expert_problems(module, layout.expert)
+    if problems:
+        raise ValueError("; ".join(problems))
+    problems = chunked_loss_problems(module, plan.loss, layout)
+    if problems:
+        raise ValueError("; ".join(problems))
     if layout.tensor > 1:
         conflicts = whole_output_conflicts(module, plan.tp.plan or {})
         if conflicts:

@@ -22,6 +22,12 @@ is replaced, so parameter names, state-dict keys and the module tree stay as the
 hooks registered on the block (FSDP2's unshard/reshard, tensor-parallel input preparation) still
 run around the checkpointed region. In the recipe this comes after tensor parallelism and before
 FSDP2 ``fully_shard``, as torchtitan orders it.
+
+With ``offload=True`` (option ``activation_offload``) every outermost block's forward, checkpointed
+or not, runs inside :func:`~lightning_3d.parallel.activation_offload.offloaded_saves`: what it saves
+for backward waits in host memory. Under ``full`` that is the block's inputs only (what checkpoint
+keeps); under ``selective`` the inputs, while the op outputs it caches stay on the device (they
+live in checkpoint's own cache, not behind autograd's hooks).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from torch.utils.checkpoint import (
 )
 
 from lightning_3d.parallel import activations
+from lightning_3d.parallel.activation_offload import offloaded_saves
 from lightning_3d.parallel.fsdp import find_blocks
 from lightning_3d.parallel.tensor import local_tensor
 
@@ -52,6 +59,7 @@ POLICIES = ("none", "full", "every_n", "selective")
 DEFAULT_EVERY_N = 2  # "every_n": blocks 0, 2, 4, ... recompute (the plan's default too)
 _POLICY_ATTR = "_activation_checkpointing"  # instance attribute: this block's policy
 _INNER_ATTR = "_activation_checkpointing_inner"  # an instance forward that was there before
+_OFFLOAD_ATTR = "_activation_offload"  # instance attribute: this block's saves go to the host
 
 
 def _ops(namespace: Any, *names: str) -> frozenset:
@@ -86,22 +94,28 @@ class ActivationCheckpointOptions:
     """One of :data:`POLICIES`: which blocks recompute their activations in backward."""
     every_n: int = DEFAULT_EVERY_N
     """With ``"every_n"``: blocks 0, n, 2n, ... recompute."""
+    offload: bool = False
+    """Each block's saved activations (under ``full``: its checkpointed inputs) wait in host
+    memory between forward and backward (option ``activation_offload``): device memory for
+    activations drops to what the running block needs, for two copies per saved byte."""
 
 
-def ac_options(policy: str, every_n: int = DEFAULT_EVERY_N) -> dict:
+def ac_options(policy: str, every_n: int = DEFAULT_EVERY_N, offload: bool = False) -> dict:
     """Validate the activation-checkpointing options; returns them as a dict.
 
     Example::
 
-        ac_options("every_n", 2)  # {"policy": "every_n", "every_n": 2}
+        ac_options("every_n", 2)  # {"policy": "every_n", "every_n": 2, "offload": False}
     """
+    if not isinstance(offload, bool):
+        raise ValueError(f"activation_offload={offload!r} must be True or False")
     if policy not in POLICIES:
         raise ValueError(
             f"unknown activation checkpointing policy {policy!r}; known: {list(POLICIES)}"
         )
     if not isinstance(every_n, int) or isinstance(every_n, bool) or every_n < 1:
         raise ValueError(f"every_n={every_n!r} must be a positive integer (policy={policy!r})")
-    return {"policy": policy, "every_n": every_n}
+    return {"policy": policy, "every_n": every_n, "offload": offload}
 
 
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -162,6 +176,17 @@ class _CheckpointedForward:
         inner = state.get(_INNER_ATTR) or functools.partial(type(self.block).forward, self.block)
         if not torch.is_grad_enabled():  # evaluation: there is no backward to save anything for
             return inner(*args, **kwargs)
+        if not state.get(_OFFLOAD_ATTR):
+            return self._forward(inner, *args, **kwargs)
+        # Outside checkpoint: its saves of the block's inputs come here; its inner hooks win
+        # inside the recomputed region, which keeps nothing.
+        with offloaded_saves(self.block):
+            return self._forward(inner, *args, **kwargs)
+
+    def _forward(self, inner: Callable, *args: Any, **kwargs: Any) -> Any:
+        state = self.block.__dict__
+        if state[_POLICY_ATTR] is None:  # offloaded, not checkpointed
+            return inner(*args, **kwargs)
         # use_reentrant=False: works with kwargs and with inputs that do not require grad, and
         # restores the RNG state so dropout draws the same masks when the block is recomputed.
         if state[_POLICY_ATTR] != "selective":
@@ -177,20 +202,28 @@ class _CheckpointedForward:
         return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def _set_block_policy(block: nn.Module, policy: str | None) -> None:
-    """Checkpoint ``block`` with ``policy`` ("full"/"selective"), or undo it (``None``)."""
+def _set_block_policy(block: nn.Module, policy: str | None, offload: bool = False) -> None:
+    """Checkpoint ``block`` with ``policy`` ("full"/"selective"; ``None``: not checkpointed) and
+    offload its saves or not; neither undoes the wrapping."""
     state = block.__dict__
-    if policy is None:
+    if policy is None and not offload:
         if _POLICY_ATTR in state:
             del state[_POLICY_ATTR], state["forward"]
+            state.pop(_OFFLOAD_ATTR, None)
             if _INNER_ATTR in state:  # put back the instance forward we found
                 state["forward"] = state.pop(_INNER_ATTR)
         return
-    if _POLICY_ATTR not in state:  # not yet checkpointed: never wrap twice
+    if _POLICY_ATTR not in state:  # not yet wrapped: never wrap twice
         if "forward" in state:
             state[_INNER_ATTR] = state["forward"]
         state["forward"] = _CheckpointedForward(block)
     state[_POLICY_ATTR] = policy
+    state[_OFFLOAD_ATTR] = offload
+
+
+def _block_setting(block: nn.Module) -> tuple[str | None, bool]:
+    """(policy, offload) as :func:`_set_block_policy` last set them."""
+    return block.__dict__.get(_POLICY_ATTR), bool(block.__dict__.get(_OFFLOAD_ATTR))
 
 
 def _block_table(module: nn.Module) -> list[tuple[str, int, nn.Module]]:
@@ -215,28 +248,35 @@ def transformer_blocks(module: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def is_checkpointed(block: nn.Module) -> bool:
     """Whether ``block`` recomputes its activations in backward (any policy but ``none``)."""
-    return _POLICY_ATTR in block.__dict__
+    return block.__dict__.get(_POLICY_ATTR) is not None
+
+
+def is_offloaded(block: nn.Module) -> bool:
+    """Whether ``block``'s saved activations wait in host memory (``activation_offload``)."""
+    return bool(block.__dict__.get(_OFFLOAD_ATTR))
 
 
 def apply_activation_checkpointing(
-    module: nn.Module, policy: str, every_n: int = DEFAULT_EVERY_N
+    module: nn.Module, policy: str, every_n: int = DEFAULT_EVERY_N, offload: bool = False
 ) -> list[str]:
     """Make ``module``'s transformer blocks recompute their activations in backward, in place.
 
     Returns the names of the checkpointed blocks. Applying again replaces the previous policy
     (``"none"`` removes it); a block is never wrapped twice. Parameter names are unchanged.
+    ``offload``: every block's saves (checkpointed or not) wait in host memory
+    (:mod:`~lightning_3d.parallel.activation_offload`).
 
     Example::
 
         apply_activation_checkpointing(gpt, "every_n", every_n=2)  # ["blocks.0", "blocks.2"]
     """
-    ac_options(policy, every_n)
+    ac_options(policy, every_n, offload)
     chosen: list[str] = []
     for name, index, block in _block_table(module):
         if policy == "none" or (policy == "every_n" and index % every_n != 0):
-            _set_block_policy(block, None)
+            _set_block_policy(block, None, offload)
         else:
-            _set_block_policy(block, "selective" if policy == "selective" else "full")
+            _set_block_policy(block, "selective" if policy == "selective" else "full", offload)
             chosen.append(name)
     return chosen
 
@@ -298,7 +338,7 @@ def activation_bytes_per_block(
     """
     ac_options(policy, every_n)
     table = _block_table(model)
-    before = {name: block.__dict__.get(_POLICY_ATTR) for name, _, block in table}
+    before = {name: _block_setting(block) for name, _, block in table}
     recorder = _StorageRecorder()
     handles = []
     for name, _, block in table:
@@ -325,4 +365,4 @@ def activation_bytes_per_block(
         for handle in handles:
             handle.remove()
         for name, _, block in table:
-            _set_block_policy(block, before[name])
+            _set_block_policy(block, *before[name])

@@ -12,6 +12,12 @@ autograd's saves go to ``torch.utils.checkpoint``'s own hooks (the innermost hoo
 keep nothing but what recomputation needs; what checkpointing does keep is seen: a block's inputs
 (saved outside its hooks) and, for the ``selective`` policy, the op outputs it caches, which
 :mod:`lightning_3d.parallel.activation_checkpoint` reports through :func:`note_saved`.
+
+Activation offload (:mod:`lightning_3d.parallel.activation_offload`) installs its hooks inside
+each block, so its saves reach the meters through it: a tensor it copies to the host counts as
+host bytes (``host_live``, ``host_peak``, ``block_host_bytes``), not as saved bytes, so that on a
+CPU, where the host copy is a copy in the same memory, the meter still tells the two apart; a
+tensor it keeps where it is counts as saved, as here.
 """
 
 from __future__ import annotations
@@ -84,6 +90,10 @@ class ActivationMeter:
         self.live = self.peak = 0
         self.in_flight = self.in_flight_peak = 0
         self.block_bytes: dict[str, int] = {}
+        # Offloaded activations (activation_offload.py): bytes in host memory, alive and at most,
+        # and per watched block as block_bytes counts saves.
+        self.host_live = self.host_peak = 0
+        self.block_host_bytes: dict[str, int] = {}
         self._refs: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
         self._param_storages: set[int] = set()
         # Watched blocks in forward, their parameter storages.
@@ -91,7 +101,9 @@ class ActivationMeter:
 
     def reset(self, params: Any = ()) -> None:
         self.peak, self.in_flight_peak, self.in_flight = self.live, 0, 0
-        self._param_storages = {_innermost(p).untyped_storage().data_ptr() for p in params}
+        self.host_peak = self.host_live
+        self.block_host_bytes = dict.fromkeys(self.block_bytes, 0)
+        self._param_storages = {innermost(p).untyped_storage().data_ptr() for p in params}
         self.block_bytes = dict.fromkeys(self.block_bytes, 0)
 
     def forward_done(self) -> None:
@@ -117,6 +129,7 @@ class ActivationMeter:
         handles = []
         for name, block in blocks:
             self.block_bytes.setdefault(name, 0)
+            self.block_host_bytes.setdefault(name, 0)
             # Registered after FSDP2's own hooks: the parameters seen here are the gathered ones.
             handles.append(block.register_forward_pre_hook(functools.partial(self._enter, name)))
             handles.append(block.register_forward_hook(self._leave))
@@ -128,7 +141,7 @@ class ActivationMeter:
         return unwatch
 
     def _enter(self, name: str, block: nn.Module, args: Any) -> None:
-        held = {_innermost(p).untyped_storage().data_ptr() for p in block.parameters()}
+        held = {innermost(p).untyped_storage().data_ptr() for p in block.parameters()}
         self._running.append((name, held))
 
     def _leave(self, block: nn.Module, args: Any, output: Any) -> None:
@@ -138,7 +151,7 @@ class ActivationMeter:
     def _hold(self, tensor: torch.Tensor) -> int | None:
         """Count ``tensor``'s storage as saved (once per storage); its key, or None if not counted."""
         try:
-            storage = _innermost(tensor).untyped_storage()
+            storage = innermost(tensor).untyped_storage()
             key = storage.data_ptr()
         except (
             RuntimeError,
@@ -157,6 +170,17 @@ class ActivationMeter:
         entry[0] += 1
         return key
 
+    def _hold_host(self, nbytes: int) -> int:
+        self.host_live += nbytes
+        self.host_peak = max(self.host_peak, self.host_live)
+        if self._running:
+            name = self._running[-1][0]
+            self.block_host_bytes[name] = self.block_host_bytes.get(name, 0) + nbytes
+        return nbytes
+
+    def _release_host(self, nbytes: int) -> None:
+        self.host_live -= nbytes
+
     def _release(self, key: int) -> None:
         entry = self._refs.get(key)
         if entry is None:
@@ -167,7 +191,7 @@ class ActivationMeter:
             del self._refs[key]
 
 
-def _innermost(tensor: torch.Tensor) -> torch.Tensor:
+def innermost(tensor: torch.Tensor) -> torch.Tensor:
     """The plain tensor inside wrapper subclasses (a DTensor's local shard, the result inside an
     ``AsyncCollectiveTensor`` that tensor parallelism's redistributions return)."""
     while is_traceable_wrapper_subclass(tensor):
@@ -221,4 +245,32 @@ def note_saved(tensor: torch.Tensor) -> None:
     checkpointing's cache) in every meter counting now, until its storage is freed."""
     held = _hold_all(tensor)
     if held:
-        weakref.finalize(_innermost(tensor).untyped_storage(), _release_all, held)
+        weakref.finalize(innermost(tensor).untyped_storage(), _release_all, held)
+
+
+def saved_here(tensor: torch.Tensor) -> Any:
+    """What the meters' own pack hook returns for ``tensor``: for a hook that runs inside the
+    meters' (activation offload) and keeps ``tensor`` where it is; :func:`unpack_saved` undoes it."""
+    return _pack(tensor)
+
+
+def unpack_saved(saved: Any) -> torch.Tensor:
+    """The tensor :func:`saved_here` packed."""
+    return _unpack(saved)
+
+
+def hold_host(host: torch.Tensor) -> list[tuple[ActivationMeter, int]]:
+    """Count ``host``, the host copy of a saved activation, as host bytes in every meter counting
+    now (the device tensor is not counted: it leaves the device once copied); pass the result to
+    :func:`release_host` when the copy is dropped. A saved view moves only its own elements, so
+    the bytes are the copy's, not the device storage's."""
+    if _PAUSED.get() or torch.compiler.is_compiling():
+        return []
+    nbytes = host.untyped_storage().nbytes()
+    return [(meter, meter._hold_host(nbytes)) for meter in _ACTIVE.get()]
+
+
+def release_host(held: list[tuple[ActivationMeter, int]]) -> None:
+    """Undo :func:`hold_host`."""
+    for meter, nbytes in held:
+        meter._release_host(nbytes)

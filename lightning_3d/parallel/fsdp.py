@@ -14,16 +14,70 @@ head and the loss run (the step's peak if that is where the logits peak), nothin
 
 On gloo every unit gathers and reduce-scatters point to point (``point_to_point.py``) through
 FSDP2's custom-communication hooks, as ZeRO 1-2 do: the same bytes, without gloo's copies.
+
+Under gradient accumulation FSDP2 does all of that on every micro-batch: ``m`` times the
+gathers and reduce-scatters of one step. :class:`Zero3Options` ``keep_gathered`` trades memory
+for those bytes (:func:`accumulate_gathered`): the units stay gathered and their gradients
+unsharded through the step's micro-batches, and only the last one's backward reduce-scatters
+the sum and frees the gathered weights — one gather and one reduce-scatter a step, for the
+stage's whole parameters (compute dtype) and whole gradients (reduce dtype) held meanwhile.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from torch import nn
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass(frozen=True)
+class Zero3Options:
+    """The ZeRO-3 engine's options (the ``fsdp`` group of :class:`~lightning_3d.options.Plan`)."""
+
+    keep_gathered: bool = False
+    """Under gradient accumulation (Lightning's ``accumulate_grad_batches`` > 1, no pipeline),
+    keep every unit's gathered weights and its unsharded gradients from the step's first
+    micro-batch to its last, and reduce-scatter once, on the last (option
+    ``zero3_keep_gathered``). Saves ``2m - 1`` gathers and ``m - 1`` reduce-scatters of ``m``
+    micro-batches, for the whole stage's weights in the compute dtype and gradients in the
+    reduce dtype on every rank during the step (the planner counts both). No effect without
+    accumulation; refused with a pipeline (torch's stages drive FSDP2 there) and with
+    ``offload_params`` (the weights would stay on the device)."""
+
+    def problems(self) -> list[str]:
+        """What is wrong with these values, in the option names users give (empty: nothing)."""
+        if not isinstance(self.keep_gathered, bool):
+            return [f"zero3_keep_gathered={self.keep_gathered!r} must be True or False"]
+        return []
+
+
+def accumulate_gathered(module: nn.Module, last: bool) -> None:
+    """Set ``module``'s FSDP2 units for one micro-batch of an accumulated step under
+    ``keep_gathered``: no resharding after forward; before the ``last`` micro-batch no gradient
+    reduction and no resharding after backward either, so the next micro-batch finds the
+    weights gathered and adds to the unsharded gradients. The last one's backward reduces and
+    reshards as usual; :func:`end_accumulation` then restores the forward resharding."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_reshard_after_forward(False, recurse=False)
+            unit.set_requires_gradient_sync(last, recurse=False)
+            unit.set_reshard_after_backward(last, recurse=False)
+
+
+def end_accumulation(module: nn.Module) -> None:
+    """:func:`apply_zero3`'s resharding after forward again (no pipeline): every block but the
+    last reshards, the outer units and the last block stay gathered until their backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    blocks = [b for b in find_blocks(module) if isinstance(b, FSDPModule)]
+    for block in blocks[:-1]:
+        block.set_reshard_after_forward(True, recurse=False)
 
 
 def find_blocks(module: nn.Module) -> list[nn.Module]:

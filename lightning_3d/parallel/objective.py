@@ -27,6 +27,11 @@ A step with one micro-batch needs no factor (``ref`` is its count). A training s
 factor: from then on each call is its own micro-batch's global mean (as under ddp across
 accumulation steps). Evaluation takes the mean over the context group only (the whole
 sequence's; the module weighs its data ranks' values itself).
+
+A loss that never calls ``F.cross_entropy`` on whole logits (the chunked head and loss of
+:mod:`lightning_3d.parallel.chunked_loss`) hands its sum and count to :func:`token_mean`, which
+the same mode routes to the same :meth:`TokenMean.loss`: one objective, whichever way the
+per-token losses were computed.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
 from lightning_3d.data.labels import IGNORE_INDEX
 
@@ -169,9 +174,26 @@ def group_mean(group: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tenso
     return mean
 
 
+def token_mean(total: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
+    """The mean of a loss given as ``total`` (the differentiable sum of this rank's per-token
+    losses) over ``counted`` targets: ``total / counted`` on its own, and inside a strategy's
+    step what ``F.cross_entropy`` returns there (:class:`TokenMean`: the global batch's token
+    mean). Why an overridable function rather than a call to the strategy's objective: the
+    module's code then needs no handle on the strategy, exactly as with ``F.cross_entropy``.
+
+    Example::
+
+        >>> token_mean(torch.tensor(6.0), torch.tensor(3))
+        tensor(2.)
+    """
+    if has_torch_function((total, counted)):
+        return handle_torch_function(token_mean, (total, counted), total, counted)
+    return total / counted.clamp(min=1).to(total.dtype)
+
+
 class _TokenMeanCrossEntropy(TorchFunctionMode):
-    """Hands a mean ``F.cross_entropy`` of class-index targets to ``loss(sum, count)``; every
-    other torch call (and any other cross-entropy) runs as is."""
+    """Hands a mean ``F.cross_entropy`` of class-index targets, and :func:`token_mean`, to
+    ``loss(sum, count)``; every other torch call (and any other cross-entropy) runs as is."""
 
     def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
@@ -181,6 +203,8 @@ class _TokenMeanCrossEntropy(TorchFunctionMode):
         self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None
     ) -> Any:
         kwargs = kwargs or {}
+        if func is token_mean:
+            return self._loss(*args, **kwargs)
         if (
             func is not F.cross_entropy
             or kwargs.get("reduction", "mean") != "mean"

@@ -144,10 +144,11 @@ def plan_stages(
     """Block runs of every stage of ``root`` (read-only; works on a ``meta`` model).
 
     Raises ``ValueError`` for a blocks name that is not an ``nn.ModuleList``, first/last module
-    names that do not exist, more stages than blocks, bad split points, and — for the
-    interleaved schedules (``virtual > 1``) with the uniform split — a block count the stages do
-    not divide (their chunks must be equal). Tied weights across stages are fine (see
-    :func:`tied_stages`)."""
+    names that do not exist, more stages than blocks and bad split points. A block count the
+    stages do not divide is split unevenly, also under the interleaved schedules (``virtual >
+    1``): torch's schedules only need every stage to pass on the same activation shape, which a
+    block keeps, so a rank's chunks may differ by a block. Tied weights across stages are fine
+    (see :func:`tied_stages`)."""
     blocks = root.get_submodule(spec.blocks)
     if not isinstance(blocks, nn.ModuleList):
         raise ValueError(
@@ -157,11 +158,6 @@ def plan_stages(
     last = [_module(root, n, "last") for n in spec.last]
     if split == "uniform":
         runs = stage_blocks(len(blocks), num_stages)  # first: "more stages than blocks"
-        if virtual > 1 and len(blocks) % num_stages:
-            raise ValueError(
-                f"{num_stages} pipeline stages ({num_stages // virtual} ranks x virtual_stages={virtual}) do not "
-                f"divide {len(blocks)} blocks: pick virtual_stages so they do, or split='params' / explicit points"
-            )
     elif split == "params":
         runs = balanced_blocks(
             [_numel([b]) for b in blocks], num_stages, _numel(first), _numel(last)

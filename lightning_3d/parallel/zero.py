@@ -21,6 +21,11 @@ optimizer step, stages 1 and 2 all-gather the updated slices back into the flat 
 buffers (in place, since the slice is a view of the buffer). Tensor-parallel parameters
 (DTensors on ``tp``) contribute their local shards; buckets never mix tp-sharded with
 tp-replicated parameters, so each slice can say which it is.
+
+With a bf16 module (``precision="bf16-true"``) the buckets hold bf16 weights and gradients and
+the optimizer steps fp32 masters of this rank's slice instead (stage 0: of the whole bucket),
+cast back into the buckets before the all-gather: the paper's 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N
+(``masters.py`` says when; :attr:`ZeroOptions.master_weights`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_3d.compat import all_gather_single, reduce_scatter_single
+from lightning_3d.parallel.optimizers import quantization_block
 from lightning_3d.parallel.point_to_point import (
     SCATTER_MODES,
     add_rows,
@@ -55,16 +61,65 @@ class ZeroOptions:
     bucket_size_mb: float = 25.0
     """The largest gradient bucket, in MiB (option ``bucket_size_mb``)."""
 
+    master_weights: bool = True
+    """Whether ZeRO 0-2 keep fp32 master weights for parameters held in a lower precision
+    (option ``zero_master_weights``). A module in bf16 (``precision="bf16-true"``: Lightning
+    converts it) then has bf16 weights and gradients in the flat buckets, and each rank's optimizer
+    steps an fp32 copy of only its slice (the ZeRO paper's mixed-precision Adam: 2 + 2 + 12 bytes
+    a parameter, the 12 sharded from stage 1). False: the optimizer steps the bf16 slices
+    themselves (bf16 moments, updates rounded to bf16 every step), as one process under
+    ``bf16-true`` does. No effect on fp32 parameters (``bf16-mixed`` keeps fp32 weights and
+    autocast), under ZeRO-3 (FSDP2 shards what the module holds) or with an offload device (its
+    store keeps the fp32 masters)."""
+
+    reduce_dtype: str = "bf16"
+    """``"bf16"`` or ``"fp32"``: the dtype of the gradient buffers of a bucket with fp32 masters,
+    in which micro-batches are accumulated and ranks' gradients summed (option
+    ``zero_reduce_dtype``). Default bf16, the paper's choice (it reduced in fp16) and DeepSpeed's
+    (the model's dtype): it keeps the gradients at 2 bytes a parameter and sends half the bytes.
+    ``"fp32"`` is Megatron-LM's default (``accumulate_allreduce_grads_in_fp32``): no bf16 rounding
+    of the sum over ranks and micro-batches, for 2 more bytes a parameter of gradient buffer at
+    stages 0-1 (2/N at stage 2, plus an fp32 staging buffer during backward) and twice the bytes
+    on the wire."""
+
+    defer_reduce: bool = False
+    """ZeRO-2 with gradient accumulation: hold full-size gradients over the step's
+    micro-batches, as stage 1 does, and reduce-scatter once after the last (option
+    ``zero2_defer_reduce``). Default False, stage 2's memory: a reduce-scatter after every
+    micro-batch, so k micro-batches send k times the bytes. True sends one step's bytes, for the
+    gradient buffer's full size held during accumulation (2Ψ in bf16, 4Ψ in fp32)."""
+
     @property
     def bucket_bytes(self) -> int:
         return max(1, int(self.bucket_size_mb * 2**20))
 
+    @property
+    def grad_dtype(self) -> Optional[torch.dtype]:
+        """The gradient buffers' dtype for buckets with fp32 masters (``reduce_dtype``; None:
+        the parameters' own)."""
+        return REDUCE_DTYPES[self.reduce_dtype]
+
     def problems(self) -> list[str]:
         """What is wrong with these values, in the option names users give (empty: nothing)."""
+        problems = []
         size = self.bucket_size_mb
-        if isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0:
-            return []
-        return [f"bucket_size_mb must be positive, got {size!r}"]
+        if not (isinstance(size, (int, float)) and not isinstance(size, bool) and size > 0):
+            problems.append(f"bucket_size_mb must be positive, got {size!r}")
+        if not isinstance(self.master_weights, bool):
+            problems.append(
+                f"zero_master_weights must be True or False, got {self.master_weights!r}"
+            )
+        if not isinstance(self.defer_reduce, bool):
+            problems.append(f"zero2_defer_reduce must be True or False, got {self.defer_reduce!r}")
+        if self.reduce_dtype not in REDUCE_DTYPES:
+            problems.append(
+                f"zero_reduce_dtype must be one of {sorted(REDUCE_DTYPES)}, got {self.reduce_dtype!r}"
+            )
+        return problems
+
+
+# "bf16": the gradients keep the parameters' own low precision (fp16 under "16-true").
+REDUCE_DTYPES: dict[str, Optional[torch.dtype]] = {"bf16": None, "fp32": torch.float32}
 
 
 MIN_BUCKETS = 4  # a param group smaller than this many full buckets is cut into this many
@@ -84,6 +139,10 @@ class _Bucket:
     shard_fresh: bool = True  # stage 2: shard_grad holds nothing of this step yet (overwrite it)
     staging: Optional[Tensor] = None  # (padded,) stage 2: grads of one backward, then freed
     slice: Optional[nn.Parameter] = None  # stages 1-2: DTensor view of this rank's slice
+    # With fp32 masters (``master_dtype``): this rank's slice in fp32 (stage 0: the whole
+    # bucket), a tensor of its own that ``slice`` wraps and the optimizer steps; cast into
+    # ``flat`` after each step.
+    master: Optional[Tensor] = None
     ready: int = 0  # parameters whose gradient this backward has produced
     work: Optional[dist.Work] = None
     reduced: Optional[Tensor] = None  # reduce-scatter output, waiting for ``work``
@@ -140,6 +199,9 @@ class ZeroDataParallel:
         stage: int,
         bucket_numel: Optional[int] = None,
         scatter: str = "auto",
+        master_dtype: Optional[torch.dtype] = None,
+        grad_dtype: Optional[torch.dtype] = None,
+        defer_reduce: bool = False,
     ) -> None:
         """``mesh`` is the data axis, or the (data, tensor) mesh when parameters are tensor-parallel.
 
@@ -155,6 +217,15 @@ class ZeroDataParallel:
         collectives' ring algorithms) or ``"auto"``: point to point on gloo, where it is faster,
         the collectives elsewhere. ``"reduce_scatter"`` on gloo runs the NCCL path on CPUs, e.g.
         in tests.
+
+        ``master_dtype`` (e.g. ``torch.float32``): buckets of parameters in a lower precision
+        (bf16, fp16) get master copies in it, which the optimizer steps instead (see
+        :attr:`ZeroOptions.master_weights`); ``grad_dtype``: those buckets' gradient buffers'
+        dtype (None: the parameters', see :attr:`ZeroOptions.reduce_dtype`).
+
+        ``defer_reduce`` (stage 2): a backward with ``sync=False`` keeps its full-size gradients
+        for the next one to add to, and only the step's last backward reduce-scatters them
+        (see :attr:`ZeroOptions.defer_reduce`).
         """
         if scatter not in SCATTER_MODES:
             raise ValueError(f"scatter must be one of {list(SCATTER_MODES)}, got {scatter!r}")
@@ -171,6 +242,9 @@ class ZeroDataParallel:
         self.mesh = mesh
         self.stage = stage
         self.bucket_numel = bucket_numel
+        self.master_dtype = master_dtype
+        self.grad_dtype = grad_dtype
+        self.defer_reduce = defer_reduce
         dp_mesh = mesh[mesh.mesh_dim_names[0]] if mesh.ndim == 2 else mesh
         self.group = dp_mesh.get_group()
         self.size = dp_mesh.size()
@@ -182,6 +256,7 @@ class ZeroDataParallel:
         self._sync = True
         self._early = True
         self.tied: dict[int, dist.ProcessGroup] = {}  # see attach()
+        self.align = 1  # elements: where parameters start in a bucket (see attach())
 
     @property
     def passthrough(self) -> bool:
@@ -190,7 +265,19 @@ class ZeroDataParallel:
         the reduced ones, so the engine makes no buckets, hooks, copies or collectives (on a GPU
         those cost a gradient copy, a bucket zeroing and a collective per step over a plain
         loop), and every per-step call below is a no-op over zero buckets."""
-        return self.stage == 0 and self.mesh.size() == 1 and not self.tied
+        # fp32 masters for low-precision parameters need the buckets even on one rank.
+        return self.stage == 0 and self.mesh.size() == 1 and not self.tied and not self.master_dtype
+
+    @property
+    def state_in_slices(self) -> bool:
+        """Whether the optimizer steps the engine's slices (stages 1-2, or fp32 masters at any
+        stage) rather than the model's parameters: its state is keyed by them."""
+        return self.stage >= 1 or any(b.slice is not None for b in self.buckets)
+
+    @property
+    def state_dtype(self) -> Optional[torch.dtype]:
+        """The optimizer state's dtype where it is not the parameters' (fp32 masters), else None."""
+        return self.master_dtype if any(b.master is not None for b in self.buckets) else None
 
     # ---------------------------------------------------------------- setup
     def attach(self, optimizer: torch.optim.Optimizer, tied: Optional[dict] = None) -> None:
@@ -205,6 +292,10 @@ class ZeroDataParallel:
                 "attach the ZeRO engine before the optimizer's first step (its state is not empty)"
             )
         owned = {id(p) for b in self.buckets for p in b.params}
+        # A low-bit optimizer quantizes a slice in blocks of its flattened elements: each
+        # parameter starts, and each slice ends, on a block boundary, so that no block mixes two
+        # parameters or two ranks (parallel/optimizers.py). 1 for every other optimizer.
+        self.align = quantization_block(optimizer)
         for group in optimizer.param_groups:
             self.original_groups.append(list(group["params"]))
             if self.passthrough:
@@ -217,8 +308,10 @@ class ZeroDataParallel:
             limit = self._bucket_limit(params)
             buckets = [self._make_bucket(chunk) for chunk in self._chunks(params[::-1], limit)]
             self.buckets.extend(buckets)
-            if self.stage >= 1:
-                group["params"] = [b.slice for b in buckets]
+            if any(b.slice is not None for b in buckets):
+                group["params"] = [
+                    q for b in buckets for q in (b.params if b.slice is None else [b.slice])
+                ]
 
     def _bucket_limit(self, params: list[nn.Parameter]) -> int:
         """Elements per bucket of one param group: ``bucket_numel``, or where the group holds
@@ -249,22 +342,24 @@ class ZeroDataParallel:
     def _make_bucket(self, params: list[nn.Parameter]) -> _Bucket:
         # Tensor-parallel parameters contribute their local shard: the bucket is per tp rank.
         locals_ = [_local(p) for p in params]
-        numel = sum(t.numel() for t in locals_)
-        padded = -(-numel // self.size) * self.size  # ceil to a multiple of N: equal slices
-        flat = torch.zeros(padded, dtype=locals_[0].dtype, device=locals_[0].device)
-        offsets = []
-        offset = 0
+        offsets, offset, align = [], 0, self.align
         for t in locals_:
+            offsets.append(offset)
+            offset += -(-t.numel() // align) * align  # the next block boundary (gaps stay zero)
+        # Ceil to a multiple of N whole blocks: equal slices.
+        padded = -(-offset // (self.size * align)) * self.size * align
+        flat = torch.zeros(padded, dtype=locals_[0].dtype, device=locals_[0].device)
+        for t, offset in zip(locals_, offsets):
             flat[offset : offset + t.numel()].copy_(t.detach().reshape(-1))
             t.data = flat[offset : offset + t.numel()].view_as(t)
-            offsets.append(offset)
-            offset += t.numel()
         # Identical start on every rank, whatever the seeding: data-parallel rank 0 wins.
         dist.broadcast(flat, src=dist.get_global_rank(self.group, 0), group=self.group)
         bucket = _Bucket(params=params, offsets=offsets, flat=flat, shard_numel=padded // self.size)
         bucket.written = [False] * len(params)
+        master = self.master_dtype is not None and flat.element_size() < self.master_dtype.itemsize
+        grad_dtype = (self.grad_dtype if master else None) or flat.dtype
         if self.stage <= 1:
-            bucket.grad = torch.zeros_like(flat)
+            bucket.grad = torch.zeros_like(flat, dtype=grad_dtype)
             bucket.views = [
                 None
                 if isinstance(p, DTensor)
@@ -273,9 +368,12 @@ class ZeroDataParallel:
             ]
         else:
             bucket.shard_grad = torch.zeros(
-                bucket.shard_numel, dtype=flat.dtype, device=flat.device
+                bucket.shard_numel, dtype=grad_dtype, device=flat.device
             )
-        if self.stage >= 1:
+        if master:  # the optimizer steps an fp32 copy of this rank's part, not the flat buffer
+            bucket.master = self._part(flat, bucket).to(self.master_dtype, copy=True)
+            bucket.slice = nn.Parameter(self._as_slice(bucket.master, bucket))
+        elif self.stage >= 1:
             bucket.slice = nn.Parameter(self.slice_dtensor(self._own(flat, bucket), params[0]))
         for index, p in enumerate(params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(bucket, index)))
@@ -284,10 +382,20 @@ class ZeroDataParallel:
     def _own(self, full: Tensor, bucket: _Bucket) -> Tensor:
         return full[self.rank * bucket.shard_numel : (self.rank + 1) * bucket.shard_numel]
 
-    def slice_dtensor(self, local: Tensor, like: nn.Parameter) -> DTensor:
-        """This rank's slice as a DTensor: sharded over dp; over tp sharded or replicated like
-        the bucket's parameters, so global norms count every element exactly once."""
-        placements = [Shard(0)]
+    def _part(self, full: Tensor, bucket: _Bucket) -> Tensor:
+        """What of a full-size buffer the optimizer steps here: the rank's slice (stages 1-2),
+        or all of it (stage 0, whose masters are whole)."""
+        return full if self.stage == 0 else self._own(full, bucket)
+
+    def _as_slice(self, local: Tensor, bucket: _Bucket) -> DTensor:
+        """``local`` (a slice's part, or a stage-0 master's whole) as the optimizer's DTensor."""
+        return self.slice_dtensor(local, bucket.params[0], sharded=self.stage >= 1)
+
+    def slice_dtensor(self, local: Tensor, like: nn.Parameter, sharded: bool = True) -> DTensor:
+        """This rank's slice as a DTensor: sharded over dp (replicated: a stage-0 master, which
+        every rank holds whole); over tp sharded or replicated like the bucket's parameters, so
+        global norms count every element exactly once."""
+        placements = [Shard(0) if sharded else Replicate()]
         if self.mesh.ndim == 2:
             placements.append(Shard(0) if _kind(like)[2] else Replicate())
         return DTensor.from_local(local, self.mesh, placements, run_check=False)
@@ -312,8 +420,9 @@ class ZeroDataParallel:
         another optimizer's backward under ``toggle_optimizer`` leaves them as they are. That
         is decided by flags every rank sets alike, so every rank runs the same collectives.
         """
-        # Stage 2 keeps no full-size gradient, so it must reduce on every backward.
-        self._sync = sync or self.stage == 2
+        # Stage 2 keeps no full-size gradient, so it must reduce on every backward, unless told
+        # to hold one over the step's micro-batches (``defer_reduce``).
+        self._sync = sync or (self.stage == 2 and not self.defer_reduce)
         self._early = early
         for bucket in self.buckets:
             bucket.live = self._takes_part(bucket)
@@ -346,7 +455,8 @@ class ZeroDataParallel:
             # The whole buffer holds the mean; this backward adds its local gradients and the
             # next reduction's mean gives mean + new mean, as DDP computes it.
             for index, p in enumerate(bucket.params):
-                if p.grad is None:  # cleared: the next gradient is copied in
+                holder = p if bucket.slice is None else bucket.slice
+                if holder.grad is None:  # cleared: the next gradient is copied in
                     bucket.written[index] = False
             return
         cleared = bucket.slice.grad is None
@@ -394,9 +504,11 @@ class ZeroDataParallel:
         if self.stage <= 1:
             return bucket.grad
         if bucket.staging is None:
-            bucket.staging = torch.empty_like(bucket.flat)
+            bucket.staging = torch.empty_like(bucket.flat, dtype=bucket.shard_grad.dtype)
             end = bucket.offsets[-1] + _local(bucket.params[-1]).numel()
             bucket.staging[end:].zero_()
+            if self.align > 1:  # the gaps between block-aligned parameters too
+                bucket.staging.zero_()
         return bucket.staging
 
     def _fill_unwritten(self, bucket: _Bucket) -> Tensor:
@@ -472,7 +584,7 @@ class ZeroDataParallel:
                 bucket.written = [False] * len(bucket.params)  # the next backward's buffer is new
             bucket.reduced = None
             bucket.held = True
-            if self.stage == 0:  # the optimizer steps the parameters: give them the reduced grads
+            if bucket.slice is None:  # the optimizer steps the parameters: give them the grads
                 for i, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
                     view = bucket.views[i]
                     p.grad = (
@@ -483,8 +595,11 @@ class ZeroDataParallel:
             else:
                 for p in bucket.params:  # the optimizer steps the slice, which holds them
                     p.grad = None
-                own = self._own(bucket.grad, bucket) if self.stage == 1 else bucket.shard_grad
-                bucket.slice.grad = self.slice_dtensor(own, bucket.params[0])
+                own = self._part(bucket.grad, bucket) if self.stage <= 1 else bucket.shard_grad
+                # A master's gradient is in its dtype: a copy when the buffers are bf16 (made
+                # per step and dropped after it, as DeepSpeed's fp32 gradient partition).
+                dtype = bucket.slice.dtype
+                bucket.slice.grad = self._as_slice(own.to(dtype), bucket)
 
     def _sum_tied(self) -> None:
         """Add up a tied weight's gradient over the pipeline ranks holding a copy (its bucket
@@ -502,7 +617,7 @@ class ZeroDataParallel:
         bucket = next((b for b in self.buckets if any(q is p for q in b.params)), None)
         if bucket is None:
             return None
-        return bucket.slice if self.stage >= 1 else p
+        return bucket.slice if bucket.slice is not None else p
 
     # ---------------------------------------------------------------- step
     def after_step(self) -> None:
@@ -513,6 +628,9 @@ class ZeroDataParallel:
             for group in self.original_groups:
                 for p in group:
                     p.grad = None
+        for bucket in self.buckets:
+            if bucket.master is not None:  # the stepped fp32 slice, rounded into the bf16 buffer
+                self._part(bucket.flat, bucket).copy_(bucket.master)
         if self.stage >= 1:
             for work in self._gather_slices():
                 work.wait()
@@ -543,10 +661,13 @@ class ZeroDataParallel:
         """Each bucket's slice on this rank (stages 1–2) and which elements of each parameter it holds."""
         slices = []
         for b in self.buckets:
-            lo, hi = self.rank * b.shard_numel, (self.rank + 1) * b.shard_numel
+            whole = self.stage == 0  # a stage-0 master holds the whole bucket
+            numel = b.flat.numel() if whole else b.shard_numel
+            lo = 0 if whole else self.rank * b.shard_numel
+            hi = lo + numel
             ends = [(offset, offset + _local(p).numel()) for p, offset in zip(b.params, b.offsets)]
             ranges = [(max(s, lo) - s, max(max(s, lo), min(e, hi)) - s, lo - s) for s, e in ends]
-            slices.append(OwnedSlice(b.slice, list(b.params), ranges, b.shard_numel, b.flat.device))
+            slices.append(OwnedSlice(b.slice, list(b.params), ranges, numel, b.flat.device))
         return slices
 
     def gather_param_states(self, optimizer: torch.optim.Optimizer) -> dict[int, dict]:
@@ -554,6 +675,11 @@ class ZeroDataParallel:
         shaped like the parameter (a DTensor when the parameter is one). A collective over dp."""
         states: dict[int, dict] = {}
         for bucket in self.buckets:
+            if bucket.slice is None:  # stage 0 without masters: the state is per parameter
+                states.update(
+                    {id(p): optimizer.state[p] for p in bucket.params if p in optimizer.state}
+                )
+                continue
             saved = optimizer.state.get(bucket.slice, {})
             per_param = [dict() for _ in bucket.params]
             for key, value in saved.items():
@@ -562,8 +688,11 @@ class ZeroDataParallel:
                         entry[key] = value
                     continue
                 full = torch.empty_like(bucket.flat, dtype=_local(value).dtype)
-                # Offloaded state lives on the host; an NCCL group gathers device tensors only.
-                all_gather_single(full, _local(value).to(full.device), group=self.group)
+                if self.stage == 0:  # a stage-0 master's state is whole on every rank
+                    full.copy_(_local(value))
+                else:
+                    # Offloaded state lives on the host; an NCCL group gathers device tensors only.
+                    all_gather_single(full, _local(value).to(full.device), group=self.group)
                 for entry, p, offset in zip(per_param, bucket.params, bucket.offsets):
                     entry[key] = _like(p, full[offset : offset + _local(p).numel()])
             for p, entry in zip(bucket.params, per_param):
@@ -577,6 +706,9 @@ class ZeroDataParallel:
             entries = [states.get(id(p)) for p in bucket.params]
             if not any(entries):
                 continue
+            if bucket.slice is None:  # stage 0 without masters: the state is per parameter
+                optimizer.state.update({p: e for p, e in zip(bucket.params, entries) if e})
+                continue
             first = next(e for e in entries if e)
             slice_state = {}
             for key, value in first.items():
@@ -589,10 +721,50 @@ class ZeroDataParallel:
                         full[offset : offset + _local(p).numel()].copy_(
                             _local(entry[key]).reshape(-1)
                         )
-                slice_state[key] = self.slice_dtensor(
-                    self._own(full, bucket).clone(), bucket.params[0]
-                )
+                slice_state[key] = self._as_slice(self._part(full, bucket).clone(), bucket)
             optimizer.state[bucket.slice] = slice_state
+
+    # ---------------------------------------------------------------- master weights
+    def master_weights(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """``(parameter, its fp32 master)`` for every parameter with one, the master shaped like
+        the parameter's local data (a DTensor when the parameter is one): what a checkpoint saves
+        as the model's weights, so that a resume starts from the fp32 values, not from their bf16
+        roundings. A collective over dp (stages 1-2: the masters are sharded)."""
+        out = []
+        for bucket in self.buckets:
+            if bucket.master is None:
+                continue
+            full = torch.empty_like(bucket.flat, dtype=bucket.master.dtype)
+            if self.stage == 0:
+                full.copy_(bucket.master)
+            else:
+                all_gather_single(full, bucket.master, group=self.group)
+            for p, offset in zip(bucket.params, bucket.offsets):
+                out.append((p, _like(p, full[offset : offset + _local(p).numel()])))
+        return out
+
+    def master_params(self) -> list[nn.Parameter]:
+        """The model parameters whose buckets keep fp32 masters."""
+        return [p for b in self.buckets if b.master is not None for p in b.params]
+
+    @torch.no_grad()
+    def load_master_weights(self, values: dict[int, Tensor]) -> None:
+        """Inverse of :meth:`master_weights`: ``{id(parameter): its local part}`` (fp32) into the
+        masters, and their roundings into the flat buffers. Parameters not given keep theirs."""
+        for bucket in self.buckets:
+            if bucket.master is None:
+                continue
+            full = bucket.master.clone()  # what is there now, for parameters not given
+            start = 0 if self.stage == 0 else self.rank * bucket.shard_numel
+            for p, offset in zip(bucket.params, bucket.offsets):
+                value = values.get(id(p))
+                lo, hi = max(offset, start), min(offset + _local(p).numel(), start + full.numel())
+                if value is None or lo >= hi:
+                    continue
+                flat_value = _local(value).reshape(-1).to(full.dtype)
+                full[lo - start : hi - start].copy_(flat_value[lo - offset : hi - offset])
+            bucket.master.copy_(full)
+            self._part(bucket.flat, bucket).copy_(full)
 
 
 def _kind(p: Tensor) -> tuple:

@@ -270,3 +270,20 @@ def _megatron(
     linear = d * (10 + 24 / tp) * scale
     quad = 0.0 if policy == "selective" else 5 * heads / tp * scale
     return ActivationFit(linear, quad, source)
+
+
+def head_loss_bytes(
+    tokens: int, vocab: int, width: int, act_bytes: int, chunks: int = 1, tensor: int = 1
+) -> float:
+    """Bytes the head and cross-entropy hold at their peak for ``tokens`` tokens of one
+    micro-batch (the weight's gradient aside: model state counts it).
+
+    Whole logits (``chunks`` = 1): the logits in the activation dtype and their fp32 softmax for
+    every token (vocab-parallel: ``vocab / tensor``) plus the head's saved input. Chunked
+    (:mod:`lightning_3d.parallel.chunked_loss`): one chunk's logits, their fp32 copy and its
+    gradient in the matmul dtype, plus the hidden states' gradient kept for backward
+    (``tokens x width``)."""
+    if chunks <= 1:
+        return tokens * (vocab / tensor * (act_bytes + 4) + width * act_bytes)
+    rows = -(-tokens // chunks)
+    return rows * vocab * (2 * act_bytes + 4) + tokens * width * act_bytes

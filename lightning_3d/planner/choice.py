@@ -45,6 +45,16 @@ class Choice:
     adapter: str = "none"
     context: int = 1  # ranks each sequence is split over (context parallelism)
     context_scheme: str = "ring"  # with context > 1: "ring" or "alltoall"
+    # ZeRO-3 with accumulation: units stay gathered, gradients unsharded, through the step.
+    zero3_keep_gathered: bool = False
+    # ZeRO-2 with accumulation: full-size gradients over the micro-batches, one reduce-scatter.
+    zero2_defer_reduce: bool = False
+    # The head and loss over this many chunks of tokens (parallel/chunked_loss.py); 1: whole logits.
+    loss_chunks: int = 1
+    # The model's optimizer (parallel/optimizers.py: adamw, sgd, adamw8bit, adamw4bit, ...).
+    optimizer: str = "adamw"
+    # Each block's saved activations in host memory between forward and backward.
+    activation_offload: bool = False
 
     @property
     def offload_device(self) -> str:
@@ -80,8 +90,16 @@ class Choice:
                 out["virtual_stages"] = self.virtual_stages
         if self.sequence_parallel:
             out["sequence_parallel"] = True
+        if self.zero3_keep_gathered:
+            out["zero3_keep_gathered"] = True
+        if self.zero2_defer_reduce:
+            out["zero2_defer_reduce"] = True
         if self.context > 1:
             out.update(context=self.context, context_scheme=self.context_scheme)
+        if self.loss_chunks > 1:
+            out["loss_chunks"] = self.loss_chunks
+        if self.activation_offload:
+            out["activation_offload"] = True
         return out
 
     def trainer_options(self) -> dict[str, Any]:
@@ -103,6 +121,7 @@ class Choice:
         sp = " sp" if self.sequence_parallel else ""
         method = f"{self.adapter} " if self.adapter != "none" else ""
         cp = f" cp={self.context} {self.context_scheme}" if self.context > 1 else ""
+        sched += " keep" if self.zero3_keep_gathered else ""
         return (
             f"{method}dp={self.data}{cp} tp={self.tensor}{sp} pp={self.pipeline} "
             f"zero={self.zero_stage} "

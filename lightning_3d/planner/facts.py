@@ -43,6 +43,44 @@ PRECISIONS: Mapping[str, tuple[int, int, int, int]] = {
     "16-mixed": (4, 4, 8, 2),
     "bf16-true": (2, 2, 4, 2),
 }
+# Optimizer bytes per trained parameter where ZeRO 0-2 keep fp32 masters of a low-precision
+# module (``zero_master_weights``, the default): an fp32 master and Adam's two fp32 moments, the
+# ZeRO paper's K = 12 (parallel/masters.py). ZeRO-3 (FSDP2) steps the bf16 shards themselves:
+# the table above.
+MASTER_STATE_BYTES: Mapping[str, int] = {"bf16-true": 12}
+
+
+# Low-bit AdamW moments (parallel/optimizers.py): (bytes of code per moment element, elements
+# per fp32 scale). Tensors under 4096 elements keep fp32 moments: not modelled (norms, biases).
+LOW_BIT_MOMENTS: Mapping[str, tuple[float, int]] = {
+    "adamw8bit": (1, 256),
+    "adamw4bit": (0.5, 128),
+    "adamw8bit_bnb": (1, 256),
+}
+
+
+def optimizer_state_bytes(optimizer: str, adam_bytes: float) -> dict[str, float]:
+    """Bytes per trained parameter of ``optimizer``'s state, by the dtype it is stored in.
+    ``adam_bytes``: what AdamW keeps at this precision (two moments, plus a 4-byte fp32 master
+    where it is more than 8: ZeRO 0-2's masters of a bf16 module, kept by every optimizer).
+
+    Example::
+
+        optimizer_state_bytes("adamw8bit", 8)  # {"uint8": 2, "float32": 0.03125}
+    """
+    moments = min(adam_bytes, 8)
+    masters = {"float32": adam_bytes - moments} if adam_bytes > moments else {}
+    kind = "float32" if moments == 8 else "bfloat16"
+    if optimizer == "sgd":  # one momentum buffer
+        state = {kind: moments / 2}
+    elif optimizer in LOW_BIT_MOMENTS:
+        code, block = LOW_BIT_MOMENTS[optimizer]
+        state = {"uint8": 2 * code, "float32": 2 * 4 / block}
+    else:
+        state = {kind: moments}
+    for dtype, nbytes in masters.items():
+        state[dtype] = state.get(dtype, 0) + nbytes
+    return state
 
 
 def offloaded_state_bytes(param_bytes: int, params_on_host: bool = False) -> int:
@@ -149,6 +187,9 @@ class ModelFacts:
     activations: Mapping[tuple, ActivationFit] = field(default_factory=dict)
     pipeline_ready: bool = True  # the model has a pipeline_spec
     context_ready: bool = True  # context parallelism can route the model's attention
+    # What the search asks again for each of its candidates (a stage split's parts, by
+    # (what, pipeline, virtual)), computed once per facts: not copied by ``replace``.
+    memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def num_params(self) -> int:

@@ -28,7 +28,8 @@ the chunks in flight at the peak (:func:`lightning_3d.planner.schedule.in_flight
 pipeline one; GPipe all ``m``; 1F1B ``min(m, p − r)`` on rank ``r``; the interleaved schedules
 by torch's warm-up count). A checkpointed block's
 backward recomputes it, so one block's uncheckpointed bytes exist at once on top. The last stage
-also keeps the logits (vocab-parallel: ``V / tensor``) and their fp32 softmax for the loss.
+also keeps the logits (vocab-parallel: ``V / tensor``) and their fp32 softmax for the loss, or
+with ``loss_chunks`` one chunk's of them (:func:`~lightning_3d.planner.activations.head_loss_bytes`).
 
 Buffers: the module's buffers; ZeRO 0-2's gradient bucket in flight; ZeRO-3's gathered block
 (this one and the prefetched next, in the compute dtype) and one block's unsharded gradients;
@@ -42,8 +43,15 @@ from dataclasses import dataclass
 from lightning_3d.offload.optimizer import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW
 from lightning_3d.offload.storage import pinned_bytes
 from lightning_3d.parallel.stages import stage_blocks, stage_ids
+from lightning_3d.planner.activations import head_loss_bytes
 from lightning_3d.planner.choice import Choice, PlannerOptions
-from lightning_3d.planner.facts import ModelFacts, Part, offloaded_state_bytes
+from lightning_3d.planner.facts import (
+    MASTER_STATE_BYTES,
+    ModelFacts,
+    Part,
+    offloaded_state_bytes,
+    optimizer_state_bytes,
+)
 from lightning_3d.planner.methods import (
     adapter_activation_bytes,
     adapter_part,
@@ -89,7 +97,15 @@ class MemorySplit:
 
 
 def stage_parts(facts: ModelFacts, pipeline: int, virtual: int = 1) -> list[tuple[Part, int]]:
-    """(parameters, number of blocks) of each pipeline rank, its ``virtual`` stages together."""
+    """(parameters, number of blocks) of each pipeline rank, its ``virtual`` stages together.
+    Computed once per split (``ModelFacts.memo``): the search asks for it per candidate."""
+    key = ("stage_parts", pipeline, virtual)
+    if key not in facts.memo:
+        facts.memo[key] = tuple(_stage_parts(facts, pipeline, virtual))
+    return list(facts.memo[key])
+
+
+def _stage_parts(facts: ModelFacts, pipeline: int, virtual: int) -> list[tuple[Part, int]]:
     stages = pipeline * virtual
     runs = stage_blocks(facts.n_layer, stages)
     parts = []
@@ -115,6 +131,13 @@ def stage_parts(facts: ModelFacts, pipeline: int, virtual: int = 1) -> list[tupl
 
 def stage_block_parts(facts: ModelFacts, pipeline: int, virtual: int = 1) -> list[Part]:
     """The blocks' parameters (no embedding, no head) of each pipeline rank, as :func:`stage_parts`."""
+    key = ("stage_block_parts", pipeline, virtual)
+    if key not in facts.memo:
+        facts.memo[key] = tuple(_stage_block_parts(facts, pipeline, virtual))
+    return list(facts.memo[key])
+
+
+def _stage_block_parts(facts: ModelFacts, pipeline: int, virtual: int) -> list[Part]:
     runs = stage_blocks(facts.n_layer, pipeline * virtual)
     out = []
     for rank in range(pipeline):
@@ -141,6 +164,9 @@ def model_state(
     p_b, g_b, o_b, _ = facts.bytes
     # ZeRO shards over data × context: those ranks hold the same layers.
     dp, z, tp = choice.data * choice.context, choice.zero_stage, choice.tensor
+    if z < 3:  # fp32 masters of a bf16 module: stepped in each rank's slice (stage 0: whole)
+        o_b = MASTER_STATE_BYTES.get(facts.precision, o_b)
+    o_b = sum(optimizer_state_bytes(choice.optimizer, o_b).values())  # low-bit moments: less
 
     def held(p: Part) -> float:
         return p.sharded(tp, dp, dp_rank) if z == 3 else p.local(tp)
@@ -171,8 +197,12 @@ def model_state(
 
 
 def predicted_rank(facts: ModelFacts, choice: Choice, rank: int) -> dict[str, float]:
-    """What the planner predicts ``rank`` holds (mesh ``(pp, dp, tp)``, tensor innermost)."""
-    stage, dp_rank = rank // (choice.data * choice.tensor), rank // choice.tensor % choice.data
+    """What the planner predicts ``rank`` holds (mesh ``(pp, dp, cp, tp)``, tensor innermost).
+
+    ZeRO shards over data x context flattened (``dp_cp``, data outer), so the rank's index on
+    that axis is its index over the ranks of its stage, tensor ranks aside."""
+    shards = choice.data * choice.context
+    stage, dp_rank = rank // (shards * choice.tensor), rank // choice.tensor % shards
     part, _ = stage_parts(facts, choice.pipeline, choice.virtual_stages)[stage]
     params, grads, optimizer, _, _ = model_state(facts, choice, part, dp_rank)
     # The run's meter adds up every micro-batch of the step: the whole per-rank batch.
@@ -218,6 +248,9 @@ def activation_bytes(
     m, p, v = choice.micro_batches, choice.pipeline, choice.virtual_stages
     chunks = in_flight_chunks(choice.schedule, p, m, stage, v)
     total = per_block * blocks / v * chunks
+    if choice.activation_offload and blocks:
+        # Saves wait on the host (offloaded_activation_bytes); backward brings one block's back.
+        total = per_block
     if choice.ac_policy != "none" and blocks:  # one block recomputed at a time in backward
         whole = facts.activation("none", tp, sp, method).bytes_per_sample(seq)
         if not facts.measured_method("none", tp, sp, method):
@@ -225,9 +258,21 @@ def activation_bytes(
         total += max(0.0, whole * mb - per_block)
     if stage == p - 1:
         act = facts.bytes[3]
-        head = seq * (facts.vocab_size / choice.tensor * (act + 4) + facts.d_model * act) * mb
+        tokens, vocab, chunks = seq * mb, facts.vocab_size, choice.loss_chunks
+        head = head_loss_bytes(tokens, vocab, facts.d_model, act, chunks, choice.tensor)
         total += head * (m if p > 1 and choice.schedule == "gpipe" else 1)
     return total
+
+
+def offloaded_activation_bytes(facts: ModelFacts, choice: Choice, stage: int, blocks: int) -> float:
+    """Host bytes of pipeline rank ``stage``'s offloaded block activations (``activation_offload``)
+    at their peak: every block's saves of every micro-batch in flight (adapters' not modelled)."""
+    if not choice.activation_offload or not blocks:
+        return 0.0
+    fit = facts.activation(choice.ac_policy, choice.tensor, choice.sequence_parallel)
+    per_block = fit.bytes_per_sample(facts.seq_len // choice.context) * choice.micro_batch_size
+    p, m, v = choice.pipeline, choice.micro_batches, choice.virtual_stages
+    return per_block * blocks / v * in_flight_chunks(choice.schedule, p, m, stage, v)
 
 
 def buffer_bytes(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> float:
@@ -254,6 +299,10 @@ def buffer_bytes(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> 
                 choice.adapter, block.local(tp), projections(block).local(tp), compute
             )
             total += 2 * base + adapter_part(block, r).local(tp) * (2 * compute + g_b)
+    if choice.zero3_keep_gathered and choice.micro_batches > 1 and choice.pipeline == 1:
+        # Through an accumulated step every unit stays gathered (compute dtype) and its
+        # gradients unsharded (reduce dtype): the whole stage's (parallel/fsdp.py).
+        total += stage_parts(facts, 1)[0][0].local(tp) * (compute + g_b)
     if choice.adapter == "qlora":
         total += max((n for (_, n, _), _ in projections(facts.blocks[0]).tensors), default=0) * act
     if choice.pipeline > 1:
@@ -261,14 +310,29 @@ def buffer_bytes(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> 
     return total
 
 
+def _first_of_each_kind(facts: ModelFacts, pipeline: int, virtual: int) -> tuple[int, ...]:
+    """The pipeline ranks whose memory can be the largest: the first of each kind (the same
+    parts, the same blocks, last or not). A later rank of a kind keeps no more in flight (every
+    schedule's count falls or stays with the rank), so it never holds more."""
+    key = ("first_of_each_kind", pipeline, virtual)
+    if key not in facts.memo:
+        stages = stage_parts(facts, pipeline, virtual)
+        blocks = stage_block_parts(facts, pipeline, virtual)
+        firsts: dict[tuple, int] = {}
+        for stage, (part, _) in enumerate(stages):
+            firsts.setdefault((part, blocks[stage], stage == len(stages) - 1), stage)
+        facts.memo[key] = tuple(sorted(firsts.values()))
+    return facts.memo[key]
+
+
 def rank_memory(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> MemorySplit:
     """The largest stage's per-rank memory (by device total)."""
     best = None
     buffers = buffer_bytes(facts, choice, options)
     block_parts = stage_block_parts(facts, choice.pipeline, choice.virtual_stages)
-    for stage, (part, blocks) in enumerate(
-        stage_parts(facts, choice.pipeline, choice.virtual_stages)
-    ):
+    stages = stage_parts(facts, choice.pipeline, choice.virtual_stages)
+    for stage in _first_of_each_kind(facts, choice.pipeline, choice.virtual_stages):
+        part, blocks = stages[stage]
         params, grads, optimizer, host, disk = model_state(
             facts, choice, part, blocks=block_parts[stage], lora_r=options.lora_r
         )
@@ -278,7 +342,7 @@ def rank_memory(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> M
             optimizer,
             activation_bytes(facts, choice, stage, blocks, options.lora_r),
             buffers,
-            host,
+            host + offloaded_activation_bytes(facts, choice, stage, blocks),
             stage,
             disk,
         )

@@ -5,9 +5,10 @@ ones first, fastest first; then the rejected ones, each with one reason). The sa
 serves the CLI's table and ``parallelism=auto`` (:mod:`lightning_3d.strategy.auto`).
 
 Enumerated: ``data × context × tensor × pipeline = world`` (tensor innermost, kept inside a node
-and dividing the head count; pipeline dividing the block count; context, from
+and dividing the head count; pipeline at most the block count, split unevenly where it does not
+divide it (:func:`lightning_3d.parallel.stages.stage_blocks`); context, from
 ``PlannerOptions.context_sizes_for``, with the sequence divisible by twice its size), ZeRO stages,
-micro-batches (powers of two dividing the per-rank batch, at least ``pipeline`` for 1F1B as
+micro-batches (every count dividing the per-rank batch, at least ``pipeline`` for 1F1B as
 torch requires; without a pipeline they are gradient accumulation steps), schedules (the
 interleaved ones with each of ``virtual_stages`` stages per rank), sequence parallelism (with
 ``tensor > 1``, where measured), activation checkpointing, offload (to host memory or NVMe, with
@@ -24,14 +25,16 @@ per ZeRO stage and micro-batch count.
 from __future__ import annotations
 
 import functools
+import math
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from itertools import product
 from typing import Any, Optional
 
 from lightning_3d.adapters.qlora import refuse_qlora_plan
 from lightning_3d.options import Plan
-from lightning_3d.parallel.pipeline import MULTI_STAGE
+from lightning_3d.parallel.pipeline import MULTI_STAGE, interleaved_rounds
 from lightning_3d.planner.choice import ADAPTERS, OFFLOADS, Choice, PlannerOptions
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.facts import ModelFacts
@@ -64,7 +67,8 @@ class Candidate:
 
 def divisors(n: int) -> list[int]:
     """The whole numbers that divide ``n``, ascending."""
-    return [k for k in range(1, n + 1) if n % k == 0]
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return sorted({*small, *(n // k for k in small)})
 
 
 def _splits(world: int, contexts: tuple[int, ...] = (1,)) -> Iterator[tuple[int, ...]]:
@@ -91,20 +95,30 @@ def _split_problem(
         return "tensor does not divide heads", f"tp={tp} does not divide n_head={facts.n_head}"
     if pp > 1 and not facts.pipeline_ready:
         return "no pipeline spec", f"pp={pp}: the model defines no pipeline_spec()"
-    if facts.n_layer % pp:
-        return "pipeline does not divide blocks", f"pp={pp} does not divide n_layer={facts.n_layer}"
+    if pp > facts.n_layer:
+        # Uneven splits are fine (earlier stages take the extra block); an empty stage is not.
+        return "pipeline > blocks", f"pp={pp} > n_layer={facts.n_layer} (a stage needs a block)"
     if batch % dp:
         return "batch not divisible", f"global batch {batch} is not divisible by dp={dp}"
     return None
 
 
 def _micro_batches(batch_per_rank: int, options: PlannerOptions) -> list[int]:
-    out, m = [], 1
-    while m <= min(batch_per_rank, options.max_micro_batches):
-        if batch_per_rank % m == 0:
-            out.append(m)
-        m *= 2
-    return out
+    """Every count that divides the per-rank batch (equal micro-batches), up to the option's
+    cap: real runs use 3, 6, 12 ... as often as powers of two (a batch of 1,536 sequences)."""
+    return [m for m in divisors(batch_per_rank) if m <= options.max_micro_batches]
+
+
+def _keeps(zero: int, pp: int, m: int, offload_params: bool) -> bool:
+    """Whether ``zero3_keep_gathered`` is worth trying: ZeRO-3 accumulating without a pipeline
+    on device-resident weights (the plan check refuses it elsewhere)."""
+    return zero == 3 and pp == 1 and m > 1 and not offload_params
+
+
+def _unfilled_rounds(schedule: str, pp: int, m: int) -> bool:
+    """torch's interleaved schedules run ``m`` in rounds of ``m // pp`` and refuse a remainder
+    (:func:`lightning_3d.parallel.pipeline.pipeline_options`): never proposed."""
+    return schedule in MULTI_STAGE and pp > 1 and m % interleaved_rounds(m, pp) != 0
 
 
 def _schedules(pp: int, n_layer: int, options: PlannerOptions) -> Iterator[tuple[str, int]]:
@@ -117,9 +131,8 @@ def _schedules(pp: int, n_layer: int, options: PlannerOptions) -> Iterator[tuple
             yield schedule, 1
             continue
         for virtual in options.virtual_stages:
-            if (
-                n_layer % (pp * virtual) == 0
-            ):  # interleaving needs the uniform split to come out even
+            # Uneven chunks are fine (the uniform split gives earlier stages the extra block).
+            if pp * virtual <= n_layer:
                 yield schedule, virtual
 
 
@@ -136,10 +149,13 @@ def _choices(
     # share), where the heads on a tensor rank divide by the context size.
     scheme = "alltoall" if cp > 1 and facts.n_head % (cp * tp) == 0 else Choice.context_scheme
     for adapter in options.adapters:
-        for choice in _layout_choices(dp, tp, pp, batch_per_rank, facts.n_layer, options, dp * cp):
+        fixed = {"adapter": adapter, "context": cp, "context_scheme": scheme}
+        for choice in _layout_choices(
+            dp, tp, pp, batch_per_rank, facts.n_layer, options, dp * cp, fixed
+        ):
             if adapter != "none" and choice.sequence_parallel:
                 continue  # the project refuses adapters beside a sequence-parallel plan
-            yield replace(choice, adapter=adapter, context=cp, context_scheme=scheme)
+            yield choice
 
 
 def _layout_choices(
@@ -150,8 +166,11 @@ def _layout_choices(
     n_layer: int,
     options: PlannerOptions,
     shards: Optional[int] = None,
+    fixed: Optional[dict[str, Any]] = None,
 ) -> Iterator[Choice]:
+    """Every choice of one split; ``fixed``: further ``Choice`` fields, the same for all."""
     shards = dp if shards is None else shards  # ZeRO's axis: data × context
+    fixed = fixed or {}
     for zero in options.zero_stages:
         for offload in options.offloads:
             params = offload.endswith("+params")
@@ -162,8 +181,11 @@ def _layout_choices(
             for policy in options.ac_policies:
                 for schedule, virtual in _schedules(pp, n_layer, options):
                     for m in _micro_batches(batch_per_rank, options):
-                        for sp in (
-                            (False, True) if tp > 1 and options.sequence_parallel else (False,)
+                        if _unfilled_rounds(schedule, pp, m):
+                            continue
+                        for sp, keep in product(
+                            (False, True) if tp > 1 and options.sequence_parallel else (False,),
+                            (False, True) if _keeps(zero, pp, m, params) else (False,),
                         ):
                             yield Choice(
                                 dp,
@@ -177,6 +199,8 @@ def _layout_choices(
                                 batch_per_rank,
                                 virtual,
                                 sp,
+                                zero3_keep_gathered=keep,
+                                **fixed,
                             )
 
 
@@ -323,6 +347,7 @@ def _rank_key(c: Candidate) -> tuple:
         ADAPTERS.index(ch.adapter),
         ch.context,
         ch.zero_stage,
+        ch.zero3_keep_gathered,
         ("none", "selective", "full").index(ch.ac_policy),
         OFFLOADS.index(ch.offload),
         ch.pipeline,
@@ -342,7 +367,9 @@ def _plan_error(choice: Choice, world: int, check: Optional[Check], cache: dict)
     options = choice.options()
     if choice.offload_device == "nvme":
         options["offload_path"] = tempfile.gettempdir()
-    key = (choice.adapter, *sorted(options.items()))
+    # Micro-batch counts are settled by the enumeration (divisors of the batch, torch's rounds:
+    # _unfilled_rounds), so one verdict serves every count of a layout.
+    key = (choice.adapter, *sorted((k, v) for k, v in options.items() if k != "micro_batches"))
     if key not in cache:
         try:
             plan = Plan.from_options(**options)

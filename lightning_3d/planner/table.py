@@ -35,6 +35,8 @@ def ranked_table(candidates: list[Candidate], top: int = 10) -> str:
             else f"accum {ch.micro_batches}×{ch.micro_batch_size}"
         )
         micro += f" v{ch.virtual_stages}" if ch.virtual_stages > 1 else ""
+        # ZeRO-3's units kept gathered through the accumulated step (zero3_keep_gathered).
+        micro += " keep" if ch.zero3_keep_gathered else ""
         sp = " sp" if ch.sequence_parallel else ""
         cp = f" cp{ch.context} {ch.context_scheme}" if ch.context > 1 else ""  # data × context
         rows.append(

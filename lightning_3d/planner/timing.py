@@ -11,9 +11,11 @@ tensor-parallel block costs (1 + ``tp_overhead``) of its FLOP share: norms and r
 tensor rank repeats, and the per-op dispatch of distributed tensors.
 
 **Communication** (ring collectives, bytes one rank sends over its link): data-parallel
-gradient sync once per step — ZeRO 0 an all-reduce (2·(n−1)/n·G), ZeRO 1-2 a reduce-scatter of
-gradients plus an all-gather of updated parameters, ZeRO 3 a reduce-scatter plus two parameter
-all-gathers (forward and backward, in the compute dtype), a reduce-scatter's bytes counting
+gradient sync as the engines send it, micro-batch by micro-batch under accumulation
+(:mod:`lightning_3d.planner.traffic`) — ZeRO 0 an all-reduce (2·(n−1)/n·G) once, ZeRO 1-2 a
+reduce-scatter of gradients (ZeRO 2: each micro-batch) plus an all-gather of updated
+parameters, ZeRO 3 per micro-batch a reduce-scatter plus two parameter all-gathers (forward and
+backward, in the compute dtype; once for the units kept gathered), a reduce-scatter's bytes counting
 1/``reduce_scatter_efficiency`` and an all-gather's 1/``all_gather_efficiency`` (1 with NCCL's
 rings; gloo's are slower than its all-reduce per byte) — over the intra-node link when the
 data-parallel group sits in one node (``data × tensor ≤ devices_per_node``, tensor innermost),
@@ -91,6 +93,7 @@ from lightning_3d.planner.facts import ModelFacts, Part, offloaded_state_bytes
 from lightning_3d.planner.memory import stage_block_parts, stage_parts
 from lightning_3d.planner.methods import adapter_part, frozen_bytes, projections, trained_part
 from lightning_3d.planner.schedule import bubble_share, messages
+from lightning_3d.planner.traffic import accumulation, step_traffic
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,18 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
+def _block_flops(facts: ModelFacts, pp: int, v: int) -> tuple[int, ...]:
+    """Each pipeline rank's blocks' matmul weights, once per split (``ModelFacts.memo``)."""
+    key = ("block_flops", pp, v)
+    if key not in facts.memo:
+        runs = stage_blocks(facts.n_layer, pp * v)
+        facts.memo[key] = tuple(
+            sum(facts.blocks[i].flop_params for k in stage_ids(s, pp, v) for i in runs[k])
+            for s in range(pp)
+        )
+    return facts.memo[key]
+
+
 def step_time(
     facts: ModelFacts, choice: Choice, cluster: Cluster, options: PlannerOptions
 ) -> StepTime:
@@ -151,11 +166,11 @@ def step_time(
         trained_part(choice.adapter, part, block_parts[s], options.lora_r)
         for s, (part, _) in enumerate(stages)
     ]
-    runs = stage_blocks(facts.n_layer, pp * v)
     weight = 6 if choice.adapter == "none" else 4  # a frozen weight has no gradient of its own
     compute = 0.0
+    flops = _block_flops(facts, pp, v)
     for s, (part, blocks) in enumerate(stages):
-        block_flops = sum(facts.blocks[i].flop_params for k in stage_ids(s, pp, v) for i in runs[k])
+        block_flops = flops[s]
         other = part.flop_params - block_flops  # the head (embedding lookups have no matmul)
         attention = 12 * blocks * d * seq
         adapters = 6 * trained[s].flop_params if choice.adapter != "none" else 0
@@ -168,22 +183,25 @@ def step_time(
     # Data-parallel gradient sync of the largest stage (what trains: under LoRA the adapters).
     elements = max(t.local(tp) for t in trained)
     shards = dp * cp  # gradients are averaged, and ZeRO shards, over data × context
-    ring = _ring(shards)
     gathered = act if facts.precision.endswith("mixed") else p_b
     # ZeRO-3 gathers every parameter (elements at the compute dtype, a frozen base as it is held).
     gathered_bytes = max(
         t.local(tp) * gathered
-        + frozen_bytes(choice.adapter, part.local(tp), projections(b).local(tp), gathered)
+        + (
+            frozen_bytes(choice.adapter, part.local(tp), projections(b).local(tp), gathered)
+            if choice.adapter != "none"
+            else 0.0
+        )
         for t, (part, _), b in zip(trained, stages, block_parts)
     )
+    # As the engines send them, micro-batch by micro-batch (planner/traffic.py).
+    traffic = step_traffic(facts, choice, options.lora_r)
     # Bytes at the all-reduce's rate: a reduce-scatter's and an all-gather's count 1/efficiency each.
-    scatter, gather = g_b / options.reduce_scatter_efficiency, 1 / options.all_gather_efficiency
-    volume = {
-        0: 2 * ring * elements * g_b,
-        1: ring * elements * (scatter + p_b * gather),
-        2: ring * elements * (scatter + p_b * gather),
-        3: ring * (elements * scatter + 2 * gathered_bytes * gather),
-    }[choice.zero_stage]
+    volume = (
+        traffic.all_reduce
+        + traffic.reduce_scatter / options.reduce_scatter_efficiency
+        + traffic.all_gather / options.all_gather_efficiency
+    )
     inside = shards * tp <= cluster.devices_per_node
     dp_bw = (
         cluster.intra_node_gbps if inside or cluster.nodes == 1 else cluster.inter_node_gbps
@@ -198,7 +216,7 @@ def step_time(
     elif (
         choice.zero_stage == 3
     ):  # per block: gather in forward, gather and reduce-scatter in backward
-        collectives = 3 * facts.n_layer // pp
+        collectives = 3 * facts.n_layer // pp * accumulation(choice)
     else:
         collectives = (2 if choice.zero_stage else 1) * max(
             1, -(-elements * g_b // (options.bucket_size_mb * 2**20))

@@ -113,7 +113,7 @@ class StopOnSignal(Callback):
         if not signum:
             return
         path = checkpoint_path(trainer)
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)
         name = signal.Signals(signum).name
         self.restore()
         raise Preempted(

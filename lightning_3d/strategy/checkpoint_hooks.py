@@ -30,6 +30,8 @@ from lightning_3d.checkpoint.consolidated import (
     full_optimizer_state,
     load_full_model_state,
     load_full_optimizer_state,
+    load_master_state,
+    master_state,
 )
 from lightning_3d.checkpoint.integrity import KEY as CHECKSUMS
 from lightning_3d.checkpoint.view import full_state_dict
@@ -57,7 +59,9 @@ class CheckpointHooks:
         if self.checkpoint_format == "sharded":
             return sharded.model_state(self.lightning_module, keep)
         recipe = self.parallelized
-        return full_model_state(self.lightning_module, recipe.pp_group, recipe.full_names, keep)
+        return full_model_state(
+            self.lightning_module, recipe.pp_group, recipe.full_names, keep, recipe.engines
+        )
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         raw = getattr(optimizer, "_optimizer", optimizer)
@@ -157,6 +161,10 @@ class CheckpointHooks:
             names=names,
         )
         load_full_model_state(self.lightning_module, checkpoint["state_dict"], strict, names)
+        # fp32 masters (ZeRO 0-2 under bf16-true) take the saved fp32 values, not their roundings.
+        load_master_state(
+            self.lightning_module, checkpoint["state_dict"], self.parallelized.engines
+        )
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if checkpoint.get("format") == sharded_files.FORMAT:
@@ -180,4 +188,7 @@ class CheckpointHooks:
     def full_state_dict(self) -> dict[str, Tensor]:
         """Every parameter and buffer of the module at full size, on CPU, merged over pipeline
         stages: what one process would hold. A collective: call on every rank."""
-        return full_state_dict(self.lightning_module, pp_group=self.parallelized.pp_group)
+        module, recipe = self.lightning_module, self.parallelized
+        full = full_state_dict(module, pp_group=recipe.pp_group)
+        # fp32 masters, where ZeRO 0-2 keep them, are the weights one process would step.
+        return {**full, **master_state(module, recipe.engines, pp_group=recipe.pp_group)}

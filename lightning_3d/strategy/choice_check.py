@@ -67,6 +67,9 @@ class RankKind:
     dp_rank: int
     tp_rank: int
     label: str
+    cp_rank: int = 0
+    # Index on ZeRO's axis: data x context flattened (``dp_cp``, data outer), or data alone.
+    shard_rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,11 @@ def rank_kinds(choice: Choice, n_layer: int) -> list[RankKind]:
     last rank's slice. So each stage kind is built at its first corner (dp 0, tp 0) and at its
     last (dp -1, tp -1). ``torch.chunk``'s chunks never grow with the rank, so every other data
     rank's bytes lie between those of the two corners (a middle rank can hold a third chunk size
-    of a small parameter; it is checked by the same rule wherever it is built)."""
+    of a small parameter; it is checked by the same rule wherever it is built). Context ranks
+    hold the same layers as data ranks and ZeRO shards over both (data outer), so the corners
+    are (dp 0, cp 0, tp 0) and (dp -1, cp -1, tp -1) of the mesh ``(pp, dp, cp, tp)``."""
     dp, tp, pp, v = choice.data, choice.tensor, choice.pipeline, choice.virtual_stages
+    cp = choice.context
     runs = stage_blocks(n_layer, pp * v)
     kinds, seen = [], set()
     for stage in range(pp):  # a pipeline rank with its virtual stages
@@ -105,9 +111,11 @@ def rank_kinds(choice: Choice, n_layer: int) -> list[RankKind]:
             name for name, here in (("embeddings", stage == 0), ("head", stage == pp - 1)) if here
         ]
         what = f"stage {stage}/{pp}: {blocks} blocks" + "".join(f" + {e}" for e in ends)
-        for d, t in dict.fromkeys(((0, 0), (dp - 1, tp - 1))):
-            rank = (stage * dp + d) * tp + t  # mesh (pp, dp, tp), tensor innermost
-            kinds.append(RankKind(rank, stage, d, t, f"{what}, dp {d}/{dp}, tp {t}/{tp}"))
+        for d, c, t in dict.fromkeys(((0, 0, 0), (dp - 1, cp - 1, tp - 1))):
+            rank = ((stage * dp + d) * cp + c) * tp + t  # mesh (pp, dp, cp, tp), tensor innermost
+            on_cp = f", cp {c}/{cp}" if cp > 1 else ""
+            label = f"{what}, dp {d}/{dp}{on_cp}, tp {t}/{tp}"
+            kinds.append(RankKind(rank, stage, d, t, label, c, d * cp + c))
     return kinds
 
 
@@ -249,6 +257,13 @@ def _axis_placements(p: torch.Tensor) -> dict[str, Any]:
     return dict(zip(p.device_mesh.mesh_dim_names or (), p.placements))
 
 
+def _shard_axis(choice: Choice) -> str:
+    """The mesh axis ZeRO shards over (:func:`lightning_3d.layout.shard_mesh`): data, or data x
+    context flattened into ``dp_cp`` when the layout splits sequences."""
+    data = MeshAxis.DATA.value
+    return f"{data}_{MeshAxis.CONTEXT.value}" if choice.context > 1 else data
+
+
 def _shard_dim(placement: Any) -> Optional[int]:
     """The tensor dim a placement shards (``Shard`` or FSDP2's ``_StridedShard`` over a tensor-parallel
     shard of the same dim); ``None`` for none, ``Replicate`` or ``Partial``."""
@@ -275,7 +290,7 @@ def _shape_problems(
             f"{where} holds other parameters than the planner's stage {kind.stage}: missing {missing[:3]}"
             f"{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}"
         )
-    tp_axis, dp_axis = MeshAxis.TENSOR.value, MeshAxis.DATA.value
+    tp_axis, dp_axis = MeshAxis.TENSOR.value, _shard_axis(choice)
     for name, p in module.named_parameters():
         if name not in ref.shapes:
             continue
@@ -301,12 +316,15 @@ def _shape_problems(
         on_dp = placements.get(dp_axis)
         if choice.zero_stage == 3:
             if _shard_dim(on_dp) != 0:
-                yield f"{where}: {name} under ZeRO-3 is placed {on_dp} on dp, not sharded on dim 0"
+                yield f"{where}: {name} under ZeRO-3 is placed {on_dp} on {dp_axis}, not sharded on dim 0"
                 continue
-            chunk = math.ceil(local[0] / choice.data)
-            local[0] = max(0, min(chunk, local[0] - kind.dp_rank * chunk))
+            chunk = math.ceil(local[0] / (choice.data * choice.context))
+            local[0] = max(0, min(chunk, local[0] - kind.shard_rank * chunk))
         elif on_dp is not None:
-            yield f"{where}: {name} under ZeRO {choice.zero_stage} is placed {on_dp} on dp (parameters stay whole)"
+            yield (
+                f"{where}: {name} under ZeRO {choice.zero_stage} is placed {on_dp} on {dp_axis} "
+                "(parameters stay whole)"
+            )
             continue
         if tuple(_local(p).shape) != tuple(local):
             yield f"{where}: {name} has local shape {tuple(_local(p).shape)}, the planner assumes {tuple(local)}"
@@ -358,15 +376,16 @@ def _bucket_problems(made: Any, module: nn.Module, choice: Choice) -> list[str]:
             for p in b.params:
                 count[id(p)] = count.get(id(p), 0) + 1
             if choice.zero_stage >= 1:
-                on_dp = _axis_placements(b.slice).get(MeshAxis.DATA.value)
+                on_dp = _axis_placements(b.slice).get(_shard_axis(choice))
                 if _shard_dim(on_dp) != 0:
                     out.append(
-                        f"a ZeRO-{choice.zero_stage} slice is placed {on_dp} on dp, not Shard(0)"
+                        f"a ZeRO-{choice.zero_stage} slice is placed {on_dp} on {_shard_axis(choice)}, not Shard(0)"
                     )
-                if _local(b.slice).numel() * choice.data != b.flat.numel():
+                shards = choice.data * choice.context
+                if _local(b.slice).numel() * shards != b.flat.numel():
                     out.append(
                         f"a ZeRO-{choice.zero_stage} slice holds {_local(b.slice).numel()} of "
-                        f"{b.flat.numel()} elements, not 1/{choice.data}"
+                        f"{b.flat.numel()} elements, not 1/{shards}"
                     )
     for name, p in module.named_parameters():
         if p.requires_grad and count.get(id(p), 0) != 1:
@@ -405,6 +424,8 @@ def _rank_bytes(
         (b.grad if b.grad is not None else b.shard_grad for b in buckets), seen
     )
     state = [v for opt in optimizers for s in opt.state.values() for v in s.values()]
+    # ZeRO 0-2's fp32 masters of a bf16 module are optimizer state (the planner's 12 bytes).
+    state += [b.master for b in buckets if b.master is not None]
     return {
         "param_bytes": param_bytes,
         "grad_bytes": grad_bytes,

@@ -10,6 +10,9 @@ cases):
    ever sharded, wrapped or handed to the optimizer.
 3. **Initial weights**: the first rank's, over the tensor ranks and the ZeRO-3 ranks
    (``parallel/replicas.py``), before anything shards them.
+   Then, for a mixture-of-experts model, **expert parallelism** (``parallel/expert.py``): each
+   rank keeps its ``ep`` slice of those experts; the ZeRO engines (11, and FSDP2 in 8) leave
+   the expert weights to its own gradient reduction.
 4. **Tensor parallelism** on the ``tp`` axis (``parallel/tensor.py``): weights become
    tp-sharded DTensors; ties re-made.
 5. With ``context`` > 1, **context parallelism** (``parallel/context/``): attention layers run
@@ -48,9 +51,17 @@ from lightning_3d.layout import MeshAxis, shard_mesh
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.options import Plan
 from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpointing
+from lightning_3d.parallel.chunked_loss import apply_chunked_loss
 from lightning_3d.parallel.compile import compile_blocks
+from lightning_3d.parallel.expert import (
+    apply_expert_parallel,
+    moe_layers,
+    refuse_expert_plan,
+    set_aside,
+)
 from lightning_3d.parallel.foreach import step_shards_together
 from lightning_3d.parallel.fsdp import apply_zero3, fsdp_policies
+from lightning_3d.parallel.masters import master_options, refuse_master_combinations
 from lightning_3d.parallel.materialize import materialize_shards
 from lightning_3d.parallel.pipeline_runtime import PipelineRuntime
 from lightning_3d.parallel.replicas import broadcast_initial, tensor_replicas
@@ -79,6 +90,7 @@ class Parallelized:
     tied: Optional[TiedGroups] = None  # tied weights with a copy on several pipeline ranks
     engines: list[ZeroDataParallel] = field(default_factory=list)  # ZeRO 0-2, one per optimizer
     tp_plan: dict = field(default_factory=dict)  # module name -> its tensor-parallel style
+    experts: list = field(default_factory=list)  # ep-sharded expert weights (no ZeRO engine)
     _bound: dict[int, ZeroDataParallel] = field(default_factory=dict)  # id(optimizer) -> its engine
 
     @classmethod
@@ -195,9 +207,15 @@ def parallelize(
     layout = plan.layout
     # Before any rewrite: what an NF4 base (adapter method="qlora") cannot take.
     check_qlora_plan(module, plan, mesh.get_group(MeshAxis.DATA.value).size())
+    # Before any rewrite: a model whose experts the expert axis cannot split.
+    refuse_expert_plan(module, layout.expert)
+    # fp32 masters for a bf16 module under ZeRO 0-2: the combinations not built for them yet.
+    refuse_master_combinations(plan, precision)
     # While the model is whole: checkpoints use one process's names, ties must outlive every
     # rewrite below, and the tensor plan is recognised from the whole architecture.
     made, ties = Parallelized.whole(module, mesh), record_ties(module)
+    # Before the split: the pipeline spec the split reads ends at the norm when the loss is chunked.
+    apply_chunked_loss(module, plan.loss, layout)
     if layout.tensor > 1:
         styles = build_styles(module, plan.tp.plan, plan.tp.sequence_parallel)
     step("the pipeline split")
@@ -208,6 +226,11 @@ def parallelize(
     step("the first rank's initial weights")
     # Before any sharding: each rank would otherwise shard its own differently seeded weights.
     broadcast_initial(module, mesh, layout.zero_stage)
+    if moe_layers(module):
+        step("expert parallelism")
+        # After the initial weights (each rank keeps its slice of the same experts), before
+        # ZeRO-3, which must leave the ep-sharded expert weights to their own gradient hook.
+        made.experts = apply_expert_parallel(module, mesh, shard_mesh(mesh), layout.expert)
     step("tensor parallelism")
     if layout.tensor > 1:
         # After the split (other stages' modules match nothing), before AC, compile and FSDP2.
@@ -223,7 +246,7 @@ def parallelize(
         apply_context_parallel(module, mesh.get_group(MeshAxis.CONTEXT.value), plan.cp.scheme)
     step("activation checkpointing")
     # After the split (placeholders skipped) and TP (its hooks run inside the recomputed region).
-    apply_activation_checkpointing(module, plan.ac.policy, plan.ac.every_n)
+    apply_activation_checkpointing(module, plan.ac.policy, plan.ac.every_n, plan.ac.offload)
     if plan.compile.enabled:
         step("torch.compile")
         # Traces the TP layers and the checkpointed region; FSDP2's hooks stay outside the graph.
@@ -232,7 +255,8 @@ def parallelize(
     if layout.zero_stage == 3:
         # Last of the wrappers: per-block gather and reshard hooks around all of the above.
         policies = fsdp_policies(precision, plan.offload.params, device.type)
-        apply_zero3(module, shard_mesh(mesh), roots=made.stages, **policies)
+        ignored = {"ignored_params": set(made.experts)} if made.experts else {}
+        apply_zero3(module, shard_mesh(mesh), roots=made.stages, **policies, **ignored)
     step("materialising the weights")
     # Built on meta: each parameter filled once, in its final dtype, place and shard.
     materialize_shards(module, device, offloaded=layout.zero_stage == 3 and plan.offload.params)
@@ -269,9 +293,14 @@ def attach_optimizers(
         tied = {id(p): group for p, group, _ in parallelized.tied_copies()}
         for optimizer in optimizers:
             engine = ZeroDataParallel(
-                mesh, plan.layout.zero_stage, bucket_numel=_bucket_numel(optimizer, plan)
+                mesh,
+                plan.layout.zero_stage,
+                bucket_numel=_bucket_numel(optimizer, plan),
+                **master_options(optimizer, plan),
             )
-            engine.attach(optimizer, tied=tied)
+            # Expert weights: reduced by their own hook (parallel/expert.py), in no bucket.
+            with set_aside(optimizer, parallelized.experts, engine.original_groups):
+                engine.attach(optimizer, tied=tied)
             parallelized.bind(optimizer, engine)
     if plan.offload.device == "none":
         for optimizer in optimizers:  # ZeRO 1-2's slices and ZeRO-3's shards are DTensors

@@ -35,6 +35,7 @@ from lightning_3d.observe.telemetry import Telemetry
 from lightning_3d.offload import OffloadedAdam
 from lightning_3d.options import Plan
 from lightning_3d.parallel.clip import collective_device, global_grad_norm
+from lightning_3d.parallel.fsdp import accumulate_gathered, end_accumulation
 from lightning_3d.parallel.loss import plain_loss, vocab_parallel_loss
 from lightning_3d.parallel.materialize import to_device_keeping_meta
 from lightning_3d.parallel.replicas import ReplicaCheck, plan_hint
@@ -489,6 +490,9 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         self.objective.begin(window=batch_idx % accumulation == 0, calls_per_step=calls)
         with self._step_context(training=True):
             if self.pipeline is None:
+                if self._keeps_gathered:
+                    # Before the forward: this micro-batch's FSDP2 resharding and reduction.
+                    accumulate_gathered(self.model, last=self._sync_grads)
                 return plain_loss(super().training_step(*args, **kwargs))
             loss = self.pipeline.train_step(
                 self.lightning_module,
@@ -596,6 +600,18 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         for engine in self.parallelized.engines:
             engine.finish_backward()
+        if self._keeps_gathered and self._sync_grads:
+            # The step's last backward reduced and resharded: evaluation reshards as usual.
+            end_accumulation(self.model)
+
+    @property
+    def _keeps_gathered(self) -> bool:
+        """``zero3_keep_gathered`` in effect: accumulated micro-batches without a pipeline."""
+        return (
+            self.plan.fsdp.keep_gathered
+            and self.pipeline is None
+            and self.lightning_module.trainer.accumulate_grad_batches > 1
+        )
 
     @override
     def optimizer_step(

@@ -7,6 +7,12 @@ rank 0, the bytes of parameters, gradients and optimizer state resident at the e
 (counted from the tensors: see ``lightning_3d.observe.memory``) and their ratio to the formula
 (stage 0: 16Ψ, 1: 8Ψ + 8Ψ/N, 2: 4Ψ + 12Ψ/N, 3: 16Ψ/N). Peak RSS is printed too, measured with
 ``MALLOC_MMAP_THRESHOLD_=1048576`` so freed large tensors go back to the OS.
+
+A second table is the bf16 module with fp32 master weights (``precision="bf16-true"``, ZeRO 0-2:
+``lightning_3d.parallel.masters``): the same GPT in bf16, one AdamW step of the ZeRO engine per
+layout, its bytes counted from the tensors after the step (bf16 weights and gradient buffers, fp32
+masters and moments; the masters' fp32 gradients, made for the step only, in their own column)
+against the paper's mixed-precision formula (16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N).
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import argparse
 import os
 
 from lightning_3d.observe.memory import zero_formula_bytes
-from tools.harness.runs import Run, fit_gpt
+from lightning_3d.parallel.masters import paper_bytes
+from tools.harness.runs import TINY_MODEL, Run, fit_gpt
 from tools.harness.world import run_world
 
 
@@ -32,6 +39,53 @@ def measure(data: int, stage: int, model: dict) -> dict:
     runs = run_world(fit_gpt, data, run, start_method="spawn")
     summary = runs[0]["summary"]
     return {"num_params": summary["num_params"], **summary["ranks"][0]}
+
+
+def _masters_rank(rank: int, data: int, stage: int, model: dict) -> dict:
+    """One AdamW step of the bf16 GPT under the ZeRO engine with fp32 masters; bytes counted."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_3d.models import LitGPT
+    from lightning_3d.parallel.masters import MASTER_DTYPE, zero_state_bytes
+    from lightning_3d.parallel.zero import ZeroDataParallel
+
+    mesh = init_device_mesh("cpu", (data,), mesh_dim_names=("dp",))
+    torch.manual_seed(1234)
+    module = LitGPT(**{**TINY_MODEL, **model}).bfloat16()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    engine = ZeroDataParallel(mesh, stage, master_dtype=MASTER_DTYPE)
+    engine.attach(optimizer)
+    vocab = {**TINY_MODEL, **model}["vocab_size"]
+    tokens = torch.randint(0, vocab, (2, model["block_size"]))
+    engine.prepare_backward(sync=True)
+    module(tokens).float().square().mean().backward()
+    engine.finish_backward()
+    optimizer.step()
+    counted = zero_state_bytes(module, optimizer, engine)
+    engine.after_step()
+    return {"num_params": sum(p.numel() for p in module.parameters()), **counted}
+
+
+def masters_table(data_sizes: list[int], model: dict) -> None:
+    print(
+        "\n| N | stage | bf16 params MB | bf16 grads MB | fp32 masters MB | optim MB | total MB "
+        "| formula MB | total/formula | master grads MB (step only) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for data in data_sizes:
+        for stage in (0, 1, 2):
+            row = run_world(_masters_rank, data, data, stage, model)[0]
+            keys = ("params", "grads", "masters", "optimizer_state")
+            total = sum(row[k] for k in keys)
+            formula = paper_bytes(row["num_params"], stage, data)
+            mb = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+            print(
+                f"| {data} | {stage} | {' | '.join(mb(row[k]) for k in keys)} | {mb(total)} | "
+                f"{mb(formula)} | {total / formula:.3f} | {mb(row['master_grads'])} |",
+                flush=True,
+            )
+    print(f"\nΨ = {row['num_params']:,} parameters (bf16 + fp32 masters, AdamW); rank 0.")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     print(f"\nΨ = {row['num_params']:,} parameters (fp32 AdamW); rank 0 of each layout.")
+    masters_table(args.data, model)
 
 
 if __name__ == "__main__":

@@ -190,6 +190,10 @@ def _build_module(run: Run, kwargs: dict[str, Any]) -> Any:
 
     if run.arch == "gpt":
         module = LitGPT(**kwargs)
+    elif run.arch == "moe":  # the reference GPT with mixture-of-experts MLPs
+        from lightning_3d.models.moe import LitMoEGPT
+
+        module = LitMoEGPT(**kwargs)
     elif run.arch == "hf" or run.arch.startswith(
         "hf_"
     ):  # a tiny transformers model: hf_llama, hf_qwen2, ...
