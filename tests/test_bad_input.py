@@ -38,6 +38,15 @@ def test_several_unknown_options_are_all_named():
     assert "foo" in str(err.value) and "offload" in str(err.value)
 
 
+def test_bad_values_of_several_groups_are_all_named_at_once():
+    """A pipeline schedule, a checkpointing policy, an offload device and a timeout, all wrong:
+    one error names the four (the groups that fill in defaults used to stop at the first)."""
+    with pytest.raises(ValueError) as err:
+        ThreeDStrategy(pipeline=2, schedule="bogus", ac_policy="nope", offload="tape", timeout_s=-1)
+    for named in ("'bogus'", "'nope'", "offload='tape'", "timeout_s"):
+        assert named in str(err.value), str(err.value)
+
+
 @pytest.mark.parametrize("stage", [5, -1, "3"])
 def test_bad_zero_stage(stage):
     with pytest.raises(ValueError, match=rf"zero_stage={stage!r}"):

@@ -20,7 +20,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from typing import Any, Optional
@@ -476,18 +476,24 @@ def _renamed(options: dict[str, Any]) -> dict[str, Any]:
 
 
 def _checked(plan: Plan) -> Plan:
-    """Every group checked, and the pipeline's defaults (micro-batches, virtual stages) filled in."""
-    layout = plan.layout
-    pp = pipeline_options(
+    """Every group checked, and the pipeline's defaults (micro-batches, virtual stages) filled in;
+    one ``ValueError`` naming every problem found, not only the first."""
+    layout, problems = plan.layout, []
+    # The groups whose check also fills in defaults (a dict of the checked values).
+    pp = _collected(
+        problems,
+        pipeline_options,
         layout.pipeline,
         plan.pp.micro_batches,
         plan.pp.schedule,
         plan.pp.virtual_stages,
         plan.pp.split,
     )
-    ac = ac_options(plan.ac.policy, plan.ac.every_n, plan.ac.offload)
+    ac = _collected(problems, ac_options, plan.ac.policy, plan.ac.every_n, plan.ac.offload)
     offload = plan.offload
-    checked = offload_options(
+    checked = _collected(
+        problems,
+        offload_options,
         offload.device,
         offload.path,
         offload.chunk_mb,
@@ -497,9 +503,8 @@ def _checked(plan: Plan) -> Plan:
         offload.direct_io,
         offload.overlap,
     )
-    # Each group's own values first, in the order of the plan's fields, then the rules that
-    # join a group to the layout.
-    problems = []
+    # Each group's own values, in the order of the plan's fields, then the rules that join a
+    # group to the layout.
     for group in (plan.tp, plan.zero, plan.fsdp, plan.checkpoint, plan.compile, plan.dist):
         problems += group.problems()
     problems += scheme_problems(plan.cp.scheme)
@@ -518,6 +523,16 @@ def _checked(plan: Plan) -> Plan:
         ac=ActivationCheckpointOptions(**ac),
         offload=replace(offload, path=checked["path"]),
     )
+
+
+def _collected(problems: list[str], check: Callable[..., dict], *args: Any) -> dict:
+    """``check(*args)``'s values; its ``ValueError`` appended to ``problems`` instead (then an
+    empty dict: the plan is refused below, so the values are never used)."""
+    try:
+        return check(*args)
+    except ValueError as err:
+        problems.append(str(err))
+        return {}
 
 
 def _across_groups(plan: Plan) -> list[str]:

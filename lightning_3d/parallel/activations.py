@@ -153,10 +153,8 @@ class ActivationMeter:
         try:
             storage = innermost(tensor).untyped_storage()
             key = storage.data_ptr()
-        except (
-            RuntimeError,
-            NotImplementedError,
-        ):  # a tensor subclass without a storage of its own
+        # A tensor subclass without a storage of its own.
+        except (RuntimeError, NotImplementedError):
             return None
         if key in self._param_storages or (self._running and key in self._running[-1][1]):
             return None  # a parameter (or a view of one), not an activation

@@ -622,9 +622,8 @@ class ZeroDataParallel:
     # ---------------------------------------------------------------- step
     def after_step(self) -> None:
         """Call after ``optimizer.step()``: re-replicate parameters, clear gradients."""
-        if (
-            self.passthrough
-        ):  # autograd's gradients are the engine's: cleared here as the buckets' are
+        # Passthrough: autograd's gradients are the engine's, cleared here as the buckets' are.
+        if self.passthrough:
             for group in self.original_groups:
                 for p in group:
                     p.grad = None

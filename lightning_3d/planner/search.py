@@ -51,9 +51,8 @@ class Candidate:
     memory: Optional[MemorySplit] = None
     time: Optional[StepTime] = None
     mfu: float = 0.0
-    kind: Optional[str] = (
-        None  # why rejected, as a group name ("memory", "tensor > devices per node", ...)
-    )
+    # Why rejected, as a group name ("memory", "tensor > devices per node", ...).
+    kind: Optional[str] = None
     reason: Optional[str] = None  # the sentence
 
     @property

@@ -213,9 +213,8 @@ def step_time(
     latency = options.latency_us * 1e-6
     if shards == 1:
         collectives = 0
-    elif (
-        choice.zero_stage == 3
-    ):  # per block: gather in forward, gather and reduce-scatter in backward
+    # ZeRO-3, per block: gather in forward, gather and reduce-scatter in backward.
+    elif choice.zero_stage == 3:
         collectives = 3 * facts.n_layer // pp * accumulation(choice)
     else:
         collectives = (2 if choice.zero_stage else 1) * max(

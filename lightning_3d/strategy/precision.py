@@ -125,9 +125,8 @@ class GlobalNormClipping(_Adapted):
             # Gradient overflow under 16-mixed is the scaler's to find.
             if check and self._has_scaler():
                 guard.check_step(result, [], model.device)  # now: the scaler unscales right after
-            elif (
-                check
-            ):  # agreed with the norm and the signals in _after_closure: one host sync per step
+            # Agreed with the norm and the signals in _after_closure: one host sync per step.
+            elif check:
                 guard.flag_step(
                     result,
                     [
