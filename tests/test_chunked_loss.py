@@ -188,6 +188,51 @@ def test_models_and_layouts_that_cannot_chunk_are_refused_before_launch():
     assert problems and "pipeline=2 and zero_stage=3" in problems[0]
 
 
+def test_auto_chunks_by_vocabulary_over_width_where_the_chunked_loss_is_built():
+    """``loss_chunks="auto"``: ``ceil(vocabulary / width)`` chunks (the reference GPT at 256 x 32:
+    8; a Hugging Face model at 64 x 16: 4; a vocabulary narrower than the model: 1), and whole
+    logits, not a refusal, where a count would be refused (tensor parallelism, a soft-capped
+    head, a Hugging Face model under a pipeline). The fine-tune app's default."""
+    pytest.importorskip("transformers")
+    from omegaconf import OmegaConf
+
+    from lightning_3d.app.config import CONF_DIR
+    from lightning_3d.layout import Layout
+    from lightning_3d.models import LitGPT
+    from lightning_3d.models.hf import HFCausalLM
+    from lightning_3d.options import Plan
+    from lightning_3d.parallel.chunked_loss import AUTO, apply_chunked_loss, auto_chunks
+
+    assert (auto_chunks(256, 32), auto_chunks(128_256, 4096), auto_chunks(50, 64)) == (8, 32, 1)
+    assert Plan.from_options(loss_chunks="auto", tensor=2).loss.chunks == AUTO  # no refusal
+    auto = ChunkedLossOptions(AUTO)
+
+    def applied(module, layout):
+        apply_chunked_loss(module, auto, layout)
+        return [m.loss_chunks for _, m in module.named_modules() if hasattr(m, "loss_chunks")]
+
+    gpt = LitGPT(n_layer=2, n_embd=32, n_head=2, vocab_size=256, deferred_init=True)
+    assert applied(gpt, Layout()) == [8]
+    assert applied(LitGPT(n_layer=2, deferred_init=True), Layout(tensor=2)) == [1]
+    hf = dict(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
+    with torch.device("meta"):
+        llama = HFCausalLM(config={"model_type": "llama", **hf})
+        capped = HFCausalLM(config={"model_type": "gemma2", "final_logit_softcapping": 30.0, **hf})
+    assert applied(llama, Layout()) == [4]
+    assert applied(llama, Layout(pipeline=2)) == [1]
+    assert applied(capped, Layout()) == [1]
+    finetune = OmegaConf.load(CONF_DIR / "finetune.yaml")
+    assert finetune.parallelism.loss_chunks == AUTO
+
+
 def test_the_strategy_makes_the_model_chunk():
     """``ThreeDStrategy(loss_chunks=4)`` reaches the model: no op of the training step makes a
     tensor of the step's tokens x vocabulary (a strategy that dropped the option would)."""

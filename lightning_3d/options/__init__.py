@@ -400,7 +400,9 @@ OPTIONS: tuple[Option, ...] = (
         "loss",
         "chunks",
         "head and cross-entropy over this many chunks of tokens, no whole logits tensor "
-        "(LitGPT, HFCausalLM; not with tensor > 1); 1: whole logits (docs/memory.md)",
+        "(LitGPT, HFCausalLM; not with tensor > 1); 1: whole logits; `auto`: vocabulary / width "
+        "chunks where the chunked loss is built, else 1 (docs/memory.md)",
+        hydra_type=Any,
     ),
 )
 OPTION_NAMES: tuple[str, ...] = tuple(option.name for option in OPTIONS)

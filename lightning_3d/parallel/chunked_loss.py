@@ -22,10 +22,11 @@ A model opts in with an attribute ``loss_chunks`` (1: whole logits and ``F.cross
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -37,28 +38,45 @@ from torch import nn
 IGNORE_INDEX = -100
 
 
+AUTO = "auto"
+
+
 @dataclass(frozen=True)
 class ChunkedLossOptions:
     """How the head and loss of a model that supports it are computed (``loss_chunks``)."""
 
-    chunks: int = 1
+    chunks: Union[int, str] = 1
     """Chunks of tokens the head and cross-entropy run in; 1: whole logits and
     ``F.cross_entropy`` (the module's own code path). More chunks: less memory (one chunk's
-    logits at a time), more, smaller matmuls."""
+    logits at a time), more, smaller matmuls. ``"auto"``: ``ceil(vocabulary / width)`` chunks,
+    so that one chunk's logits are about the size of the hidden states (Liger's rule; 1 for a
+    vocabulary narrower than the model), and 1 wherever the chunked loss is not built (tensor
+    parallelism, an adapted or soft-capped head, ...) instead of a refusal."""
 
     def problems(self, tensor: int = 1) -> list[str]:
         """What is wrong with these values, each naming them (empty: nothing)."""
         chunks = self.chunks
+        if chunks == AUTO:
+            return []
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            return [f"loss_chunks={chunks!r} must be a whole number >= 1 (1: no chunking)"]
+            return [
+                f"loss_chunks={chunks!r} must be a whole number >= 1 (1: no chunking) or {AUTO!r}"
+            ]
         if chunks > 1 and tensor > 1:
             # Vocabulary-parallel logits are DTensors under loss_parallel; a chunked head
             # would need its own sharded log-sum-exp: not built.
             return [
                 f"loss_chunks={chunks} with tensor={tensor}: the chunked loss is not built for "
-                "tensor parallelism's vocabulary-parallel loss; use loss_chunks=1 or tensor=1"
+                "tensor parallelism's vocabulary-parallel loss; use loss_chunks=1, "
+                f"loss_chunks={AUTO!r} or tensor=1"
             ]
         return []
+
+
+def auto_chunks(vocabulary: int, width: int) -> int:
+    """``loss_chunks="auto"``'s count for a head of ``vocabulary`` x ``width``: each chunk's
+    logits about the size of the hidden states it is computed from."""
+    return max(1, math.ceil(vocabulary / max(1, width)))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -198,7 +216,7 @@ def chunked_loss_problems(module: nn.Module, options: ChunkedLossOptions, layout
     :class:`~lightning_3d.layout.Layout`; empty: it can). Shapes and attributes only, so a model
     on ``meta`` is checked before launch."""
     problems = options.problems(layout.tensor)
-    if problems or options.chunks == 1:
+    if problems or options.chunks in (1, AUTO):
         return problems
     name = f"loss_chunks={options.chunks}"
     takers = _takers(module)
@@ -229,7 +247,25 @@ def apply_chunked_loss(module: nn.Module, options: ChunkedLossOptions, layout: A
     if problems:
         raise ValueError("; ".join(problems))
     for _, taker in _takers(module):
-        taker.loss_chunks = options.chunks
+        chunks = options.chunks
+        if chunks == AUTO:
+            fixed = ChunkedLossOptions(auto_chunks(*_head_shape(taker)))
+            # Where a count would be refused, auto means whole logits.
+            chunks = fixed.chunks if not chunked_loss_problems(taker, fixed, layout) else 1
+        taker.loss_chunks = chunks
+
+
+def _head_shape(taker: nn.Module) -> tuple[int, int]:
+    """(vocabulary, width) of a taker's head: the reference GPT's ``lm_head``, a
+    ``transformers`` model's output embeddings; (1, 1) where neither is found (no chunking)."""
+    head = getattr(taker, "lm_head", None)
+    inner = getattr(taker, "model", None)
+    if head is None and callable(getattr(inner, "get_output_embeddings", None)):
+        head = inner.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0]), int(weight.shape[1])
+    return 1, 1
 
 
 # Config entries of transformers models whose forward changes the logits after the head: a

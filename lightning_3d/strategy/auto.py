@@ -180,7 +180,8 @@ def constraints(plan: Plan, device_type: str = "cuda") -> Constraints:
     }
     if "context_scheme" in given:  # kept for layouts that split sequences (see allowed)
         sizes["context_scheme"] = given["context_scheme"]
-    if given.get("loss_chunks", 1) > 1:  # the chunked loss has no vocabulary-parallel form
+    # The chunked loss has no vocabulary-parallel form ("auto" falls back to whole logits).
+    if isinstance(given.get("loss_chunks"), int) and given["loss_chunks"] > 1:
         sizes.setdefault("tensor", 1)
     return Constraints(planner, sizes, given.get("micro_batches"))
 
