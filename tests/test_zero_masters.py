@@ -75,6 +75,25 @@ def test_one_process_steps_fp32_masters(runs):
     assert any(not torch.equal(v, v.bfloat16().float()) for v in weights)
 
 
+def _assert_updates_match(
+    result: dict, reference: dict, dtypes: bool = False, norm_keys: tuple = ("norm",)
+) -> None:
+    """``result`` (a rank's run) against the one-process ``reference`` in the same mode: losses
+    within one unit of bf16 (the loss is computed in bf16: half-batch losses averaged over ranks
+    may round one unit, 2**-8 relative, away from the whole batch's), each tensor's update over
+    the run within ``UPDATE_RTOL`` (norm weights, named by ``norm_keys``: ``NORM_RTOL``); the
+    weights saved are the fp32 masters, so ``dtypes``: each in the reference's dtype too."""
+    assert loss_mismatches(result["losses"], reference["losses"], rtol=1e-2) == []
+    state = result["state"]
+    if dtypes:
+        assert all(v.dtype == reference["state"][k].dtype for k, v in state.items())
+    start = {k: v.bfloat16().float() for k, v in reference["initial_state"].items()}
+    norms = {k: v for k, v in state.items() if any(n in k for n in norm_keys)}
+    others = {k: v for k, v in state.items() if k not in norms}
+    assert update_mismatches(others, reference["state"], start, UPDATE_RTOL, UPDATE_ATOL) == []
+    assert update_mismatches(norms, reference["state"], start, NORM_RTOL, UPDATE_ATOL) == []
+
+
 @pytest.mark.parametrize(
     "stage, setup",
     [
@@ -90,16 +109,7 @@ def test_masters_at_data_2_match_one_process(runs, stage, setup):
     compared with the rounding of the reference's masters)."""
     (reference,) = runs(0, 1, setup)
     world = runs(stage, 2, setup)
-    # The loss is computed in bf16: half-batch losses averaged over ranks may round one unit of
-    # bf16 (2**-8 relative) away from the whole batch's.
-    assert loss_mismatches(world[0]["losses"], reference["losses"], rtol=1e-2) == []
-    # The weights saved are the fp32 masters: compare each tensor's update over the run.
-    start = {k: v.bfloat16().float() for k, v in reference["initial_state"].items()}
-    state = world[0]["state"]
-    norms = {k: v for k, v in state.items() if "norm" in k}
-    others = {k: v for k, v in state.items() if k not in norms}
-    assert update_mismatches(others, reference["state"], start, UPDATE_RTOL, UPDATE_ATOL) == []
-    assert update_mismatches(norms, reference["state"], start, NORM_RTOL, UPDATE_ATOL) == []
+    _assert_updates_match(world[0], reference)
     # Each rank's own bf16 parameters are the rounding of the same masters.
     rounded = {"state": {k: v.bfloat16() for k, v in reference["state"].items()}}
     assert rank_state_mismatches(world, rounded, rtol=1e-2, atol=1e-2) == []
@@ -241,14 +251,7 @@ def test_masters_with_pipeline_stages_match_one_process(runs, stage):
     schedule's micro-batches reduced more than once."""
     (reference,) = runs(0, 1, "scale")
     world = runs(stage, 4, "scale", pipeline=2)
-    assert loss_mismatches(world[0]["losses"], reference["losses"], rtol=1e-2) == []
-    state = world[0]["state"]
-    assert all(v.dtype == reference["state"][k].dtype for k, v in state.items())
-    start = {k: v.bfloat16().float() for k, v in reference["initial_state"].items()}
-    norms = {k: v for k, v in state.items() if "norm" in k}
-    others = {k: v for k, v in state.items() if k not in norms}
-    assert update_mismatches(others, reference["state"], start, UPDATE_RTOL, UPDATE_ATOL) == []
-    assert update_mismatches(norms, reference["state"], start, NORM_RTOL, UPDATE_ATOL) == []
+    _assert_updates_match(world[0], reference, dtypes=True)
 
 
 @pytest.mark.slow
@@ -260,13 +263,7 @@ def test_fp32_reduction_matches_one_process(runs, stage):
     step) or are reduced without the mean (SGD: the update doubles)."""
     (reference,) = runs(0, 1, "scale")
     world = runs(stage, 2, "scale", zero_reduce_dtype="fp32")
-    assert loss_mismatches(world[0]["losses"], reference["losses"], rtol=1e-2) == []
-    start = {k: v.bfloat16().float() for k, v in reference["initial_state"].items()}
-    state = world[0]["state"]
-    norms = {k: v for k, v in state.items() if "norm" in k}
-    others = {k: v for k, v in state.items() if k not in norms}
-    assert update_mismatches(others, reference["state"], start, UPDATE_RTOL, UPDATE_ATOL) == []
-    assert update_mismatches(norms, reference["state"], start, NORM_RTOL, UPDATE_ATOL) == []
+    _assert_updates_match(world[0], reference)
 
 
 @pytest.mark.slow
@@ -277,13 +274,7 @@ def test_masters_with_tensor_parallel_match_one_process(runs, stage):
     tp placement is lost (a replicated weight counted twice in the norm, or a sharded one once)."""
     (reference,) = runs(0, 1, "clip")
     world = runs(stage, 4, "clip", tensor=2)
-    assert loss_mismatches(world[0]["losses"], reference["losses"], rtol=1e-2) == []
-    start = {k: v.bfloat16().float() for k, v in reference["initial_state"].items()}
-    state = world[0]["state"]
-    norms = {k: v for k, v in state.items() if "norm" in k}
-    others = {k: v for k, v in state.items() if k not in norms}
-    assert update_mismatches(others, reference["state"], start, UPDATE_RTOL, UPDATE_ATOL) == []
-    assert update_mismatches(norms, reference["state"], start, NORM_RTOL, UPDATE_ATOL) == []
+    _assert_updates_match(world[0], reference)
 
 
 def test_sharded_checkpoints_are_refused_before_any_rewrite():
@@ -312,14 +303,7 @@ def test_masters_with_context_parallel_match_one_process(runs, stage):
     slice twice, or miss one)."""
     (reference,) = runs(0, 1, "scale")
     world = runs(stage, 4, "scale", context=2)
-    assert loss_mismatches(world[0]["losses"], reference["losses"], rtol=1e-2) == []
-    state = world[0]["state"]
-    assert all(v.dtype == reference["state"][k].dtype for k, v in state.items())
-    start = {k: v.bfloat16().float() for k, v in reference["initial_state"].items()}
-    norms = {k: v for k, v in state.items() if "norm" in k}
-    others = {k: v for k, v in state.items() if k not in norms}
-    assert update_mismatches(others, reference["state"], start, UPDATE_RTOL, UPDATE_ATOL) == []
-    assert update_mismatches(norms, reference["state"], start, NORM_RTOL, UPDATE_ATOL) == []
+    _assert_updates_match(world[0], reference, dtypes=True)
 
 
 def test_bad_master_options_are_refused_naming_the_values():
@@ -552,14 +536,7 @@ def test_a_tied_weight_across_pipeline_stages_keeps_one_master():
     whose masters part ways (one stage's gradient only)."""
     (reference,) = _tied_run(0, 1)
     world = _tied_run(1, 2, pipeline=2)
-    assert loss_mismatches(world[0]["losses"], reference["losses"], rtol=1e-2) == []
-    start = {k: v.bfloat16().float() for k, v in reference["initial_state"].items()}
-    state = world[0]["state"]
-    assert all(v.dtype == reference["state"][k].dtype for k, v in state.items())
-    norms = {k: v for k, v in state.items() if "ln" in k or "norm" in k}
-    others = {k: v for k, v in state.items() if k not in norms}
-    assert update_mismatches(others, reference["state"], start, UPDATE_RTOL, UPDATE_ATOL) == []
-    assert update_mismatches(norms, reference["state"], start, NORM_RTOL, UPDATE_ATOL) == []
+    _assert_updates_match(world[0], reference, dtypes=True, norm_keys=("ln", "norm"))
     ties = world[0]["ties"]
     assert ties, "the tiny GPT-2 ties its embedding and head"
 
