@@ -74,6 +74,30 @@ def test_dict_batch_shifts_labels_and_ignores_padding():
     torch.testing.assert_close(pair_loss, single)
 
 
+def test_a_batch_with_no_trained_token_weighs_nothing_in_the_evaluation_mean(recwarn):
+    """Validation weighs each rank's batch by its trained tokens, so a batch whose targets are
+    all ignored (a prompt-only shard of chat data, a context chunk of padding) adds nothing: the
+    epoch value equals the token mean of the batches together, as one process computes it, and
+    torchmetrics is handed no NaN to drop. Catches: a weight of at least one token for an empty
+    batch (an ignored-only context chunk then counted one token in the sum over ranks)."""
+    import torchmetrics
+
+    torch.manual_seed(0)
+    module = HFCausalLM(config=tiny_hf_config("llama")).eval()
+    ids = torch.randint(0, 256, (2, 8))
+    trained = ids.clone()
+    ignored = torch.full_like(ids, IGNORE_INDEX)
+    metric = torchmetrics.MeanMetric()
+    module.log = lambda *args, **kwargs: None  # no trainer: the metric alone is the subject
+    with torch.no_grad():
+        module._evaluate((ids, trained), metric, "val_loss")
+        module._evaluate((ids, ignored), metric, "val_loss")
+        whole, _ = module._loss((torch.cat([ids, ids]), torch.cat([trained, ignored])))
+    assert metric.weight == 16
+    torch.testing.assert_close(metric.compute(), whole)
+    assert not [w for w in recwarn if "nan" in str(w.message).lower()]
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [

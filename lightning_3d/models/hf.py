@@ -368,7 +368,9 @@ class HFCausalLM(pl.LightningModule):
 
     def _evaluate(self, batch: Any, metric: torchmetrics.MeanMetric, name: str) -> None:
         loss, tokens = self._loss(batch)
-        metric.update(loss, weight=tokens.clamp(min=1))
+        # Weighed by trained tokens: a batch with none (its mean NaN, or a context group's
+        # mean on a chunk of its own) adds nothing to the sum over batches and ranks.
+        metric.update(torch.nan_to_num(loss, nan=0.0), weight=tokens)
         self.log(name, metric, on_step=False, on_epoch=True, prog_bar=True)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
