@@ -15,6 +15,24 @@ gradient, as the token-mean objective does for the cross-entropy (``parallel/obj
 ``F.cross_entropy(...) + coef * aux`` is one process's objective. Under gradient accumulation
 the objective's per-step factor rescales the whole gradient, this term's too: exact for one
 micro-batch per step, or micro-batches with equal numbers of counted tokens.
+
+Aux-loss-free balancing (DeepSeek-V3's, ``bias_update_rate`` > 0): a per-expert bias is added to
+the router's probabilities to pick the top-k, never to the gating weights. After each optimizer
+step :class:`LitMoEGPT` moves each expert's bias by ``+rate`` if it received fewer token slots
+than the mean over experts during the step, ``-rate`` if more (``sign(mean - load)``). The loads
+are the global batch's, summed over the step's micro-batches, so every rank moves its copy the
+same way; the bias is a buffer, saved in checkpoints.
+
+Capacity (``capacity_factor``; ``None``: dropless): an expert takes at most
+``capacity = ceil(capacity_factor * tokens * top_k / n_experts)`` token slots per forward, where
+``tokens`` is the **global** batch's (every data rank's, the ranks' batches being equal), so
+a layout drops exactly what one process does on the whole batch. Which slots go: an expert
+keeps the slots whose gating probability is above the ``capacity + 1``-th highest among all
+slots routed to it in the global batch (ties at that line are all dropped, so it may keep
+fewer). The rule depends on scores only, not on where a token sits in the batch or on which
+rank, which is what makes it the same in every layout. A dropped slot contributes nothing: its
+token keeps the other experts' outputs (weights not renormalised) and the residual. The
+load-balancing statistics count the router's choices, before dropping.
 """
 
 from __future__ import annotations
@@ -43,12 +61,18 @@ class MoEConfig(GPTConfig):
         top_k: Experts each token is sent to; at most ``n_experts``.
         shared_expert: Whether a dense MLP every token goes through is added (DeepSeek's).
         aux_loss_coef: Weight of the load-balancing loss in :class:`LitMoEGPT`'s objective.
+        capacity_factor: Token slots an expert takes per forward, as a multiple of an even
+            share of the global batch's (module docstring); ``None``: dropless.
+        bias_update_rate: Step of the aux-loss-free balancing bias after each optimizer step
+            (module docstring); 0: no bias (the router's top-k as is).
     """
 
     n_experts: int = 4
     top_k: int = 2
     shared_expert: bool = False
     aux_loss_coef: float = 0.01
+    capacity_factor: Optional[float] = None
+    bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -59,6 +83,16 @@ class MoEConfig(GPTConfig):
             problems.append(f"top_k={self.top_k!r} must be in 1..n_experts={self.n_experts}")
         if not isinstance(self.aux_loss_coef, (int, float)) or self.aux_loss_coef < 0:
             problems.append(f"aux_loss_coef={self.aux_loss_coef!r} must be a number >= 0")
+        capacity = self.capacity_factor
+        if capacity is not None and (
+            isinstance(capacity, bool)
+            or not isinstance(capacity, (int, float))
+            or not 0 < capacity < math.inf
+        ):
+            problems.append(f"capacity_factor={capacity!r} must be a number > 0 (or None)")
+        rate = self.bias_update_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < math.inf:
+            problems.append(f"bias_update_rate={rate!r} must be a number >= 0")
         if problems:
             raise ValueError("; ".join(problems))
 
@@ -87,13 +121,19 @@ class MoE(nn.Module):
     """Top-k routed experts (and an optional shared expert) in place of a block's MLP.
 
     After each forward: ``aux_loss`` (0-d, the load-balancing loss) and ``tokens_per_expert``
-    (E,) (token slots routed to each expert over the global batch, detached) for logging."""
+    (E,) (token slots routed to each expert over the global batch, detached) for logging.
+    ``expert_bias`` (E,): the aux-loss-free balancing bias, a buffer moved by
+    :meth:`update_bias` (``None`` when ``bias_update_rate`` is 0)."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
         from lightning_3d.models.gpt import MLP
 
         self.n_experts, self.top_k = config.n_experts, config.top_k
+        self.capacity_factor = config.capacity_factor
+        # None without balancing: nothing for to_empty() to leave undefined, nothing saved.
+        bias = torch.zeros(config.n_experts) if config.bias_update_rate > 0 else None
+        self.register_buffer("expert_bias", bias)
         self.router = nn.Linear(config.n_embd, config.n_experts, bias=False)
         self.experts = GroupedExperts(config)
         self.shared = MLP(config) if config.shared_expert else None
@@ -106,25 +146,61 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         tokens = x.reshape(-1, C)  # (N, C)
+        E = self.n_experts
         probs = self.router(tokens).float().softmax(-1)  # (N, E)
-        weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, k) each
-        weights = weights / weights.sum(-1, keepdim=True)
+        # The balancing bias picks the experts; the gates stay the router's probabilities.
+        scores = probs if self.expert_bias is None else probs + self.expert_bias  # (N, E)
+        chosen = scores.topk(self.top_k, dim=-1).indices  # (N, k)
+        gates = probs.gather(-1, chosen)  # (N, k)
+        weights = gates / gates.sum(-1, keepdim=True)
         flat = chosen.reshape(-1)  # (N * k,) the expert of each token slot
-        order = flat.argsort(stable=True)  # token slots grouped by expert
-        counts = torch.bincount(flat, minlength=self.n_experts)  # (E,)
+        counts = torch.bincount(flat, minlength=E)  # (E,) the router's choices
+        group = flat
+        if self.capacity_factor is not None:
+            # Dropped slots form a group after the last expert's: sorted last, sent nowhere.
+            keep = self._within_capacity(gates.detach().reshape(-1), flat)
+            group = torch.where(keep, flat, E)
+        order = group.argsort(stable=True)  # token slots grouped by expert
+        kept = torch.bincount(group, minlength=E + 1)[:E]  # (E,) slots each expert takes
         source = order // self.top_k  # (N * k,) the token of each sorted slot
         routed = tokens[source]  # (N * k, C)
         if self.routing is not None and self.routing.ep_size > 1:
-            out = self.routing.dispatch(routed, counts, self.experts)
+            out = self.routing.dispatch(routed, kept, self.experts)
         else:
             # The one device-to-host read of the layer: split sizes are host ints.
-            out = self.experts(routed, counts.tolist())  # (N * k, C)
-        out = out * weights.reshape(-1)[order, None].to(out.dtype)
-        y = torch.zeros_like(tokens).index_add(0, source, out)  # (N, C)
+            sizes = kept.tolist()
+            out = self.experts(routed[: sum(sizes)], sizes)  # (n kept, C)
+        n = out.shape[0]
+        out = out * weights.reshape(-1)[order[:n], None].to(out.dtype)
+        y = torch.zeros_like(tokens).index_add(0, source[:n], out)  # (N, C)
         if self.shared is not None:
             y = y + self.shared(tokens)
         self._balance(probs, counts)
         return self.drop(y.view(B, T, C))
+
+    def _within_capacity(self, scores: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        """(N * k,) bool: the slots their expert keeps under the global capacity rule (module
+        docstring). One gather over the data ranks of each rank's top ``capacity + 1`` scores
+        per expert; no host read."""
+        E, slots = self.n_experts, scores.numel()
+        ranks = 1 if self.routing is None else self.routing.data_size
+        capacity = math.ceil(self.capacity_factor * slots * ranks / E)
+        line = capacity + 1
+        table = scores.new_full((slots, E), -math.inf)  # (N * k, E) each slot under its expert
+        table[torch.arange(slots, device=scores.device), flat] = scores
+        top = table.topk(min(line, slots), dim=0).values  # (<= line, E)
+        if top.shape[0] < line:
+            top = torch.cat([top, top.new_full((line - top.shape[0], E), -math.inf)])
+        if self.routing is not None:
+            top = self.routing.gather(top)  # (ranks * line, E)
+        threshold = top.topk(line, dim=0).values[-1]  # (E,) the highest score that is dropped
+        return scores > threshold[flat]
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float) -> None:
+        """Move ``expert_bias`` by ``rate * sign(mean - load)``: up for an expert below the mean
+        load ``load`` (E,), down above it."""
+        self.expert_bias.add_(rate * torch.sign(load.mean() - load).to(self.expert_bias.dtype))
 
     def _balance(self, probs: torch.Tensor, counts: torch.Tensor) -> None:
         """``aux_loss`` and ``tokens_per_expert`` over the global batch (module docstring)."""
@@ -168,6 +244,14 @@ class MoEGPT(GPT):
                     inits.append(ParamInit(f"{name}.{weight}", shape, partial(_normal, std=s)))
         return inits
 
+    def init_weights(self) -> None:
+        """GPT's fills, then every balancing bias zeroed: buffers built on ``meta`` come out of
+        ``to_empty`` holding whatever the memory held."""
+        super().init_weights()
+        for layer in self.moe_layers():
+            if layer.expert_bias is not None:
+                layer.expert_bias.zero_()
+
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]
 
@@ -182,7 +266,20 @@ class MoEGPT(GPT):
 
 class LitMoEGPT(LitGPT):
     """:class:`LitGPT` on :class:`MoEGPT`: cross-entropy plus ``aux_loss_coef`` times the
-    load-balancing loss; logs the busiest expert's share of token slots (``max_expert_load``)."""
+    load-balancing loss.
+
+    Logs, every training step: ``max_expert_load`` (the busiest expert's share of token slots,
+    over layers), ``expert_imbalance`` (the busiest expert's slots over the mean, over layers;
+    1 is perfect balance) and, for up to 8 experts, ``expert_tokens/<e>`` (slots to expert ``e``
+    summed over layers), on the progress bar. :meth:`step_figures` hands the last optimizer
+    step's figures to :class:`~lightning_3d.observe.summary.RunSummary` (summary.json's
+    ``step_figures``). With ``bias_update_rate`` > 0, every layer's balancing bias moves after
+    each optimizer step by the step's global loads (module docstring).
+
+    Example::
+
+        LitMoEGPT(n_experts=8, top_k=2, capacity_factor=1.25, bias_update_rate=1e-3)
+    """
 
     def __init__(
         self,
@@ -190,6 +287,8 @@ class LitMoEGPT(LitGPT):
         top_k: int = 2,
         shared_expert: bool = False,
         aux_loss_coef: float = 0.01,
+        capacity_factor: Optional[float] = None,
+        bias_update_rate: float = 0.0,
         **kwargs: Any,
     ) -> None:
         self._moe = {
@@ -197,7 +296,12 @@ class LitMoEGPT(LitGPT):
             "top_k": top_k,
             "shared_expert": shared_expert,
             "aux_loss_coef": aux_loss_coef,
+            "capacity_factor": capacity_factor,
+            "bias_update_rate": bias_update_rate,
         }
+        # The running step's sums over its micro-batches, and the last finished step's.
+        self._step_sums: dict[str, Any] = {}
+        self._finished_step: dict[str, torch.Tensor] = {}
         super().__init__(**kwargs)
 
     def build_model(self) -> nn.Module:
@@ -209,13 +313,54 @@ class LitMoEGPT(LitGPT):
         loss = super()._loss(batch)
         if self.training:
             counts = self.model.tokens_per_expert()  # (layers, E)
-            load = (counts.max(-1).values / counts.sum(-1)).max()
-            self.log("max_expert_load", load)
-            loss = loss + self.config.aux_loss_coef * self.model.aux_loss()
+            aux = self.config.aux_loss_coef * self.model.aux_loss()
+            self._log_load(counts)
+            # Once per micro-batch (a recomputed forward overwrites, never adds).
+            for name, value in (("counts", counts), ("aux_loss", aux.detach())):
+                self._step_sums[name] = (
+                    value if name not in self._step_sums else self._step_sums[name] + value
+                )
+            self._step_sums["micro_batches"] = self._step_sums.get("micro_batches", 0) + 1
+            loss = loss + aux
         return loss
 
-    def pipeline_spec(self) -> Any:
-        raise ValueError("the MoE GPT has no pipeline split yet (its loss adds the router's)")
+    def _log_load(self, counts: torch.Tensor) -> None:
+        peak = counts.max(-1).values  # (layers,)
+        self.log("max_expert_load", (peak / counts.sum(-1)).max())
+        self.log("expert_imbalance", (peak / counts.mean(-1)).max(), prog_bar=True)
+        if counts.shape[-1] <= 8:
+            per_expert = counts.sum(0)  # (E,)
+            for e in range(per_expert.numel()):
+                self.log(f"expert_tokens/{e}", per_expert[e], prog_bar=True)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's step, then the balancing bias moved by the step's global loads."""
+        super().optimizer_step(*args, **kwargs)
+        step, self._step_sums = self._step_sums, {}
+        if not step:
+            return
+        counts = step["counts"]  # (layers, E), summed over the step's micro-batches
+        self._finished_step = {
+            "aux_loss": step["aux_loss"] / step["micro_batches"],
+            "tokens_per_expert": counts,
+            "expert_imbalance": counts.max(-1).values / counts.mean(-1),
+        }
+        rate = self.config.bias_update_rate
+        if rate > 0:
+            for layer, load in zip(self.model.moe_layers(), counts):
+                layer.update_bias(load, rate)
+
+    def step_figures(self) -> dict[str, torch.Tensor]:
+        """The last optimizer step's figures, global over the data ranks: ``aux_loss`` (the
+        weighted load-balancing term this module adds to the cross-entropy, mean over the
+        step's micro-batches), ``tokens_per_expert`` (layers, E) (token slots the router sent
+        to each expert, summed over micro-batches) and ``expert_imbalance`` (layers,) (the
+        busiest expert's slots over the mean)."""
+        return dict(self._finished_step)
+
+    # No pipeline split yet (the loss adds the router's, which a stage split would not carry):
+    # None tells the strategy's check and the planner that this model has none.
+    pipeline_spec = None  # type: ignore[assignment]
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

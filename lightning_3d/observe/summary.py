@@ -90,8 +90,13 @@ class RunSummary(Callback):
       table), ``peak_tflops`` and ``mfu`` are ``null`` and ``peak_source`` says why;
     - ``ranks``: per rank, peak RSS and the model-state bytes resident at the end of backward,
       just before the optimizer step (see :func:`lightning_3d.observe.memory.model_state_bytes`), and
-      the activation memory per transformer block of the first training batch
-      (``activation_bytes_per_block``, see :meth:`activation_figures`);
+      the activation memory per transformer block of the first training batch, on the device
+      and offloaded to the host (``activation_bytes_per_block``,
+      ``activation_host_bytes_per_block``, see :meth:`activation_figures`);
+    - ``step_figures`` (only for a module with a ``step_figures()`` method, e.g.
+      :class:`~lightning_3d.models.moe.LitMoEGPT`): each of its figures, per optimizer step;
+      with an ``aux_loss`` among them, ``losses_include_aux_loss`` says whether ``losses`` hold
+      that term (the returned loss does; ``ThreeDStrategy``'s cross-entropy token mean does not);
     - ``planned`` (only under ``auto=True`` / ``parallelism=auto``): the planner's predictions for
       the layout it chose (options, per-rank memory parts, step time parts, tokens/s; see
       :func:`lightning_3d.strategy.auto.planned_figures`), read from the strategy's ``planned``,
@@ -121,6 +126,9 @@ class RunSummary(Callback):
         # (local, global) loss tensors of the steps not read yet: reading them costs a host
         # sync on an accelerator, so they are read together (see _read_losses), not every step.
         self._unread: list[tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = []
+        # The module's step_figures() of every step, read to the host at the end.
+        self._figures: list[dict[str, torch.Tensor]] = []
+        self._losses_are_objective = False
         self._dp = 1  # data-parallel size, known at train start
         self._cp = 1  # context-parallel size: a batch holds 1/cp of each sequence's tokens
         self.step_times: list[float] = []
@@ -199,6 +207,11 @@ class RunSummary(Callback):
           transformer blocks ran (each storage once, parameters excluded; what checkpointing keeps
           included), divided by the number of blocks this rank holds. Under a pipeline the batch
           is all of the step's micro-batches; under tensor parallelism, this rank's shards;
+        - ``activation_host_bytes_per_block``: bytes the same saves put in host memory instead
+          (``activation_offload``: each block's saves wait there between forward and backward;
+          0 without it), counted the same way, per block; ``activation_host_peak_bytes``: the
+          most of them alive at once. On a device the first figure is what left it; on a CPU
+          the host copy sits in the same memory, which is why the meter keeps the two apart;
         - ``blocks_on_rank``: that number of blocks; ``checkpointed_blocks``: how many of them
           recompute their activations in backward.
 
@@ -214,6 +227,10 @@ class RunSummary(Callback):
             figures["activation_bytes_per_block"] = round(
                 sum(meter.block_bytes.values()) / len(meter.block_bytes)
             )
+            figures["activation_host_bytes_per_block"] = round(
+                sum(meter.block_host_bytes.values()) / len(meter.block_bytes)
+            )
+            figures["activation_host_peak_bytes"] = meter.host_peak
         return figures
 
     @override
@@ -267,6 +284,10 @@ class RunSummary(Callback):
             local = local.clone()
             step_loss = trainer.strategy.reduce(self._loss_sum, reduce_op="mean")
         self._unread.append((local, step_loss))
+        self._losses_are_objective = mean is not None
+        figures = getattr(pl_module, "step_figures", None)
+        if callable(figures):
+            self._figures.append({k: v.detach() for k, v in figures().items()})
         if len(self._unread) >= UNREAD_STEPS:
             self._read_losses()
         now = time.perf_counter()
@@ -395,6 +416,13 @@ class RunSummary(Callback):
         planned = getattr(trainer.strategy, "planned", None)  # parallelism=auto's predictions
         if planned is not None:
             self.summary["planned"] = planned
+        if self._figures:
+            names = {name for step in self._figures for name in step}
+            self.summary["step_figures"] = {
+                n: [s[n].tolist() if n in s else None for s in self._figures] for n in sorted(names)
+            }
+            if "aux_loss" in names:  # the returned loss adds it; the objective's token mean not
+                self.summary["losses_include_aux_loss"] = not self._losses_are_objective
         if trainer.is_global_zero:
             out = Path(self.out_dir or trainer.default_root_dir)
             out.mkdir(parents=True, exist_ok=True)

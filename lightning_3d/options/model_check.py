@@ -10,7 +10,6 @@ from torch import nn
 from lightning_3d.adapters.qlora import check_qlora_plan
 from lightning_3d.adapters.tensor import build_styles
 from lightning_3d.parallel.chunked_loss import chunked_loss_problems
-from lightning_3d.parallel.expert import expert_problems
 from lightning_3d.parallel.plans.hf import whole_output_conflicts
 from lightning_3d.parallel.stages import pipeline_spec, plan_stages
 from lightning_3d.parallel.tensor import resolve_plan
@@ -27,7 +26,10 @@ def check(module: nn.Module, plan: Plan, world_size: int) -> None:
     context parallelism can route the model's attention. ``ValueError`` naming the problem."""
     layout = plan.layout.resolve(world_size)
     check_qlora_plan(module, plan, layout.data)
-    problems = expert_problems(module, layout.expert)
+    # Loaded here, not with the package: Hugging Face families' experts, found by their plan.
+    from lightning_3d.parallel.expert_hf import model_expert_problems
+
+    problems = model_expert_problems(module, layout.expert)
     if problems:
         raise ValueError("; ".join(problems))
     problems = chunked_loss_problems(module, plan.loss, layout)

@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_3d.compat import all_gather_single
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -92,10 +94,13 @@ class ExpertRouting:
         return host[: counts.numel()], host[counts.numel() :]
 
     def dispatch(self, routed: Tensor, counts: Tensor, run_local: Any) -> Tensor:
-        """``routed``: (n, C) token rows sorted by expert, ``counts`` their per-expert counts.
-        Sends each row to its expert's rank, runs ``run_local(rows, per_local_expert_counts)``
-        there on rows grouped by local expert, and returns the outputs in ``routed``'s order."""
+        """``routed``: (n, C) token rows sorted by expert, ``counts`` their per-expert counts;
+        rows after the first ``counts.sum()`` stay here. Sends each row to its expert's rank, runs
+        ``run_local(rows, per_local_expert_counts)`` there on rows grouped by local expert, and
+        returns the outputs in ``routed``'s order (the counted rows only)."""
         sent, received = self.exchange_counts(counts)
+        # Rows past the counted ones (token slots dropped over capacity) are sent nowhere.
+        routed = routed[: sum(sent)]
         ep, local = self.ep_size, counts.numel() // self.ep_size
         in_splits = [sum(sent[r * local : (r + 1) * local]) for r in range(ep)]
         out_splits = [sum(received[s * local : (s + 1) * local]) for s in range(ep)]
@@ -109,6 +114,16 @@ class ExpertRouting:
         by_source = sorted(range(len(by_expert)), key=by_expert.__getitem__)
         back = torch.cat([done[i] for i in by_source])
         return all_to_all(back, in_splits, out_splits, self.ep_group)
+
+    def gather(self, rows: Tensor) -> Tensor:
+        """``rows`` of every data rank, stacked on dim 0 in data-rank order (no gradient; every
+        rank must pass the same shape)."""
+        rows = rows.detach().contiguous()
+        if self.data_group is None or self.data_size == 1:
+            return rows
+        out = rows.new_empty((self.data_size * rows.shape[0], *rows.shape[1:]))
+        all_gather_single(out, rows, group=self.data_group)
+        return out
 
     def global_sum(self, stats: Tensor) -> Tensor:
         """``stats`` summed over the data ranks (a copy; no gradient)."""
@@ -176,15 +191,25 @@ def apply_expert_parallel(
     for layer in layers:
         layer.routing = ExpertRouting(ep_group, expert, ep_rank, data_group, data_size)
         for name, full in list(layer.experts.named_parameters(recurse=False)):
-            # The first data rank's experts are everyone's, whatever each rank was seeded with.
-            with torch.no_grad():
-                dist.broadcast(full.data, src=dist.get_global_rank(data_group, 0), group=data_group)
-            local = full.detach().chunk(expert, dim=0)[ep_rank].clone()
-            param = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False))
-            param.register_hook(_sum_over_replicas(replicas.get_group(), data_size))
+            param = shard_expert_weight(full, ep_mesh, replicas.get_group(), data_group, data_size)
             setattr(layer.experts, name, param)
             params.append(param)
     return params
+
+
+def shard_expert_weight(
+    full: Tensor, ep_mesh: DeviceMesh, replica_group: Any, data_group: Any, data_size: int
+) -> nn.Parameter:
+    """This rank's slice (dim 0, the expert) of the grouped weight ``full``, as a ``DTensor``
+    parameter sharded on ``ep_mesh`` whose gradient is summed over ``replica_group`` and divided
+    by ``data_size`` (the module's docstring). The first data rank's ``full`` is everyone's,
+    whatever each rank was seeded with (a broadcast over ``data_group``)."""
+    with torch.no_grad():
+        dist.broadcast(full.data, src=dist.get_global_rank(data_group, 0), group=data_group)
+    local = full.detach().chunk(ep_mesh.size(), dim=0)[ep_mesh.get_local_rank()].clone()
+    param = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False))
+    param.register_hook(_sum_over_replicas(replica_group, data_size))
+    return param
 
 
 def _sum_over_replicas(group: Any, data_size: int) -> Any:

@@ -105,8 +105,14 @@ def plan(cfg: DictConfig) -> int:
     batch = options.global_batch(cluster.world_size)
     print(f"cluster: {cluster.describe()}")
     print(facts_summary(facts))
+    efficiency = (
+        f"efficiency {options.efficiency:g} of peak"
+        if cluster.matmul_efficiency is None
+        else f"matmul efficiency from shapes (at most {cluster.matmul_efficiency:g} of peak, "
+        f"memory {cluster.memory_gbps:g} GB/s)"
+    )
     print(
-        f"global batch {batch} x {facts.seq_len} tokens; efficiency {options.efficiency:g} of peak; memory in GB "
+        f"global batch {batch} x {facts.seq_len} tokens; {efficiency}; memory in GB "
         f"per rank (largest pipeline stage), times in ms per optimizer step\n"
     )
     print(ranked_table(candidates, cfg.get("top", 10)))
@@ -115,6 +121,12 @@ def plan(cfg: DictConfig) -> int:
     trainer = "".join(f", Trainer({k}={v!r})" for k, v in best.choice.trainer_options().items())
     method = f", adapter={best.choice.adapter}" if best.choice.adapter != "none" else ""
     print(f"\nfirst choice: ThreeDStrategy({options_text}){trainer}{method}")
+    from lightning_3d.planner.experts import expert_facts, expert_summary
+
+    experts = expert_facts(module)
+    if experts is not None:  # an MoE model: which expert axis on that layout
+        device = cluster.device_bytes - options.reserve_gb * 1e9
+        print(expert_summary(experts, best.choice, best.memory, device, facts.seq_len))
     if len(options.adapters) > 1:
         print(method_summary(candidates, options.adapters))
     print(rejected_summary(candidates))

@@ -10,7 +10,8 @@ cases):
    ever sharded, wrapped or handed to the optimizer.
 3. **Initial weights**: the first rank's, over the tensor ranks and the ZeRO-3 ranks
    (``parallel/replicas.py``), before anything shards them.
-   Then, for a mixture-of-experts model, **expert parallelism** (``parallel/expert.py``): each
+   Then, for a mixture-of-experts model, **expert parallelism** (``parallel/expert.py``; a
+   Hugging Face family's experts found by its ``base_model_ep_plan``, ``expert_hf.py``): each
    rank keeps its ``ep`` slice of those experts; the ZeRO engines (11, and FSDP2 in 8) leave
    the expert weights to its own gradient reduction.
 4. **Tensor parallelism** on the ``tp`` axis (``parallel/tensor.py``): weights become
@@ -53,12 +54,7 @@ from lightning_3d.options import Plan
 from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpointing
 from lightning_3d.parallel.chunked_loss import apply_chunked_loss
 from lightning_3d.parallel.compile import compile_blocks
-from lightning_3d.parallel.expert import (
-    apply_expert_parallel,
-    moe_layers,
-    refuse_expert_plan,
-    set_aside,
-)
+from lightning_3d.parallel.expert import moe_layers, set_aside
 from lightning_3d.parallel.foreach import step_shards_together
 from lightning_3d.parallel.fsdp import apply_zero3, fsdp_policies
 from lightning_3d.parallel.masters import master_options, refuse_master_combinations
@@ -207,8 +203,14 @@ def parallelize(
     layout = plan.layout
     # Before any rewrite: what an NF4 base (adapter method="qlora") cannot take.
     check_qlora_plan(module, plan, mesh.get_group(MeshAxis.DATA.value).size())
+    # Loaded here, not with the package: Hugging Face families' experts, found by their plan.
+    from lightning_3d.parallel.expert_hf import (
+        apply_model_expert_parallel,
+        refuse_model_expert_plan,
+    )
+
     # Before any rewrite: a model whose experts the expert axis cannot split.
-    refuse_expert_plan(module, layout.expert)
+    refuse_model_expert_plan(module, layout.expert)
     # fp32 masters for a bf16 module under ZeRO 0-2: the combinations not built for them yet.
     refuse_master_combinations(plan, precision)
     # While the model is whole: checkpoints use one process's names, ties must outlive every
@@ -226,11 +228,11 @@ def parallelize(
     step("the first rank's initial weights")
     # Before any sharding: each rank would otherwise shard its own differently seeded weights.
     broadcast_initial(module, mesh, layout.zero_stage)
-    if moe_layers(module):
+    if moe_layers(module) or layout.expert > 1:
         step("expert parallelism")
         # After the initial weights (each rank keeps its slice of the same experts), before
         # ZeRO-3, which must leave the ep-sharded expert weights to their own gradient hook.
-        made.experts = apply_expert_parallel(module, mesh, shard_mesh(mesh), layout.expert)
+        made.experts = apply_model_expert_parallel(module, mesh, shard_mesh(mesh), layout.expert)
     step("tensor parallelism")
     if layout.tensor > 1:
         # After the split (other stages' modules match nothing), before AC, compile and FSDP2.

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 from lightning_3d.observe.memory import zero_formula_bytes
 from tools.bench import cell
+from tools.bench.moe import moe_formula, moe_kwargs, moe_theory
 
 E = 4  # bytes per fp32 element
 
@@ -44,6 +45,7 @@ class Row:
     world: int
     options: dict[str, Any] = field(default_factory=dict)
     zero_stage: int = 0  # for the formulas
+    arch: str = "gpt"  # "moe": the MoE GPT (tools/bench/moe.py), its own theory
 
     @property
     def pipeline(self) -> int:
@@ -78,6 +80,15 @@ ROWS: dict[str, Row] = {
     **{f"ds_zero{s}": Row("deepspeed", "zero", 2, {"zero_stage": s}, s) for s in (1, 2, 3)},
     "ds_zero2_offload": Row("deepspeed", "zero", 2, {"zero_stage": 2, "offload": True}, 2),
     "ds_pipe2": Row("deepspeed", "pipe", 2, {"pipeline": 2}),
+    **{
+        name: Row("lightning", "3d", world, {"expert": ep, "zero_stage": s}, s, arch="moe")
+        for name, world, ep, s in (
+            ("3d_moe_ep1", 2, 1, 1),
+            ("3d_moe_ep2", 2, 2, 1),
+            ("3d_moe_ep1_w4_zero3", 4, 1, 3),
+            ("3d_moe_ep2_dp2_zero3", 4, 2, 3),
+        )
+    },
 }
 BASELINE = {2: "ddp", 4: "ddp_w4"}
 SPEED_TARGETS = {"3d_zero0": 0.98, "3d_zero1": 0.98, "3d_zero2": 0.95}  # x ddp, medians
@@ -113,6 +124,12 @@ def check_settings(cfg: dict[str, Any]) -> None:
             raise ValueError(
                 f"row {name}: context ({row.context}) needs block_size ({model['block_size']}) "
                 f"divisible by {2 * row.context} (all-to-all: n_head ({model['n_head']}) by it)"
+            )
+        experts = moe_kwargs(cfg)["n_experts"]
+        if row.arch == "moe" and experts % row.options["expert"]:
+            raise ValueError(
+                f"row {name}: expert ({row.options['expert']}) must divide moe.n_experts "
+                f"({experts})"
             )
         if model["n_head"] % row.tensor or model["n_embd"] % row.tensor:
             raise ValueError(
@@ -150,6 +167,8 @@ def row_spec(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
     data = {**cfg["data"], "block_size": cfg["model"]["block_size"]}
     keys = ("steps", "warmup_steps", "comm_skip", "micro_batches", "seed")
     return {
+        "arch": row.arch,
+        "moe": moe_kwargs(cfg) if row.arch == "moe" else {},
         "kind": row.kind,
         "options": options,
         "world": row.world,
@@ -242,6 +261,8 @@ def _rank_info(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def theory(name: str, cfg: dict[str, Any], psi: int, psi_rank: int) -> dict[str, float]:
     """Model-state bytes and bytes sent per step for one rank of a row, from the formulas above."""
     row, model = ROWS[name], cfg["model"]
+    if row.arch == "moe":
+        return moe_theory(cfg, row.world, row.options)
     n, t = row.dp * row.context, row.tensor  # gradients are averaged over data × context
     uses_rank_psi = row.pipeline > 1 or t > 1
     memory = zero_formula_bytes(psi_rank if uses_rank_psi else psi, row.zero_stage, n)
@@ -281,6 +302,7 @@ def summarize(cfg: dict[str, Any], raw: dict[str, Any]) -> list[dict[str, Any]]:
         row, first = ROWS[name], repeats[0]
         ranks = _rank_info(first)
         per_rank = [theory(name, cfg, psi, r["psi_rank"]) for r in ranks]
+        row_psi = per_rank[0].get("num_params", psi)
         worst = max(range(len(ranks)), key=lambda i: ranks[i]["state_bytes"])
         bubbles = [r["bubble_fraction"] for r in ranks if r["bubble_fraction"] is not None]
         m, p = cfg["micro_batches"], row.pipeline
@@ -289,7 +311,7 @@ def summarize(cfg: dict[str, Any], raw: dict[str, Any]) -> list[dict[str, Any]]:
                 "row": name,
                 "engine": row.engine,
                 "world": row.world,
-                "num_params": psi,
+                "num_params": row_psi,
                 "tokens_per_s_runs": [rep[0]["summary"]["tokens_per_s"] for rep in repeats],
                 "tokens_per_s": statistics.median(
                     rep[0]["summary"]["tokens_per_s"] for rep in repeats
@@ -339,6 +361,8 @@ def paired_ratio(records: list[dict[str, Any]], row: str, peer: str) -> Optional
 def formula(name: str) -> str:
     """The formulas behind a row's theory columns, in words (state; bytes sent)."""
     row = ROWS[name]
+    if row.arch == "moe":
+        return moe_formula(row.options, row.world)
     psi = "Ψ_rank" if row.pipeline > 1 or row.tensor > 1 else "Ψ"
     state = f"ZeRO-{row.zero_stage}({psi}, N={row.dp * row.context})"
     dp = {0: "AR 2(N-1)/N", 3: "AG+AG+RS 3(N-1)/N"}.get(

@@ -22,6 +22,7 @@ sharding: its pipeline stage or tensor slice).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import tempfile
 import time
@@ -155,6 +156,10 @@ def fit_lightning(rank: int, spec: dict[str, Any]) -> dict[str, Any]:
     L.seed_everything(spec["seed"], verbose=False)
     with count_collectives() as counter:
         cls = FSDP2LitGPT if spec["kind"] == "mp" else LitGPT
+        if spec.get("arch") == "moe":  # tools/bench/moe.py's rows
+            from lightning_3d.models.moe import LitMoEGPT
+
+            cls = functools.partial(LitMoEGPT, **spec["moe"])
         module = cls(**spec["model"], warmup_steps=2, max_steps=spec["steps"])
         datamodule = TextDataModule(seed=spec["seed"], **spec["data"])
         window = CommWindow(counter, skip=spec["comm_skip"])

@@ -1,0 +1,198 @@
+"""The planner's MoE facts (``planner/experts.py``) against the reference MoE GPT: counted
+parameters, model-state bytes per rank against what an ep run holds, all-to-all volume against
+what the collective is handed, and the ``expert`` sizes it proposes.
+
+Broken variants caught (each planted, seen failing, reverted): the experts' state counted as
+ZeRO-sharded at ``expert`` > 1 (the measured-bytes test); the all-to-all counted one direction
+only (the measured-volume test).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_3d.planner.experts import (
+    ExpertFacts,
+    all_to_all_bytes,
+    expert_facts,
+    expert_state_bytes,
+    propose_expert_sizes,
+)
+from tools.harness.runs import TINY_MODEL, Run
+from tools.harness.world import run_world
+
+MOE = {"n_experts": 4, "top_k": 2, "shared_expert": True}
+
+
+def _facts(**model):
+    from lightning_3d.models.moe import LitMoEGPT
+
+    with torch.device("meta"):
+        module = LitMoEGPT(**{**TINY_MODEL, **MOE, **model})
+    return expert_facts(module), module
+
+
+def test_facts_count_the_experts_of_the_reference_moe_gpt():
+    facts, module = _facts()
+    C, H = TINY_MODEL["n_embd"], 4 * TINY_MODEL["n_embd"]
+    assert facts.expert_params == TINY_MODEL["n_layer"] * 4 * 2 * C * H
+    assert facts.expert_params + facts.dense_params == sum(p.numel() for p in module.parameters())
+    assert (facts.moe_layers, facts.n_experts, facts.top_k, facts.hidden) == (2, 4, 2, C)
+    from lightning_3d.models import LitGPT
+
+    with torch.device("meta"):
+        assert expert_facts(LitGPT(**TINY_MODEL)) is None
+
+
+def test_state_bytes_and_proposals():
+    facts = ExpertFacts(
+        moe_layers=2, n_experts=8, top_k=2, hidden=64, expert_params=800, dense_params=200
+    )
+    assert expert_state_bytes(facts, 1, 4, 3) == 16 * 1000 / 4
+    assert expert_state_bytes(facts, 4, 4, 3) == 16 * 200 / 4 + 16 * 800 / 4
+    assert expert_state_bytes(facts, 2, 4, 0) == 16 * 200 + 16 * 800 / 2
+    volume = all_to_all_bytes(facts, tokens=100, expert=4)
+    assert (
+        volume["through"] == 4 * 2 * 2 * 100 * 64 * 4
+        and volume["sent"] == volume["through"] * 3 / 4
+    )
+    assert all_to_all_bytes(facts, 100, 1) == {"through": 0.0, "sent": 0.0}
+    capped = ExpertFacts(2, 8, 2, 64, 800, 200, capacity_factor=0.5)
+    # 8 experts x ceil(0.5 * 200 slots / 8) = 104 slots at most
+    assert all_to_all_bytes(capped, 100, 4)["through"] == 4 * 2 * 104 * 64 * 4
+    # ZeRO-1 on 4 ranks: ep1 10000 bytes, ep2 2200 + 6400, ep4 2200 + 3200: a budget only ep4 meets.
+    budget = expert_state_bytes(facts, 4, 4, 1)
+    sizes = propose_expert_sizes(facts, data=4, zero_stage=1, tokens=100, memory_bytes=budget)
+    assert [o.expert for o in sizes] == [4, 1, 2] and sizes[0].fits and not sizes[1].fits
+    roomy = propose_expert_sizes(facts, data=4, zero_stage=1, tokens=100)
+    assert [o.expert for o in roomy] == [1, 2, 4]  # all fit: the least traffic first
+    three = ExpertFacts(2, 6, 2, 64, 600, 200)
+    assert [o.expert for o in propose_expert_sizes(three, 4, 1, 100)] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("expert", "data", "message"),
+    [
+        (3, 4, "expert=3 does not divide data=4; expert=3 does not divide n_experts=8"),
+        (0, 4, "expert=0 must be a positive integer"),
+    ],
+)
+def test_bad_sizes_are_refused_naming_the_values(expert, data, message):
+    facts = ExpertFacts(2, 8, 2, 64, 800, 200)
+    with pytest.raises(ValueError, match=message):
+        expert_state_bytes(facts, expert, data, 1)
+
+
+def _counted_fit(rank: int, run: Run) -> dict:
+    """``fit_gpt`` counting what the all-to-alls are handed, from the second step on."""
+    import torch.distributed as dist
+
+    from tools.bench.comm import count_collectives
+    from tools.harness.runs import fit_gpt
+
+    with count_collectives() as counter:
+        result = fit_gpt(rank, run)
+    result["all_to_all"] = counter.by_op.get("dist.all_to_all_single")
+    result["world"] = dist.get_world_size() if dist.is_initialized() else 1
+    return result
+
+
+def test_state_bytes_and_all_to_all_volume_match_an_ep2_run():
+    """ep=2 on 2 ranks (ZeRO-1, AdamW): rank 0's model-state bytes at the end of backward are the
+    formula's, and the bytes handed to the all-to-all over the run are the theory's for the
+    token rows plus the per-expert counts (one int64 per expert, layer and forward), in the
+    mean over ranks."""
+    steps, batch, block = 2, 8, TINY_MODEL["block_size"]
+    run = Run(
+        arch="moe",
+        strategy={"expert": 2, "zero_stage": 1},
+        devices=2,
+        steps=steps,
+        model={**MOE, "optimizer": "adamw"},
+    )
+    results = run_world(_counted_fit, 2, run)
+    facts, _ = _facts()
+    mine = results[0]["summary"]["ranks"][0]
+    held = mine["param_bytes"] + mine["grad_bytes"] + mine["optimizer_state_bytes"]
+    assert held == pytest.approx(expert_state_bytes(facts, 2, 2, 1), rel=0.02)
+    tokens = batch // 2 * block
+    rows = all_to_all_bytes(facts, tokens, 2)["through"] * steps
+    counts = 8 * facts.n_experts * facts.moe_layers * steps
+    # A rank hands over its own slots (dispatch, and their gradients back) and the slots its
+    # experts received (the outputs, and their gradients): those vary by rank, their mean not.
+    handed = [r["all_to_all"].payload_bytes for r in results]
+    assert sum(handed) / 2 == rows + counts, handed
+
+
+def _bench_cfg(**moe):
+    from tools.bench.__main__ import load_config
+
+    cfg, _ = load_config(["--quick"])
+    cfg["moe"] = {**cfg["moe"], **moe}
+    return cfg
+
+
+def test_bench_moe_rows_theory_and_refusals():
+    """The bench's MoE rows (``tools/bench/moe.py``): their theory is the planner's, and an
+    expert axis the expert count does not split is refused before any process starts."""
+    from tools.bench.compare import check_settings, formula, theory
+
+    cfg = _bench_cfg()
+    from tools.bench.moe import moe_facts
+
+    facts = moe_facts(cfg)
+    ep2 = theory("3d_moe_ep2", cfg, 0, 0)
+    assert ep2["state_bytes"] == expert_state_bytes(facts, 2, 2, 1)
+    tokens = cfg["data"]["batch_size"] // 2 * cfg["model"]["block_size"]
+    a2a = all_to_all_bytes(facts, tokens, 2)["sent"]
+    dense = 2 * 0.5 * 4 * facts.dense_params
+    stats = 2 * 0.5 * 4 * 9 * facts.moe_layers
+    assert ep2["sent_bytes"] == pytest.approx(dense + a2a + 8 * 4 * 2 / 2 + stats)
+    assert "16Ψ_e/2" in formula("3d_moe_ep2")
+    cfg = _bench_cfg(n_experts=3)
+    cfg["rows"] = ["3d_moe_ep2"]
+    with pytest.raises(
+        ValueError, match=r"row 3d_moe_ep2: expert \(2\) must divide moe.n_experts \(3\)"
+    ):
+        check_settings(cfg)
+
+
+@pytest.mark.slow
+def test_bench_moe_rows_measure_their_theory(tmp_path):
+    """``python -m tools.bench --quick`` on the four MoE rows: model state and bytes sent per
+    step are the theory's (ratios 1.000 measured on 2026-12-06; the ZeRO-3 rows' theory counts
+    the units FSDP2 keeps gathered from forward to backward)."""
+    from tools.bench.__main__ import main
+    from tools.bench.compare import ROWS
+
+    rows = [name for name, row in ROWS.items() if row.arch == "moe"]
+    records = main(["--quick", "--rows", *rows, "--outdir", str(tmp_path)])
+    assert [r["row"] for r in records] == rows
+    for r in records:
+        assert r["state_bytes"] / r["state_formula_bytes"] == pytest.approx(1, abs=1e-3), r["row"]
+        assert r["sent_bytes"] / r["sent_theory_bytes"] == pytest.approx(1, abs=0.01), r["row"]
+
+
+def test_cli_summary_proposes_the_expert_axis_that_fits():
+    """The planner CLI's MoE lines: every size that divides data and the experts, the ones whose
+    state does not fit beside the layout's activations marked, the first fitting one proposed;
+    none beside tensor parallelism (expert parallelism refuses it)."""
+    from lightning_3d.planner import Choice, MemorySplit
+    from lightning_3d.planner.experts import expert_summary
+
+    facts = ExpertFacts(
+        moe_layers=2, n_experts=8, top_k=2, hidden=64, expert_params=800, dense_params=200
+    )
+    choice = Choice(data=4, tensor=1, pipeline=1, zero_stage=1, batch_per_rank=2)
+    memory = MemorySplit(params=0, grads=0, optimizer=0, activations=1000, buffers=0)
+    text = expert_summary(facts, choice, memory, device_bytes=1000 + 6000, seq_len=10)
+    # ep4: ZeRO-1 dense 8*200 + 8*200/4 + experts 16*800/4; all-to-all 4*2*(2*10)*64*4 * 3/4
+    assert "expert=4: 5.2 kB, 61.4 kB\n" in text and "expert=1: 10.0 kB, 0 B (does not fit)" in text
+    assert text.endswith(
+        "proposed: ThreeDStrategy(expert=4) (parallelism=auto does not choose an expert axis yet)"
+    )
+    tp = Choice(data=2, tensor=2, pipeline=1, zero_stage=1)
+    assert "none (expert > 1 does not combine with tensor" in expert_summary(
+        facts, tp, memory, 1e9, 10
+    )
