@@ -10,6 +10,12 @@ when the engine does so (:func:`master_options`), refuses the combinations it wa
 (:func:`refuse_master_combinations`), and counts the bytes it holds (:func:`zero_state_bytes`),
 from the tensors themselves, for the tests and the bench.
 
+With an offload device (``offload="cpu"`` / ``"nvme"``) the masters and their fp32 gradients
+live in host memory instead: ZeRO-Offload's split, 2 bytes a parameter of bf16 weight on the
+device plus a few buckets of gradient staging, and 4 + 4 bytes of master and gradient (stage 0;
+/N from stage 1) in host memory beside the offloaded optimizer's 8 of moments (on the drive
+under ``"nvme"``), which steps the host masters in place.
+
 Under ``bf16-mixed`` nothing changes: the module's weights are fp32 and autocast computes in
 bf16, so there is nothing to keep a master of (16Ψ at every stage below 3, 4Ψ of it in fp32
 gradients); ``bf16-true`` is how to ask for the paper's memory (docs/memory.md).
@@ -17,7 +23,7 @@ gradients); ``bf16-true`` is how to ask for the paper's memory (docs/memory.md).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -35,27 +41,45 @@ LOW_PRECISION_MODULES = ("bf16-true", "16-true")
 def master_options(optimizer: torch.optim.Optimizer, plan: Any) -> dict[str, Any]:
     """``ZeroDataParallel`` keywords for ``optimizer`` under ``plan`` (the ``zero`` group's):
     ``defer_reduce`` as given, and fp32 masters where the
-    ``zero`` group asks for them, the optimizer trains parameters of a lower precision, and no
-    offload device keeps its own (``OffloadedAdam`` holds fp32 masters in its store). An
+    ``zero`` group asks for them and the optimizer trains parameters of a lower precision; with
+    an offload device, in host memory (``master_device="cpu"``), where ``OffloadedAdam`` steps
+    them in place. An
     optimizer over fp32 parameters (``bf16-mixed``, ``32-true``) gets none, so one rank at stage 0
     keeps its no-copy pass-through."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     low = any(p.is_floating_point() and p.element_size() < 4 for p in params)
     deferred = {"defer_reduce": plan.zero.defer_reduce}
-    if not (plan.zero.master_weights and low and plan.offload.device == "none"):
+    if not (plan.zero.master_weights and low):
         return deferred
-    return {**deferred, "master_dtype": MASTER_DTYPE, "grad_dtype": plan.zero.grad_dtype}
+    host = {} if plan.offload.device == "none" else {"master_device": "cpu"}
+    return {**deferred, "master_dtype": MASTER_DTYPE, "grad_dtype": plan.zero.grad_dtype, **host}
 
 
 def refuse_master_combinations(plan: Any, precision: str) -> None:
     """``ValueError`` before any rewrite when fp32 masters would meet what they were not built
     and tested with: sharded checkpoints (their writer saves slices of the bf16 buckets;
-    consolidated ones save the masters). ``zero_master_weights=False`` runs them as before."""
+    consolidated ones save the masters). With an offload device (host masters) also: the
+    delayed update (its worker would step the masters the engine rounds into the weights) and
+    ZeRO-2's deferred reduction (host masters reduce every micro-batch). ``zero_master_weights=False``
+    runs them as before (the offloaded optimizer then keeps the masters in its store)."""
     layout = plan.layout
     if not (plan.zero.master_weights and str(precision) in LOW_PRECISION_MODULES):
         return
-    if layout.zero_stage == 3 or plan.offload.device != "none":
+    if layout.zero_stage == 3:
         return
+    if plan.offload.device != "none":
+        for name, value in (
+            ("offload_delay_update", plan.offload.delay_update),
+            ("zero2_defer_reduce", plan.zero.defer_reduce),
+        ):
+            if value:
+                raise ValueError(
+                    f"precision={precision!r} with offload={plan.offload.device!r} at "
+                    f"zero_stage={layout.zero_stage} keeps fp32 masters and gradients in host "
+                    f"memory (zero_master_weights=True), which do not support {name}=True: "
+                    f"use zero_master_weights=False (masters in the offload store, bf16 "
+                    f"gradients on the device) or {name}=False"
+                )
     if plan.checkpoint.format == "sharded":  # its writer saves slices of the bf16 buckets
         raise ValueError(
             f"precision={precision!r} with zero_stage={layout.zero_stage} keeps fp32 master weights "
@@ -65,15 +89,10 @@ def refuse_master_combinations(plan: Any, precision: str) -> None:
         )
 
 
-def zero_state_bytes(
-    module: nn.Module, optimizer: torch.optim.Optimizer, engine: Optional[ZeroDataParallel]
-) -> dict[str, int]:
-    """Model-state bytes on this rank, counted once per storage from the tensors themselves:
-    ``params`` (the module's, i.e. the flat buckets), ``grads`` (the engine's gradient buffers and
-    any ``.grad`` of the module's parameters), ``masters`` (the optimizer's parameters that are
-    not the module's: fp32 masters; a slice that is a view of a bucket is counted there),
-    ``master_grads`` (their gradients where they are copies, made for one step) and
-    ``optimizer_state``."""
+def storage_counter() -> Callable[[list[Optional[Tensor]]], int]:
+    """A counter of bytes by storage: each call returns the bytes of the storages among its
+    tensors (``None`` skipped; a DTensor's local shard) that no earlier call of the same counter
+    counted, so views and shared buffers count once across the calls."""
     seen: set[int] = set()
 
     def count(tensors: list[Optional[Tensor]]) -> int:
@@ -87,6 +106,20 @@ def zero_state_bytes(
             seen.add(storage.data_ptr())
             total += storage.nbytes()
         return total
+
+    return count
+
+
+def zero_state_bytes(
+    module: nn.Module, optimizer: torch.optim.Optimizer, engine: Optional[ZeroDataParallel]
+) -> dict[str, int]:
+    """Model-state bytes on this rank, counted once per storage from the tensors themselves:
+    ``params`` (the module's, i.e. the flat buckets), ``grads`` (the engine's gradient buffers and
+    any ``.grad`` of the module's parameters), ``masters`` (the optimizer's parameters that are
+    not the module's: fp32 masters; a slice that is a view of a bucket is counted there),
+    ``master_grads`` (their gradients where they are copies, made for one step) and
+    ``optimizer_state``."""
+    count = storage_counter()
 
     params = list(module.parameters())
     stepped = [p for group in optimizer.param_groups for p in group["params"]]

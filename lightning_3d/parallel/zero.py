@@ -25,7 +25,11 @@ tp-replicated parameters, so each slice can say which it is.
 With a bf16 module (``precision="bf16-true"``) the buckets hold bf16 weights and gradients and
 the optimizer steps fp32 masters of this rank's slice instead (stage 0: of the whole bucket),
 cast back into the buckets before the all-gather: the paper's 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N
-(``masters.py`` says when; :attr:`ZeroOptions.master_weights`).
+(``masters.py`` says when; :attr:`ZeroOptions.master_weights`). With an offload device the
+masters and their fp32 gradients live in host memory (``master_device="cpu"``, ZeRO-Offload's
+split): each bucket is reduced as soon as backward completes it, at every micro-batch, and this
+rank's part is added into an fp32 host accumulator, so the device holds the bf16 weights and
+the staging of at most :data:`HOST_IN_FLIGHT` + 1 buckets.
 """
 
 from __future__ import annotations
@@ -68,9 +72,11 @@ class ZeroOptions:
     steps an fp32 copy of only its slice (the ZeRO paper's mixed-precision Adam: 2 + 2 + 12 bytes
     a parameter, the 12 sharded from stage 1). False: the optimizer steps the bf16 slices
     themselves (bf16 moments, updates rounded to bf16 every step), as one process under
-    ``bf16-true`` does. No effect on fp32 parameters (``bf16-mixed`` keeps fp32 weights and
-    autocast), under ZeRO-3 (FSDP2 shards what the module holds) or with an offload device (its
-    store keeps the fp32 masters)."""
+    ``bf16-true`` does. With an offload device the masters and their fp32 gradients live in host
+    memory (ZeRO-Offload's split: 2 bytes a parameter on the device); False there: the offload
+    store keeps the masters and the device the bf16 gradients. No effect on fp32 parameters
+    (``bf16-mixed`` keeps fp32 weights and autocast) or under ZeRO-3 (FSDP2 shards what the
+    module holds)."""
 
     reduce_dtype: str = "bf16"
     """``"bf16"`` or ``"fp32"``: the dtype of the gradient buffers of a bucket with fp32 masters,
@@ -124,6 +130,9 @@ REDUCE_DTYPES: dict[str, Optional[torch.dtype]] = {"bf16": None, "fp32": torch.f
 
 MIN_BUCKETS = 4  # a param group smaller than this many full buckets is cut into this many
 MIN_BUCKET_BYTES = 2**20  # ... but none under 1 MiB (DDP's first bucket): latency would dominate
+# Host masters: buckets whose reduction may still run while the next one is launched; older ones
+# land in host memory then, so their device staging is freed during backward.
+HOST_IN_FLIGHT = 1
 
 
 @dataclass(eq=False)
@@ -163,6 +172,8 @@ class _Bucket:
     held: bool = False
     # Stage 1: this rank's reduced slice of earlier backwards, added after the next reduction.
     carry: Optional[Tensor] = None
+    # Host masters: this backward's reduced part is in the host accumulator (``shard_grad``).
+    landed: bool = False
 
 
 @dataclass(frozen=True)
@@ -202,6 +213,7 @@ class ZeroDataParallel:
         master_dtype: Optional[torch.dtype] = None,
         grad_dtype: Optional[torch.dtype] = None,
         defer_reduce: bool = False,
+        master_device: Optional[str] = None,
     ) -> None:
         """``mesh`` is the data axis, or the (data, tensor) mesh when parameters are tensor-parallel.
 
@@ -226,6 +238,12 @@ class ZeroDataParallel:
         ``defer_reduce`` (stage 2): a backward with ``sync=False`` keeps its full-size gradients
         for the next one to add to, and only the step's last backward reduce-scatters them
         (see :attr:`ZeroOptions.defer_reduce`).
+
+        ``master_device="cpu"`` (with ``master_dtype``): the masters and their gradients in host
+        memory, for an offloaded optimizer to step in place (ZeRO-Offload). Every backward
+        reduces (micro-batches accumulate on the host, in the masters' dtype), and a bucket's
+        device staging is freed once its part has landed, during backward: the device keeps the
+        low-precision weights and at most ``HOST_IN_FLIGHT + 1`` buckets of gradient.
         """
         if scatter not in SCATTER_MODES:
             raise ValueError(f"scatter must be one of {list(SCATTER_MODES)}, got {scatter!r}")
@@ -245,6 +263,12 @@ class ZeroDataParallel:
         self.master_dtype = master_dtype
         self.grad_dtype = grad_dtype
         self.defer_reduce = defer_reduce
+        if master_device is not None and master_dtype is None:
+            raise ValueError(f"master_device={master_device!r} needs a master_dtype")
+        # Kept as given ("cpu"): where host buffers are made, not a device of the mesh.
+        self.master_device = master_device
+        self._in_flight: list[_Bucket] = []  # host masters: launched, not landed yet
+        self.staging_peak_bytes = 0  # host masters: the most device staging held at once
         dp_mesh = mesh[mesh.mesh_dim_names[0]] if mesh.ndim == 2 else mesh
         self.group = dp_mesh.get_group()
         self.size = dp_mesh.size()
@@ -358,7 +382,12 @@ class ZeroDataParallel:
         bucket.written = [False] * len(params)
         master = self.master_dtype is not None and flat.element_size() < self.master_dtype.itemsize
         grad_dtype = (self.grad_dtype if master else None) or flat.dtype
-        if self.stage <= 1:
+        part_numel = self._part(flat, bucket).numel()
+        if master and self.master_device is not None:  # the step's gradient, summed on the host
+            bucket.shard_grad = torch.zeros(
+                part_numel, dtype=self.master_dtype, device=self.master_device
+            )
+        elif self.stage <= 1:
             bucket.grad = torch.zeros_like(flat, dtype=grad_dtype)
             bucket.views = [
                 None
@@ -371,13 +400,21 @@ class ZeroDataParallel:
                 bucket.shard_numel, dtype=grad_dtype, device=flat.device
             )
         if master:  # the optimizer steps an fp32 copy of this rank's part, not the flat buffer
-            bucket.master = self._part(flat, bucket).to(self.master_dtype, copy=True)
+            # Host masters are not pinned: CUDA's host allocator would round each bucket's up
+            # to a power of two.
+            bucket.master = self._part(flat, bucket).to(
+                device=self.master_device or flat.device, dtype=self.master_dtype, copy=True
+            )
             bucket.slice = nn.Parameter(self._as_slice(bucket.master, bucket))
         elif self.stage >= 1:
             bucket.slice = nn.Parameter(self.slice_dtensor(self._own(flat, bucket), params[0]))
         for index, p in enumerate(params):
             self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(bucket, index)))
         return bucket
+
+    def _hosted(self, bucket: _Bucket) -> bool:
+        """Whether the bucket's master and its gradient live in host memory (``master_device``)."""
+        return self.master_device is not None and bucket.master is not None
 
     def _own(self, full: Tensor, bucket: _Bucket) -> Tensor:
         return full[self.rank * bucket.shard_numel : (self.rank + 1) * bucket.shard_numel]
@@ -422,13 +459,17 @@ class ZeroDataParallel:
         """
         # Stage 2 keeps no full-size gradient, so it must reduce on every backward, unless told
         # to hold one over the step's micro-batches (``defer_reduce``).
+        # Host masters reduce every backward too: micro-batches add up on the host, in fp32.
         self._sync = sync or (self.stage == 2 and not self.defer_reduce)
+        self._sync = self._sync or self.master_device is not None
         self._early = early
+        self._in_flight = []
         for bucket in self.buckets:
             bucket.live = self._takes_part(bucket)
             if not bucket.live:
                 continue
             bucket.ready = 0
+            bucket.landed = False
             if bucket.held:
                 self._resume(bucket)
             for p in bucket.params:
@@ -451,7 +492,7 @@ class ZeroDataParallel:
         afresh where ``zero_grad()`` cleared it (``set_to_none=False`` zeroed it in place: kept,
         zeros)."""
         bucket.held = False
-        if self.stage == 0:
+        if self.stage == 0 and not self._hosted(bucket):
             # The whole buffer holds the mean; this backward adds its local gradients and the
             # next reduction's mean gives mean + new mean, as DDP computes it.
             for index, p in enumerate(bucket.params):
@@ -460,7 +501,7 @@ class ZeroDataParallel:
                     bucket.written[index] = False
             return
         cleared = bucket.slice.grad is None
-        if self.stage == 1:
+        if self.stage == 1 and not self._hosted(bucket):
             # Only this rank's slice is reduced; the rest of the buffer holds this rank's own
             # share of the other slices, which their ranks have already added up: reducing it
             # again would count it twice. Set the slice aside and start the buffer afresh.
@@ -501,10 +542,15 @@ class ZeroDataParallel:
     def _target(self, bucket: _Bucket) -> Tensor:
         """The full-size buffer this backward's gradients go to (stage 2: made per backward,
         uninitialised but for its padding, which is never written)."""
-        if self.stage <= 1:
+        hosted = self._hosted(bucket)
+        if self.stage <= 1 and not hosted:
             return bucket.grad
         if bucket.staging is None:
-            bucket.staging = torch.empty_like(bucket.flat, dtype=bucket.shard_grad.dtype)
+            dtype = (self.grad_dtype or bucket.flat.dtype) if hosted else bucket.shard_grad.dtype
+            bucket.staging = torch.empty_like(bucket.flat, dtype=dtype)
+            if hosted:
+                held = sum(b.staging.nbytes for b in self.buckets if b.staging is not None)
+                self.staging_peak_bytes = max(self.staging_peak_bytes, held)
             end = bucket.offsets[-1] + _local(bucket.params[-1]).numel()
             bucket.staging[end:].zero_()
             if self.align > 1:  # the gaps between block-aligned parameters too
@@ -538,6 +584,33 @@ class ZeroDataParallel:
                 bucket.work = reduce_scatter_single(
                     bucket.reduced, full, group=self.group, async_op=True
                 )
+        if self._hosted(bucket):  # land the older ones: their staging is freed during backward
+            self._in_flight.append(bucket)
+            while len(self._in_flight) > HOST_IN_FLIGHT:
+                self._land(self._in_flight[0])
+
+    def _land(self, bucket: _Bucket) -> None:
+        """Host masters: wait for the bucket's reduction, add this rank's part to the host
+        accumulator (in the masters' dtype: micro-batches lose nothing to bf16 sums) and free
+        the device staging."""
+        bucket.work.wait()
+        bucket.work = None
+        if bucket in self._in_flight:
+            self._in_flight.remove(bucket)
+        if bucket.received is not None:  # gloo's exchange: the peers' parts of my slice
+            reduced = add_rows(self._own(bucket.staging, bucket), bucket.received)
+            bucket.received = None
+        else:
+            reduced = bucket.staging if self.stage == 0 else bucket.reduced
+        host = bucket.shard_grad
+        if bucket.shard_fresh:
+            host.copy_(reduced)
+        else:
+            host.add_(reduced.to(self.master_device, host.dtype))
+        bucket.shard_fresh = False
+        bucket.staging = bucket.reduced = None
+        bucket.written = [False] * len(bucket.params)  # the next backward's staging is new
+        bucket.landed = True
 
     def finish_backward(self) -> None:
         """Call after each backward: completes the reductions of a synchronising backward."""
@@ -553,9 +626,17 @@ class ZeroDataParallel:
         self._sum_tied()
         live = [bucket for bucket in self.buckets if bucket.live]
         for bucket in live:  # buckets with unused parameters never fired their hook
-            if bucket.work is None:
+            if bucket.work is None and not bucket.landed:
                 self._launch(bucket)
         for bucket in live:
+            if self._hosted(bucket):  # the step's gradient is the host accumulator
+                if not bucket.landed:
+                    self._land(bucket)
+                bucket.held = True
+                for p in bucket.params:
+                    p.grad = None
+                bucket.slice.grad = self._as_slice(bucket.shard_grad, bucket)
+                continue
             bucket.work.wait()
             bucket.work = None
             if bucket.received is not None:  # the other ranks' parts of my slice: add them
@@ -736,8 +817,8 @@ class ZeroDataParallel:
             full = torch.empty_like(bucket.flat, dtype=bucket.master.dtype)
             if self.stage == 0:
                 full.copy_(bucket.master)
-            else:
-                all_gather_single(full, bucket.master, group=self.group)
+            else:  # host masters: an NCCL group gathers device tensors only
+                all_gather_single(full, bucket.master.to(full.device), group=self.group)
             for p, offset in zip(bucket.params, bucket.offsets):
                 out.append((p, _like(p, full[offset : offset + _local(p).numel()])))
         return out
