@@ -155,6 +155,8 @@ def test_ci_gpu_adapters_dry_run_prints_both_runs_whose_flags_parse(tmp_path):
     speed, memory = (adapters.parse(r[3].replace("gpu", "cpu").split()) for r in runs)
     assert speed.methods == ["full", "lora"] and speed.layers < 32
     assert memory.methods == ["qlora", "qlora-bnb"] and memory.layers == 32 and memory.ac == "full"
+    assert memory.loss_chunks == "auto"  # the fine-tune app's default, the planner's 9.24 GB
+    assert adapters.method_run("qlora", memory).strategy["loss_chunks"] == "auto"
     assert "unknown argument 'adapter'" in ci_gpu(tmp_path, "--dry-run", "adapter").stderr
 
 
@@ -167,6 +169,9 @@ def test_bad_shape_flags_are_refused_in_one_line(capsys):
     with pytest.raises(SystemExit):
         adapters.parse(["--mlp", "200"])
     assert "--mlp 200" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        adapters.parse(["--loss-chunks", "0"])
+    assert "--loss-chunks 0" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke path; a GPU runs the real one")

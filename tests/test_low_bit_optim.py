@@ -89,8 +89,8 @@ def test_state_bytes_against_fp32_adamw(name, ratio, eager):
 
 def test_refusals_name_the_values():
     assert optimizer_problems("adam9") == [
-        "optimizer must be one of ['adamw', 'sgd', 'adamw8bit', 'adamw4bit', 'adamw8bit_bnb'], "
-        "got 'adam9'"
+        "optimizer must be one of ['adamw', 'sgd', 'adamw8bit', 'adamw4bit', 'adamw8bit_bnb', "
+        "'adamw_bf16sr'], got 'adam9'"
     ]
     (problem,) = optimizer_problems("adamw8bit", offload="cpu")
     assert "optimizer='adamw8bit' with offload='cpu'" in problem

@@ -119,3 +119,31 @@ def test_keep_gathered_trades_the_stages_whole_weights_and_gradients_for_bytes()
     sent, kept = step_traffic(facts, plain), step_traffic(facts, keep)
     assert kept.reduce_scatter == pytest.approx(sent.reduce_scatter / 4)
     assert kept.all_gather < sent.all_gather / 4
+
+
+def test_zero3_under_a_pipeline_gathers_every_micro_batch_and_reduces_once():
+    """Two pipeline stages × two data ranks at ZeRO-3 and 4 micro-batches: torch's stages keep
+    each unit gathered after a backward and reduce-scatter once, after the last micro-batch, and
+    every forward reshards: ``m + 1`` gathers and one reduce-scatter of the stage a step
+    (planner/traffic.py). Rank 0 (the first stage) also sends its 4 micro-batches' activations
+    to the next stage, counted here beside the data axis's bytes. Broken variants caught (seen
+    failing): the once-per-step count (2 gathers: 0.53x the counted bytes) and a count of 2
+    gathers and a reduce-scatter per micro-batch (1.94x)."""
+    m = 4
+    run = Run(
+        strategy={"zero_stage": 3, "pipeline": 2, "micro_batches": m},
+        devices=4,
+        steps=2,
+        initial_state=False,
+    )
+    counted = run_world(_counted_step, 4, run, 1)[0]
+    choice = Choice(data=2, tensor=1, pipeline=2, zero_stage=3, micro_batches=m, batch_per_rank=4)
+    facts = _facts()
+    traffic = step_traffic(facts, choice)
+    activations = m * choice.micro_batch_size * facts.seq_len * facts.d_model * 4  # fp32
+    assert traffic.total + activations == pytest.approx(counted, rel=TOLERANCE), (
+        (traffic.total + activations) / counted,
+        traffic,
+        counted,
+    )
+    assert traffic.reduce_scatter * (m + 1) == pytest.approx(traffic.all_gather)

@@ -108,7 +108,12 @@ def check_spec(spec: RunSpec, model: Any = None) -> Any:
         check_target_keys(spec.model, "model")
         model_limits(spec.model)  # a Hugging Face model's directory or config, said as such
         check_adapter_plan(spec.model, plan)
-        check_optimizer_plan(spec.model, plan, spec.every_n_steps is not None)
+        check_optimizer_plan(
+            spec.model,
+            plan,
+            spec.every_n_steps is not None,
+            str(spec.trainer.get("precision", "32-true")),
+        )
         # fp32 masters (bf16-true at ZeRO 0-2) and what they do not support yet.
         refuse_master_combinations(plan, str(spec.trainer.get("precision", "32-true")))
         model = model if model is not None else model_on_meta(spec.model)
@@ -293,13 +298,23 @@ def check_adapter_plan(model: DictConfig, plan: Plan) -> None:
         raise ValueError(f"{' with '.join(keys)}: {err}") from None
 
 
-def check_optimizer_plan(model: DictConfig, plan: Plan, checkpoints: bool) -> None:
-    """The model's ``optimizer`` (low-bit AdamW among them) against the layout, offload and
-    periodic checkpoints: ``ValueError`` naming the keys (``parallel/optimizers.py``)."""
+def check_optimizer_plan(
+    model: DictConfig, plan: Plan, checkpoints: bool, precision: str | None = None
+) -> None:
+    """The model's ``optimizer`` (low-bit AdamW among them) against the layout, offload,
+    periodic checkpoints and the precision: ``ValueError`` naming the keys
+    (``parallel/optimizers.py``)."""
     name = model.get("optimizer")
     if name is None:
         return
-    problems = optimizer_problems(name, plan.layout.zero_stage, plan.offload.device, checkpoints)
+    problems = optimizer_problems(
+        name,
+        plan.layout.zero_stage,
+        plan.offload.device,
+        checkpoints,
+        precision=precision,
+        master_weights=plan.zero.master_weights,
+    )
     if problems:
         raise ValueError(f"model.optimizer={name}: " + "; ".join(problems))
 

@@ -50,6 +50,8 @@ AUTO_CHOSEN = ("auto", "data", "tensor", "pipeline", "zero_stage", "ac_policy")
 AUTO_CHOSEN_PIPELINED = ("micro_batches", "schedule")
 AUTO_CHOSEN_OFFLOAD = ("offload", "offload_params")
 AUTO_CHOSEN_CONTEXT = ("context", "context_scheme")  # where the choice splits sequences
+# The memory kit's options (planner/search.py), where the choice turned them on.
+AUTO_CHOSEN_KIT = ("loss_chunks", "activation_offload")
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,10 @@ def with_auto(spec: RunSpec, model: Any) -> tuple[RunSpec, list[str], dict[str, 
         precision=precision,
         device_type=device_type,
         context_sizes="auto" if _data_splits(spec) else (1,),
+        # The 8-bit rung (it changes the update's rounding): in the fine-tune app only, where
+        # the model names its optimizer (model.optimizer, handed on below).
+        optimizer_settable=spec.finetune and spec.model is not None and "optimizer" in spec.model,
+        checkpoints=spec.every_n_steps is not None,
     )
     rank_zero_info(chosen.line)
     names = AUTO_CHOSEN
@@ -222,11 +228,17 @@ def with_auto(spec: RunSpec, model: Any) -> tuple[RunSpec, list[str], dict[str, 
         names += AUTO_CHOSEN_OFFLOAD
     if chosen.plan.layout.context > 1:
         names += AUTO_CHOSEN_CONTEXT
+    given = spec.plan.options()
+    names += tuple(n for n in AUTO_CHOSEN_KIT if chosen.plan.options()[n] != given[n])
     overrides = [
         f"{key}={str(value).lower() if isinstance(value, bool) else value}"
         for key, value in hydra_overrides(chosen.plan, names).items()
     ]
-    return replace(spec, plan=chosen.plan), overrides, chosen.figures
+    model_cfg = spec.model
+    if model_cfg is not None and chosen.optimizer != model_cfg.get("optimizer", chosen.optimizer):
+        model_cfg = OmegaConf.merge(model_cfg, {"optimizer": chosen.optimizer})
+        overrides.append(f"model.optimizer={chosen.optimizer}")
+    return replace(spec, plan=chosen.plan, model=model_cfg), overrides, chosen.figures
 
 
 def _data_splits(spec: RunSpec) -> bool:

@@ -9,6 +9,14 @@ Hydra app as ``model.optimizer=``):
   one fp32 scale per block of 256 elements (2.03 bytes per parameter, 0.254x).
 - ``adamw4bit``: torchao's ``AdamW4bit``: 4-bit codes, blocks of 128 (about 1.06 bytes, 0.13x).
 - ``adamw8bit_bnb``: bitsandbytes' ``AdamW8bit`` (blockwise, 256; plain uint8 tensors).
+- ``adamw_bf16sr``: torchao's ``_AdamW`` with ``bf16_stochastic_round=True``: bf16 parameters
+  and bf16 moments (4 bytes of state per parameter, no fp32 master), each update computed in
+  fp32 and rounded to bf16 stochastically (up or down with the odds of the remainder), so an
+  update smaller than half a bf16 step still moves the weight on average instead of being
+  rounded away. It is what replaces the fp32 master, so it needs bf16 parameters
+  (``precision="bf16-true"``) that the optimizer steps itself: no ZeRO 0-2 fp32 masters
+  (``zero_master_weights=False``, or ZeRO-3), no offload; refused elsewhere
+  (:func:`optimizer_problems`, and :func:`build_optimizer` for parameters that are not bf16).
 - ``sgd``: momentum SGD.
 
 torchao quantizes a tensor of at least 4096 elements whose count its block size divides, in
@@ -37,28 +45,36 @@ from __future__ import annotations
 
 import importlib.util
 from collections import Counter
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-OPTIMIZERS = ("adamw", "sgd", "adamw8bit", "adamw4bit", "adamw8bit_bnb")
+OPTIMIZERS = ("adamw", "sgd", "adamw8bit", "adamw4bit", "adamw8bit_bnb", "adamw_bf16sr")
 LOW_BIT = {"adamw8bit": "torchao", "adamw4bit": "torchao", "adamw8bit_bnb": "bitsandbytes"}
+# Optimizers that step bf16 parameters with stochastic rounding, and the library each needs.
+STOCHASTIC_ROUNDING = {"adamw_bf16sr": "torchao"}
 # Elements per quantization block (torchao's defaults, bitsandbytes' blockwise size).
 BLOCK_SIZE = {"adamw8bit": 256, "adamw4bit": 128, "adamw8bit_bnb": 256}
 
 
 def optimizer_problems(
-    name: Any, zero_stage: int = 0, offload: str = "none", checkpoints: bool = False
+    name: Any,
+    zero_stage: int = 0,
+    offload: str = "none",
+    checkpoints: bool = False,
+    precision: Optional[str] = None,
+    master_weights: bool = False,
 ) -> list[str]:
     """What stops optimizer ``name`` with this layout, in the option names users give (empty:
     nothing); the Hydra app prints them as one ``error:`` line before any rank starts.
     ``checkpoints``: the run saves checkpoints (their optimizer state is gathered per parameter,
-    which quantized states sharded by ZeRO 1-3 cannot be yet)."""
+    which quantized states sharded by ZeRO 1-3 cannot be yet); ``precision``: Lightning's, where
+    known; ``master_weights``: the run's ``zero_master_weights``."""
     if name not in OPTIMIZERS:
         return [f"optimizer must be one of {list(OPTIMIZERS)}, got {name!r}"]
-    problems = []
+    problems = rounding_problems(name, zero_stage, offload, precision, master_weights)
     library = LOW_BIT.get(name)
     if library is not None and importlib.util.find_spec(library) is None:
         problems.append(f"optimizer={name!r} needs {library}, which is not installed")
@@ -81,6 +97,40 @@ def optimizer_problems(
     return problems
 
 
+def rounding_problems(
+    name: str,
+    zero_stage: int = 0,
+    offload: str = "none",
+    precision: Optional[str] = None,
+    master_weights: bool = False,
+) -> list[str]:
+    """What stops a stochastic-rounding optimizer (:data:`STOCHASTIC_ROUNDING`): it must step
+    the bf16 parameters themselves (see the module docstring); empty for any other ``name``."""
+    library = STOCHASTIC_ROUNDING.get(name)
+    if library is None:
+        return []
+    problems = []
+    if importlib.util.find_spec(library) is None:
+        problems.append(f"optimizer={name!r} needs {library}, which is not installed")
+    if precision is not None and precision != "bf16-true":
+        problems.append(
+            f"optimizer={name!r} with precision={precision!r}: stochastic rounding steps bf16 "
+            "parameters; use precision='bf16-true' or optimizer='adamw'"
+        )
+    if precision == "bf16-true" and zero_stage < 3 and master_weights and offload == "none":
+        problems.append(
+            f"optimizer={name!r} with zero_stage={zero_stage} and zero_master_weights=True: the "
+            "ZeRO engine would step fp32 masters, which need no rounding; use "
+            "zero_master_weights=False, zero_stage=3 or optimizer='adamw'"
+        )
+    if offload != "none":
+        problems.append(
+            f"optimizer={name!r} with offload={offload!r}: the offload engine steps its own "
+            "fp32 Adam state on the host; choose offload='none'"
+        )
+    return problems
+
+
 def build_optimizer(
     name: str, groups: Any, lr: float, betas: tuple[float, float]
 ) -> torch.optim.Optimizer:
@@ -91,6 +141,21 @@ def build_optimizer(
         opt = build_optimizer("adamw8bit", model.parameters(), lr=3e-4, betas=(0.9, 0.95))
     """
     problems = optimizer_problems(name)
+    if name in STOCHASTIC_ROUNDING:
+        groups = list(groups)
+        params = [
+            p
+            for g in groups
+            for p in (g["params"] if isinstance(g, dict) else [g])
+            if p.requires_grad
+        ]
+        other = sorted({str(p.dtype) for p in params if p.dtype != torch.bfloat16})
+        if other:
+            problems.append(
+                f"optimizer={name!r} steps bf16 parameters with stochastic rounding; "
+                f"{sum(p.dtype != torch.bfloat16 for p in params)} trained parameter(s) are "
+                f"{', '.join(other)} (precision='bf16-true' makes them bf16)"
+            )
     if problems:
         raise ValueError("; ".join(problems))
     if name == "adamw":
@@ -103,6 +168,8 @@ def build_optimizer(
         return bitsandbytes.optim.AdamW8bit(groups, lr=lr, betas=betas)
     import torchao.optim
 
+    if name == "adamw_bf16sr":  # weight_decay per group, as AdamW's
+        return torchao.optim._AdamW(groups, lr=lr, betas=betas, bf16_stochastic_round=True)
     kind = torchao.optim.AdamW8bit if name == "adamw8bit" else torchao.optim.AdamW4bit
     return kind(groups, lr=lr, betas=betas, block_size=BLOCK_SIZE[name])
 

@@ -13,6 +13,8 @@ from typing import Any, Optional, Union
 
 from lightning_3d.layout import ZERO_STAGES
 from lightning_3d.parallel.activation_checkpoint import POLICIES
+from lightning_3d.parallel.chunked_loss import ChunkedLossOptions
+from lightning_3d.parallel.optimizers import OPTIMIZERS
 from lightning_3d.parallel.pipeline import MULTI_STAGE, SCHEDULES
 from lightning_3d.planner.facts import PRECISIONS
 
@@ -24,6 +26,11 @@ OFFLOADS = ("none", "cpu", "cpu+params", "nvme", "nvme+params")
 # The schedules, the simpler first: the default enumeration order, which breaks the last ties
 # among equally fast and equally simple layouts (the ranking sorts stably).
 SCHEDULE_ORDER = ("1f1b", "gpipe", "interleaved_1f1b", "zero_bubble")
+# The memory kit's rungs, in the order the search climbs them (planner/kit.py):
+# the chunked loss, AdamW's 8-bit states, activations offloaded to host memory.
+MEMORY_KIT = ("loss_chunks", "low_bit", "activation_offload")
+# The optimizer the low-bit rung puts in place of AdamW (torchao: it steps ZeRO's DTensor slices).
+LOW_BIT_OPTIMIZER = "adamw8bit"
 
 
 @dataclass(frozen=True)
@@ -122,11 +129,20 @@ class Choice:
         method = f"{self.adapter} " if self.adapter != "none" else ""
         cp = f" cp={self.context} {self.context_scheme}" if self.context > 1 else ""
         sched += " keep" if self.zero3_keep_gathered else ""
+        kit = f" {self.kit_label()}" if self.kit_label() else ""
         return (
             f"{method}dp={self.data}{cp} tp={self.tensor}{sp} pp={self.pipeline} "
             f"zero={self.zero_stage} "
-            f"{sched} mb={self.micro_batch_size} ac={self.ac_policy} offload={self.offload}"
+            f"{sched} mb={self.micro_batch_size} ac={self.ac_policy} offload={self.offload}{kit}"
         )
+
+    def kit_label(self) -> str:
+        """The memory savings this layout runs with (``loss_chunks=32 adamw8bit
+        activation_offload``), empty without any."""
+        parts = [f"loss_chunks={self.loss_chunks}"] if self.loss_chunks > 1 else []
+        parts += [self.optimizer] if self.optimizer not in ("adamw", "sgd") else []
+        parts += ["activation_offload"] if self.activation_offload else []
+        return " ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -175,6 +191,15 @@ class PlannerOptions:
     model's attention can be routed); a sequence whose activations fit no other layout is split
     over ranks (all-to-all where the heads divide, else ring), and a layout that fits without
     it keeps its rank, since splitting a sequence adds exchanges and saves no compute.
+
+    The run's own memory savings, counted in every layout: ``loss_chunks`` (1, a count, or
+    ``"auto"``: ``ceil(vocabulary / width)`` chunks where the chunked loss is built, whole
+    logits under tensor parallelism, as the run resolves it), ``optimizer`` (the model's:
+    ``adamw``, ``adamw8bit``, ... its state bytes by :func:`~lightning_3d.planner.facts.optimizer_state_bytes`)
+    and ``activation_offload``. ``memory_kit``: the savings the search may turn on where a
+    layout does not fit without them (:data:`MEMORY_KIT`, climbed cheapest first, see
+    :mod:`lightning_3d.planner.kit`); empty: none. ``checkpoints``: the run saves periodic
+    checkpoints, which the low-bit states refuse under ZeRO 1-3.
     """
 
     batch_size: Optional[int] = None
@@ -205,6 +230,11 @@ class PlannerOptions:
     lora_r: int = 8  # rank of every adapter (peft's r)
     # context-parallel sizes tried (docs/context-parallelism.md); "auto": see context_sizes_for
     context_sizes: Union[str, tuple[int, ...]] = "auto"
+    loss_chunks: Union[int, str] = 1  # the run's own: 1, a count, or "auto"
+    optimizer: str = "adamw"  # the model's optimizer (parallel/optimizers.py)
+    activation_offload: bool = False  # the run's own
+    memory_kit: tuple[str, ...] = ()  # rungs of MEMORY_KIT the search may turn on
+    checkpoints: bool = False  # the run saves periodic checkpoints
 
     def __post_init__(self) -> None:
         problems = []
@@ -290,6 +320,7 @@ class PlannerOptions:
             )
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel={self.sequence_parallel!r} must be true or false")
+        problems += self._kit_problems()
         if problems:
             raise ValueError("; ".join(problems))
         for name in (
@@ -299,10 +330,26 @@ class PlannerOptions:
             "schedules",
             "virtual_stages",
             "adapters",
+            "memory_kit",
         ):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if contexts != "auto":
             object.__setattr__(self, "context_sizes", tuple(contexts))
+
+    def _kit_problems(self) -> list[str]:
+        """The run's memory options and the kit's rungs, each problem naming its values."""
+        problems = ChunkedLossOptions(self.loss_chunks).problems()
+        if self.optimizer not in OPTIMIZERS:
+            problems.append(f"optimizer={self.optimizer!r} must be one of {list(OPTIMIZERS)}")
+        for name in ("activation_offload", "checkpoints"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be true or false")
+        kit = self.memory_kit
+        if isinstance(kit, str) or not isinstance(kit, (list, tuple)):
+            problems.append(f"memory_kit={kit!r} must be a list of {list(MEMORY_KIT)}")
+        elif any(rung not in MEMORY_KIT for rung in kit):
+            problems.append(f"memory_kit={list(kit)!r} must be a list of {list(MEMORY_KIT)}")
+        return problems
 
     def context_sizes_for(self, world: int, seq_len: int, routable: bool = True) -> tuple[int, ...]:
         """The context sizes to enumerate on ``world`` ranks for ``seq_len`` tokens: the given

@@ -12,6 +12,9 @@ precision: :data:`lightning_3d.planner.facts.PRECISIONS`. Offload moves Adam's s
 plus an fp32 master of every parameter held on the device, fp32 ones too:
 :func:`~lightning_3d.planner.facts.offloaded_state_bytes`) to host memory; ``cpu+params`` moves
 ZeRO-3's parameter and gradient shards there too (fp32 shards in host memory are their own master).
+Under ``bf16-true`` at ZeRO 0-2 offload is ZeRO-Offload's split (:func:`offload_split`): the device
+keeps the bf16 weights and a few buckets of gradient staging (a buffer), host memory the fp32
+masters and their fp32 gradients (8 B, sharded from stage 1), the store Adam's moments (8 B).
 
 A fine-tune method (``Choice.adapter``: LoRA, QLoRA) trains its adapters alone: the frozen base
 counts as parameters only, and gradients, optimizer state and offload follow the adapters
@@ -42,6 +45,7 @@ from dataclasses import dataclass
 
 from lightning_3d.offload.optimizer import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW
 from lightning_3d.offload.storage import pinned_bytes
+from lightning_3d.parallel.optimizers import STOCHASTIC_ROUNDING
 from lightning_3d.parallel.stages import stage_blocks, stage_ids
 from lightning_3d.planner.activations import head_loss_bytes
 from lightning_3d.planner.choice import Choice, PlannerOptions
@@ -164,7 +168,9 @@ def model_state(
     p_b, g_b, o_b, _ = facts.bytes
     # ZeRO shards over data × context: those ranks hold the same layers.
     dp, z, tp = choice.data * choice.context, choice.zero_stage, choice.tensor
-    if z < 3:  # fp32 masters of a bf16 module: stepped in each rank's slice (stage 0: whole)
+    # fp32 masters of a bf16 module: stepped in each rank's slice (stage 0: whole); none for an
+    # optimizer that rounds into the bf16 weights itself (it refuses the masters)
+    if z < 3 and choice.optimizer not in STOCHASTIC_ROUNDING:
         o_b = MASTER_STATE_BYTES.get(facts.precision, o_b)
     o_b = sum(optimizer_state_bytes(choice.optimizer, o_b).values())  # low-bit moments: less
 
@@ -185,15 +191,27 @@ def model_state(
     host = disk = 0.0
     if choice.offload != "none":
         optimizer = 0.0
-        state = (shard if z >= 1 else n) * offloaded_state_bytes(p_b, choice.offload_params)
+        owned = shard if z >= 1 else n
+        state = owned * offloaded_state_bytes(p_b, choice.offload_params)
+        kept = 0.0  # the split: fp32 masters and their gradients, in host memory beside the store
+        if offload_split(facts, choice):
+            state, kept, grads = owned * 8.0, owned * 8.0, 0.0
         if choice.offload_device == "nvme":
-            disk, host = state, float(NVME_RESIDENT_BYTES)
+            disk, host = state, float(NVME_RESIDENT_BYTES) + kept
         else:  # pinned on an accelerator, in blocks whose last one the allocator rounds up
-            host = pinned_bytes(state)
+            host = pinned_bytes(state) + kept
     if choice.offload_params:  # ZeRO-3 only (the plan check refuses it otherwise)
         host += params + grads
         params = grads = 0.0
     return params, grads, optimizer, host, disk
+
+
+def offload_split(facts: ModelFacts, choice: Choice) -> bool:
+    """Whether offload is ZeRO-Offload's split (``parallel/zero.py``, host masters): a module
+    held in bf16 (fp32 masters kept, ``MASTER_STATE_BYTES``) at ZeRO 0-2 with an offload device.
+    The device then holds no gradient between steps, only up to two buckets in flight."""
+    held_in_bf16 = facts.precision in MASTER_STATE_BYTES
+    return choice.offload != "none" and choice.zero_stage < 3 and held_in_bf16
 
 
 def predicted_rank(facts: ModelFacts, choice: Choice, rank: int) -> dict[str, float]:
@@ -285,11 +303,13 @@ def buffer_bytes(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> 
     total = float(facts.buffer_bytes)
     compute = act if facts.precision.endswith("mixed") else p_b
     shards = choice.data * choice.context  # ZeRO's axis
-    if shards > 1 and choice.zero_stage < 3:
+    split = offload_split(facts, choice)
+    if (shards > 1 or split) and choice.zero_stage < 3:
         bucket = options.bucket_size_mb * 2**20
         if choice.adapter != "none":
             bucket = min(bucket, adapter_part(sum(facts.blocks, Part()), r).local(tp) * g_b)
-        total += bucket
+        # The split: a bucket lands on the host while the next one is reduced.
+        total += bucket * (2 if split else 1)
     if choice.zero_stage == 3 and (shards > 1 or choice.offload_params):
         if choice.adapter == "none":
             total += max(b.local(tp) for b in facts.blocks) * (2 * compute + g_b)

@@ -20,6 +20,10 @@ given ``check`` (:func:`lightning_3d.options.model_check.check` bound to the mod
 against the model's shapes; their ``ValueError`` is the rejection's reason. A split that is
 refused as a whole (a tensor size that crosses nodes, say) is one rejected candidate, not one
 per ZeRO stage and micro-batch count.
+
+**The memory kit** (:mod:`lightning_3d.planner.kit`): every layout counts the run's own
+savings; one that does not fit the device climbs the rungs ``PlannerOptions.memory_kit`` allows,
+cheapest in step time first, and keeps the first combination that fits.
 """
 
 from __future__ import annotations
@@ -35,12 +39,19 @@ from typing import Any, Optional
 from lightning_3d.adapters.qlora import refuse_qlora_plan
 from lightning_3d.options import Plan
 from lightning_3d.parallel.pipeline import MULTI_STAGE, interleaved_rounds
-from lightning_3d.planner.choice import ADAPTERS, OFFLOADS, Choice, PlannerOptions
+from lightning_3d.planner.choice import (
+    ADAPTERS,
+    LOW_BIT_OPTIMIZER,
+    OFFLOADS,
+    Choice,
+    PlannerOptions,
+)
 from lightning_3d.planner.cluster import Cluster
 from lightning_3d.planner.facts import ModelFacts
+from lightning_3d.planner.kit import climb, kit_step_time, optimizer_error, run_settings
 from lightning_3d.planner.memory import GB, MemorySplit, human, rank_memory
 from lightning_3d.planner.methods import qlora_problem
-from lightning_3d.planner.timing import StepTime, mfu, step_time
+from lightning_3d.planner.timing import StepTime, mfu
 
 Check = Callable[[Plan, int], None]  # raises ValueError for a plan the model cannot take
 
@@ -238,6 +249,7 @@ def plan_layouts(
             )
             continue
         for choice in _choices(dp, tp, pp, batch // dp, facts, options, cp):
+            choice = run_settings(choice, facts, options)
             if pp > 1 and choice.schedule != "gpipe" and choice.micro_batches < pp:
                 # torch's Schedule1F1B refuses fewer micro-batches than stages; the interleaved
                 # schedules run them, but their bubble is then far above (p - 1) / (v·m): not modelled
@@ -248,6 +260,12 @@ def plan_layouts(
                 rejected.append(Candidate(choice, kind="NF4 shapes", reason=nf4_problem))
                 continue
             error = _plan_error(choice, world, check, checked)
+            if error is not None and choice.loss_chunks > 1 and options.loss_chunks == "auto":
+                # The run's "auto" means whole logits wherever a count is refused.
+                choice = replace(choice, loss_chunks=1)
+                error = _plan_error(choice, world, check, checked)
+            if error is None:
+                error = optimizer_error(choice, facts, options)
             if error is not None:
                 rejected.append(Candidate(choice, kind="plan check", reason=error))
                 continue
@@ -268,8 +286,12 @@ def plan_layouts(
                     )
                 )
                 continue
+            base = choice  # before the kit: what a split's unsplit twin is looked up by
             memory = rank_memory(facts, choice, options)
-            time = step_time(facts, choice, cluster, options)
+            if memory.total > device_budget and options.memory_kit:
+                accepts = functools.partial(_accepts, world=world, check=check, cache=checked)
+                choice, memory = climb(choice, facts, options, device_budget, accepts)
+            time = kit_step_time(facts, choice, cluster, options)
             cand = Candidate(
                 choice,
                 memory,
@@ -305,7 +327,7 @@ def plan_layouts(
                 )
             (fitting if cand.fits else rejected).append(cand)
             if cand.fits and cp == 1:
-                unsplit_fits.add(choice)
+                unsplit_fits.add(base)
     fitting.sort(key=_rank_key)
     return fitting + rejected
 
@@ -355,8 +377,16 @@ def _rank_key(c: Candidate) -> tuple:
         ch.virtual_stages,
         ch.sequence_parallel,
         ch.micro_batches,
+        ch.activation_offload,  # the kit's rungs, costliest first
+        ch.optimizer == LOW_BIT_OPTIMIZER,
+        ch.loss_chunks > 1,
     )
     return (-round(c.tokens_per_s, 6), *simpler, c.memory.total)
+
+
+def _accepts(choice: Choice, world: int, check: Optional[Check], cache: dict) -> bool:
+    """Whether the strategy's own checks take ``choice`` (:func:`_plan_error`)."""
+    return _plan_error(choice, world, check, cache) is None
 
 
 def _plan_error(choice: Choice, world: int, check: Optional[Check], cache: dict) -> Optional[str]:
@@ -417,9 +447,13 @@ def _model_checks(
     context size adds one cheap check instead of another tensor plan per split."""
     if choice.tensor > 1 or choice.pipeline > 1:
         key = ("shape", choice.tensor, choice.pipeline, plan.pp.virtual_stages)
-        key += (plan.tp.sequence_parallel,)
+        key += (plan.tp.sequence_parallel, choice.loss_chunks)  # a stage's head may refuse chunks
         unsplit = functools.partial(plan.updated, data=choice.data * choice.context, context=1)
         yield key, unsplit, world
+    if choice.loss_chunks > 1 and choice.tensor == 1 and choice.pipeline == 1:
+        # The shape check above carries the count; without one, the head is checked alone.
+        chunked = functools.partial(Plan.from_options, loss_chunks=choice.loss_chunks)
+        yield ("loss", choice.loss_chunks), chunked, 1
     if choice.context > 1:
         split = functools.partial(
             Plan.from_options, context=choice.context, context_scheme=choice.context_scheme

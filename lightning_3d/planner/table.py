@@ -39,11 +39,13 @@ def ranked_table(candidates: list[Candidate], top: int = 10) -> str:
         micro += " keep" if ch.zero3_keep_gathered else ""
         sp = " sp" if ch.sequence_parallel else ""
         cp = f" cp{ch.context} {ch.context_scheme}" if ch.context > 1 else ""  # data × context
+        # The memory savings it runs with (the run's own and the rungs the search turned on).
+        kit = f" + {ch.kit_label()}" if ch.kit_label() else ""
         rows.append(
             f"| {i} | {ch.adapter} | {ch.data}{cp}×{ch.tensor}{sp}×{ch.pipeline} | "
             f"{ch.zero_stage} | "
             f"{micro} | {ch.ac_policy} | "
-            f"{ch.offload} | "
+            f"{ch.offload}{kit} | "
             f"{_gb(m.params)} | {_gb(m.grads)} | {_gb(m.optimizer)} | {_gb(m.activations)} | {_gb(m.buffers)} | "
             f"{_gb(m.total)} | {_ms(t.compute)} | {_ms(t.comm)} | {_ms(t.bubble)} | {_ms(t.optimizer)} | "
             f"{_ms(t.offload)} | {_ms(t.overhead)} | "

@@ -3,8 +3,14 @@
 **Compute**: training FLOPs per token of the slowest pipeline stage on one rank, ``6·N`` for its
 matmul weights (forward 2, backward 4; tensor-split weights divided by ``tensor``) plus
 ``12·L·d·T / tensor`` for attention scores (PaLM's count, which ignores the causal mask's
-savings), at ``peak_tflops × efficiency``. Full activation checkpointing runs each block's
-forward again: blocks' time × (1 + ``forward_share``), 8/6 with the default share of 1/3 (the
+savings), at ``peak_tflops × efficiency``. Where the cluster gives its devices'
+``matmul_efficiency`` and ``memory_gbps``, the efficiency is each matmul's own instead
+(:func:`gemm_efficiency`, from the shapes the layout gives it: :func:`matmul_efficiencies`), and
+the block's memory-bound passes (norms, residuals, softmax: :func:`elementwise_bytes`) add their
+bytes at the memory's speed; held against Megatron-LM's published 1.7 B-1 T runs
+(``python -m tools.calibration.published``: 0.97-1.10 of their throughput, where the flat 0.5
+drifted from 1.13 on the smallest to 0.72 on the largest). Full activation checkpointing runs
+each block's forward again: blocks' time × (1 + ``forward_share``), 8/6 with the default share of 1/3 (the
 forward's 2 of 6 FLOPs); selective recomputes only elementwise ops (no matmul FLOPs), which costs
 blocks' time × (1 + ``selective_share``): memory traffic and dispatch, measured. A
 tensor-parallel block costs (1 + ``tp_overhead``) of its FLOP share: norms and residuals every
@@ -22,8 +28,12 @@ data-parallel group sits in one node (``data × tensor ≤ devices_per_node``, t
 else the inter-node link; up to ``overlap`` of the backward time hides it (ZeRO-3's gathers
 overlap the forward too). Tensor parallelism: per block and micro-batch, 2 all-reduces of the
 activations in forward and 2 in backward (2 more when full checkpointing recomputes), always
-exposed, on the intra-node link (tensor groups never cross nodes). Pipeline: each micro-batch's
-activations forward and gradients back, one hop per stage.
+exposed, on the intra-node link (tensor groups never cross nodes): the project's eager DTensor
+plans wait for each before the next op (no compiled async tensor parallelism), and the published
+runs agree (hiding them all would put their tensor-parallel runs 4-15 % above what they measured).
+ZeRO-3 under a pipeline gathers ``m + 1`` times a step, each prefetched behind any
+micro-batch's compute, and reduce-scatters once after the schedule's last backward, behind
+nothing. Pipeline: each micro-batch's activations forward and gradients back, one hop per stage.
 
 **Bubble** (:mod:`lightning_3d.planner.schedule`): ``(p − 1) / m`` of the compute time for GPipe
 and 1F1B alike (so ``(p−1)/(m+p−1)`` of compute + bubble), ``(p − 1) / (v·m)`` for interleaved
@@ -144,6 +154,95 @@ def _block_flops(facts: ModelFacts, pp: int, v: int) -> tuple[int, ...]:
     return facts.memo[key]
 
 
+def gemm_efficiency(m: float, k: float, n: float, cluster: Cluster, act: int) -> float:
+    """The share of peak an ``(m × k) @ (k × n)`` matmul reaches: ``e / (1 + e · ridge / I)``.
+
+    ``I = 2·m·k·n / (act · (m·k + k·n + m·n))`` is its arithmetic intensity (FLOPs per byte of
+    operands and result crossing device memory once), ``ridge = peak / memory bandwidth`` the
+    device's (A100: 153 FLOP/byte, H100: 295), ``e`` the device's ``matmul_efficiency``.
+    It is the roofline with its two sides added rather than overlapped, the conservative
+    reading: a matmul of thousands on every side is compute-bound and reaches ``e``; one with a
+    small side (a head's width in attention scores, a tensor-split projection's ``h/tp``, a
+    micro-batch of few tokens) streams its operands at memory speed, and reaches ``e/2`` where
+    ``I = e·ridge`` (a square matmul of about 370 on an A100). The backward's two matmuls have
+    the forward's dimensions in another order, hence the same intensity.
+    """
+    if cluster.matmul_efficiency is None or cluster.memory_gbps is None:
+        raise ValueError("gemm_efficiency needs cluster.matmul_efficiency and cluster.memory_gbps")
+    e = cluster.matmul_efficiency
+    intensity = 2 * m * k * n / (act * (m * k + k * n + m * n))
+    ridge = cluster.peak_tflops * 1e12 / (cluster.memory_gbps * 1e9)
+    return e / (1 + e * ridge / intensity)
+
+
+def block_gemms(facts: ModelFacts, tp: int) -> tuple[tuple[float, float, float], ...]:
+    """``(in, out, weight elements)`` of each matmul weight of a block on one tensor rank: from
+    the parameters' shapes where the facts hold them (a weight split on dim 0 divides its
+    outputs, on dim 1 its inputs), else a GPT block's (``qkv``: ``d→3d``, ``proj``, ``fc1``:
+    ``d→f``, ``fc2``, ``f`` from the block's matmul weights)."""
+    key = ("block_gemms", tp)
+    if key in facts.memo:
+        return facts.memo[key]
+    d, block = facts.d_model, facts.blocks[0]
+    out = []
+    for (rows, elements, dim), count in block.tensors:
+        if elements == rows:  # a vector: a norm's or a bias, no matmul
+            continue
+        o, i = rows, elements // rows
+        o, i = (o / tp, i) if dim == 0 else (o, i / tp) if dim == 1 else (o, i)
+        out.append((i, o, count * i * o))
+    if not out:
+        f = max(d, (block.flop_params - 4 * d * d) / (2 * d))
+        out = [(d, 3 * d / tp, 3 * d * d / tp), (d / tp, d, d * d / tp)]
+        out += [(d, f / tp, d * f / tp), (f / tp, d, d * f / tp)]
+    facts.memo[key] = tuple(out)
+    return facts.memo[key]
+
+
+def matmul_efficiencies(
+    facts: ModelFacts, choice: Choice, cluster: Cluster, options: PlannerOptions
+) -> tuple[float, float, float]:
+    """Shares of peak of a block's weight matmuls, its attention scores and the head, on one
+    rank under ``choice``: :func:`gemm_efficiency` of each, the weight matmuls' combined by
+    FLOPs (their time adds). The token dimension is a micro-batch's local tokens; attention's
+    two products per head are ``(s × hd) @ (hd × s)`` and ``(s × s) @ (s × hd)`` with ``hd``
+    the head width and ``s`` the sequence a rank attends over (a ring's local chunk). Without
+    the cluster's ``matmul_efficiency``: the flat ``efficiency`` for all three."""
+    if cluster.matmul_efficiency is None:
+        return (options.efficiency,) * 3
+    act, tp = facts.bytes[3], choice.tensor
+    local = facts.seq_len // choice.context
+    tokens = choice.micro_batch_size * local
+    gemms = block_gemms(facts, tp)
+    flops = sum(w for _, _, w in gemms)
+    time = sum(w / gemm_efficiency(tokens, i, o, cluster, act) for i, o, w in gemms)
+    head_width = facts.d_model / facts.n_head
+    span = local if choice.context > 1 and choice.context_scheme == "ring" else facts.seq_len
+    scores = gemm_efficiency(span, head_width, span, cluster, act)
+    # A model whose vocabulary the facts do not give: its head at the blocks' share.
+    vocab = facts.vocab_size / tp
+    head = gemm_efficiency(tokens, facts.d_model, vocab, cluster, act) if vocab else flops / time
+    return flops / time, scores, head
+
+
+def elementwise_bytes(facts: ModelFacts, choice: Choice) -> float:
+    """Bytes one rank's block moves per token in its forward outside the matmuls, counted on
+    Megatron's fused kernels at the activation dtype: each norm reads and writes the width
+    (2 × 2h), each bias-dropout-add reads the branch and the residual and writes the sum and a
+    byte mask (2 × 3.5h), the bias-GeLU reads and writes the split 4h, and the scale-mask-softmax
+    with its dropout reads and writes each head's scores and writes a mask (4.5 per score,
+    ``s`` scores a token per head). In ``act`` units: ``11·h_r + 8·h/tp + 4.5·(heads/tp)·s``,
+    ``h_r`` the width a rank's norms and residuals see (``h``; ``h/tp`` with sequence
+    parallelism, which splits them by sequence). Its share of a block is what makes narrow
+    models slower per FLOP than wide ones at the same matmul sizes: ``h`` and ``s`` over ``h²``."""
+    d, tp, act = facts.d_model, choice.tensor, facts.bytes[3]
+    local = facts.seq_len // choice.context
+    span = local if choice.context > 1 and choice.context_scheme == "ring" else facts.seq_len
+    width = d / tp if choice.sequence_parallel else d
+    heads = facts.n_head / tp / (choice.context if choice.context_scheme != "ring" else 1)
+    return act * (11 * width + 8 * d / tp + 4.5 * heads * span)
+
+
 def step_time(
     facts: ModelFacts, choice: Choice, cluster: Cluster, options: PlannerOptions
 ) -> StepTime:
@@ -158,7 +257,8 @@ def step_time(
     )
     # A tensor-parallel block also costs what its FLOP share does not count: replicated norms, dispatch.
     split_cost = 1 + options.tp_overhead if tp > 1 else 1.0
-    speed = cluster.peak_tflops * 1e12 * options.efficiency
+    peak = cluster.peak_tflops * 1e12
+    e_blocks, e_scores, e_head = matmul_efficiencies(facts, choice, cluster, options)
     v = choice.virtual_stages
     stages = stage_parts(facts, pp, v)
     block_parts = stage_block_parts(facts, pp, v)
@@ -175,11 +275,22 @@ def step_time(
         attention = 12 * blocks * d * seq
         adapters = 6 * trained[s].flop_params if choice.adapter != "none" else 0
         # The plans split every matmul weight of a block and the head across the tensor ranks.
+        # FLOPs over each kind's share of peak: seconds per token at a peak of 1 FLOP/s.
         per_token = (
-            (weight * block_flops + adapters + attention) * recompute * split_cost + weight * other
+            ((weight * block_flops + adapters) / e_blocks + attention / e_scores)
+            * recompute
+            * split_cost
+            + weight * other / e_head
         ) / tp
         launches = m * blocks * options.launch_overhead_us * 1e-6
-        compute = max(compute, tokens_rank * per_token / speed + launches)
+        # Memory-bound passes at the device's memory speed: forward, a backward of twice its
+        # bytes, the recomputed forward (only where the shape model is on: a flat efficiency
+        # already holds them).
+        streamed = 0.0
+        if cluster.memory_gbps is not None and cluster.matmul_efficiency is not None:
+            streamed = 3 * recompute * blocks * elementwise_bytes(facts, choice)
+            streamed /= cluster.memory_gbps * 1e9
+        compute = max(compute, tokens_rank * (per_token / peak + streamed) + launches)
     # Data-parallel gradient sync of the largest stage (what trains: under LoRA the adapters).
     elements = max(t.local(tp) for t in trained)
     shards = dp * cp  # gradients are averaged, and ZeRO shards, over data × context
@@ -213,6 +324,9 @@ def step_time(
     latency = options.latency_us * 1e-6
     if shards == 1:
         collectives = 0
+    # ZeRO-3 under a pipeline, per block: m + 1 gathers, one reduce-scatter (planner/traffic.py).
+    elif choice.zero_stage == 3 and pp > 1:
+        collectives = (m + 2) * facts.n_layer // pp
     # ZeRO-3, per block: gather in forward, gather and reduce-scatter in backward.
     elif choice.zero_stage == 3:
         collectives = 3 * facts.n_layer // pp * accumulation(choice)
@@ -221,6 +335,13 @@ def step_time(
             1, -(-elements * g_b // (options.bucket_size_mb * 2**20))
         )
     dp_time = max(0.0, volume / dp_bw + collectives * latency - options.overlap * hideable)
+    if choice.zero_stage == 3 and pp > 1 and shards > 1:
+        # The gathers come micro-batch by micro-batch, prefetched behind any of them; the one
+        # reduce-scatter runs after the schedule's last backward, behind nothing.
+        scatter = traffic.reduce_scatter / options.reduce_scatter_efficiency / dp_bw
+        gather = (volume - traffic.reduce_scatter / options.reduce_scatter_efficiency) / dp_bw
+        dp_time = max(0.0, gather - options.overlap * compute) + scatter
+        dp_time += collectives * latency
     # Tensor parallelism: activation all-reduces per block and micro-batch.
     blocks = max(b for _, b in stages)
     per_allreduce = 2 * _ring(tp) * choice.micro_batch_size * local * d * act

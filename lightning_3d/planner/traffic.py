@@ -22,8 +22,18 @@ Counted per micro-batch, because that is how the engines send them under gradien
 ``G``: the trained elements' gradient bytes, ``P``: their parameter bytes, ``W``: the gathered
 bytes (compute dtype under mixed precision; the frozen base of an adapter method as it is held).
 Ring-equivalent bytes, as ``tools.bench.comm`` counts a collective (the point-to-point exchanges
-gloo runs send the same bytes). Under a pipeline the micro-batches are the schedule's, whose
-FSDP2 hooks torch's stages drive; those keep the once-per-step count of the calibration table.
+gloo runs send the same bytes).
+
+**Under a pipeline** the micro-batches are the schedule's, and torch's ``PipelineStage`` drives
+FSDP2 itself: every backward but the step's last runs with gradient sync and resharding after
+backward off (``backward_maybe_with_nosync``), and its ``perform_reduce_grad`` reduce-scatters
+the summed gradients once, after the last micro-batch. Every unit still reshards after each
+forward (``apply_zero3`` under a pipeline). So a unit gathers for its first operation and for
+every operation that follows one of its forwards (a forward after a forward, the backward after
+a forward), and finds itself gathered after a backward: ``m + 1`` gathers per step in any
+schedule that ends on a backward (GPipe, 1F1B, each chunk of the interleaved ones), and one
+reduce-scatter: ``(G + (m + 1)·W)·(n−1)/n``, counted on two pipeline × two data gloo ranks
+(``tests/test_planner_traffic.py``). ZeRO 0-2 under a pipeline keep the once-per-step count.
 """
 
 from __future__ import annotations
@@ -73,6 +83,9 @@ def data_traffic(
         return DataTraffic(
             reduce_scatter=scatters * ring * grad_bytes, all_gather=ring * param_bytes
         )
+    if choice.pipeline > 1:  # the stages' own FSDP2 driving: see the module docstring
+        gathers = choice.micro_batches + 1
+        return DataTraffic(reduce_scatter=ring * grad_bytes, all_gather=gathers * ring * gathered)
     if choice.zero3_keep_gathered and m > 1:
         return DataTraffic(reduce_scatter=ring * grad_bytes, all_gather=ring * gathered)
     return DataTraffic(

@@ -33,6 +33,19 @@ run's process group, so the strategy's ``auto`` does not choose sequence paralle
 planner does). Every other option (bucket size, checkpoint format, compile, ...) passes through
 to the chosen plan unchanged.
 
+The memory kit (:mod:`lightning_3d.planner.kit`): a layout that does not fit may run with
+the chunked loss (``loss_chunks``), 8-bit AdamW states and activation offload
+(``activation_offload``), climbed in that order, and the chosen plan carries what was turned on.
+``loss_chunks`` or ``activation_offload`` given with ``auto`` are the run's own (counted in every
+layout, ``loss_chunks="auto"`` at the count the run will use) and leave that rung out. The
+optimizer is the model's (``hparams.optimizer`` where it names one of
+:data:`~lightning_3d.parallel.optimizers.OPTIMIZERS`, else AdamW is assumed); the 8-bit rung is
+only climbed where the caller can set it (``optimizer_settable``: the fine-tune app, through
+``model.optimizer``; a fine-tune's few steps from trained weights are what 8-bit states are
+meant for), never by the strategy, whose model builds its own optimizer, nor by the training
+app, whose optimizer's rounding it would change unasked; activation offload only on GPUs (a
+CPU rank's host is its device).
+
 The data decide the batch: the global batch per optimizer step is the data module's
 ``batch_size`` (global in this project) times the Trainer's ``accumulate_grad_batches``, and
 the tokens per sample its ``block_size`` (without a data module: 8 samples per device and the
@@ -46,7 +59,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from lightning_3d.options import AUTO_UNPLANNED, OPTIONS, Plan
@@ -99,6 +112,8 @@ class Constraints:
     # Choice field -> the only value kept (data, tensor, pipeline, sequence_parallel)
     sizes: Mapping[str, Any]
     micro_batches: Optional[int] = None  # pipelined layouts: only this many
+    # PlannerOptions keywords of memory: the run's own savings and the kit's rungs it may climb.
+    memory: Mapping[str, Any] = field(default_factory=dict)
 
 
 def host_memory_gb() -> float:
@@ -136,9 +151,12 @@ def found_cluster(
     )
 
 
-def constraints(plan: Plan, device_type: str = "cuda") -> Constraints:
+def constraints(
+    plan: Plan, device_type: str = "cuda", optimizer_settable: bool = False
+) -> Constraints:
     """The planner's constraints from the options of ``plan`` that differ from their defaults;
-    ``ValueError`` for a value the planner does not model."""
+    ``ValueError`` for a value the planner does not model. ``optimizer_settable``: the caller
+    can run the low-bit optimizer the memory kit may choose (see the module docstring)."""
     given = {
         k: v
         for k, v in plan.options().items()
@@ -183,7 +201,20 @@ def constraints(plan: Plan, device_type: str = "cuda") -> Constraints:
     # The chunked loss has no vocabulary-parallel form ("auto" falls back to whole logits).
     if isinstance(given.get("loss_chunks"), int) and given["loss_chunks"] > 1:
         sizes.setdefault("tensor", 1)
-    return Constraints(planner, sizes, given.get("micro_batches"))
+    # The run's own savings are counted in every layout; the rest of the kit may be climbed.
+    memory: dict[str, Any] = {}
+    kit = [] if "loss_chunks" in given else ["loss_chunks"]
+    if "loss_chunks" in given:
+        memory["loss_chunks"] = given["loss_chunks"]
+    kit += ["low_bit"] if optimizer_settable else []
+    if given.get("activation_offload"):
+        memory["activation_offload"] = True
+    elif device_type == "cuda" and not given.get("compile"):
+        # CPU ranks: the host is the device, so offloading saves nothing (as offload above);
+        # beside compile it is refused (options' _across_groups).
+        kit.append("activation_offload")
+    memory["memory_kit"] = tuple(kit)
+    return Constraints(planner, sizes, given.get("micro_batches"), memory)
 
 
 def allowed(choice: Choice, fixed: Constraints, accumulate: int) -> bool:
@@ -210,16 +241,20 @@ def choose(
     precision: str = "32-true",
     device_type: str = "cuda",
     context_sizes: Any = "auto",
+    optimizer_settable: bool = False,
+    checkpoints: bool = False,
 ) -> Candidate:
     """The planner's first fitting layout of ``module`` on ``cluster`` that the options of ``plan``
     and the data allow; ``ValueError`` naming why none is left. ``plan``'s ``auto_memory_gb``,
     where given, is the device memory a rank may fill (no reserve kept besides);
-    ``context_sizes``: the planner's (``(1,)`` where the data cannot be split by sequence)."""
+    ``context_sizes``: the planner's (``(1,)`` where the data cannot be split by sequence);
+    ``optimizer_settable``: the low-bit rung may be climbed (the caller runs ``choice.optimizer``);
+    ``checkpoints``: the run saves periodic checkpoints (which low-bit states refuse at ZeRO 1-3)."""
     import torch.distributed as dist
 
     from lightning_3d.planner.table import nothing_fits
 
-    fixed = constraints(plan, device_type)
+    fixed = constraints(plan, device_type, optimizer_settable)
     # Sequence parallelism's activations are measured in a fake world: not beside a live process group.
     alone = (
         {}
@@ -236,7 +271,10 @@ def choose(
         **({"reserve_gb": 0.0} if budget is not None else {}),
         **(CPU_OPTIONS if device_type != "cuda" else {}),
         context_sizes=context_sizes,
+        optimizer=model_optimizer(module),
+        checkpoints=checkpoints,
         **fixed.planner,
+        **fixed.memory,
         **alone,
     )
     _, candidates = plan_candidates(module, cluster, options, name=type(module).__name__)
@@ -263,9 +301,23 @@ def choose(
     return kept[0]
 
 
+def model_optimizer(module: Any) -> str:
+    """The optimizer ``module`` builds, where its hyperparameters name one the planner knows
+    (``LitGPT``, ``HFCausalLM``: ``optimizer=``); else AdamW, the planner's assumption."""
+    from lightning_3d.parallel.optimizers import OPTIMIZERS
+
+    hparams = getattr(module, "hparams", None) or {}
+    name = hparams.get("optimizer") if isinstance(hparams, Mapping) else None
+    return name if name in OPTIMIZERS else "adamw"
+
+
 def planned(plan: Plan, choice: Choice) -> Plan:
-    """``plan`` with the layout of ``choice``, ``auto`` off (every other option kept)."""
-    return plan.updated(**choice.options(), auto=False)
+    """``plan`` with the layout of ``choice``, ``auto`` off (every other option kept; a
+    ``loss_chunks="auto"`` too, which the run resolves to the count the planner counted)."""
+    options = choice.options()
+    if plan.loss.chunks == "auto":
+        options.pop("loss_chunks", None)
+    return plan.updated(**options, auto=False)
 
 
 @dataclass(frozen=True)
@@ -275,6 +327,7 @@ class AutoChoice:
     plan: Plan  # the chosen layout, auto off (every other option kept)
     figures: Mapping[str, Any]  # planned_figures: for summary.json
     line: str  # describe: the info line, logged once
+    optimizer: str = "adamw"  # the optimizer the layout was sized for (the kit may make it 8-bit)
 
 
 def choose_plan(
@@ -288,6 +341,8 @@ def choose_plan(
     precision: str,
     device_type: str,
     context_sizes: Any = "auto",
+    optimizer_settable: bool = False,
+    checkpoints: bool = False,
 ) -> AutoChoice:
     """``auto`` resolved: :func:`choose`'s layout as a plan, with its figures and info line. The
     one resolution of both callers: the strategy's ranks (:func:`resolve_for_strategy`) and the
@@ -302,9 +357,14 @@ def choose_plan(
         precision=precision,
         device_type=device_type,
         context_sizes=context_sizes,
+        optimizer_settable=optimizer_settable,
+        checkpoints=checkpoints,
     )
     return AutoChoice(
-        planned(plan, best.choice), planned_figures(best, cluster), describe(best, cluster)
+        planned(plan, best.choice),
+        planned_figures(best, cluster),
+        describe(best, cluster),
+        best.choice.optimizer,
     )
 
 
@@ -317,10 +377,11 @@ def describe(candidate: Candidate, cluster: Cluster) -> str:
         else f"accumulate_grad_batches={c.micro_batches}"
     )
     split = f"context {c.context} ({c.context_scheme}), " if c.context > 1 else ""
+    kit = f", memory kit: {c.kit_label()}" if c.kit_label() else ""
     return (
         f"auto: dp={c.data} x tp={c.tensor} x pp={c.pipeline}, ZeRO stage {c.zero_stage}, {split}"
         f"{sched}, "
-        f"ac={c.ac_policy}, offload={c.offload}; predicted {memory.total / 1e9:.3g} GB per rank "
+        f"ac={c.ac_policy}, offload={c.offload}{kit}; predicted {memory.total / 1e9:.3g} GB per rank "
         f"(of {cluster.device_memory_gb:.3g} GB), {candidate.tokens_per_s:,.0f} tokens/s "
         f"on {cluster.describe()}"
     )
@@ -338,6 +399,7 @@ def planned_figures(candidate: Candidate, cluster: Cluster) -> dict[str, Any]:
             "batch_per_rank": c.batch_per_rank,
         },
         "label": c.label(),
+        "optimizer": c.optimizer,
         "memory_bytes": {
             "params": memory.params,
             "grads": memory.grads,

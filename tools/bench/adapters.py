@@ -128,6 +128,8 @@ def method_run(method: str, args: argparse.Namespace) -> Run:
     strategy = {"data": args.data, "zero_stage": args.zero_stage}  # ThreeDStrategy
     if args.ac != "none":
         strategy["ac_policy"] = args.ac
+    if args.loss_chunks != "1":
+        strategy["loss_chunks"] = "auto" if args.loss_chunks == "auto" else int(args.loss_chunks)
     on_device = {"cpu": "cpu", "gpu": "cuda"}[args.accelerator]
     return Run(
         strategy=strategy,
@@ -356,6 +358,11 @@ def add_device_options(parser: argparse.ArgumentParser) -> None:
         "--precision", default="32-true", choices=("32-true", "bf16-mixed", "bf16-true")
     )
     parser.add_argument("--ac", default="none", choices=("none", "full", "selective"))
+    parser.add_argument(
+        "--loss-chunks",
+        default="1",
+        help="the head and loss in this many chunks, or auto (vocabulary / width); 1: whole logits",
+    )
     parser.add_argument("--accelerator", default="cpu", choices=("cpu", "gpu"))
     parser.add_argument(
         "--build-on",
@@ -373,6 +380,10 @@ def device_problem(args: argparse.Namespace) -> str:
         return (
             f"need --heads dividing --hidden and --kv-heads dividing --heads, got --hidden "
             f"{args.hidden}, --heads {heads}, --kv-heads {kv_heads}"
+        )
+    if args.loss_chunks != "auto" and not (args.loss_chunks.isdigit() and int(args.loss_chunks)):
+        return (
+            f"need --loss-chunks a positive integer or auto, got --loss-chunks {args.loss_chunks}"
         )
     if args.mlp is not None and (args.mlp < 128 or args.mlp % 128):
         return f"need --mlp a multiple of 128 (NF4 blocks), got --mlp {args.mlp}"
@@ -408,6 +419,8 @@ def heading(args: argparse.Namespace, config: dict[str, Any], records: list[dict
     )
     if args.ac != "none":
         layout += f", activation checkpointing {args.ac}"
+    if args.loss_chunks != "1":
+        layout += f", loss in chunks ({args.loss_chunks})"
     shape = ""
     if config["num_key_value_heads"] != config["num_attention_heads"] or args.heads is not None:
         shape = f", {config['num_attention_heads']}/{config['num_key_value_heads']} heads (q/kv)"
