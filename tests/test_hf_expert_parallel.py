@@ -163,6 +163,24 @@ def test_model_check_refuses_hf_models_it_cannot_split(family, hf, adapter, why)
     check(module, Plan(), world_size=2)  # expert=1: nothing to split
 
 
+def test_a_directory_read_after_sharding_is_refused_before_launch(tmp_path):
+    """``model.path`` with ``deferred_init`` (the app's default) reads each rank's weights after
+    the split, which needs them before: refused by the check the launcher runs, naming the
+    option that fixes it; the same directory read whole passes. gpt_oss: the families whose
+    expert files transformers converts on load (qwen3_moe, mixtral, ...) are read whole anyway.
+    Catches: the refusal only at run time, on every rank, after the launch."""
+    from lightning_3d.models.hf import HFCausalLM
+    from lightning_3d.options import Plan
+    from lightning_3d.options.model_check import check
+    from tools.harness.hf_configs import tiny_config
+
+    HFCausalLM(config=tiny_config("gpt_oss")).model.save_pretrained(tmp_path)
+    deferred = HFCausalLM(path=str(tmp_path))
+    with pytest.raises(ValueError, match="set model.deferred_init=false"):
+        check(deferred, Plan().updated(expert=2), world_size=2)
+    check(HFCausalLM(path=str(tmp_path), deferred_init=False), Plan().updated(expert=2), 2)
+
+
 def test_ep_with_tensor_or_pipeline_stays_refused():
     from lightning_3d.options import Plan
 

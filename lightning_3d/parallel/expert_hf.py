@@ -117,6 +117,14 @@ def hf_expert_problems(module: nn.Module, expert: int) -> Optional[list[str]]:
             f"{EXPERTS_STYLE!r} entries"
         ]
     problems = []
+    if getattr(model, "deferred_init", None) is not None:
+        # Each rank keeps its slice of weights it already holds; a deferred directory model
+        # reads its files only after the split (shard-aware reading of experts: not yet).
+        problems.append(
+            f"expert={expert}: the {family!r} model is read from its directory after sharding "
+            "(deferred_init=true, the default for model.path); the split needs its weights "
+            "first: set model.deferred_init=false (HFCausalLM(deferred_init=False))"
+        )
     name, experts = found[0]
     n_experts = getattr(experts, "num_experts", None)
     if not isinstance(n_experts, int):
