@@ -113,6 +113,19 @@ def test_bias_moves_toward_the_mean_load_and_is_saved_only_when_used():
     assert "expert_bias" not in _layer().state_dict()
 
 
+def test_bias_stays_fp32_in_a_bf16_module_so_small_steps_move_it():
+    """``precision="bf16-true"`` casts the module, buffers included: a bf16 bias near 0.25 has
+    steps of 2^-9, so a rate of 1e-3 would round away on every expert. Catches: the bias cast
+    with the weights (each of a hundred updates lost, or moved by a rounded step)."""
+    layer = _layer(bias_update_rate=1e-3).to(torch.bfloat16)
+    assert layer.router.weight.dtype == torch.bfloat16
+    assert layer.expert_bias.dtype == torch.float32
+    layer.expert_bias.fill_(0.25)
+    for _ in range(100):
+        layer.update_bias(torch.tensor([10.0, 2.0, 4.0, 4.0]), 1e-3)
+    torch.testing.assert_close(layer.expert_bias, torch.tensor([0.15, 0.35, 0.35, 0.35]))
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [

@@ -196,6 +196,14 @@ class MoE(nn.Module):
         threshold = top.topk(line, dim=0).values[-1]  # (E,) the highest score that is dropped
         return scores > threshold[flat]
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "MoE":
+        """``nn.Module._apply`` (``.to``, ``.cuda``, the precision plugin's cast), the balancing
+        bias kept fp32: in bf16 a step of ``bias_update_rate`` (1e-3) near 0.25 rounds away."""
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
+
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float) -> None:
         """Move ``expert_bias`` by ``rate * sign(mean - load)``: up for an expert below the mean
