@@ -119,6 +119,11 @@ def test_keep_gathered_trades_the_stages_whole_weights_and_gradients_for_bytes()
     sent, kept = step_traffic(facts, plain), step_traffic(facts, keep)
     assert kept.reduce_scatter == pytest.approx(sent.reduce_scatter / 4)
     assert kept.all_gather < sent.all_gather / 4
+    # LoRA: the frozen base stays gathered without gradients; only the adapters' are unsharded.
+    lora, lora_keep = replace(plain, adapter="lora"), replace(keep, adapter="lora")
+    extra = rank_memory(facts, lora_keep, PlannerOptions()).buffers
+    extra -= rank_memory(facts, lora, PlannerOptions()).buffers
+    assert whole * 2 < extra < whole * (2 + 4)  # the full fine-tune's: gradients of all
 
 
 def test_zero3_under_a_pipeline_gathers_every_micro_batch_and_reduces_once():
@@ -147,3 +152,49 @@ def test_zero3_under_a_pipeline_gathers_every_micro_batch_and_reduces_once():
         counted,
     )
     assert traffic.reduce_scatter * (m + 1) == pytest.approx(traffic.all_gather)
+
+
+def _deferred_gradient_bytes(rank: int, defer: bool) -> int:
+    """The tiny GPT's gradient bytes a ZeRO-2 engine holds on this rank after the first of two
+    accumulated backwards (no sync): every bucket's staging and reduced shard."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_3d.models import LitGPT
+    from lightning_3d.parallel.zero import ZeroDataParallel
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    module = LitGPT(**TINY_MODEL)
+    engine = ZeroDataParallel(mesh, 2, defer_reduce=defer)
+    engine.attach(torch.optim.SGD(module.parameters(), lr=0.1))
+    ids = torch.randint(0, TINY_MODEL["vocab_size"], (2, TINY_MODEL["block_size"]))
+    engine.prepare_backward(sync=False)
+    module.model(ids).float().square().mean().backward()
+    engine.finish_backward()
+    held = [b.staging for b in engine.buckets] + [b.shard_grad for b in engine.buckets]
+    return sum(t.nbytes for t in held if t is not None)
+
+
+def test_deferred_zero2_holds_what_the_planner_counts():
+    """``zero2_defer_reduce`` at 4 accumulation steps: between micro-batches the engine holds
+    every bucket's full-size gradient, which the planner adds to its buffers (the shards are its
+    model-state gradients): counted on 2 gloo ranks, the planner's extra bytes are the counted
+    difference up to the one bucket in flight it already counts. Catches the deferred gradients
+    left out of the memory model (the planner's difference 0)."""
+    from dataclasses import replace
+
+    from lightning_3d.models import LitGPT
+    from lightning_3d.planner.choice import PlannerOptions
+    from lightning_3d.planner.facts import model_facts
+    from lightning_3d.planner.memory import rank_memory
+
+    eager = run_world(_deferred_gradient_bytes, 2, False)[0]
+    deferred = run_world(_deferred_gradient_bytes, 2, True)[0]
+    with torch.device("meta"):
+        module = LitGPT(**TINY_MODEL)
+    facts = model_facts(module, precision="32-true", tp_sizes=(1,), policies=("none",), name="t")
+    plain = Choice(data=2, tensor=1, pipeline=1, zero_stage=2, micro_batches=4, batch_per_rank=4)
+    options = PlannerOptions()
+    extra = rank_memory(facts, replace(plain, zero2_defer_reduce=True), options).buffers
+    extra -= rank_memory(facts, plain, options).buffers
+    assert extra == pytest.approx(deferred - eager, rel=0.02)

@@ -319,10 +319,28 @@ def buffer_bytes(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> 
                 choice.adapter, block.local(tp), projections(block).local(tp), compute
             )
             total += 2 * base + adapter_part(block, r).local(tp) * (2 * compute + g_b)
-    if choice.zero3_keep_gathered and choice.micro_batches > 1 and choice.pipeline == 1:
+    accumulated = choice.micro_batches > 1 and choice.pipeline == 1
+    if choice.zero3_keep_gathered and accumulated:
         # Through an accumulated step every unit stays gathered (compute dtype) and its
-        # gradients unsharded (reduce dtype): the whole stage's (parallel/fsdp.py).
-        total += stage_parts(facts, 1)[0][0].local(tp) * (compute + g_b)
+        # gradients unsharded (reduce dtype): the whole stage's (parallel/fsdp.py); with
+        # adapters the frozen base is gathered as it is held and only the adapters have
+        # gradients.
+        whole = stage_parts(facts, 1)[0][0]
+        if choice.adapter == "none":
+            total += whole.local(tp) * (compute + g_b)
+        else:
+            blocks = sum(facts.blocks, Part())
+            base = frozen_bytes(
+                choice.adapter, whole.local(tp), projections(blocks).local(tp), compute
+            )
+            total += base + adapter_part(blocks, r).local(tp) * (compute + g_b)
+    if choice.zero2_defer_reduce and choice.zero_stage == 2 and accumulated and not split:
+        # ZeRO-2 holding full-size gradients over the step's micro-batches (what trains),
+        # beside its reduced shard (model_state's); the bucket in flight counted above is one
+        # of them, counted twice: over by one bucket (parallel/zero.py).
+        whole = stage_parts(facts, 1)[0][0]
+        trained = whole if choice.adapter == "none" else adapter_part(sum(facts.blocks, Part()), r)
+        total += trained.local(tp) * g_b
     if choice.adapter == "qlora":
         total += max((n for (_, n, _), _ in projections(facts.blocks[0]).tensors), default=0) * act
     if choice.pipeline > 1:
