@@ -160,13 +160,6 @@ def expert_problems(module: nn.Module, expert: int) -> list[str]:
     return []
 
 
-def refuse_expert_plan(module: nn.Module, expert: int) -> None:
-    """``ValueError`` with :func:`expert_problems`, if any."""
-    problems = expert_problems(module, expert)
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
 def apply_expert_parallel(
     module: nn.Module, mesh: DeviceMesh, data_mesh: DeviceMesh, expert: int
 ) -> list[nn.Parameter]:
