@@ -93,6 +93,14 @@ class ExpertRouting:
         host = torch.cat([counts, received]).tolist()
         return host[: counts.numel()], host[counts.numel() :]
 
+    def splits(self, sent: list[int], received: list[int]) -> tuple[list[int], list[int]]:
+        """``(in_splits, out_splits)`` of the token exchange: rows this rank sends to each ep
+        rank and receives from each, from :meth:`exchange_counts`'s per-expert counts."""
+        ep, local = self.ep_size, len(sent) // self.ep_size
+        in_splits = [sum(sent[r * local : (r + 1) * local]) for r in range(ep)]
+        out_splits = [sum(received[s * local : (s + 1) * local]) for s in range(ep)]
+        return in_splits, out_splits
+
     def dispatch(self, routed: Tensor, counts: Tensor, run_local: Any) -> Tensor:
         """``routed``: (n, C) token rows sorted by expert, ``counts`` their per-expert counts;
         rows after the first ``counts.sum()`` stay here. Sends each row to its expert's rank, runs
@@ -102,8 +110,7 @@ class ExpertRouting:
         # Rows past the counted ones (token slots dropped over capacity) are sent nowhere.
         routed = routed[: sum(sent)]
         ep, local = self.ep_size, counts.numel() // self.ep_size
-        in_splits = [sum(sent[r * local : (r + 1) * local]) for r in range(ep)]
-        out_splits = [sum(received[s * local : (s + 1) * local]) for s in range(ep)]
+        in_splits, out_splits = self.splits(sent, received)
         arrived = all_to_all(routed, out_splits, in_splits, self.ep_group)  # by source, expert
         pieces = arrived.split(received)
         # Regroup by local expert (the order the grouped weights take), then back by source.

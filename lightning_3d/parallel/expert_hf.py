@@ -193,8 +193,7 @@ class ExpertsDispatch:
         routed = hidden[order // k]  # (N * k, C) grouped by expert, so by the expert's rank
         sent, received = self.routing.exchange_counts(counts)
         ep, local = self.routing.ep_size, self.local
-        in_splits = [sum(sent[r * local : (r + 1) * local]) for r in range(ep)]
-        out_splits = [sum(received[s * local : (s + 1) * local]) for s in range(ep)]
+        in_splits, out_splits = self.routing.splits(sent, received)
         rows = all_to_all(routed, out_splits, in_splits, self.routing.ep_group)  # (n, C)
         # Rows arrive by source rank, then by local expert: their local ids, on the device.
         ids = torch.arange(local, device=rows.device).repeat(ep)
