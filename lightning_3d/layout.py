@@ -40,9 +40,6 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 SizeSpec = Union[int, str]
 
-# Axes an expert axis does not combine with yet (Layout refuses the pair before launch).
-_NOT_WITH_EXPERT = ("tensor", "pipeline", "context")
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -79,15 +76,6 @@ class Layout:
             problems.append(f"data={self.data!r} must be a positive integer or 'auto'")
         if self.zero_stage not in ZERO_STAGES or not _is_int(self.zero_stage):
             problems.append(f"zero_stage={self.zero_stage!r} must be one of {list(ZERO_STAGES)}")
-        if not problems and self.expert > 1:
-            # The axes expert parallelism is not built with yet.
-            others = {n: getattr(self, n) for n in _NOT_WITH_EXPERT}
-            combined = [f"{n}={v}" for n, v in others.items() if v > 1]
-            if combined:
-                problems.append(
-                    f"expert={self.expert} with {', '.join(combined)} is not supported yet "
-                    "(expert parallelism combines with data parallelism and ZeRO only)"
-                )
         if problems:
             raise ValueError("invalid parallel layout: " + "; ".join(problems))
 

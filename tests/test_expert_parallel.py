@@ -198,8 +198,9 @@ def test_layout_refuses_an_expert_axis_that_does_not_fit():
 
     with pytest.raises(ValueError, match=r"expert=3 does not divide data=4"):
         Layout(expert=3).resolve(world_size=4)
-    with pytest.raises(ValueError, match=r"expert=2 with tensor=2 is not supported yet"):
-        Layout(expert=2, tensor=2)
+    with pytest.raises(ValueError, match=r"expert=2 does not divide data=1"):
+        Layout(expert=2, tensor=2).resolve(world_size=2)  # the data axis it is carved from
+    assert Layout(expert=2, tensor=2, context=2).resolve(world_size=8).data == 2
     with pytest.raises(ValueError, match=r"expert=0 must be a positive integer"):
         Layout(expert=0)
     assert Layout(expert=2).resolve(world_size=4).data == 4
@@ -229,14 +230,10 @@ def test_plan_refuses_what_expert_parallelism_does_not_combine_with_yet():
 
     with pytest.raises(ValueError, match=r"expert=2 with offload='cpu' / offload_params=False"):
         Plan().updated(expert=2, offload="cpu")
-    with pytest.raises(ValueError, match=r"zero_stage=1 and checkpoint_format='sharded'"):
-        Plan().updated(expert=2, zero_stage=1, checkpoint_format="sharded")
-    Plan().updated(expert=2, zero_stage=3, checkpoint_format="sharded")  # FSDP2's: accepted
-    with pytest.raises(ValueError, match=r"auto=True cannot plan expert=2"):
-        Plan().updated(expert=2, auto=True)
-    for other in ("pipeline", "context"):
-        with pytest.raises(ValueError, match=rf"expert=2 with {other}=2 is not supported yet"):
-            Plan().updated(expert=2, **{other: 2})
+    Plan().updated(expert=2, auto=True)  # the planner's search keeps that expert size
+    for other in ("tensor", "context"):  # composes (tests/test_expert_parallel_tp_cp.py)
+        Plan().updated(expert=2, **{other: 2})
+    Plan().updated(expert=2, pipeline=2)  # composes (tests/test_expert_parallel_pp.py)
 
 
 APP_CASES = {  # id -> (overrides, the one error line)
@@ -257,9 +254,9 @@ APP_CASES = {  # id -> (overrides, the one error line)
         ["model=moe_tiny", "parallelism.expert=4"],
         "error: expert=4 does not divide data=2",
     ),
-    "expert_with_tensor": (
+    "expert_with_tensor_leaving_one_data_rank": (
         ["model=moe_tiny", "parallelism.expert=2", "parallelism.tensor=2"],
-        "error: invalid parallel layout: expert=2 with tensor=2 is not supported yet",
+        "error: expert=2 does not divide data=1",
     ),
 }
 

@@ -92,14 +92,6 @@ def test_ep2_under_zero_matches_one_process(stage, world):
     assert problems == [], "\n".join(problems)
 
 
-def test_router_aux_loss_is_not_the_objective_so_ep2_still_matches():
-    """With ``output_router_logits`` on and a large ``router_aux_loss_coef``, transformers
-    computes each rank's router loss; ``HFCausalLM`` trains the cross-entropy only (one process
-    too), so ep=2 matches one process exactly (expert_hf's docstring)."""
-    problems = _mismatches("mixtral", 1, 2, output_router_logits=True, router_aux_loss_coef=0.5)
-    assert problems == [], "\n".join(problems)
-
-
 def test_collectives_take_device_tensors_and_read_once_a_layer():
     """Under the device guard (``tests/test_device_faithful.py``'s): every collective of an ep2
     run takes tensors made on the device, and from the second step on lightning_3d reads one
@@ -181,12 +173,11 @@ def test_a_directory_read_after_sharding_is_refused_before_launch(tmp_path):
     check(HFCausalLM(path=str(tmp_path), deferred_init=False), Plan().updated(expert=2), 2)
 
 
-def test_ep_with_tensor_or_pipeline_stays_refused():
+def test_ep_with_pipeline_is_accepted():
+    """ep x pp composes (tests/test_expert_parallel_pp.py runs it on four families)."""
     from lightning_3d.options import Plan
 
-    for other in ("tensor", "pipeline"):
-        with pytest.raises(ValueError, match=rf"expert=2 with {other}=2 is not supported yet"):
-            Plan().updated(expert=2, **{other: 2})
+    assert Plan().updated(expert=2, pipeline=2).layout.pipeline == 2
 
 
 # ------------------------------------------------------------------ checkpoints and export

@@ -441,3 +441,23 @@ def test_the_split_hands_collectives_only_what_a_gpu_would_hold(tmp_path):
             if not (v.startswith("mixed aten._foreach_mul_") and "in clip_grad_norm_" in v)
         ]
         assert not violations, f"rank {rank}:\n" + "\n".join(violations)
+
+
+def test_host_landing_defers_each_part_until_its_buffer_is_needed():
+    """``HostLanding`` (the GPU's pinned side-stream copy, synchronous here): a part lands in its
+    fp32 accumulator only when its buffer is reused or at ``finish``, in the order sent,
+    replacing (fresh) or adding; bf16 parts summed in fp32. Seen failing with the buffers
+    handed out without waiting (a reused buffer overwrote a part not landed yet)."""
+    import torch
+
+    from lightning_3d.parallel.masters import HostLanding
+
+    landing = HostLanding(4, torch.bfloat16, torch.device("cpu"), slots=2)
+    a, b = torch.zeros(4), torch.full((3,), 5.0)
+    landing.send(torch.full((4,), 1.0, dtype=torch.bfloat16), a, fresh=True)
+    landing.send(torch.full((3,), 2.0, dtype=torch.bfloat16), b, fresh=False)
+    assert a.tolist() == [0.0] * 4 and b.tolist() == [5.0] * 3  # both on their way
+    landing.send(torch.full((4,), 256.0, dtype=torch.bfloat16), a, fresh=False)
+    assert a.tolist() == [1.0] * 4 and b.tolist() == [5.0] * 3  # the oldest landed
+    landing.finish()
+    assert a.tolist() == [257.0] * 4 and b.tolist() == [7.0] * 3  # 257: an fp32 sum

@@ -290,9 +290,15 @@ def module_long():
 
 
 def _split_budget(module_long) -> float:
-    """GB between the least a layout needs unsplit and the least one split over 2 ranks needs."""
+    """GB between the least a layout needs unsplit and the least one split over 2 ranks needs,
+    both counted with the chunked loss (CPU ``auto`` may climb it, at tensor 2 too)."""
     opts = PlannerOptions(
-        batch_size=1, seq_len=LONG, precision="32-true", offloads=("none",), **CPU_OPTIONS
+        batch_size=1,
+        seq_len=LONG,
+        precision="32-true",
+        offloads=("none",),
+        loss_chunks="auto",
+        **CPU_OPTIONS,
     )
     facts = model_facts(module_long, seq_len=LONG, precision="32-true", tp_sizes=(1, 2))
     cands = plan_layouts(

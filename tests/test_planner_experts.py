@@ -2,9 +2,17 @@
 parameters, model-state bytes per rank against what an ep run holds, all-to-all volume against
 what the collective is handed, and the ``expert`` sizes it proposes.
 
+The search's expert axis (``planner/search.py``): it picks ``expert`` > 1 where the experts do
+not fit replicated, the memory model's bytes per rank equal what ep1 and ep2 runs hold, and given
+sizes the model cannot take are refused before anything is enumerated.
+
 Broken variants caught (each planted, seen failing, reverted): the experts' state counted as
 ZeRO-sharded at ``expert`` > 1 (the measured-bytes test); the all-to-all counted one direction
-only (the measured-volume test).
+only (the measured-volume test and the step-time test); the memory model counting the experts
+replicated at ``expert`` > 1 (the search and the ep2 run-bytes tests) or leaving them out at
+``expert`` = 1 (the ep1 run-bytes test); the search without its expert axis (the search test);
+given sizes not refused before the enumeration (the refusal test); ``auto`` not keeping a given
+``expert`` (the auto test).
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_3d.planner import Cluster, PlannerOptions
+from lightning_3d.planner.choice import Choice
 from lightning_3d.planner.experts import (
     ExpertFacts,
     all_to_all_bytes,
@@ -84,6 +94,12 @@ def test_bad_sizes_are_refused_naming_the_values(expert, data, message):
         expert_state_bytes(facts, expert, data, 1)
 
 
+def fit_gpt_world(rank: int, run: Run) -> dict:
+    from tools.harness.runs import fit_gpt
+
+    return fit_gpt(rank, run)
+
+
 def _counted_fit(rank: int, run: Run) -> dict:
     """``fit_gpt`` counting what the all-to-alls are handed, from the second step on."""
     import torch.distributed as dist
@@ -123,6 +139,35 @@ def test_state_bytes_and_all_to_all_volume_match_an_ep2_run():
     # experts received (the outputs, and their gradients): those vary by rank, their mean not.
     handed = [r["all_to_all"].payload_bytes for r in results]
     assert sum(handed) / 2 == rows + counts, handed
+    _assert_the_planner_predicts(results, expert=2)
+
+
+def _assert_the_planner_predicts(results: list, expert: int) -> None:
+    """The search's memory model (``planner/memory.py`` on the model's facts, the layout as a
+    ``Choice``) against the bytes each rank of a ZeRO-1 run on 2 ranks held: parameters,
+    gradients and optimizer state each within 2 % (ZeRO's buckets pad to whole slices)."""
+    from lightning_3d.planner.memory import predicted_rank
+
+    facts = _model_facts()
+    choice = Choice(2, 1, 1, zero_stage=1, batch_per_rank=4, optimizer="adamw", expert=expert)
+    held = results[0]["summary"]["ranks"]
+    for rank in (0, 1):
+        predicted = predicted_rank(facts, choice, rank)
+        for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
+            assert predicted[key] == pytest.approx(held[rank][key], rel=0.02), (rank, key)
+
+
+def test_the_planner_predicts_what_an_ep1_run_holds():
+    """The MoE GPT at ``expert=1`` (the experts ordinary ZeRO-1 parameters) on 2 gloo ranks: each
+    rank's model-state bytes are the search's (the ep2 run is checked above)."""
+    run = Run(
+        arch="moe",
+        strategy={"expert": 1, "zero_stage": 1},
+        devices=2,
+        steps=2,
+        model={**MOE, "optimizer": "adamw"},
+    )
+    _assert_the_planner_predicts(run_world(fit_gpt_world, 2, run), expert=1)
 
 
 def _bench_cfg(**moe):
@@ -176,23 +221,146 @@ def test_bench_moe_rows_measure_their_theory(tmp_path):
 
 def test_cli_summary_proposes_the_expert_axis_that_fits():
     """The planner CLI's MoE lines: every size that divides data and the experts, the ones whose
-    state does not fit beside the layout's activations marked, the first fitting one proposed;
-    none beside tensor parallelism (expert parallelism refuses it)."""
+    state does not fit beside the layout's activations marked, and the size the search chose;
+    none beside tensor parallelism (the search tries an expert axis beside data alone)."""
     from lightning_3d.planner import Choice, MemorySplit
     from lightning_3d.planner.experts import expert_summary
 
     facts = ExpertFacts(
         moe_layers=2, n_experts=8, top_k=2, hidden=64, expert_params=800, dense_params=200
     )
-    choice = Choice(data=4, tensor=1, pipeline=1, zero_stage=1, batch_per_rank=2)
+    choice = Choice(data=4, tensor=1, pipeline=1, zero_stage=1, batch_per_rank=2, expert=4)
     memory = MemorySplit(params=0, grads=0, optimizer=0, activations=1000, buffers=0)
     text = expert_summary(facts, choice, memory, device_bytes=1000 + 6000, seq_len=10)
     # ep4: ZeRO-1 dense 8*200 + 8*200/4 + experts 16*800/4; all-to-all 4*2*(2*10)*64*4 * 3/4
     assert "expert=4: 5.2 kB, 61.4 kB\n" in text and "expert=1: 10.0 kB, 0 B (does not fit)" in text
-    assert text.endswith(
-        "proposed: ThreeDStrategy(expert=4) (parallelism=auto does not choose an expert axis yet)"
-    )
+    assert text.endswith("chosen by the search: expert=4 (fastest predicted step)")
     tp = Choice(data=2, tensor=2, pipeline=1, zero_stage=1)
-    assert "none (expert > 1 does not combine with tensor" in expert_summary(
+    assert "none (the search tries expert > 1 beside data and ZeRO only)" in expert_summary(
         facts, tp, memory, 1e9, 10
     )
+
+
+def _model_facts(precision="32-true", **model):
+    from dataclasses import replace
+
+    from lightning_3d.planner.facts import model_facts
+
+    experts, module = _facts(**model)
+    facts = model_facts(module, precision=precision, policies=("none",), tp_sizes=(1,))
+    # the data axis alone (no stage split to try), the experts as plan_candidates adds them
+    return replace(facts, pipeline_ready=False, experts=experts)
+
+
+# The search on two single-device nodes (no tensor axis fits a node, the facts allow no pipeline,
+# one sequence chunk): the data axis with or without experts split over it, plain data parallelism.
+_SEARCH = dict(
+    batch_size=4,
+    precision="32-true",
+    zero_stages=(0,),
+    ac_policies=("none",),
+    offloads=("none",),
+    max_micro_batches=1,
+    context_sizes=(1,),
+    sequence_parallel=False,
+    reserve_gb=0.0,
+    bucket_size_mb=0.25,
+)
+
+
+def test_search_splits_the_experts_where_they_do_not_fit_replicated():
+    """16 experts of a 64-wide MoE GPT (1 M of its 1.1 M parameters): replicated on both data
+    ranks they need 16 B each per rank, split over 2 half that. With device memory between the
+    two the search's first choice is ``expert=2``, and the replicated layout is refused for
+    memory; with room for both every size dividing data and the experts is ranked."""
+    from lightning_3d.planner.memory import rank_memory
+    from lightning_3d.planner.search import plan_layouts
+
+    facts = _model_facts(n_embd=64, n_experts=16, block_size=8)
+    options = PlannerOptions(**_SEARCH)
+    need = {
+        ep: rank_memory(facts, Choice(2, 1, 1, batch_per_rank=2, expert=ep), options).total
+        for ep in (1, 2)
+    }
+    # the experts' 16 B per parameter, halved (the dense part and activations are the same)
+    assert need[1] - need[2] == pytest.approx(16 * facts.experts.expert_params / 2)
+    tight = Cluster(nodes=2, devices_per_node=1, device_memory_gb=(need[1] + need[2]) / 2e9)
+    cands = plan_layouts(facts, tight, options)
+    assert cands[0].fits and cands[0].choice.expert == 2, cands[0].choice.label()
+    assert cands[0].choice.options()["expert"] == 2
+    refused = [c for c in cands if c.choice.expert == 1 and c.choice.data == 2]
+    assert refused and all(c.kind == "device memory" for c in refused)
+    roomy = Cluster(nodes=2, devices_per_node=1, device_memory_gb=1.0)
+    assert {c.choice.expert for c in plan_layouts(facts, roomy, options) if c.fits} == {1, 2}
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        (
+            (3,),
+            r"^expert_sizes=\[3\]: expert=3 does not divide data=2; expert=3 does not divide "
+            r"n_experts=4$",
+        ),
+        (
+            (2, 8),
+            r"^expert_sizes=\[2, 8\]: expert=8 does not divide data=2; expert=8 does not "
+            r"divide n_experts=4$",
+        ),
+    ],
+)
+def test_expert_sizes_the_model_cannot_take_are_refused_in_one_line(sizes, message):
+    from lightning_3d.planner.search import plan_layouts
+
+    facts = _model_facts()
+    cluster = Cluster(nodes=2, devices_per_node=1, device_memory_gb=1.0)
+    with pytest.raises(ValueError, match=message):
+        plan_layouts(facts, cluster, PlannerOptions(**_SEARCH, expert_sizes=sizes))
+    with pytest.raises(ValueError, match="must be 'auto' or a non-empty list of positive"):
+        PlannerOptions(expert_sizes=[0])
+    from dataclasses import replace
+
+    dense = replace(facts, experts=None)
+    with pytest.raises(
+        ValueError, match=r"expert_sizes=\[2\]: the model has no mixture-of-experts"
+    ):
+        plan_layouts(dense, cluster, PlannerOptions(**_SEARCH, expert_sizes=(2,)))
+    given = plan_layouts(facts, cluster, PlannerOptions(**_SEARCH, expert_sizes=(2,)))
+    assert {c.choice.expert for c in given if c.fits} == {2}
+
+
+def test_auto_keeps_the_expert_size_it_is_given():
+    """``parallelism=auto`` with ``expert=2`` (``strategy/auto.py``): the search keeps that size and
+    the chosen plan runs it; without it the search ranks every size (the run's ``expert`` free)."""
+    from lightning_3d.options import Plan
+    from lightning_3d.strategy.auto import choose, planned
+
+    _, module = _facts()
+    cluster = Cluster(nodes=1, devices_per_node=2, device_memory_gb=8.0)
+    plan = Plan.from_options(auto=True, expert=2)
+    best = choose(module, cluster, plan, batch_size=8, device_type="cpu")
+    assert best.choice.expert == 2 and planned(plan, best.choice).layout.expert == 2
+    free = choose(module, cluster, Plan.from_options(auto=True), batch_size=8, device_type="cpu")
+    assert free.choice.expert in (1, 2)
+
+
+def test_step_time_moves_tokens_at_expert_2_and_counts_top_k_experts():
+    """The search's time terms (``planner/timing.py`` with ``planner/experts.py``): at ``expert=2``
+    the exchange is ``top_k × tokens × hidden × 4 B × 2 directions × 2 passes`` per MoE layer and
+    micro-batch, half of it leaving the rank, over the node's link; a token's FLOPs count 2 of
+    the 4 experts' weights at any expert size."""
+    from lightning_3d.planner.experts import all_to_all_time, inactive_flop_params
+    from lightning_3d.planner.timing import model_flops_per_token
+
+    facts = _model_facts()
+    e = facts.experts
+    cluster = Cluster(nodes=1, devices_per_node=2, device_memory_gb=1.0, intra_node_gbps=1.0)
+    choice = Choice(2, 1, 1, batch_per_rank=4, micro_batches=2, expert=2)
+    tokens = 2 * TINY_MODEL["block_size"]  # a micro-batch of 2 sequences on this rank
+    sent = 2 * 2 * e.moe_layers * e.top_k * tokens * e.hidden * 4 / 2
+    assert all_to_all_time(facts, choice, cluster, latency=0.0) == pytest.approx(2 * sent / 1e9)
+    assert all_to_all_time(facts, Choice(2, 1, 1, batch_per_rank=4), cluster, 0.0) == 0.0
+    assert inactive_flop_params(facts, facts.n_layer) == e.expert_params / 2
+    dense = facts.flop_params - e.expert_params / 2
+    attention = 12 * facts.n_layer * facts.d_model * facts.seq_len
+    assert model_flops_per_token(facts) == 6 * dense + attention

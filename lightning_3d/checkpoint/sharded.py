@@ -113,18 +113,22 @@ def optimizer_state(
                         )
                     else:
                         put(fqn, _scalar(fqn, value))
-    else:
-        for p in (p for group in optimizer_params(optimizer, engine) for p in group):
-            for key, value in optimizer.state.get(p, {}).items():
-                whole = isinstance(value, Tensor) and value.dim() >= 1 and value.shape == p.shape
-                elementwise |= {key} if whole else set()
-                fqn = f"{name_of[id(p)]}.{key}"
-                put(
-                    fqn,
-                    (view.full(p, value) if id(p) in fused else value)
-                    if whole
-                    else _scalar(fqn, value),
-                )
+    whole_params = (
+        _set_aside(module, optimizer)
+        if state_in_slices(engine)
+        else [p for group in optimizer_params(optimizer, engine) for p in group]
+    )
+    for p in whole_params:
+        for key, value in optimizer.state.get(p, {}).items():
+            whole = isinstance(value, Tensor) and value.dim() >= 1 and value.shape == p.shape
+            elementwise |= {key} if whole else set()
+            fqn = f"{name_of[id(p)]}.{key}"
+            put(
+                fqn,
+                (view.full(p, value) if id(p) in fused else value)
+                if whole
+                else _scalar(fqn, value),
+            )
     groups = [[name_of[id(p)] for p in group] for group in optimizer_params(optimizer, engine)]
     param_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if dist.is_available() and dist.is_initialized():
@@ -145,6 +149,14 @@ def optimizer_state(
         "elementwise": sorted(elementwise),
         "extras": extras,
     }
+
+
+def _set_aside(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The module's own parameters among a ZeRO 1-2 optimizer's (whose others are the engine's
+    flat slices): those the engine left to another reduction (expert weights sharded over
+    ``ep``, ``parallel/expert.py``), stepped and saved whole, as without an engine."""
+    own = {id(p) for p in module.parameters()}
+    return [p for group in optimizer.param_groups for p in group["params"] if id(p) in own]
 
 
 def _scalar(fqn: str, value: Any) -> Any:
@@ -241,25 +253,29 @@ def optimizer_targets(
                         )
                 state[key] = engine.slice_dtensor(flat, owned.params[0])
             installs.append((owned.param, state, [], in_slice))
-    else:
-        for p in (p for group in optimizer_params(optimizer, engine) for p in group):
-            name = name_of[id(p)]
-            if name not in keys_of:
-                continue
-            state, whole_states = {}, []
-            for key, md in keys_of[name].items():
-                if key not in elementwise:
-                    state[key] = scalar(f"{name}.{key}", md)
-                elif id(p) in fused:
-                    whole = targets[prefix + f"{name}.{key}"] = torch.zeros(
-                        p.shape, dtype=md.properties.dtype
-                    )
-                    whole_states.append((key, whole))
-                else:
-                    state[key] = targets[prefix + f"{name}.{key}"] = torch.zeros_like(
-                        p, dtype=md.properties.dtype
-                    )
-            installs.append((p, state, whole_states, []))
+    whole_params = (
+        _set_aside(module, optimizer)
+        if state_in_slices(engine)
+        else [p for group in optimizer_params(optimizer, engine) for p in group]
+    )
+    for p in whole_params:
+        name = name_of[id(p)]
+        if name not in keys_of:
+            continue
+        state, whole_states = {}, []
+        for key, md in keys_of[name].items():
+            if key not in elementwise:
+                state[key] = scalar(f"{name}.{key}", md)
+            elif id(p) in fused:
+                whole = targets[prefix + f"{name}.{key}"] = torch.zeros(
+                    p.shape, dtype=md.properties.dtype
+                )
+                whole_states.append((key, whole))
+            else:
+                state[key] = targets[prefix + f"{name}.{key}"] = torch.zeros_like(
+                    p, dtype=md.properties.dtype
+                )
+        installs.append((p, state, whole_states, []))
 
     def install() -> None:
         for group, saved_group in zip(optimizer.param_groups, meta["param_groups"]):

@@ -35,6 +35,14 @@ import torchmetrics
 from torch import nn
 
 from lightning_3d.data.labels import IGNORE_INDEX, shifted_targets
+from lightning_3d.models.hf_moe import (
+    ExpertLoads,
+    bias_problems,
+    global_router_loss,
+    pipeline_problems,
+    router_logits_kwargs,
+    router_loss_of,
+)
 from lightning_3d.models.lit_gpt import check_training_options, warmup_cosine_factor
 from lightning_3d.parallel.chunked_loss import chunked_cross_entropy, head_input, head_problems
 from lightning_3d.parallel.materialize import has_meta, materialize
@@ -179,6 +187,15 @@ def _attention_checked(attn_implementation: Optional[str], build: Any) -> nn.Mod
         ) from None
 
 
+def _expert_loads(model: nn.Module) -> Optional[ExpertLoads]:
+    """The expert loads of ``model``'s experts modules (its ``base_model_ep_plan``'s), or
+    ``None`` for a dense model."""
+    from lightning_3d.parallel.expert_hf import hf_experts_modules
+
+    experts = hf_experts_modules(model) if hasattr(model, "base_model") else []
+    return ExpertLoads(model, experts) if experts else None
+
+
 class HFCausalLM(pl.LightningModule):
     """A ``transformers`` causal LM trained with token-mean cross-entropy (see the module docstring).
 
@@ -197,6 +214,15 @@ class HFCausalLM(pl.LightningModule):
         deferred_init: with ``path=``, build on ``meta`` and read the weights where the model
             ends up (each rank its own slices under ``ThreeDStrategy``); ``False`` loads the
             whole model on construction.
+        router_aux_loss_coef: weight of a mixture-of-experts family's router load-balancing
+            loss in the objective, computed over the global batch (``models/hf_moe.py``);
+            ``None`` (default): the config's, as ``transformers`` trains it (its
+            ``router_aux_loss_coef`` where ``output_router_logits`` is on, else none); 0: none.
+        router_bias_update_rate: step of the aux-loss-free balancing bias of a family whose router
+            keeps one (``e_score_correction_bias``: deepseek_v3, glm4_moe, ...) after each
+            optimizer step, from the global batch's expert loads (``models/hf_moe.py``); 0
+            (default): the bias stays as loaded. A mixture-of-experts model logs
+            ``expert_imbalance`` either way.
     """
 
     def __init__(
@@ -214,6 +240,8 @@ class HFCausalLM(pl.LightningModule):
         attn_implementation: Optional[str] = None,
         deferred_init: bool = True,
         adapter: Any = None,
+        router_aux_loss_coef: Optional[float] = None,
+        router_bias_update_rate: float = 0.0,
     ) -> None:
         super().__init__()
         from lightning_3d.adapters import AdapterOptions, apply_adapter
@@ -232,6 +260,17 @@ class HFCausalLM(pl.LightningModule):
                 path, config, attn_implementation, deferred_init and self.adapter.method != "qlora"
             )
         apply_adapter(self.model, self.adapter)
+        # The router's load-balancing loss (None: none); its logits, set by each training forward.
+        self.router_loss = router_loss_of(self.model, router_aux_loss_coef)
+        self.router_logits: Optional[tuple] = None
+        # A mixture-of-experts model's expert loads (None: no experts modules), and the bias step.
+        self.expert_loads = _expert_loads(self.model)
+        problems = bias_problems(
+            self.expert_loads, router_bias_update_rate, type(self.model).__name__
+        )
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.router_bias_update_rate = float(router_bias_update_rate)
         self.strict_loading = not self.adapter.enabled  # adapter checkpoints lack the base
         self.model.config.use_cache = False  # training: no key/value cache
         self.model.train()  # from_pretrained returns it in eval mode: dropout would be off
@@ -302,13 +341,17 @@ class HFCausalLM(pl.LightningModule):
             B, T = input_ids.shape  # this rank's tokens of each sequence
             position_ids = self.context_shard.positions(T, input_ids.device).expand(B, T)
         documents = {} if document_ids is None else {"document_ids": document_ids}
-        return self.model(
+        router = router_logits_kwargs(self.model, self.router_loss, self.training)
+        out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
             **documents,
-        ).logits
+            **router,
+        )
+        self.router_logits = out.router_logits if router.get("output_router_logits") else None
+        return out.logits
 
     @staticmethod
     def positions_of(batch: Any) -> Optional[torch.Tensor]:
@@ -344,13 +387,29 @@ class HFCausalLM(pl.LightningModule):
         if self.loss_chunks > 1:  # the head's input, then head and loss by chunks
             head = self.model.get_output_embeddings()
             with head_input(head) as hidden:  # the model's own forward, logits of no token
-                self(ids, mask, self.positions_of(batch), self.documents_of(batch))
-            loss = chunked_cross_entropy(
-                hidden[0], head.weight, targets, self.loss_chunks, bias=head.bias
+                logits = self(ids, mask, self.positions_of(batch), self.documents_of(batch))
+            # No hidden states: a pipeline's forward-only schedule answered self(...) with its
+            # last stage's logits (models/hf_pipeline.py), and the head never ran here.
+            loss = (
+                chunked_cross_entropy(
+                    hidden[0], head.weight, targets, self.loss_chunks, bias=head.bias
+                )
+                if hidden
+                else self.loss_fn(logits, targets)
             )
-            return loss, (targets != IGNORE_INDEX).sum()
-        logits = self(ids, mask, self.positions_of(batch), self.documents_of(batch))
-        return self.loss_fn(logits, targets), (targets != IGNORE_INDEX).sum()
+        else:
+            logits = self(ids, mask, self.positions_of(batch), self.documents_of(batch))
+            loss = self.loss_fn(logits, targets)
+        if self.training and self.expert_loads is not None:
+            counts = self.expert_loads.take()  # (layers, experts), the global batch's
+            if counts is not None:
+                self.log("expert_imbalance", (counts.max(-1).values / counts.mean(-1)).max())
+        if self.router_logits is not None:  # a training forward of a model with a router loss
+            aux = global_router_loss(self.router_logits, self.router_loss, mask)
+            self.router_logits = None
+            self.log("router_aux_loss", aux.detach())
+            loss = loss + aux
+        return loss, (targets != IGNORE_INDEX).sum()
 
     def loss_chunk_problems(self, pipeline: int = 1) -> list[str]:
         """Why the head and loss of this model cannot run in chunks (``loss_chunks`` > 1)."""
@@ -391,9 +450,29 @@ class HFCausalLM(pl.LightningModule):
 
     def pipeline_spec(self) -> Any:
         """How ``ThreeDStrategy(pipeline=...)`` splits this model (see ``hf_pipeline``)."""
+        problems = pipeline_problems(self.router_loss)
+        if self.router_bias_update_rate > 0:
+            problems.append(
+                f"router_bias_update_rate={self.router_bias_update_rate} with a pipeline: the "
+                "expert loads of other stages are not gathered; set it to 0"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
         from lightning_3d.models.hf_pipeline import hf_pipeline_spec
 
         return hf_pipeline_spec(self, lambda model: HFCausalLM(model=model))
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's step, then the balancing bias moved by the step's global loads."""
+        super().optimizer_step(*args, **kwargs)
+        if self.expert_loads is not None:
+            self.expert_loads.finish_step(self.router_bias_update_rate)
+
+    def step_figures(self) -> dict[str, torch.Tensor]:
+        """A mixture-of-experts model's last optimizer step, over the global batch:
+        ``tokens_per_expert`` (layers, experts) and ``expert_imbalance`` (layers,) (the busiest
+        expert's slots over the mean); empty for a dense model (``summary.json``)."""
+        return {} if self.expert_loads is None else dict(self.expert_loads.finished)
 
     def configure_optimizers(self) -> dict[str, Any]:
         hp = self.hparams

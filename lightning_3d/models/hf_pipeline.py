@@ -18,7 +18,11 @@ embedding scaling, final norm, head and logit soft-capping. What makes that a st
 * a stage before the last stops at the stand-in after its last block, which raises the hidden
   states it was handed (:class:`_StageOutput`): nothing after the stage's blocks runs;
 * the last stage calls the causal LM itself, whose forward applies the norm, the head and any
-  logit soft-capping; its output is the logits.
+  logit soft-capping; its output is the logits. With ``loss_chunks`` > 1 the head is handed no
+  token in training (``chunked_loss.head_input``): the stage's output is the head's input and
+  the pipeline's loss runs the head and cross-entropy by chunks of tokens, as the reference
+  GPT's last stage does; a forward without autograd (validation, test, predict) still ends at
+  the logits, which the module's own step reads.
 
 Under the interleaved schedules a rank holds several stages of one model: during one stage's
 forward the other stages' blocks are swapped for stand-ins. Attention masks do not cross stages:
@@ -29,6 +33,7 @@ every layer sees the model's causal mask, so right padding must be marked in the
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import types
 import typing
@@ -40,6 +45,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_3d.parallel.chunked_loss import chunked_cross_entropy, head_input
 from lightning_3d.parallel.pipeline import PipelineSpec
 
 
@@ -284,8 +290,11 @@ def _same(a: Any, b: Any) -> bool:
     )
 
 
-def run_stage(outer: nn.Module, layers_name: str, stage: Any, x: Any) -> Any:
-    """One stage's forward through the model's own code (see the module docstring)."""
+def run_stage(
+    outer: nn.Module, layers_name: str, stage: Any, x: Any, ends_at_norm: bool = False
+) -> Any:
+    """One stage's forward through the model's own code (see the module docstring);
+    ``ends_at_norm``: the last stage returns the head's input when autograd records."""
     layers = outer.get_submodule(layers_name)
     keep = range(stage.block_ids[0], stage.block_ids[-1] + 1)
     kwargs: dict[str, Any] = {"use_cache": False}
@@ -303,6 +312,10 @@ def run_stage(outer: nn.Module, layers_name: str, stage: Any, x: Any) -> Any:
     stop = -1 if stage.is_last else keep.stop
     try:
         with _only(layers, keep, stop), _checked(outer, layers, stage):
+            if stage.is_last and ends_at_norm and torch.is_grad_enabled():
+                with head_input(outer.get_output_embeddings()) as seen:  # the head: no token
+                    outer(**kwargs)
+                return seen[0]  # (B, T, D): what the head was handed
             if stage.is_last:
                 return outer(**kwargs).logits
             _base_model(outer)(**kwargs)
@@ -451,6 +464,8 @@ def hf_pipeline_spec(
     naming the class where the model has no single block list to split."""
     outer = lit.model
     first, blocks, last = stage_layout(outer)
+    # Set by ThreeDStrategy(loss_chunks=n) before the split: the last stage then ends at the norm.
+    chunks = getattr(lit, "loss_chunks", 1)
 
     def split(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if isinstance(batch, dict) and batch.get("position_ids") is not None:  # stages count from 0
@@ -466,11 +481,19 @@ def hf_pipeline_spec(
         blocks=f"{prefix}.{blocks}",
         first=tuple(f"{prefix}.{n}" for n in first),
         last=tuple(f"{prefix}.{n}" for n in last),
-        loss=lit.loss_fn,
+        loss=lit.loss_fn if chunks == 1 else functools.partial(_chunked_loss, outer, chunks),
         split_batch=split,
         inputs=lambda batch: split(batch)[0],
         block_forward=lambda block, x: run_one_block(outer, blocks, block, x),
-        stage_forward=lambda stage, x: run_stage(outer, blocks, stage, x),
+        stage_forward=lambda stage, x: run_stage(outer, blocks, stage, x, chunks > 1),
         placeholder=placeholder,
         check=lambda: check_split(lit, wrap),
     )
+
+
+def _chunked_loss(outer: nn.Module, chunks: int, outputs: Any, targets: Any) -> torch.Tensor:
+    """The head and cross-entropy by chunks of the last stage's ``outputs`` (the head's input).
+    The head is looked up at each call: under ZeRO-3, the weight FSDP2 keeps gathered for it
+    (``parallel/fsdp.py`` ``keep_head_gathered``), not the shard it holds between steps."""
+    head = outer.get_output_embeddings()
+    return chunked_cross_entropy(outputs, head.weight, targets, chunks, bias=head.bias)

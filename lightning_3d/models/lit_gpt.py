@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -156,8 +156,11 @@ class LitGPT(pl.LightningModule):
         if has_meta(self.model):
             materialize(self.model, torch.device("cpu"))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.model(idx)
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``(B, T, vocab)``; with ``targets``, the model's mean loss (chunked with
+        ``loss_chunks`` > 1)."""
+        # Models that take no targets (the test kit's tiny ones) are called with ids only.
+        return self.model(idx) if targets is None else self.model(idx, targets)
 
     def pipeline_spec(self) -> PipelineSpec:
         """How ``ThreeDStrategy(pipeline=...)`` splits this module into stages (with
@@ -168,7 +171,7 @@ class LitGPT(pl.LightningModule):
                 first=("model.tok_emb", "model.pos_emb", "model.drop"),
                 last=("model.norm", "model.lm_head"),
                 embed=self.model.embed,
-                head=self.model.norm,
+                head=self._norm_or_head,
                 loss=self.model.head_loss,
             )
         return PipelineSpec(
@@ -180,10 +183,19 @@ class LitGPT(pl.LightningModule):
             loss=lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()),
         )
 
+    def _norm_or_head(self, x: torch.Tensor) -> torch.Tensor:
+        """The chunked pipeline's last stage: the normed stream for the loss in training; the
+        logits without autograd (validation, test, predict read them from ``self(...)``)."""
+        return self.model.norm(x) if torch.is_grad_enabled() else self.model.head(x)
+
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         if getattr(self.model, "loss_chunks", 1) > 1:  # no whole logits (parallel/chunked_loss.py)
-            return self.model(x, y)
+            out = self(x, y)
+            if out.dim() == 0:
+                return out
+            # Logits: a pipeline's forward-only schedule answered self(...) with its last stage's.
+            return F.cross_entropy(out.flatten(0, 1), y.flatten())
         logits = self(x)  # (B, T, vocab)
         return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 

@@ -9,12 +9,18 @@ parallelism rewrite :class:`~lightning_3d.models.gpt.GPT`.
 Load-balancing loss (Switch Transformer's): ``aux = E * sum_e f_e * P_e``, ``f_e`` the fraction of
 the batch's routed token slots that went to expert ``e``, ``P_e`` the router's mean probability
 for ``e``. Both are the global batch's: the counts and probability sums are summed over the data
-ranks. The value is the global one on every rank; the gradient is that of ``G`` times this
-rank's share, which the data-parallel average (over ``G`` ranks) turns into the global
-gradient, as the token-mean objective does for the cross-entropy (``parallel/objective.py``), so
-``F.cross_entropy(...) + coef * aux`` is one process's objective. Under gradient accumulation
+ranks (data x context under context parallelism; tensor ranks each route the whole of their
+data rank's tokens, ``parallel/plans/moe.py``). The value is the global one on every rank;
+the gradient is that of ``G`` times this rank's share, which the data-parallel average (over
+``G`` ranks) turns into the global gradient, as the token-mean objective does for the
+cross-entropy (``parallel/objective.py``), so ``F.cross_entropy(...) + coef * aux`` is one
+process's objective. Under gradient accumulation
 the objective's per-step factor rescales the whole gradient, this term's too: exact for one
 micro-batch per step, or micro-batches with equal numbers of counted tokens.
+Under a pipeline the loss is the last stage's, out of reach of the other stages' layers:
+each layer then carries its weighted term on its own output (``parallel/expert_pipeline.py``),
+weighted as a micro-batch's loss, which is the same objective as one process accumulating the
+same micro-batches.
 
 Aux-loss-free balancing (DeepSeek-V3's, ``bias_update_rate`` > 0): a per-expert bias is added to
 the router's probabilities to pick the top-k, never to the gating weights. After each optimizer
@@ -25,7 +31,8 @@ same way; the bias is a buffer, saved in checkpoints.
 
 Capacity (``capacity_factor``; ``None``: dropless): an expert takes at most
 ``capacity = ceil(capacity_factor * tokens * top_k / n_experts)`` token slots per forward, where
-``tokens`` is the **global** batch's (every data rank's, the ranks' batches being equal), so
+``tokens`` is the **global** batch's (every data rank's, and with context parallelism every
+context rank's share of the sequences; the ranks' shares being equal), so
 a layout drops exactly what one process does on the whole batch. Which slots go: an expert
 keeps the slots whose gating probability is above the ``capacity + 1``-th highest among all
 slots routed to it in the global batch (ties at that line are all dropped, so it may keep
@@ -37,19 +44,24 @@ load-balancing statistics count the router's choices, before dropping.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from lightning_3d.models.gpt import GPT, Block, GPTConfig, _normal
 from lightning_3d.models.lit_gpt import LitGPT
+from lightning_3d.parallel.expert_pipeline import carry_loss
 from lightning_3d.parallel.materialize import ParamInit
+from lightning_3d.parallel.pipeline import PipelineSpec
 
 
 @dataclass
@@ -140,6 +152,10 @@ class MoE(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         # parallel/expert.py sets this: the process groups of expert and data parallelism.
         self.routing: Optional[Any] = None
+        # parallel/expert_pipeline.py sets this under a pipeline: the weight of a micro-batch's
+        # loss, with which this layer carries its weighted aux_loss on its output.
+        self.aux_loss_coef = config.aux_loss_coef
+        self.aux_weight: Optional[Callable[[], torch.Tensor]] = None
         self.aux_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
 
@@ -176,6 +192,10 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(tokens)
         self._balance(probs, counts)
+        if self.aux_weight is not None and self.aux_loss_coef > 0 and torch.is_grad_enabled():
+            # Under a pipeline the loss is the last stage's: this layer's term rides backward on
+            # its activations, from whichever stage holds it (parallel/expert_pipeline.py).
+            y = carry_loss(y, self.aux_loss_coef * self.aux_loss, self.aux_weight())
         return self.drop(y.view(B, T, C))
 
     def _within_capacity(self, scores: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -310,6 +330,8 @@ class LitMoEGPT(LitGPT):
         # The running step's sums over its micro-batches, and the last finished step's.
         self._step_sums: dict[str, Any] = {}
         self._finished_step: dict[str, torch.Tensor] = {}
+        # Under a pipeline: this rank's layers' figures of the running step, by block index.
+        self._stage_rows: dict[str, dict[int, torch.Tensor]] = {}
         super().__init__(**kwargs)
 
     def build_model(self) -> nn.Module:
@@ -355,8 +377,9 @@ class LitMoEGPT(LitGPT):
         }
         rate = self.config.bias_update_rate
         if rate > 0:
-            for layer, load in zip(self.model.moe_layers(), counts):
-                layer.update_bias(load, rate)
+            # By block index: under a pipeline this rank holds some layers, the counts all.
+            for index, layer in self._indexed_layers():
+                layer.update_bias(counts[index], rate)
 
     def step_figures(self) -> dict[str, torch.Tensor]:
         """The last optimizer step's figures, global over the data ranks: ``aux_loss`` (the
@@ -366,9 +389,60 @@ class LitMoEGPT(LitGPT):
         busiest expert's slots over the mean)."""
         return dict(self._finished_step)
 
-    # No pipeline split yet (the loss adds the router's, which a stage split would not carry):
-    # None tells the strategy's check and the planner that this model has none.
-    pipeline_spec = None  # type: ignore[assignment]
+    def pipeline_spec(self) -> PipelineSpec:
+        """:class:`LitGPT`'s split, each block run through :meth:`_pipeline_block`, which
+        records its layer's figures once per micro-batch. The load-balancing loss reaches the
+        objective through each layer's activations (``parallel/expert_pipeline.py``), not
+        through :meth:`_loss`, which a pipeline does not run."""
+        return dataclasses.replace(super().pipeline_spec(), block_forward=self._pipeline_block)
+
+    def _pipeline_block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """One block of a stage's forward; a training forward adds its layer's token counts and
+        weighted aux loss to the step's. Only a micro-batch's forward: torch's metadata
+        inference (stand-in inputs) adds nothing, and neither does a forward recomputed by
+        activation checkpointing (inside the block, not through here)."""
+        x = block(x)
+        # No trainer when the planner measures a block through the spec.
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        runtime = getattr(strategy, "pipeline", None)
+        if self.training and runtime is not None and runtime.in_forward_chunk:
+            rows = self._stage_rows.setdefault("rows", {})
+            for index, layer in self._indexed_layers(block):
+                figures = torch.cat(
+                    [layer.tokens_per_expert, (self.config.aux_loss_coef * layer.aux_loss)[None]]
+                ).detach()  # (E + 1,)
+                rows[index] = figures if index not in rows else rows[index] + figures
+        return x
+
+    def pipeline_training_step_end(self, loss: torch.Tensor, batch: Any, batch_idx: int) -> None:
+        """:class:`LitGPT`'s, then the step's figures over every stage's layers (one all-reduce
+        over the pipeline group; each stage's rows are already global over the data ranks):
+        logged and summed as :meth:`_loss` does, over the step's micro-batches."""
+        super().pipeline_training_step_end(loss, batch, batch_idx)
+        rows, self._stage_rows = self._stage_rows.get("rows", {}), {}
+        table = torch.zeros(
+            self.config.n_layer, self.config.n_experts + 1, device=self.device
+        )  # (layers, E + 1)
+        for index, figures in rows.items():
+            table[index] = figures.to(table.dtype)
+        runtime = getattr(self.trainer.strategy, "pipeline", None)
+        if runtime is not None:
+            dist.all_reduce(table, group=runtime.group)
+        micro_batches = runtime.micro_batches if runtime is not None else 1
+        counts, aux = table[:, :-1], table[:, -1].sum()  # (layers, E), summed over micro-batches
+        self._log_load(counts)
+        for name, value in (("counts", counts), ("aux_loss", aux)):
+            self._step_sums[name] = (
+                value if name not in self._step_sums else self._step_sums[name] + value
+            )
+        self._step_sums["micro_batches"] = self._step_sums.get("micro_batches", 0) + micro_batches
+
+    def _indexed_layers(self, within: Optional[nn.Module] = None) -> list[tuple[int, MoE]]:
+        """``(block index, layer)`` of the MoE layers this rank holds (in ``within`` only, if
+        given): rows of :meth:`MoEGPT.tokens_per_expert` are block indices, on every stage."""
+        index = {id(m): i for i, block in enumerate(self.model.blocks) for m in block.modules()}
+        scope = self.model if within is None else within
+        return [(index[id(m)], m) for m in scope.modules() if isinstance(m, MoE)]
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

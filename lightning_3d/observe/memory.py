@@ -48,7 +48,9 @@ def model_state_bytes(
     ``tp_split_param_bytes`` / ``tp_split_dense_bytes``: local and full bytes of the parameters
     that tensor parallelism split (ZeRO 0–2; under ZeRO-3 they are also split on ``dp``).
     ``offloaded_param_bytes``: the part of ``param_bytes`` that FSDP2 keeps in CPU memory under a
-    ``CPUOffloadPolicy`` (``ThreeDStrategy(offload_params=True)``).
+    ``CPUOffloadPolicy`` (``ThreeDStrategy(offload_params=True)``). ``host_grad_bytes``: the
+    gradients of the masters an offloaded optimizer steps in host memory (ZeRO-Offload's split,
+    ``offload/split.py``: fp32 accumulators), left out of ``grad_bytes``, which is the device's.
     """
     # Unwrap LightningOptimizer.
     optimizers = [getattr(opt, "_optimizer", opt) for opt in optimizers]
@@ -57,11 +59,14 @@ def model_state_bytes(
     param_bytes = _storage_bytes(params, seen)
     plain = [p for p in params if not isinstance(p, DTensor)]
     unsharded = _storage_bytes(plain, set())
-    grads = [p.grad for p in params + _optimizer_params(optimizers)]
-    grad_bytes = _storage_bytes(grads, seen)
     # An offloaded optimizer's state lives off this device (CPU buffers or NVMe files): count
     # what it keeps resident here (its streaming window), not the whole state it can read back.
     offloaded = [opt for opt in optimizers if hasattr(opt, "resident_state_bytes_peak")]
+    hosted = _host_masters(offloaded, params)
+    on_host = {id(p) for p in hosted}
+    grads = [p.grad for p in params + _optimizer_params(optimizers) if id(p) not in on_host]
+    grad_bytes = _storage_bytes(grads, seen)
+    host_grad_bytes = _storage_bytes([p.grad for p in hosted], seen)
     state = [
         v
         for opt in optimizers
@@ -79,10 +84,27 @@ def model_state_bytes(
         "tp_split_dense_bytes": sum(p.numel() * p.element_size() for p in split),
         "param_bytes": param_bytes,
         "grad_bytes": grad_bytes,
+        "host_grad_bytes": host_grad_bytes,
         "optimizer_state_bytes": state_bytes,
         "unsharded_param_bytes": unsharded,
         "offloaded_param_bytes": _storage_bytes(_cpu_offloaded_params(module), set()),
     }
+
+
+def _host_masters(
+    offloaded: Iterable[torch.optim.Optimizer], params: Iterable[Tensor]
+) -> list[Tensor]:
+    """The parameters offloaded optimizers step that share no storage with the module's: the
+    ZeRO engine's masters in host memory (``master_device="cpu"``), whose gradients are host
+    accumulators. Counted by role, not by ``tensor.device``: on a CPU-only machine device and
+    host are the same RAM. A slice that is a view of the module's flat bucket (no masters) is
+    the device's."""
+    held = {part.untyped_storage().data_ptr() for p in params for part in plain_parts(p)}
+    return [
+        p
+        for p in _optimizer_params(offloaded)
+        if not any(part.untyped_storage().data_ptr() in held for part in plain_parts(p))
+    ]
 
 
 def _cpu_offloaded_params(module: nn.Module) -> list[Tensor]:

@@ -286,8 +286,9 @@ class RunSummary(Callback):
         self._unread.append((local, step_loss))
         self._losses_are_objective = mean is not None
         figures = getattr(pl_module, "step_figures", None)
-        if callable(figures):
-            self._figures.append({k: v.detach() for k, v in figures().items()})
+        step = figures() if callable(figures) else {}
+        if step:  # a module with figures this step (a dense Hugging Face model has none)
+            self._figures.append({k: v.detach() for k, v in step.items()})
         if len(self._unread) >= UNREAD_STEPS:
             self._read_losses()
         now = time.perf_counter()

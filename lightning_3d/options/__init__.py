@@ -400,8 +400,9 @@ OPTIONS: tuple[Option, ...] = (
         "loss",
         "chunks",
         "head and cross-entropy over this many chunks of tokens, no whole logits tensor "
-        "(LitGPT, HFCausalLM; not with tensor > 1); 1: whole logits; `auto`: vocabulary / width "
-        "chunks where the chunked loss is built, else 1 (docs/memory.md)",
+        "(LitGPT, HFCausalLM; vocabulary-parallel under tensor > 1); 1: whole logits; `auto`: "
+        "vocabulary / width chunks (this rank's vocabulary under tensor > 1) where the chunked "
+        "loss is built, else 1 (docs/memory.md)",
         hydra_type=Any,
     ),
 )
@@ -562,14 +563,6 @@ def _across_groups(plan: Plan) -> list[str]:
             f"expert={layout.expert} with offload={plan.offload.device!r} / offload_params="
             f"{plan.offload.params} is not supported yet"
         )
-    if layout.expert > 1 and layout.zero_stage in (1, 2) and plan.checkpoint.format == "sharded":
-        # Its optimizer state is read from the ZeRO slices, which hold no expert weight.
-        problems.append(
-            f"expert={layout.expert} with zero_stage={layout.zero_stage} and "
-            "checkpoint_format='sharded' is not supported yet (consolidated is)"
-        )
-    if layout.expert > 1 and plan.auto.enabled is True:
-        problems.append(f"auto=True cannot plan expert={layout.expert} (no expert axis yet)")
     if plan.fsdp.keep_gathered is True:
         # FSDP2's accumulation switches: the strategy's, without a pipeline (torch's stages
         # drive them there), and on device-resident weights.

@@ -14,6 +14,8 @@ checkpoint-per-chunk head would cost one more head matmul, a third more head tim
 The sum and count of counted targets go through :func:`~lightning_3d.parallel.objective.token_mean`,
 so inside a strategy's step the loss is the global batch's token mean exactly as
 ``F.cross_entropy`` on whole logits would be (data x context ranks, accumulation, pipeline).
+Under tensor parallelism (the head's weight a DTensor sharded on the vocabulary) the chunks stay
+vocabulary-parallel: :mod:`lightning_3d.parallel.chunked_loss_tp`.
 
 A model opts in with an attribute ``loss_chunks`` (1: whole logits and ``F.cross_entropy``) that
 :func:`apply_chunked_loss` sets, and may name what it cannot chunk in a method
@@ -50,11 +52,14 @@ class ChunkedLossOptions:
     ``F.cross_entropy`` (the module's own code path). More chunks: less memory (one chunk's
     logits at a time), more, smaller matmuls. ``"auto"``: ``ceil(vocabulary / width)`` chunks,
     so that one chunk's logits are about the size of the hidden states (Liger's rule; 1 for a
-    vocabulary narrower than the model), and 1 wherever the chunked loss is not built (tensor
-    parallelism, an adapted or soft-capped head, ...) instead of a refusal."""
+    vocabulary narrower than the model; under tensor parallelism the rank's own share of the
+    vocabulary, ``ceil(vocabulary / tensor)``, since that is what its logits hold), and 1
+    wherever the chunked loss is not built (an adapted or soft-capped head, ...) instead of a
+    refusal."""
 
     def problems(self, tensor: int = 1) -> list[str]:
-        """What is wrong with these values, each naming them (empty: nothing)."""
+        """What is wrong with these values, each naming them (empty: nothing); any ``tensor``
+        size is built (:mod:`lightning_3d.parallel.chunked_loss_tp`)."""
         chunks = self.chunks
         if chunks == AUTO:
             return []
@@ -62,21 +67,14 @@ class ChunkedLossOptions:
             return [
                 f"loss_chunks={chunks!r} must be a whole number >= 1 (1: no chunking) or {AUTO!r}"
             ]
-        if chunks > 1 and tensor > 1:
-            # Vocabulary-parallel logits are DTensors under loss_parallel; a chunked head
-            # would need its own sharded log-sum-exp: not built.
-            return [
-                f"loss_chunks={chunks} with tensor={tensor}: the chunked loss is not built for "
-                "tensor parallelism's vocabulary-parallel loss; use loss_chunks=1, "
-                f"loss_chunks={AUTO!r} or tensor=1"
-            ]
         return []
 
 
-def auto_chunks(vocabulary: int, width: int) -> int:
-    """``loss_chunks="auto"``'s count for a head of ``vocabulary`` x ``width``: each chunk's
-    logits about the size of the hidden states it is computed from."""
-    return max(1, math.ceil(vocabulary / max(1, width)))
+def auto_chunks(vocabulary: int, width: int, tensor: int = 1) -> int:
+    """``loss_chunks="auto"``'s count for a head of ``vocabulary`` x ``width`` sharded over
+    ``tensor`` ranks: each chunk's logits (rows x ``ceil(vocabulary / tensor)`` on one rank)
+    about the size of the hidden states it is computed from."""
+    return max(1, math.ceil(math.ceil(vocabulary / max(1, tensor)) / max(1, width)))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -164,6 +162,14 @@ def linear_cross_entropy_sum(
     ``targets``: the same leading shape."""
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks={chunks!r} must be a whole number >= 1")
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):  # a tensor-parallel head: the vocabulary stays sharded
+        from lightning_3d.parallel.chunked_loss_tp import vocab_parallel_linear_cross_entropy_sum
+
+        return vocab_parallel_linear_cross_entropy_sum(
+            hidden, weight, targets, chunks, bias, ignore_index
+        )
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(
             f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} differ in their "
@@ -226,13 +232,6 @@ def chunked_loss_problems(module: nn.Module, options: ChunkedLossOptions, layout
             "module with a `loss_chunks` attribute: LitGPT and HFCausalLM have one); use "
             "loss_chunks=1"
         ]
-    if layout.pipeline > 1 and layout.zero_stage == 3:
-        # The last stage's loss reads the head's weight after the stage's forward, when FSDP2
-        # has resharded it (every pipeline unit reshards after forward).
-        problems.append(
-            f"{name} with pipeline={layout.pipeline} and zero_stage=3 is not built (the "
-            "pipeline's loss would read the head's weight resharded); use zero_stage <= 2"
-        )
     for _, taker in takers:
         check = getattr(taker, "loss_chunk_problems", None)
         if check is not None:
@@ -249,7 +248,7 @@ def apply_chunked_loss(module: nn.Module, options: ChunkedLossOptions, layout: A
     for _, taker in _takers(module):
         chunks = options.chunks
         if chunks == AUTO:
-            fixed = ChunkedLossOptions(auto_chunks(*_head_shape(taker)))
+            fixed = ChunkedLossOptions(auto_chunks(*_head_shape(taker), layout.tensor))
             # Where a count would be refused, auto means whole logits.
             chunks = fixed.chunks if not chunked_loss_problems(taker, fixed, layout) else 1
         taker.loss_chunks = chunks
@@ -281,8 +280,9 @@ _LOGIT_CHANGES = (
 
 def head_problems(model: nn.Module, pipeline: int = 1) -> list[str]:
     """Why a ``transformers`` causal LM's head and loss cannot run in chunks: a head that is no
-    plain ``nn.Linear`` (a LoRA-adapted or quantized head), logits changed after the head
-    (soft-capping, scaling), or a pipeline (its stages end at the logits)."""
+    plain ``nn.Linear`` (a LoRA-adapted or quantized head), or logits changed after the head
+    (soft-capping, scaling). Any ``pipeline``: the last stage then ends at the final norm
+    (``models/hf_pipeline.py``)."""
     problems = []
     head = model.get_output_embeddings()
     if type(head) is not nn.Linear:
@@ -298,25 +298,26 @@ def head_problems(model: nn.Module, pipeline: int = 1) -> list[str]:
                 problems.append(
                     f"{type(model).__name__} changes its logits after the head ({key}={value})"
                 )
-    if pipeline > 1:
-        problems.append(
-            f"pipeline={pipeline}: a Hugging Face model's last stage ends at the logits; use "
-            "loss_chunks=1 or pipeline=1"
-        )
     return problems
 
 
 @contextmanager
 def head_input(head: nn.Module) -> Iterator[list[torch.Tensor]]:
-    """Inside, ``head`` is called on none of the tokens it is handed, whose input is appended to
-    the list yielded: the model's own forward runs (its masks, positions, final norm) and gives
-    logits of no token, and the chunked loss takes the head's input from the list."""
+    """Inside, ``head`` is called on none of the tokens it is handed (one, under tensor
+    parallelism), whose input is appended to the list yielded: the model's own forward runs (its
+    masks, positions, final norm) and gives (almost) no logits, and the chunked loss takes the
+    head's input from the list."""
+    from torch.distributed.tensor import DTensor
+
     seen: list[torch.Tensor] = []
 
     def keep(module: nn.Module, args: tuple) -> tuple:
         hidden = args[0]  # (B, T, D)
         seen.append(hidden)
-        return (hidden[..., :0, :], *args[1:])  # (B, 0, D): no logits
+        # A tensor-parallel head's DTensor input cannot be viewed at 0 tokens (torch's sharding
+        # propagation divides by every size): one token's logits per row there, B x V/tp.
+        tokens = 1 if isinstance(hidden, DTensor) else 0
+        return (hidden[..., :tokens, :], *args[1:])  # (B, 0 or 1, D): (almost) no logits
 
     handle = head.register_forward_pre_hook(keep)
     try:

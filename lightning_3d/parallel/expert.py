@@ -19,8 +19,12 @@ layout computes exactly what one process does.
 Gradients. The data-parallel engines average each gradient over the ``G`` data ranks, and the
 objective (``objective.py``) makes that average one process's gradient. An expert's gradient
 already holds the contributions of every token of its ``ep`` group (they came to it), so it is
-summed over the ranks that hold the same expert (``dp_replica``, ``G / ep`` of them) and divided
-by ``G``, not averaged over ranks holding other experts. The expert weights are ``DTensor`` s
+summed over the ranks that hold the same expert (``dp_replica``, and ``cp`` under context
+parallelism: ``G / ep`` of them, :func:`expert_groups`) and divided by ``G``, not averaged over
+ranks holding other experts. Under context parallelism ``G`` is data × context (the data mesh
+is ``layout.shard_mesh``: the router's statistics and the capacity line are the global batch's
+there too); tensor ranks compute the same experts on the same replicated tokens
+(``parallel/plans/moe.py``) and need no reduction. The expert weights are ``DTensor`` s
 sharded on ``ep`` (dim 0, the expert), so full state dicts and the global gradient norm count
 each expert once; the ZeRO engines leave them to this module's gradient hook (ZeRO 0-2: set
 aside while the engine attaches, :func:`set_aside`; ZeRO-3: FSDP2's ``ignored_params``), so
@@ -182,19 +186,34 @@ def apply_expert_parallel(
         for layer in layers:
             layer.routing = ExpertRouting(None, 1, 0, data_group, data_size)
         return []
-    from lightning_3d.layout import build_expert_mesh
-
-    expert_mesh = build_expert_mesh(mesh, expert)
-    ep_mesh, replicas = expert_mesh["ep"], expert_mesh["dp_replica"]
+    ep_mesh, replicas = expert_groups(mesh, expert)
     ep_group, ep_rank = ep_mesh.get_group(), ep_mesh.get_local_rank()
     params: list[nn.Parameter] = []
     for layer in layers:
         layer.routing = ExpertRouting(ep_group, expert, ep_rank, data_group, data_size)
         for name, full in list(layer.experts.named_parameters(recurse=False)):
-            param = shard_expert_weight(full, ep_mesh, replicas.get_group(), data_group, data_size)
+            param = shard_expert_weight(full, ep_mesh, replicas, data_group, data_size)
             setattr(layer.experts, name, param)
             params.append(param)
     return params
+
+
+def expert_groups(mesh: DeviceMesh, expert: int) -> tuple[DeviceMesh, Any]:
+    """``(ep mesh, replica group)`` of this rank (a collective: every rank calls it).
+
+    The ``ep`` ranks exchange tokens: neighbours on the data axis at this rank's context and
+    tensor coordinates. The replica group holds the same experts and sums their gradients:
+    ``dp_replica`` × ``cp``, since context ranks see other tokens of the same samples (their
+    gradients add up like the data ranks'). Tensor ranks are in neither: each computes the same
+    experts on the same (replicated) tokens, so their gradients are already equal."""
+    from lightning_3d.layout import EXPERT_AXES, build_expert_mesh
+
+    expert_mesh = build_expert_mesh(mesh, expert)
+    if expert_mesh.size(EXPERT_AXES.index("cp")) == 1:
+        return expert_mesh["ep"], expert_mesh["dp_replica"].get_group()
+    # Flattened once per call; the mesh keeps it (every rank flattens alike).
+    replicas = expert_mesh["dp_replica", "cp"]._flatten("dp_replica_cp")
+    return expert_mesh["ep"], replicas.get_group()
 
 
 def shard_expert_weight(

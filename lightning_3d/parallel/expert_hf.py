@@ -27,11 +27,11 @@ torch's forward hooks:
   all-to-all), restores each slot's place and applies the routing weights on the token's rank,
   so the router's gradient stays there.
 
-Router load-balancing loss: :class:`~lightning_3d.models.HFCausalLM` trains the token-mean
-cross-entropy of the logits only; a family's auxiliary router loss (``output_router_logits``,
-``router_aux_loss_coef``), computed by ``transformers`` from each rank's own router logits, is
-not part of the objective, on one process or under any layout, so expert parallelism changes
-nothing about it.
+Router load-balancing loss: where the family has Switch's (``output_router_logits``,
+``router_aux_loss_coef``), :class:`~lightning_3d.models.HFCausalLM` trains it over the global
+batch (``models/hf_moe.py``: counts and probability sums summed over the data ranks), from
+the router logits each rank computes for its own tokens before any exchange; expert
+parallelism changes nothing about it.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from lightning_3d.parallel.expert import (
     ExpertRouting,
     all_to_all,
     apply_expert_parallel,
+    expert_groups,
     expert_problems,
     moe_layers,
     shard_expert_weight,
@@ -262,10 +263,7 @@ def apply_hf_expert_parallel(
             "still on meta (a model directory read after sharding): build the HFCausalLM with "
             "deferred_init=False"
         )
-    from lightning_3d.layout import build_expert_mesh
-
-    expert_mesh = build_expert_mesh(mesh, expert)
-    ep_mesh, replicas = expert_mesh["ep"], expert_mesh["dp_replica"]
+    ep_mesh, replicas = expert_groups(mesh, expert)
     data_group, data_size = data_mesh.get_group(), data_mesh.size()
     params: list[nn.Parameter] = []
     for _, experts in found:
@@ -274,7 +272,7 @@ def apply_hf_expert_parallel(
         )
         dispatch = ExpertsDispatch(routing, experts.num_experts)
         for name, full in list(experts.named_parameters(recurse=False)):
-            param = shard_expert_weight(full, ep_mesh, replicas.get_group(), data_group, data_size)
+            param = shard_expert_weight(full, ep_mesh, replicas, data_group, data_size)
             setattr(experts, name, param)
             params.append(param)
         # The experts' own forward then runs on local expert ids.

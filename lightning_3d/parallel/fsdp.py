@@ -145,6 +145,30 @@ def apply_zero3(
     return units
 
 
+def keep_head_gathered(module: nn.Module, stages: Optional[list[nn.Module]]) -> bool:
+    """With the chunked loss (``loss_chunks`` > 1) under a pipeline: the last stage's outer unit
+    (final norm and head) is not resharded after the stage's forward. That stage ends at the
+    norm and the pipeline's loss runs the head afterwards, outside any forward FSDP2 hooks: it
+    must find the gathered weight, not the shard. The gradient the loss computes lands in the
+    gathered parameter's ``.grad`` and is reduce-scattered with the unit's others at the end of
+    the step, as torch's pipeline stages drive FSDP2 anyway. Cost: the last stage's outer unit
+    (the head, ``V x D`` in the compute dtype) stays gathered from the step's first forward,
+    where a later forward resharded it before; no gather is added. The step's peak is unchanged:
+    torch's stages keep every unit gathered from its backward to the step's end (the planner's
+    ``pipeline_held_bytes`` counts the stage's whole weights there, the head among them). The
+    alternative, a gather around each loss call, would add one all-gather of the head per
+    micro-batch. Returns whether a unit was changed."""
+    from torch.distributed.fsdp import FSDPModule
+
+    chunked = any(getattr(m, "loss_chunks", 1) > 1 for m in module.modules())
+    changed = False
+    for stage in stages or []:
+        if chunked and getattr(stage, "is_last", False) and isinstance(stage, FSDPModule):
+            stage.set_reshard_after_forward(False, recurse=False)
+            changed = True
+    return changed
+
+
 def fsdp_policies(precision: str, offload_params: bool, device_type: str) -> dict:
     """FSDP2 keyword arguments for ``apply_zero3`` under a Lightning ``precision`` setting.
 

@@ -89,6 +89,61 @@ def refuse_master_combinations(plan: Any, precision: str) -> None:
         )
 
 
+class HostLanding:
+    """Reduced gradient parts on their way to the host accumulators of ZeRO-Offload's split,
+    off the compute stream.
+
+    On a GPU a plain ``host.add_(reduced.cpu())`` inside backward would stop the host until the
+    reduction and the copy finished, once a bucket, and the device would run out of queued work.
+    Here each part is copied into one of ``slots`` pinned buffers on a side stream
+    (``non_blocking``, after the compute stream's work on it; ``record_stream`` keeps its device
+    memory until the copy is done) and only added into its fp32 accumulator when its buffer is
+    needed again, or at :meth:`finish` (end of backward, before the optimizer reads the
+    accumulators): by then the copy has usually long finished. Parts land in the order they
+    were sent. On a CPU the same order, with plain buffers and synchronous copies."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, slots: int) -> None:
+        cuda = device.type == "cuda"
+        self._buffers = [
+            torch.empty(numel, dtype=dtype, pin_memory=cuda) for _ in range(max(slots, 1))
+        ]
+        self._stream = torch.cuda.Stream(device) if cuda else None
+        self._pending: list[tuple[Tensor, Tensor, Any, bool]] = []
+        self._next = 0
+
+    def send(self, reduced: Tensor, host: Tensor, fresh: bool) -> None:
+        """Copy ``reduced`` (on the device) towards ``host`` (fp32, host memory): it replaces
+        ``host`` (``fresh``) or adds to it, once landed."""
+        if len(self._pending) == len(self._buffers):
+            self._land_oldest()
+        buffer = self._buffers[self._next][: reduced.numel()]
+        self._next = (self._next + 1) % len(self._buffers)
+        event = None
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(reduced.device))
+            with torch.cuda.stream(self._stream):
+                buffer.copy_(reduced, non_blocking=True)
+            reduced.record_stream(self._stream)
+            event = self._stream.record_event()
+        else:
+            buffer.copy_(reduced)
+        self._pending.append((host, buffer, event, fresh))
+
+    def _land_oldest(self) -> None:
+        host, buffer, event, fresh = self._pending.pop(0)
+        if event is not None:
+            event.synchronize()  # the copy, issued a bucket or more ago
+        if fresh:
+            host.copy_(buffer)
+        else:
+            host.add_(buffer)
+
+    def finish(self) -> None:
+        """Land every part sent (the accumulators are then the step's gradients)."""
+        while self._pending:
+            self._land_oldest()
+
+
 def storage_counter() -> Callable[[list[Optional[Tensor]]], int]:
     """A counter of bytes by storage: each call returns the bytes of the storages among its
     tensors (``None`` skipped; a DTensor's local shard) that no earlier call of the same counter

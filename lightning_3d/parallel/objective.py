@@ -158,8 +158,17 @@ class TokenMean:
     @contextmanager
     def training(self) -> Generator[None, None, None]:
         """``F.cross_entropy`` as :class:`TokenMean` describes, for a training step."""
-        with _TokenMeanCrossEntropy(self.loss):
+        with _TokenMeanCrossEntropy(self.loss, self.summed):
             yield
+
+    def summed(self, stats: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """:func:`batch_sum` inside a training step: ``stats`` summed over the group (this
+        rank's alone for calls that are no part of the step), and the group's size."""
+        total = stats.detach().clone()
+        if self._aside or self.size == 1:
+            return total, 1 if self._aside else self.size
+        dist.all_reduce(total, group=self.group)
+        return total, self.size
 
 
 def group_mean(group: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -191,13 +200,35 @@ def token_mean(total: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
     return total / counted.clamp(min=1).to(total.dtype)
 
 
+def batch_sum(stats: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``stats`` (no gradient) summed over the ranks whose gradients are averaged, and their
+    number ``G``: inside a strategy's training step the data (or data × context) ranks', where
+    :func:`token_mean` takes its counts from; on its own this rank's (``G`` = 1). For a loss
+    that must see the global batch's statistics (a router's load balance) and, like the token
+    mean, give ``G`` times this rank's share of the gradient.
+
+    Example::
+
+        >>> batch_sum(torch.tensor([1.0, 2.0]))
+        (tensor([1., 2.]), 1)
+    """
+    if has_torch_function((stats,)):
+        return handle_torch_function(batch_sum, (stats,), stats)
+    return stats.detach().clone(), 1
+
+
 class _TokenMeanCrossEntropy(TorchFunctionMode):
     """Hands a mean ``F.cross_entropy`` of class-index targets, and :func:`token_mean`, to
     ``loss(sum, count)``; every other torch call (and any other cross-entropy) runs as is."""
 
-    def __init__(self, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        summed: Optional[Callable[[torch.Tensor], tuple[torch.Tensor, int]]] = None,
+    ) -> None:
         super().__init__()
         self._loss = loss
+        self._summed = summed
 
     def __torch_function__(
         self, func: Callable, types: Any, args: tuple = (), kwargs: Optional[dict] = None
@@ -205,6 +236,8 @@ class _TokenMeanCrossEntropy(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is token_mean:
             return self._loss(*args, **kwargs)
+        if func is batch_sum:
+            return self._summed(*args) if self._summed is not None else func(*args, **kwargs)
         if (
             func is not F.cross_entropy
             or kwargs.get("reduction", "mean") != "mean"

@@ -32,6 +32,9 @@ class _Clock:
     def __init__(self) -> None:
         self.busy = 0.0
         self.forwards = 0  # forward chunks run this step
+        # Inside a forward chunk of the step (not torch's metadata inference, which runs the
+        # stage once on stand-in inputs before the first step's chunks).
+        self.in_forward = False
         self.meter = ActivationMeter()
 
     def timed(self, run: Callable[[], Any], after: Optional[Callable[[], None]]) -> Any:
@@ -51,10 +54,14 @@ def _timed_stage_class(clock: _Clock) -> type:
     class TimedStage(PipelineStage):
         def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
             clock.forwards += 1
-            return clock.timed(
-                lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs),
-                clock.meter.forward_done,
-            )
+            clock.in_forward = True
+            try:
+                return clock.timed(
+                    lambda: super(TimedStage, self).forward_one_chunk(*args, **kwargs),
+                    clock.meter.forward_done,
+                )
+            finally:
+                clock.in_forward = False
 
         def backward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
             return clock.timed(
@@ -137,6 +144,20 @@ class PipelineRuntime:
         with paused(False), aside:  # what the loss saves for backward counts (see run())
             loss = self.spec.loss(outputs, targets) / (self.micro_batches * self._accumulation())
             return self._scale_loss(loss)
+
+    @property
+    def in_forward_chunk(self) -> bool:
+        """Whether a stage is running a micro-batch's forward now: a module that records
+        figures per micro-batch from its blocks reads it, since torch's metadata inference also
+        runs each stage once (on stand-in inputs) before the first step's micro-batches."""
+        return self._clock.in_forward
+
+    def loss_weight(self) -> torch.Tensor:
+        """What :meth:`_loss` multiplies a micro-batch's mean loss by, as a 0-d device tensor:
+        ``1 / (micro_batches * k)`` times the 16-mixed loss scale. A term a stage adds to the
+        objective by itself (``parallel/expert_pipeline.py``) takes the same weight."""
+        one = torch.ones((), device=self.device)
+        return self._scale_loss(one / (self.micro_batches * self._accumulation()))
 
     def _check_batch(self, inputs: Any) -> None:
         size = inputs.shape[0]

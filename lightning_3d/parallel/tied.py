@@ -150,13 +150,15 @@ class TiedGroups:
 
     ``holders``: for each tie (by canonical name), the pipeline ranks whose stages use it. Every
     rank must construct this with the same ``holders`` (``dist.new_group`` is collective); a
-    rank keeps the groups it belongs to, one per (dp, tp) coordinate of the mesh.
+    rank keeps the groups it belongs to, one per coordinate of the mesh's other axes.
     """
 
     def __init__(self, mesh: Any, holders: dict[str, Sequence[int]]) -> None:
         self.groups: dict[str, Any] = {}  # canonical name -> process group (this rank's)
         self.first: dict[str, bool] = {}  # canonical name -> this rank is the first holder
-        ranks = mesh.mesh  # (pp, dp, tp) global ranks
+        # Global ranks by pipeline rank, then every other coordinate of the mesh (dp, cp, tp:
+        # whatever axes follow the pipeline's), one column per group of copies.
+        ranks = mesh.mesh.reshape(mesh.mesh.shape[0], -1)
         me = dist.get_rank()
         pp_rank = mesh.get_coordinate()[0]
         made: dict[tuple[int, ...], Any] = {}
@@ -164,14 +166,13 @@ class TiedGroups:
             pp_ranks = tuple(sorted(set(pp_ranks)))
             if len(pp_ranks) < 2:
                 continue
-            for d in range(ranks.shape[1]):
-                for t in range(ranks.shape[2]):
-                    members = tuple(int(ranks[s, d, t]) for s in pp_ranks)
-                    if members not in made:
-                        made[members] = dist.new_group(list(members))
-                    if me in members:
-                        self.groups[name] = made[members]
-                        self.first[name] = pp_rank == pp_ranks[0]
+            for column in range(ranks.shape[1]):
+                members = tuple(int(ranks[s, column]) for s in pp_ranks)
+                if members not in made:
+                    made[members] = dist.new_group(list(members))
+                if me in members:
+                    self.groups[name] = made[members]
+                    self.first[name] = pp_rank == pp_ranks[0]
 
     def __bool__(self) -> bool:
         return bool(self.groups)

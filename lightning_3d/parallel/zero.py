@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_3d.compat import all_gather_single, reduce_scatter_single
+from lightning_3d.parallel.masters import HostLanding
 from lightning_3d.parallel.optimizers import quantization_block
 from lightning_3d.parallel.point_to_point import (
     SCATTER_MODES,
@@ -256,6 +257,7 @@ class ZeroDataParallel(ZeroState):
         # Kept as given ("cpu"): where host buffers are made, not a device of the mesh.
         self.master_device = master_device
         self._in_flight: list[_Bucket] = []  # host masters: launched, not landed yet
+        self._landing: Optional[HostLanding] = None  # host masters: parts on their way
         self.staging_peak_bytes = 0  # host masters: the most device staging held at once
         dp_mesh = mesh[mesh.mesh_dim_names[0]] if mesh.ndim == 2 else mesh
         self.group = dp_mesh.get_group()
@@ -590,15 +592,20 @@ class ZeroDataParallel(ZeroState):
             bucket.received = None
         else:
             reduced = bucket.staging if self.stage == 0 else bucket.reduced
-        host = bucket.shard_grad
-        if bucket.shard_fresh:
-            host.copy_(reduced)
-        else:
-            host.add_(reduced.to(self.master_device, host.dtype))
+        self._host_landing(reduced).send(reduced, bucket.shard_grad, bucket.shard_fresh)
         bucket.shard_fresh = False
         bucket.staging = bucket.reduced = None
         bucket.written = [False] * len(bucket.params)  # the next backward's staging is new
         bucket.landed = True
+
+    def _host_landing(self, reduced: Tensor) -> HostLanding:
+        """The buffers that carry reduced parts to the host (made at the first landing, sized
+        for the largest part of a hosted bucket)."""
+        if self._landing is None:
+            numel = max(b.shard_grad.numel() for b in self.buckets if self._hosted(b))
+            slots = HOST_IN_FLIGHT + 1
+            self._landing = HostLanding(numel, reduced.dtype, reduced.device, slots)
+        return self._landing
 
     def finish_backward(self) -> None:
         """Call after each backward: completes the reductions of a synchronising backward."""
@@ -616,10 +623,13 @@ class ZeroDataParallel(ZeroState):
         for bucket in live:  # buckets with unused parameters never fired their hook
             if bucket.work is None and not bucket.landed:
                 self._launch(bucket)
+        for bucket in live:  # the last parts sent to the host, in order
+            if self._hosted(bucket) and not bucket.landed:
+                self._land(bucket)
+        if self._landing is not None:
+            self._landing.finish()
         for bucket in live:
             if self._hosted(bucket):  # the step's gradient is the host accumulator
-                if not bucket.landed:
-                    self._land(bucket)
                 bucket.held = True
                 for p in bucket.params:
                     p.grad = None

@@ -282,8 +282,10 @@ def head_loss_bytes(
     every token (vocab-parallel: ``vocab / tensor``) plus the head's saved input. Chunked
     (:mod:`lightning_3d.parallel.chunked_loss`): one chunk's logits, their fp32 copy and its
     gradient in the matmul dtype, plus the hidden states' gradient kept for backward
-    (``tokens x width``)."""
+    (``tokens x width``); under tensor parallelism a chunk's logits are this rank's
+    ``vocab / tensor`` columns (:mod:`lightning_3d.parallel.chunked_loss_tp`), and every rank
+    holds every token's hidden states (gathered under sequence parallelism)."""
     if chunks <= 1:
         return tokens * (vocab / tensor * (act_bytes + 4) + width * act_bytes)
     rows = -(-tokens // chunks)
-    return rows * vocab * (2 * act_bytes + 4) + tokens * width * act_bytes
+    return rows * vocab / tensor * (2 * act_bytes + 4) + tokens * width * act_bytes

@@ -56,12 +56,17 @@ class Choice:
     zero3_keep_gathered: bool = False
     # ZeRO-2 with accumulation: full-size gradients over the micro-batches, one reduce-scatter.
     zero2_defer_reduce: bool = False
+    # ZeRO 0-2 with a bf16 module: fp32 masters (True, the default) or the bf16 weights stepped
+    # with bf16 moments (False).
+    zero_master_weights: bool = True
     # The head and loss over this many chunks of tokens (parallel/chunked_loss.py); 1: whole logits.
     loss_chunks: int = 1
     # The model's optimizer (parallel/optimizers.py: adamw, sgd, adamw8bit, adamw4bit, ...).
     optimizer: str = "adamw"
     # Each block's saved activations in host memory between forward and backward.
     activation_offload: bool = False
+    # Ranks an MoE model's experts are split over, carved from the data ranks (parallel/expert.py).
+    expert: int = 1
 
     @property
     def offload_device(self) -> str:
@@ -101,12 +106,16 @@ class Choice:
             out["zero3_keep_gathered"] = True
         if self.zero2_defer_reduce:
             out["zero2_defer_reduce"] = True
+        if not self.zero_master_weights:
+            out["zero_master_weights"] = False
         if self.context > 1:
             out.update(context=self.context, context_scheme=self.context_scheme)
         if self.loss_chunks > 1:
             out["loss_chunks"] = self.loss_chunks
         if self.activation_offload:
             out["activation_offload"] = True
+        if self.expert > 1:
+            out["expert"] = self.expert
         return out
 
     def trainer_options(self) -> dict[str, Any]:
@@ -128,6 +137,7 @@ class Choice:
         sp = " sp" if self.sequence_parallel else ""
         method = f"{self.adapter} " if self.adapter != "none" else ""
         cp = f" cp={self.context} {self.context_scheme}" if self.context > 1 else ""
+        cp += f" ep={self.expert}" if self.expert > 1 else ""
         sched += " keep" if self.zero3_keep_gathered else ""
         kit = f" {self.kit_label()}" if self.kit_label() else ""
         return (
@@ -191,13 +201,17 @@ class PlannerOptions:
     model's attention can be routed); a sequence whose activations fit no other layout is split
     over ranks (all-to-all where the heads divide, else ring), and a layout that fits without
     it keeps its rank, since splitting a sequence adds exchanges and saves no compute.
+    ``expert_sizes``: the expert-parallel sizes tried on a mixture-of-experts model, a list or
+    ``"auto"`` (the default, :meth:`expert_sizes_for`: every size dividing both the data size
+    and the expert count); a dense model is planned without an expert axis.
 
     The run's own memory savings, counted in every layout: ``loss_chunks`` (1, a count, or
     ``"auto"``: ``ceil(vocabulary / width)`` chunks where the chunked loss is built, whole
     logits under tensor parallelism, as the run resolves it), ``optimizer`` (the model's:
     ``adamw``, ``adamw8bit``, ... its state bytes by :func:`~lightning_3d.planner.facts.optimizer_state_bytes`)
-    and ``activation_offload``. ``memory_kit``: the savings the search may turn on where a
-    layout does not fit without them (:data:`MEMORY_KIT`, climbed cheapest first, see
+    and ``activation_offload``; ``zero_master_weights`` (False: a ``bf16-true`` module's ZeRO
+    0-2 steps its bf16 weights with bf16 moments, no fp32 masters). ``memory_kit``: the savings
+    the search may turn on where a layout does not fit without them (:data:`MEMORY_KIT`, climbed cheapest first, see
     :mod:`lightning_3d.planner.kit`); empty: none. ``checkpoints``: the run saves periodic
     checkpoints, which the low-bit states refuse under ZeRO 1-3.
     """
@@ -230,9 +244,13 @@ class PlannerOptions:
     lora_r: int = 8  # rank of every adapter (peft's r)
     # context-parallel sizes tried (docs/context-parallelism.md); "auto": see context_sizes_for
     context_sizes: Union[str, tuple[int, ...]] = "auto"
+    # expert-parallel sizes tried on an MoE model (docs/parallelism.md); "auto": expert_sizes_for
+    expert_sizes: Union[str, tuple[int, ...]] = "auto"
     loss_chunks: Union[int, str] = 1  # the run's own: 1, a count, or "auto"
     optimizer: str = "adamw"  # the model's optimizer (parallel/optimizers.py)
     activation_offload: bool = False  # the run's own
+    # the run's own: bf16-true at ZeRO 0-2 keeps fp32 masters (False: bf16 weights and moments)
+    zero_master_weights: bool = True
     memory_kit: tuple[str, ...] = ()  # rungs of MEMORY_KIT the search may turn on
     checkpoints: bool = False  # the run saves periodic checkpoints
 
@@ -318,6 +336,17 @@ class PlannerOptions:
             problems.append(
                 f"context_sizes={shown!r} must be 'auto' or a non-empty list of positive integers"
             )
+        experts = self.expert_sizes
+        if experts != "auto" and (
+            isinstance(experts, str)
+            or not isinstance(experts, (list, tuple))
+            or not experts
+            or any(not isinstance(e, int) or isinstance(e, bool) or e < 1 for e in experts)
+        ):
+            shown = list(experts) if isinstance(experts, (list, tuple)) else experts
+            problems.append(
+                f"expert_sizes={shown!r} must be 'auto' or a non-empty list of positive integers"
+            )
         if not isinstance(self.sequence_parallel, bool):
             problems.append(f"sequence_parallel={self.sequence_parallel!r} must be true or false")
         problems += self._kit_problems()
@@ -335,13 +364,15 @@ class PlannerOptions:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if contexts != "auto":
             object.__setattr__(self, "context_sizes", tuple(contexts))
+        if experts != "auto":
+            object.__setattr__(self, "expert_sizes", tuple(experts))
 
     def _kit_problems(self) -> list[str]:
         """The run's memory options and the kit's rungs, each problem naming its values."""
         problems = ChunkedLossOptions(self.loss_chunks).problems()
         if self.optimizer not in OPTIMIZERS:
             problems.append(f"optimizer={self.optimizer!r} must be one of {list(OPTIMIZERS)}")
-        for name in ("activation_offload", "checkpoints"):
+        for name in ("activation_offload", "checkpoints", "zero_master_weights"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
         kit = self.memory_kit
@@ -365,6 +396,14 @@ class PlannerOptions:
                 sizes.append(size)
             size *= 2
         return tuple(sizes)
+
+    def expert_sizes_for(self, data: int, n_experts: int) -> tuple[int, ...]:
+        """The expert sizes to enumerate on ``data`` data ranks for a model of ``n_experts``
+        experts per layer: those of the given list, or for ``"auto"`` every size, that divide
+        both (the expert axis is carved from the data ranks and splits each layer's experts
+        evenly); empty where no given size does."""
+        given = range(1, data + 1) if self.expert_sizes == "auto" else self.expert_sizes
+        return tuple(sorted({e for e in given if data % e == 0 and n_experts % e == 0}))
 
     def global_batch(self, world_size: int) -> int:
         return self.batch_size if self.batch_size is not None else 8 * world_size

@@ -20,23 +20,45 @@ through the collective, of which ``(expert - 1) / expert`` leave the rank under 
 share of the slots travels. The per-expert counts (one int64 per expert, layer and forward)
 travel too and are left out: a rounding error next to the tokens.
 
+In the search (:func:`lightning_3d.planner.search.plan_layouts`, sizes from
+``PlannerOptions.expert_sizes``) an ``expert`` > 1 layout's model state is the above
+(``planner/memory.py``), its ZeRO traffic the dense part's plus the experts' all-reduce over
+their replicas (:func:`expert_traffic`), and its exchange time :func:`all_to_all_time`; a
+token's FLOPs count ``top_k`` experts, not all (:func:`inactive_flop_params`).
+
+Where the expert axis is faster (the same FLOPs either way): ``expert`` = ``N`` moves
+activations, ``4 L · top_k · T · C · E (N-1)/N`` per micro-batch of ``T`` tokens per rank, where
+ZeRO-3 moves the experts' weights, ``3 Ψ_e · E (N-1)/N`` per micro-batch (two gathers and a
+reduce-scatter), and ZeRO 0-2 their gradients, ``2 Ψ_e · E (N-1)/N`` per step. With
+``Ψ_e = L · n_experts · 2 C · ffn`` the split sends fewer bytes while
+``T < 1.5 · n_experts · ffn / top_k`` against ZeRO-3 and ``T_step < n_experts · ffn / top_k``
+(tokens per rank and step) against ZeRO 0-2: many or wide experts, few tokens per rank. The
+search weighs the same terms with each link's bandwidth and latency.
+
 Pure: a model on ``meta`` in (:func:`expert_facts`), numbers out. The planner's CLI prints
 :func:`expert_summary` under its first choice and the bench's MoE rows take their theory from
-here; :func:`lightning_3d.planner.search.plan_layouts` does not enumerate an expert axis yet
-(its layouts have none; ``Plan`` refuses ``auto`` with ``expert`` > 1).
+here.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
 from lightning_3d.observe.memory import zero_formula_bytes
 from lightning_3d.parallel.expert import moe_layers
-from lightning_3d.planner.memory import human
+from lightning_3d.planner.facts import Part
+from lightning_3d.planner.memory import human, stage_parts
+from lightning_3d.planner.traffic import DataTraffic, data_traffic, kept_elements
+
+if TYPE_CHECKING:
+    from lightning_3d.planner.choice import Choice
+    from lightning_3d.planner.cluster import Cluster
+    from lightning_3d.planner.facts import ModelFacts
 
 STATE_BYTES = 16  # fp32 AdamW per parameter: weight, gradient, two moments
 
@@ -53,6 +75,9 @@ class ExpertFacts:
         expert_params: Parameters of every expert of every layer (``Ψ_e``).
         dense_params: Every other parameter (``Ψ_d``), routers and shared experts included.
         capacity_factor: The model's capacity factor; ``None``: dropless.
+        part: The experts' parameters as the planner's :class:`~lightning_3d.planner.facts.Part`
+            (shapes for ZeRO-3's chunks), taken out of a block's at ``expert`` > 1, where the
+            expert axis holds them instead of ZeRO; ``None``: counted from ``expert_params``.
     """
 
     moe_layers: int
@@ -62,6 +87,19 @@ class ExpertFacts:
     expert_params: int
     dense_params: int
     capacity_factor: Optional[float] = None
+    part: Optional[Part] = None
+
+    @property
+    def expert_part(self) -> Part:
+        """:attr:`part`, or one of ``expert_params`` elements without shapes."""
+        if self.part is not None:
+            return self.part
+        return Part(self.expert_params, 0, self.expert_params)
+
+    @property
+    def active_share(self) -> float:
+        """The share of the experts' matmul weights one token runs through (``top_k`` of them)."""
+        return self.top_k / self.n_experts
 
     def problems(self, expert: int, data: int) -> list[str]:
         """Why ``expert`` ranks cannot split this model on ``data`` data ranks (empty: they can)."""
@@ -84,7 +122,11 @@ def expert_facts(module: nn.Module) -> Optional[ExpertFacts]:
     if len(counts) > 1:
         raise ValueError(f"MoE layers with different expert counts {counts} are not planned yet")
     total = sum(p.numel() for p in module.parameters())
-    experts = sum(p.numel() for layer in layers for p in layer.experts.parameters())
+    weights = [p for layer in layers for p in layer.experts.parameters()]
+    experts = sum(p.numel() for p in weights)
+    # Shapes keyed as model_facts keys a block's (rows, elements, no tensor split): every expert
+    # weight runs in a matmul.
+    shapes = Counter((p.shape[0] if p.dim() else 1, p.numel(), -1) for p in weights)
     first = layers[0]
     hidden = first.router.in_features if hasattr(first, "router") else first.experts.w_in.shape[1]
     return ExpertFacts(
@@ -95,6 +137,7 @@ def expert_facts(module: nn.Module) -> Optional[ExpertFacts]:
         expert_params=experts,
         dense_params=total - experts,
         capacity_factor=getattr(first, "capacity_factor", None),
+        part=Part(experts, 0, experts, tuple(sorted(shapes.items()))),
     )
 
 
@@ -165,14 +208,15 @@ def expert_summary(
     """Lines for the planner's CLI under its first choice (``choice``, a
     :class:`~lightning_3d.planner.choice.Choice`, and its ``memory``, a
     :class:`~lightning_3d.planner.memory.MemorySplit`): the ``expert`` sizes
-    :func:`propose_expert_sizes` ranks on that layout's data axis, the device memory left to
-    model state being what the layout's activations and buffers leave."""
+    :func:`propose_expert_sizes` ranks by memory and traffic on that layout's data axis, the
+    device memory left to model state being what the layout's activations and buffers leave,
+    and the size the search chose (by predicted step time, ``choice.expert``)."""
     head = (
         f"mixture of experts: {facts.n_experts} experts x {facts.moe_layers} layers, "
         f"top-{facts.top_k}; expert axis on data={choice.data}, ZeRO-{choice.zero_stage}"
     )
     if (choice.tensor, choice.pipeline, getattr(choice, "context", 1)) != (1, 1, 1):
-        return f"{head}: none (expert > 1 does not combine with tensor, pipeline or context yet)"
+        return f"{head}: none (the search tries expert > 1 beside data and ZeRO only)"
     tokens = max(choice.batch_per_rank // choice.micro_batches, 1) * seq_len
     budget = device_bytes - (memory.total - memory.model_state)
     options = propose_expert_sizes(facts, choice.data, choice.zero_stage, tokens, budget)
@@ -181,11 +225,61 @@ def expert_summary(
         note = "" if o.fits else " (does not fit)"
         sent = human(o.all_to_all_sent_bytes)
         lines.append(f"  expert={o.expert}: {human(o.state_bytes)}, {sent}{note}")
-    lines.append(
-        f"  proposed: ThreeDStrategy(expert={options[0].expert}) (parallelism=auto does not "
-        "choose an expert axis yet)"
-    )
+    lines.append(f"  chosen by the search: expert={choice.expert} (fastest predicted step)")
     return "\n".join(lines)
+
+
+def inactive_flop_params(facts: ModelFacts, blocks: int) -> float:
+    """Matmul weights of ``blocks`` blocks that a token does not run through: each MoE layer's
+    experts beyond its ``top_k`` (0 for a dense model), the MoE layers taken as spread evenly
+    over the model's blocks. A routed token costs ``6·top_k/n_experts`` FLOPs per expert weight,
+    not 6, at any expert size: the expert axis moves tokens, not work."""
+    experts = facts.experts
+    if experts is None:
+        return 0.0
+    flops = experts.expert_part.flop_params * (1 - experts.active_share)
+    return flops * blocks / facts.n_layer
+
+
+def expert_traffic(facts: ModelFacts, choice: Choice) -> DataTraffic:
+    """Bytes a rank sends per step over the data axis at ``expert`` > 1 (no pipeline, no tensor
+    split: the axes expert parallelism combines with): ZeRO's collectives over the dense part
+    (:func:`~lightning_3d.planner.traffic.data_traffic`: the experts are not in ZeRO's buckets nor
+    FSDP2's units, so the last block's kept units hold its dense part only), and the experts'
+    gradients all-reduced over the ``data / expert`` ranks holding the same experts, once a step."""
+    experts = facts.experts
+    p_b, g_b, _, act = facts.bytes
+    gathered = act if facts.precision.endswith("mixed") else p_b
+    tp = choice.tensor
+    whole = stage_parts(facts, 1)[0][0].local(tp)
+    dense = whole - experts.expert_params
+    kept = kept_elements(facts, choice, whole, tp) - experts.expert_params / experts.moe_layers
+    base = data_traffic(choice, dense * g_b, dense * p_b, dense * gathered, kept * gathered)
+    replicas = choice.data // choice.expert
+    ring = (replicas - 1) / replicas
+    held = experts.expert_params / choice.expert
+    return DataTraffic(
+        base.all_reduce + 2 * ring * held * g_b, base.reduce_scatter, base.all_gather
+    )
+
+
+def all_to_all_time(facts: ModelFacts, choice: Choice, cluster: Cluster, latency: float) -> float:
+    """Seconds of token exchange per step at ``choice.expert`` (0 at 1): per micro-batch, every
+    MoE layer's ``top_k × tokens × hidden`` rows to their experts' ranks and back (2 directions),
+    forward and backward (2 passes), the ``(expert - 1) / expert`` that leave the rank
+    (:func:`all_to_all_bytes`), over the expert group's link (inside a node where the group fits
+    in one), and per layer and pass two calls' latency each. The rows travel at the parameters'
+    width (a norm's output, fp32 under mixed precision). None of it hides behind compute: the
+    experts wait for their tokens, the next layer for their outputs."""
+    experts = facts.experts
+    if choice.expert == 1 or experts is None:
+        return 0.0
+    tokens = choice.micro_batch_size * facts.seq_len // choice.context
+    sent = all_to_all_bytes(experts, tokens, choice.expert, facts.bytes[0])["sent"]
+    inside = choice.expert * choice.tensor <= cluster.devices_per_node or cluster.nodes == 1
+    link = (cluster.intra_node_gbps if inside else cluster.inter_node_gbps) * 1e9
+    calls = 4 * experts.moe_layers
+    return choice.micro_batches * (sent / link + calls * latency)
 
 
 def _refuse(facts: ExpertFacts, expert: int, data: int) -> None:

@@ -45,8 +45,9 @@ PRECISIONS: Mapping[str, tuple[int, int, int, int]] = {
 }
 # Optimizer bytes per trained parameter where ZeRO 0-2 keep fp32 masters of a low-precision
 # module (``zero_master_weights``, the default): an fp32 master and Adam's two fp32 moments, the
-# ZeRO paper's K = 12 (parallel/masters.py). ZeRO-3 (FSDP2) steps the bf16 shards themselves:
-# the table above.
+# ZeRO paper's K = 12 (parallel/masters.py). ZeRO-3 (FSDP2) steps the bf16 shards themselves,
+# and ``zero_master_weights=False`` the bf16 slices at ZeRO 0-2: the table above
+# (planner/memory.py ``keeps_masters``).
 MASTER_STATE_BYTES: Mapping[str, int] = {"bf16-true": 12}
 
 
@@ -187,6 +188,9 @@ class ModelFacts:
     activations: Mapping[tuple, ActivationFit] = field(default_factory=dict)
     pipeline_ready: bool = True  # the model has a pipeline_spec
     context_ready: bool = True  # context parallelism can route the model's attention
+    # An MoE model's experts (planner/experts.py: ExpertFacts, which stands on this module, so
+    # planner/search.py fills it in), which an expert axis splits; None: a dense model.
+    experts: Optional[Any] = None
     # What the search asks again for each of its candidates (a stage split's parts, by
     # (what, pipeline, virtual)), computed once per facts: not copied by ``replace``.
     memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)

@@ -8,7 +8,8 @@ layout that does not fit then climbs the rungs ``PlannerOptions.memory_kit`` all
 
 1. **chunked loss** (``loss_chunks = ceil(V / H)``): the same FLOPs in smaller matmuls and no
    recomputation, so nearly free; it removes the logits, the largest activation of a wide
-   vocabulary's last stage. Not under tensor parallelism (the vocabulary-parallel loss).
+   vocabulary's last stage; under tensor parallelism ``ceil(ceil(V / tp) / H)``, this rank's
+   share of the vocabulary (the loss stays vocabulary-parallel).
 2. **8-bit AdamW states** (``adamw8bit`` for ``adamw``): one memory-bound pass that reads and
    writes fewer bytes than fp32 moments, plus a (de)quantization per step; it changes the
    update's rounding, which is why it comes after a saving that changes nothing. Not with
@@ -43,16 +44,17 @@ KIT_FIELDS = ("loss_chunks", "optimizer", "activation_offload")  # the Choice fi
 
 def run_settings(choice: Choice, facts: ModelFacts, options: PlannerOptions) -> Choice:
     """``choice`` with the run's own savings; ``loss_chunks="auto"`` as the run resolves it:
-    ``ceil(V / H)`` chunks, whole logits under tensor parallelism (and, see
-    :func:`plan_layouts`, wherever the model check refuses the count)."""
+    ``ceil(V / H)`` chunks, of this rank's ``ceil(V / tp)`` under tensor parallelism (and
+    whole logits, see :func:`plan_layouts`, wherever the model check refuses the count)."""
     chunks = options.loss_chunks
     if chunks == "auto":
-        chunks = auto_chunks(facts.vocab_size, facts.d_model) if choice.tensor == 1 else 1
+        chunks = auto_chunks(facts.vocab_size, facts.d_model, choice.tensor)
     return replace(
         choice,
         loss_chunks=chunks,
         optimizer=options.optimizer,
         activation_offload=options.activation_offload,
+        zero_master_weights=options.zero_master_weights,
     )
 
 
@@ -74,8 +76,8 @@ def kit_rungs(choice: Choice, facts: ModelFacts, options: PlannerOptions) -> lis
     rung the options' own refusals rule out for this layout is left out."""
     rungs = []
     kit = options.memory_kit
-    chunks = auto_chunks(facts.vocab_size, facts.d_model)
-    if "loss_chunks" in kit and choice.loss_chunks == 1 and choice.tensor == 1 and chunks > 1:
+    chunks = auto_chunks(facts.vocab_size, facts.d_model, choice.tensor)
+    if "loss_chunks" in kit and choice.loss_chunks == 1 and chunks > 1:
         rungs.append(replace(choice, loss_chunks=chunks))
     if (
         "low_bit" in kit

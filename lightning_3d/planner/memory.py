@@ -15,6 +15,8 @@ ZeRO-3's parameter and gradient shards there too (fp32 shards in host memory are
 Under ``bf16-true`` at ZeRO 0-2 offload is ZeRO-Offload's split (:func:`offload_split`): the device
 keeps the bf16 weights and a few buckets of gradient staging (a buffer), host memory the fp32
 masters and their fp32 gradients (8 B, sharded from stage 1), the store Adam's moments (8 B).
+``zero_master_weights=False`` (:func:`keeps_masters`) keeps no masters at ZeRO 0-2: bf16 moments
+(4 B) without offload, the offloaded optimizer's own masters with it (no split).
 
 A fine-tune method (``Choice.adapter``: LoRA, QLoRA) trains its adapters alone: the frozen base
 counts as parameters only, and gradients, optimizer state and offload follow the adapters
@@ -35,13 +37,15 @@ also keeps the logits (vocab-parallel: ``V / tensor``) and their fp32 softmax fo
 with ``loss_chunks`` one chunk's of them (:func:`~lightning_3d.planner.activations.head_loss_bytes`).
 
 Buffers: the module's buffers; ZeRO 0-2's gradient bucket in flight; ZeRO-3's gathered block
-(this one and the prefetched next, in the compute dtype) and one block's unsharded gradients;
-a pipeline's send and receive activations.
+(this one and the prefetched next, in the compute dtype) and one block's unsharded gradients,
+or under a pipeline the stage's whole gathered weights and unsharded gradients, which torch's
+stage holds to the step's end (:func:`pipeline_held_bytes`); a pipeline's send and receive
+activations.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lightning_3d.offload.optimizer import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW
 from lightning_3d.offload.storage import pinned_bytes
@@ -165,13 +169,13 @@ def model_state(
     the model (``blocks``: its blocks' share, which an adapter method needs). ZeRO 1-2 slice flat
     buckets evenly; ZeRO-3 chunks each parameter's dim 0 (:meth:`Part.sharded`: rank 0, the
     default, holds the most), the frozen base's like the rest."""
+    if choice.expert > 1 and facts.experts is not None:
+        return _expert_state(facts, choice, part, dp_rank)
     p_b, g_b, o_b, _ = facts.bytes
     # ZeRO shards over data × context: those ranks hold the same layers.
     dp, z, tp = choice.data * choice.context, choice.zero_stage, choice.tensor
-    # fp32 masters of a bf16 module: stepped in each rank's slice (stage 0: whole); none for an
-    # optimizer that rounds into the bf16 weights itself (it refuses the masters)
-    if z < 3 and choice.optimizer not in STOCHASTIC_ROUNDING:
-        o_b = MASTER_STATE_BYTES.get(facts.precision, o_b)
+    if keeps_masters(facts, choice):
+        o_b = MASTER_STATE_BYTES[facts.precision]
     o_b = sum(optimizer_state_bytes(choice.optimizer, o_b).values())  # low-bit moments: less
 
     def held(p: Part) -> float:
@@ -206,12 +210,45 @@ def model_state(
     return params, grads, optimizer, host, disk
 
 
+def _expert_state(
+    facts: ModelFacts, choice: Choice, part: Part, dp_rank: int
+) -> tuple[float, float, float, float, float]:
+    """:func:`model_state` at ``expert`` > 1 (planner/experts.py): the experts leave the ZeRO
+    engines (parallel/expert.py), so each rank holds ``1 / expert`` of them whole, with their
+    gradients and the optimizer's moments (no masters: they are not in ZeRO's buckets); the rest
+    of ``part`` follows ZeRO on the data ranks as without experts."""
+    experts = facts.experts
+    dense = model_state(facts, replace(choice, expert=1), part - experts.expert_part, dp_rank)
+    p_b, g_b, o_b, _ = facts.bytes
+    held = experts.expert_params / choice.expert
+    moments = sum(optimizer_state_bytes(choice.optimizer, o_b).values())
+    params, grads, optimizer, host, disk = dense
+    return params + held * p_b, grads + held * g_b, optimizer + held * moments, host, disk
+
+
+def keeps_masters(facts: ModelFacts, choice: Choice) -> bool:
+    """Whether ZeRO 0-2 keep fp32 masters of a module held in bf16 (``MASTER_STATE_BYTES``),
+    stepped in each rank's slice (stage 0: whole): ``zero_master_weights`` (the default; False
+    steps the bf16 weights with bf16 moments, the precision table's bytes, as one process
+    does), and not for an optimizer that rounds into the bf16 weights itself (it refuses them).
+    ZeRO-3 (FSDP2) steps the shards the module holds."""
+    return (
+        facts.precision in MASTER_STATE_BYTES
+        and choice.zero_stage < 3
+        and choice.zero_master_weights
+        and choice.optimizer not in STOCHASTIC_ROUNDING
+    )
+
+
 def offload_split(facts: ModelFacts, choice: Choice) -> bool:
     """Whether offload is ZeRO-Offload's split (``parallel/zero.py``, host masters): a module
-    held in bf16 (fp32 masters kept, ``MASTER_STATE_BYTES``) at ZeRO 0-2 with an offload device.
-    The device then holds no gradient between steps, only up to two buckets in flight."""
+    held in bf16 with fp32 masters kept (``zero_master_weights``, ``MASTER_STATE_BYTES``) at
+    ZeRO 0-2 with an offload device. The device then holds no gradient between steps, only up
+    to two buckets in flight. Without masters the offloaded optimizer keeps its own in its
+    store and the device the bf16 gradients (:func:`offloaded_state_bytes`)."""
     held_in_bf16 = facts.precision in MASTER_STATE_BYTES
-    return choice.offload != "none" and choice.zero_stage < 3 and held_in_bf16
+    masters = choice.zero_master_weights
+    return choice.offload != "none" and choice.zero_stage < 3 and held_in_bf16 and masters
 
 
 def predicted_rank(facts: ModelFacts, choice: Choice, rank: int) -> dict[str, float]:
@@ -310,9 +347,15 @@ def buffer_bytes(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> 
             bucket = min(bucket, adapter_part(sum(facts.blocks, Part()), r).local(tp) * g_b)
         # The split: a bucket lands on the host while the next one is reduced.
         total += bucket * (2 if split else 1)
-    if choice.zero_stage == 3 and (shards > 1 or choice.offload_params):
+    # Under a pipeline the stage's whole gathered weights are the peak, counted per stage
+    # (pipeline_held_bytes), not a block at a time.
+    if choice.zero_stage == 3 and (shards > 1 or choice.offload_params) and choice.pipeline == 1:
         if choice.adapter == "none":
-            total += max(b.local(tp) for b in facts.blocks) * (2 * compute + g_b)
+            gathered = max(b.local(tp) for b in facts.blocks)
+            if choice.expert > 1 and facts.experts is not None:
+                # FSDP2 leaves the experts to the expert axis: a block gathers its dense part.
+                gathered -= facts.experts.expert_params / facts.experts.moe_layers
+            total += gathered * (2 * compute + g_b)
         else:
             block = max(facts.blocks, key=lambda b: b.params)
             base = frozen_bytes(
@@ -326,14 +369,7 @@ def buffer_bytes(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> 
         # adapters the frozen base is gathered as it is held and only the adapters have
         # gradients.
         whole = stage_parts(facts, 1)[0][0]
-        if choice.adapter == "none":
-            total += whole.local(tp) * (compute + g_b)
-        else:
-            blocks = sum(facts.blocks, Part())
-            base = frozen_bytes(
-                choice.adapter, whole.local(tp), projections(blocks).local(tp), compute
-            )
-            total += base + adapter_part(blocks, r).local(tp) * (compute + g_b)
+        total += _gathered_with_grads(facts, choice, whole, sum(facts.blocks, Part()), r)
     if choice.zero2_defer_reduce and choice.zero_stage == 2 and accumulated and not split:
         # ZeRO-2 holding full-size gradients over the step's micro-batches (what trains),
         # beside its reduced shard (model_state's); the bucket in flight counted above is one
@@ -346,6 +382,42 @@ def buffer_bytes(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> 
     if choice.pipeline > 1:
         total += 2 * choice.micro_batch_size * facts.seq_len // choice.context * facts.d_model * act
     return total
+
+
+def _gathered_with_grads(
+    facts: ModelFacts, choice: Choice, part: Part, blocks: Part, lora_r: int
+) -> float:
+    """Bytes of ``part`` gathered whole (compute dtype) with its gradients unsharded (reduce
+    dtype); with adapters the frozen base is gathered as it is held (``blocks``: the part's
+    blocks, whose projections an adapter method changes) and only the adapters have gradients."""
+    p_b, g_b, _, act = facts.bytes
+    tp = choice.tensor
+    compute = act if facts.precision.endswith("mixed") else p_b
+    if choice.adapter == "none":
+        return part.local(tp) * (compute + g_b)
+    base = frozen_bytes(choice.adapter, part.local(tp), projections(blocks).local(tp), compute)
+    return base + adapter_part(blocks, lora_r).local(tp) * (compute + g_b)
+
+
+def pipeline_held_bytes(
+    facts: ModelFacts, choice: Choice, part: Part, blocks: Part, lora_r: int = 8
+) -> float:
+    """What ZeRO-3 under a pipeline holds on a rank holding ``part`` (``blocks``: its blocks'
+    share) beside its shards: torch's stage runs every backward with
+    ``set_reshard_after_backward(False)`` and ``set_requires_gradient_sync(False)``
+    (``_PipelineStageBase.backward_maybe_with_nosync``) and reduce-scatters and reshards only in
+    ``perform_reduce_grad`` after the last micro-batch. So from a stage's first backward to the
+    step's end its gradients are unsharded, and after each backward every unit stays gathered
+    (a later forward reshards it, the next backward gathers it again): the peak, at the last
+    backward, holds the stage's whole weights in the compute dtype and its whole gradients in
+    the reduce dtype. With several stages per rank each reduces after its own last backward:
+    counted as all of the rank's at once (an upper bound). Nothing without a pipeline, or where
+    FSDP2 does not shard (one data rank, no ``offload_params``)."""
+    shards = choice.data * choice.context
+    sharded = shards > 1 or choice.offload_params
+    if choice.zero_stage != 3 or choice.pipeline == 1 or not sharded:
+        return 0.0
+    return _gathered_with_grads(facts, choice, part, blocks, lora_r)
 
 
 def _first_of_each_kind(facts: ModelFacts, pipeline: int, virtual: int) -> tuple[int, ...]:
@@ -374,12 +446,13 @@ def rank_memory(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> M
         params, grads, optimizer, host, disk = model_state(
             facts, choice, part, blocks=block_parts[stage], lora_r=options.lora_r
         )
+        held = pipeline_held_bytes(facts, choice, part, block_parts[stage], options.lora_r)
         split = MemorySplit(
             params,
             grads,
             optimizer,
             activation_bytes(facts, choice, stage, blocks, options.lora_r),
-            buffers,
+            buffers + held,
             host + offloaded_activation_bytes(facts, choice, stage, blocks),
             stage,
             disk,

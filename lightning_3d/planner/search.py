@@ -14,7 +14,11 @@ interleaved ones with each of ``virtual_stages`` stages per rank), sequence para
 ``tensor > 1``, where measured), activation checkpointing, offload (to host memory or NVMe, with
 ZeRO-3's parameters or without) and the fine-tune method (``PlannerOptions.adapters``: full,
 LoRA, QLoRA; adapters without sequence parallelism, which the project refuses for them; QLoRA's
-own refusals asked of :func:`lightning_3d.adapters.qlora.refuse_qlora_plan`).
+own refusals asked of :func:`lightning_3d.adapters.qlora.refuse_qlora_plan`), and on a
+mixture-of-experts model the expert size (``PlannerOptions.expert_sizes``: those dividing the data
+size and the expert count, beside the axes :data:`EXPERT_COMBINES` names; full fine-tunes without
+offload, as the strategy refuses the rest; :mod:`lightning_3d.planner.experts`). Given sizes the
+model or the world cannot take are refused before anything is enumerated.
 Every candidate is built as a :class:`~lightning_3d.options.Plan` (``Plan.from_options``), and,
 given ``check`` (:func:`lightning_3d.options.model_check.check` bound to the model on ``meta``), checked
 against the model's shapes; their ``ValueError`` is the rejection's reason. A split that is
@@ -54,6 +58,11 @@ from lightning_3d.planner.methods import qlora_problem
 from lightning_3d.planner.timing import StepTime, mfu
 
 Check = Callable[[Plan, int], None]  # raises ValueError for a plan the model cannot take
+
+# The split axes an expert axis is tried beside: it is carved from the data ranks and shards
+# with ZeRO on them; a split with any other axis above 1 is planned without one. Widened here as
+# parallel/expert.py learns to combine with tensor, pipeline or context parallelism.
+EXPERT_COMBINES = ("data",)
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,38 @@ def _split_problem(
     return None
 
 
+def _expert_sizes(
+    facts: ModelFacts, options: PlannerOptions, dp: int, tp: int, pp: int, cp: int
+) -> tuple[int, ...]:
+    """The expert sizes tried on one split: 1 for a dense model; for an MoE model those of
+    ``options.expert_sizes_for`` on its data size, above 1 only where the split's other axes are
+    1 unless named in :data:`EXPERT_COMBINES` (empty: no given size applies to this split)."""
+    if facts.experts is None:
+        return (1,)
+    sizes = options.expert_sizes_for(dp, facts.experts.n_experts)
+    others = {"tensor": tp, "pipeline": pp, "context": cp}
+    if any(size > 1 for axis, size in others.items() if axis not in EXPERT_COMBINES):
+        sizes = tuple(e for e in sizes if e == 1)
+    return sizes
+
+
+def refuse_expert_sizes(facts: ModelFacts, options: PlannerOptions, world: int) -> None:
+    """``ValueError`` naming every given expert size the model or the world cannot take, before
+    any layout is enumerated: a dense model has no experts to split; a size must divide the expert
+    count and the data ranks it is carved from (at most the world)."""
+    if options.expert_sizes == "auto":
+        return
+    split = [e for e in options.expert_sizes if e > 1]
+    if split and facts.experts is None:
+        raise ValueError(
+            f"expert_sizes={list(options.expert_sizes)}: the model has no mixture-of-experts "
+            "layers to split"
+        )
+    problems = [p for e in split for p in facts.experts.problems(e, world)] if split else []
+    if problems:
+        raise ValueError(f"expert_sizes={list(options.expert_sizes)}: {'; '.join(problems)}")
+
+
 def _micro_batches(batch_per_rank: int, options: PlannerOptions) -> list[int]:
     """Every count that divides the per-rank batch (equal micro-batches), up to the option's
     cap: real runs use 3, 6, 12 ... as often as powers of two (a batch of 1,536 sequences)."""
@@ -154,12 +195,15 @@ def _choices(
     facts: ModelFacts,
     options: PlannerOptions,
     cp: int = 1,
+    experts: tuple[int, ...] = (1,),
 ) -> Iterator[Choice]:
     # Context: all-to-all sends fewer bytes than the ring (8(N-1)/N against 2(3N-2) per q/k/v
     # share), where the heads on a tensor rank divide by the context size.
     scheme = "alltoall" if cp > 1 and facts.n_head % (cp * tp) == 0 else Choice.context_scheme
-    for adapter in options.adapters:
-        fixed = {"adapter": adapter, "context": cp, "context_scheme": scheme}
+    for adapter, expert in product(options.adapters, experts):
+        if adapter != "none" and expert > 1:
+            continue  # adapters on split experts are not planned
+        fixed = {"adapter": adapter, "context": cp, "context_scheme": scheme, "expert": expert}
         for choice in _layout_choices(
             dp, tp, pp, batch_per_rank, facts.n_layer, options, dp * cp, fixed
         ):
@@ -188,6 +232,8 @@ def _layout_choices(
                 continue  # only ZeRO-3 has parameter shards to move
             if shards == 1 and zero > 0 and not params:
                 continue  # one data-parallel rank: ZeRO shards nothing (stage 3 only to offload parameters)
+            if fixed.get("expert", 1) > 1 and offload != "none":
+                continue  # the plan refuses it: the expert weights step outside the offloaded engines
             for policy in options.ac_policies:
                 for schedule, virtual in _schedules(pp, n_layer, options):
                     for m in _micro_batches(batch_per_rank, options):
@@ -236,6 +282,7 @@ def plan_layouts(
     checked: dict[tuple, Optional[str]] = {}
     nf4_problem = qlora_problem(facts.blocks[0]) if "qlora" in options.adapters else None
     contexts = options.context_sizes_for(world, facts.seq_len, facts.context_ready)
+    refuse_expert_sizes(facts, options, world)
     unsplit_fits: set[Choice] = set()  # see _unsplit_twin
     for dp, tp, pp, cp in _splits(world, contexts):
         problem = _split_problem(facts, cluster, batch, dp, tp, pp, cp)
@@ -248,7 +295,22 @@ def plan_layouts(
                 )
             )
             continue
-        for choice in _choices(dp, tp, pp, batch // dp, facts, options, cp):
+        experts = _expert_sizes(facts, options, dp, tp, pp, cp)
+        if not experts:
+            rejected.append(
+                Candidate(
+                    Choice(dp, tp, pp, batch_per_rank=max(1, batch // dp), context=cp),
+                    kind="expert sizes",
+                    reason=(
+                        f"none of expert_sizes={list(options.expert_sizes)} divides data={dp} and "
+                        f"n_experts={facts.experts.n_experts} beside tensor={tp}, pipeline={pp}, "
+                        f"context={cp} (an expert axis combines with {', '.join(EXPERT_COMBINES)} "
+                        "and ZeRO)"
+                    ),
+                )
+            )
+            continue
+        for choice in _choices(dp, tp, pp, batch // dp, facts, options, cp, experts):
             choice = run_settings(choice, facts, options)
             if pp > 1 and choice.schedule != "gpipe" and choice.micro_batches < pp:
                 # torch's Schedule1F1B refuses fewer micro-batches than stages; the interleaved
@@ -344,6 +406,7 @@ def plan_candidates(
     allows (or ``tp_sizes``), and :func:`plan_layouts` with the strategy's own check of the model:
     what the CLI and ``parallelism=auto`` both plan from."""
     from lightning_3d.options.model_check import check
+    from lightning_3d.planner.experts import expert_facts
     from lightning_3d.planner.facts import model_facts
 
     facts = model_facts(
@@ -357,6 +420,7 @@ def plan_candidates(
         methods=options.adapters,
         lora_r=options.lora_r,
     )
+    facts = replace(facts, experts=expert_facts(module))  # None for a dense model
     return facts, plan_layouts(facts, cluster, options, check=functools.partial(check, module))
 
 
@@ -367,6 +431,7 @@ def _rank_key(c: Candidate) -> tuple:
     simpler = (
         ADAPTERS.index(ch.adapter),
         ch.context,
+        ch.expert,
         ch.zero_stage,
         ch.zero3_keep_gathered,
         ("none", "selective", "full").index(ch.ac_policy),
@@ -459,6 +524,9 @@ def _model_checks(
             Plan.from_options, context=choice.context, context_scheme=choice.context_scheme
         )
         yield ("context", choice.context, choice.context_scheme), split, choice.context
+    if choice.expert > 1:  # the model's experts split over that many ranks
+        split = functools.partial(Plan.from_options, expert=choice.expert)
+        yield ("expert", choice.expert), split, choice.expert
 
 
 def least_memory(candidates: list[Candidate]) -> Optional[Candidate]:

@@ -39,6 +39,7 @@ def ranked_table(candidates: list[Candidate], top: int = 10) -> str:
         micro += " keep" if ch.zero3_keep_gathered else ""
         sp = " sp" if ch.sequence_parallel else ""
         cp = f" cp{ch.context} {ch.context_scheme}" if ch.context > 1 else ""  # data × context
+        cp += f" ep{ch.expert}" if ch.expert > 1 else ""  # experts split over data ranks
         # The memory savings it runs with (the run's own and the rungs the search turned on).
         kit = f" + {ch.kit_label()}" if ch.kit_label() else ""
         rows.append(

@@ -35,6 +35,13 @@ ZeRO-3 under a pipeline gathers ``m + 1`` times a step, each prefetched behind a
 micro-batch's compute, and reduce-scatters once after the schedule's last backward, behind
 nothing. Pipeline: each micro-batch's activations forward and gradients back, one hop per stage.
 
+**Experts** (an MoE model, :mod:`lightning_3d.planner.experts`): a token runs through ``top_k``
+of each layer's experts, so only that share of their weights counts FLOPs, at any expert size.
+At ``expert`` > 1 ZeRO's traffic is the dense part's, the experts' gradients are all-reduced
+over the ranks holding the same experts, and per micro-batch each MoE layer's token rows go to
+their experts' ranks and back, forward and backward, over the expert group's link, exposed
+(:func:`~lightning_3d.planner.experts.all_to_all_time`).
+
 **Bubble** (:mod:`lightning_3d.planner.schedule`): ``(p − 1) / m`` of the compute time for GPipe
 and 1F1B alike (so ``(p−1)/(m+p−1)`` of compute + bubble), ``(p − 1) / (v·m)`` for interleaved
 1F1B with ``v`` stages per rank, a third of that for zero-bubble (weight gradients fill the
@@ -99,6 +106,7 @@ from dataclasses import dataclass
 from lightning_3d.parallel.stages import stage_blocks, stage_ids
 from lightning_3d.planner.choice import Choice, PlannerOptions
 from lightning_3d.planner.cluster import Cluster
+from lightning_3d.planner.experts import all_to_all_time, expert_traffic, inactive_flop_params
 from lightning_3d.planner.facts import ModelFacts, Part, offloaded_state_bytes
 from lightning_3d.planner.memory import stage_block_parts, stage_parts
 from lightning_3d.planner.methods import adapter_part, frozen_bytes, projections, trained_part
@@ -132,10 +140,11 @@ def model_flops_per_token(facts: ModelFacts, adapter: str = "none", lora_r: int 
     """Training FLOPs per token: 6 per trained matmul weight, 4 per frozen one (an adapter
     method's base), and attention's scores."""
     attention = 12 * facts.n_layer * facts.d_model * facts.seq_len
+    weights = facts.flop_params - inactive_flop_params(facts, facts.n_layer)  # MoE: top_k experts
     if adapter == "none":
-        return 6 * facts.flop_params + attention
+        return 6 * weights + attention
     phi = adapter_part(sum(facts.blocks, Part()), lora_r).params
-    return 4 * facts.flop_params + 6 * phi + attention
+    return 4 * weights + 6 * phi + attention
 
 
 def _ring(n: int) -> float:
@@ -270,7 +279,7 @@ def step_time(
     compute = 0.0
     flops = _block_flops(facts, pp, v)
     for s, (part, blocks) in enumerate(stages):
-        block_flops = flops[s]
+        block_flops = flops[s] - inactive_flop_params(facts, blocks)
         other = part.flop_params - block_flops  # the head (embedding lookups have no matmul)
         attention = 12 * blocks * d * seq
         adapters = 6 * trained[s].flop_params if choice.adapter != "none" else 0
@@ -307,6 +316,8 @@ def step_time(
     )
     # As the engines send them, micro-batch by micro-batch (planner/traffic.py).
     traffic = step_traffic(facts, choice, options.lora_r)
+    if choice.expert > 1 and facts.experts is not None:
+        traffic = expert_traffic(facts, choice)  # the dense part over ZeRO, the experts apart
     # Bytes at the all-reduce's rate: a reduce-scatter's and an all-gather's count 1/efficiency each.
     volume = (
         traffic.all_reduce
@@ -358,10 +369,16 @@ def step_time(
         bw = (cluster.inter_node_gbps if across else cluster.intra_node_gbps) * 1e9
         pp_time = messages(pp, m, v) * (choice.micro_batch_size * local * d * act / bw + latency)
     cp_time = context_time(choice, blocks, local * d / tp, act, cluster, latency)
+    ep_time = all_to_all_time(facts, choice, cluster, latency)
     bubble = compute * bubble_share(choice.schedule, pp, m, v)
     optimizer = 0.0
     if choice.offload == "none":  # the optimizer's pass over this rank's (ZeRO: sharded) parameters
-        optimizer = elements / (shards if choice.zero_stage >= 1 else 1) / options.adam_params_per_s
+        owned = elements / (shards if choice.zero_stage >= 1 else 1)
+        # The experts are stepped 1/expert on each rank, outside ZeRO's shards.
+        if choice.expert > 1 and facts.experts is not None:
+            held = facts.experts.expert_params
+            owned += held / choice.expert - held / (shards if choice.zero_stage >= 1 else 1)
+        optimizer = owned / options.adam_params_per_s
     offload = 0.0
     if choice.offload != "none":
         shard = elements / (shards if choice.zero_stage >= 1 else 1)
@@ -378,7 +395,7 @@ def step_time(
     tokens = choice.batch_per_rank * dp * seq
     return StepTime(
         compute,
-        dp_time + tp_time + pp_time + cp_time,
+        dp_time + tp_time + pp_time + cp_time + ep_time,
         bubble,
         offload,
         tokens,

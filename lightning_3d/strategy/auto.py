@@ -24,7 +24,9 @@ many (layouts without a pipeline are unaffected). An option at its default (``ze
 ``tensor=1``, ...) leaves the planner free, except that NVMe is only considered where
 ``offload_path`` names the drive. ``context`` keeps only layouts that split each sequence over
 that many ranks (``context_scheme``, if given, only those by that scheme); without it the
-planner may split sequences (``PlannerOptions.context_sizes="auto"``). ``auto_memory_gb`` is the
+planner may split sequences (``PlannerOptions.context_sizes="auto"``). ``expert`` keeps only
+layouts that split a mixture-of-experts model's experts over that many ranks; without it the
+planner may split them (``PlannerOptions.expert_sizes="auto"``). ``auto_memory_gb`` is the
 device memory a rank's layout may fill instead of the device's own, less the 1 GB reserve
 (a CPU rank's "device" is its share of the host). What the planner does not model
 (``ac_policy="every_n"``) is refused with a ``ValueError``, as is a constraint no fitting layout
@@ -193,14 +195,13 @@ def constraints(
         )
     sizes = {
         name: given[name]
-        for name in ("data", "tensor", "pipeline", "context", "sequence_parallel")
+        for name in ("data", "tensor", "pipeline", "context", "sequence_parallel", "expert")
         if name in given
     }
+    if "expert" in given:  # an MoE model's experts split over that many ranks, and no other size
+        planner["expert_sizes"] = (given["expert"],)
     if "context_scheme" in given:  # kept for layouts that split sequences (see allowed)
         sizes["context_scheme"] = given["context_scheme"]
-    # The chunked loss has no vocabulary-parallel form ("auto" falls back to whole logits).
-    if isinstance(given.get("loss_chunks"), int) and given["loss_chunks"] > 1:
-        sizes.setdefault("tensor", 1)
     # The run's own savings are counted in every layout; the rest of the kit may be climbed.
     memory: dict[str, Any] = {}
     kit = [] if "loss_chunks" in given else ["loss_chunks"]
@@ -209,6 +210,8 @@ def constraints(
     kit += ["low_bit"] if optimizer_settable else []
     if given.get("activation_offload"):
         memory["activation_offload"] = True
+    if "zero_master_weights" in given:  # priced as the run keeps them (bf16-true, ZeRO 0-2)
+        memory["zero_master_weights"] = given["zero_master_weights"]
     elif device_type == "cuda" and not given.get("compile"):
         # CPU ranks: the host is the device, so offloading saves nothing (as offload above);
         # beside compile it is refused (options' _across_groups).
@@ -377,6 +380,7 @@ def describe(candidate: Candidate, cluster: Cluster) -> str:
         else f"accumulate_grad_batches={c.micro_batches}"
     )
     split = f"context {c.context} ({c.context_scheme}), " if c.context > 1 else ""
+    split += f"expert {c.expert}, " if c.expert > 1 else ""
     kit = f", memory kit: {c.kit_label()}" if c.kit_label() else ""
     return (
         f"auto: dp={c.data} x tp={c.tensor} x pp={c.pipeline}, ZeRO stage {c.zero_stage}, {split}"

@@ -55,8 +55,9 @@ from lightning_3d.parallel.activation_checkpoint import apply_activation_checkpo
 from lightning_3d.parallel.chunked_loss import apply_chunked_loss
 from lightning_3d.parallel.compile import compile_blocks
 from lightning_3d.parallel.expert import moe_layers, set_aside
+from lightning_3d.parallel.expert_pipeline import carry_aux_losses
 from lightning_3d.parallel.foreach import step_shards_together
-from lightning_3d.parallel.fsdp import apply_zero3, fsdp_policies
+from lightning_3d.parallel.fsdp import apply_zero3, fsdp_policies, keep_head_gathered
 from lightning_3d.parallel.masters import master_options, refuse_master_combinations
 from lightning_3d.parallel.materialize import materialize_shards
 from lightning_3d.parallel.pipeline_runtime import PipelineRuntime
@@ -259,6 +260,8 @@ def parallelize(
         policies = fsdp_policies(precision, plan.offload.params, device.type)
         ignored = {"ignored_params": set(made.experts)} if made.experts else {}
         apply_zero3(module, shard_mesh(mesh), roots=made.stages, **policies, **ignored)
+        # A pipeline's chunked loss reads the last stage's head after its forward: kept whole.
+        keep_head_gathered(module, made.stages)
     step("materialising the weights")
     # Built on meta: each parameter filled once, in its final dtype, place and shard.
     materialize_shards(module, device, offloaded=layout.zero_stage == 3 and plan.offload.params)
@@ -277,6 +280,9 @@ def parallelize(
             telemetry=telemetry,
             objective=objective,
         )
+        # The loss is the last stage's: each MoE layer's load-balancing term rides backward on
+        # its own activations, weighted as the schedule weighs a micro-batch's loss.
+        carry_aux_losses(module, made.runtime.loss_weight)
     return made
 
 

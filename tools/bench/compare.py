@@ -85,6 +85,7 @@ ROWS: dict[str, Row] = {
         for name, world, ep, s in (
             ("3d_moe_ep1", 2, 1, 1),
             ("3d_moe_ep2", 2, 2, 1),
+            ("3d_moe_ep1_zero3", 2, 1, 3),
             ("3d_moe_ep1_w4_zero3", 4, 1, 3),
             ("3d_moe_ep2_dp2_zero3", 4, 2, 3),
         )

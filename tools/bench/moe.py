@@ -1,8 +1,12 @@
 """The benchmark's mixture-of-experts rows: the reference MoE GPT (``LitMoEGPT``, the bench's
 GPT with every MLP a mixture of ``moe.n_experts`` experts, ``moe.top_k`` per token) at
-``expert`` = 1 and 2, on 2 and 4 ranks.
+``expert`` = 1 and 2, on 2 and 4 ranks; on 2 ranks ep2 (ZeRO-1) beside ep1 under ZeRO-1 and
+ZeRO-3 (``3d_moe_ep1_zero3``), the layout an expert axis competes with: ZeRO-3 moves the experts'
+weights where ep moves the tokens (the crossover: ``lightning_3d/planner/experts.py``). Not in
+``bench.yaml``'s default rows (each MoE row adds a 2-4 rank run per repeat); run them by name:
 
-    python -m tools.bench --rows 3d_moe_ep1 3d_moe_ep2 3d_moe_ep1_w4_zero3 3d_moe_ep2_dp2_zero3
+    python -m tools.bench --rows 3d_moe_ep1 3d_moe_ep2 3d_moe_ep1_zero3 --repeats 5
+    python -m tools.bench --rows 3d_moe_ep1_w4_zero3 3d_moe_ep2_dp2_zero3
 
 Theory per rank (:mod:`lightning_3d.planner.experts`, E = 4 bytes, Ψ_e the experts' parameters,
 Ψ_d the rest, N data ranks, ``ep`` the expert axis, ``r = N / ep`` ranks per expert, L MoE

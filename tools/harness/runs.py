@@ -69,6 +69,10 @@ class Run:
     build_device: Optional[str] = None
 
 
+# HFCausalLM's mixture-of-experts options a run's ``model`` may set (models/hf_moe.py).
+HF_MOE_OPTIONS = ("router_aux_loss_coef", "router_bias_update_rate")
+
+
 def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
     """Train ``run.steps`` optimizer steps of ``run`` (a :class:`Run`) as ``rank``.
 
@@ -217,6 +221,7 @@ def _build_module(run: Run, kwargs: dict[str, Any]) -> Any:
             optimizer=kwargs.get("optimizer", "adamw"),
             attn_implementation=kwargs.get("attn_implementation"),
             adapter=kwargs.get("adapter"),
+            **{k: kwargs[k] for k in HF_MOE_OPTIONS if k in kwargs},
         )
     else:
         module = LitTinyLM(arch=run.arch, n_kv_head=kwargs.pop("n_kv_head", 2), **kwargs)

@@ -4,8 +4,8 @@ Where a plan comes from, first match wins (:func:`build_plan`): the user's expli
 (``ThreeDStrategy(tensor=2, tp_plan={...})`` or ``parallelism.tp_plan`` in Hydra, style names as
 strings: see :func:`plan_from_names`); the plan a ``transformers`` model ships with it,
 translated (:mod:`lightning_3d.parallel.plans.hf`); a built-in plan recognised from module names
-(:func:`detect_plan`: the reference GPT, Llama-style and GPT-2-style naming, for models that ship
-none, such as GPT-2 and StableLM).
+(:func:`detect_plan`: the reference GPT and its mixture-of-experts twin, Llama-style and
+GPT-2-style naming, for models that ship none, such as GPT-2 and StableLM).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from lightning_3d.parallel.plans.gpt import GPT_NAMES
 from lightning_3d.parallel.plans.gpt2 import GPT2_NAMES
 from lightning_3d.parallel.plans.hf import hf_tensor_plan
 from lightning_3d.parallel.plans.llama import LLAMA_NAMES
+from lightning_3d.parallel.plans.moe import MOE_GPT_NAMES, moe_gpt_plan
 from lightning_3d.parallel.tensor import name_matches
 
 
@@ -47,7 +48,12 @@ class TensorParallelOptions:
         return problems
 
 
-BUILTIN: dict[str, TransformerNames] = {"gpt": GPT_NAMES, "llama": LLAMA_NAMES, "gpt2": GPT2_NAMES}
+BUILTIN: dict[str, TransformerNames] = {
+    "gpt": GPT_NAMES,
+    "moe_gpt": MOE_GPT_NAMES,
+    "llama": LLAMA_NAMES,
+    "gpt2": GPT2_NAMES,
+}
 
 
 def detect_plan(
@@ -57,6 +63,8 @@ def detect_plan(
     names = [n for n, _ in module.named_modules() if n]
     for arch, spec in BUILTIN.items():
         if all(any(name_matches(n, p) for n in names) for p in spec.signature):
+            if spec is MOE_GPT_NAMES:  # its MoE layers and optional shared expert: plans/moe.py
+                return arch, moe_gpt_plan(module, sequence_parallel)
             return arch, transformer_plan(spec, sequence_parallel)
     looked_for = {arch: list(spec.signature) for arch, spec in BUILTIN.items()}
     raise ValueError(

@@ -188,6 +188,10 @@ class _Translation:
         for pattern, style in self.entries.items():
             if any(pattern == e or pattern.startswith(e + ".") for e in experts):
                 continue  # experts (and anything inside them) stay whole: see the module docstring
+            if self._in_moe_blocks_only(pattern):
+                # A dense MLP's projection, named for the layers a config may keep dense
+                # (Qwen3-MoE's mlp_only_layers), where this one built MoE blocks: nothing to split.
+                continue
             translated = self._translate(pattern, style, regrouped)
             if translated is not None:
                 plan[pattern] = translated
@@ -299,6 +303,15 @@ class _Translation:
             ):
                 out.append(pattern.rpartition(".")[0])  # the parameter's owner
         return out
+
+    def _in_moe_blocks_only(self, pattern: str) -> bool:
+        """Whether ``pattern`` matches no module or weight and its parent matches only MoE
+        blocks (modules with an ``experts`` child)."""
+        if any(name_matches(n, pattern) for n in (*self.modules, *self.params)):
+            return False
+        parent = pattern.rpartition(".")[0]
+        holders = [m for n, m in self.modules.items() if name_matches(n, parent)]
+        return bool(holders) and all(hasattr(m, "experts") for m in holders)
 
     def _regrouped_gate_up(self) -> set[str]:
         """Gathered ``gate_up_proj`` entries whose sibling ``down_proj`` slices a replicated
