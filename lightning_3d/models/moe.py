@@ -332,6 +332,8 @@ class LitMoEGPT(LitGPT):
         self._finished_step: dict[str, torch.Tensor] = {}
         # Under a pipeline: this rank's layers' figures of the running step, by block index.
         self._stage_rows: dict[str, dict[int, torch.Tensor]] = {}
+        # id(module) -> its block's index, made once a fit (a pipeline reads it every block).
+        self._block_index: Optional[dict[int, int]] = None
         super().__init__(**kwargs)
 
     def build_model(self) -> nn.Module:
@@ -437,10 +439,19 @@ class LitMoEGPT(LitGPT):
             )
         self._step_sums["micro_batches"] = self._step_sums.get("micro_batches", 0) + micro_batches
 
+    def on_fit_start(self) -> None:
+        """The block index is the parallelised model's: made afresh at its first use."""
+        super().on_fit_start()
+        self._block_index = None
+
     def _indexed_layers(self, within: Optional[nn.Module] = None) -> list[tuple[int, MoE]]:
         """``(block index, layer)`` of the MoE layers this rank holds (in ``within`` only, if
         given): rows of :meth:`MoEGPT.tokens_per_expert` are block indices, on every stage."""
-        index = {id(m): i for i, block in enumerate(self.model.blocks) for m in block.modules()}
+        if self._block_index is None:
+            self._block_index = {
+                id(m): i for i, block in enumerate(self.model.blocks) for m in block.modules()
+            }
+        index = self._block_index
         scope = self.model if within is None else within
         return [(index[id(m)], m) for m in scope.modules() if isinstance(m, MoE)]
 
