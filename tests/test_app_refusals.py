@@ -163,11 +163,6 @@ def _cases(p: dict[str, Path]) -> dict[str, tuple[list[str], list[str]]]:
             [*chat, llama, f"data.path={p['surrogate']}"],
             [f"{p['surrogate']}:4", "lone surrogate"],
         ),
-        "bf16_true_masters_with_sharded_checkpoints": (
-            [*chat, llama, two, "parallelism.zero_stage=1", "trainer.precision=bf16-true"]
-            + ["parallelism.checkpoint_format=sharded"],
-            ["zero_stage=1 keeps fp32 master weights", "checkpoint_format='sharded'"],
-        ),
         "context2_on_mamba": (
             [*chat, f"model.path={p['mamba']}", two, "parallelism.context=2"]
             + ["data.packing=false"],

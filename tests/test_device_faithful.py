@@ -9,9 +9,12 @@ the step agreement with clipping, the replica check, the ZeRO 0-3 engines, the o
 optimizer and its consolidated and sharded saves and resumes, the pipeline's schedules in fit,
 validate, test and predict and its parameter count, tensor parallelism with sequence
 parallelism, ring and all-to-all context parallelism on packed chat rows, LoRA / QLoRA adapters,
-and a preemption's agreed stop and checkpoint. Seen failing on the code before the fix, at the
-replica check's verdict flag, the pipeline's parameter count and the offloaded state's gather at
-a save."""
+and a preemption's agreed stop and checkpoint; expert parallelism with its aux loss (ep2, and
+under -m slow ep2 over 4 data ranks, ep2 x pp2, a Hugging Face router's aux loss at dp2), and
+``bf16-true`` at ZeRO 1-2 with fp32 masters on the device or, with ``offload="cpu"``, in host
+memory. The guard sees backward too (hooks, ``autograd.Function.backward``, FSDP2's and the
+pipeline's backward). Seen failing on the code before the fix, at the replica check's verdict
+flag, the pipeline's parameter count and the offloaded state's gather at a save."""
 
 from pathlib import Path
 
@@ -129,6 +132,63 @@ def test_adapters(adapter, strategy):
     model = {"adapter": adapter, "lr": 1e-2, "hf": WIDE}
     run = Run(strategy=strategy, devices=2, steps=STEPS, arch="hf_llama", model=model, trainer=CLIP)
     _guarded(2, run)
+
+
+# The reference mixture-of-experts GPT (tests/test_expert_parallel.py's), aux loss on.
+MOE = {"optimizer": "sgd", "lr": 0.3, "n_experts": 4, "top_k": 2, "shared_expert": True}
+MOE["aux_loss_coef"] = 0.1
+
+
+@pytest.mark.parametrize(
+    "world, strategy, model",
+    [
+        (2, {"expert": 2, "zero_stage": 1}, MOE),
+        # Two ranks hold each expert shard: the gradient hook's all-reduce over the replicas.
+        pytest.param(4, {"expert": 2}, MOE, marks=pytest.mark.slow),
+        pytest.param(
+            4,
+            {"expert": 2, "pipeline": 2, "micro_batches": 2},
+            {**MOE, "n_layer": 4},
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["ep2-zero1", "ep2-dp4", "ep2-pp2"],
+)
+def test_expert_parallelism_with_the_aux_loss(world, strategy, model):
+    """Token all-to-alls forward and backward, the experts' gradient sums over replicas (a
+    tensor hook, in backward), the aux loss's load counts. Seen failing with a host buffer
+    planted in the exchange's backward (missed by the guard before it saw backward), with the
+    counts exchanged from the host, and (ep2-dp4) with a host tensor all-reduced in the
+    experts' gradient hook (also missed before)."""
+    _guarded(world, Run(arch="moe", strategy=strategy, devices=world, steps=STEPS, model=model))
+
+
+@pytest.mark.slow
+def test_hugging_face_router_aux_loss_at_dp2():
+    pytest.importorskip("transformers")
+    from tools.harness.hf_configs import tiny_config
+
+    hf = tiny_config("mixtral", output_router_logits=True, router_aux_loss_coef=0.5)
+    model = {"optimizer": "sgd", "lr": 0.3, "hf": hf}
+    _guarded(2, Run(arch="hf", strategy={"zero_stage": 1}, devices=2, steps=STEPS, model=model))
+
+
+@pytest.mark.parametrize(
+    "strategy, trainer",
+    [
+        ({"zero_stage": 1, "offload": "cpu"}, {"accumulate_grad_batches": 2}),
+        pytest.param({"zero_stage": 2}, {"accumulate_grad_batches": 2}, marks=pytest.mark.slow),
+        pytest.param({"zero_stage": 1}, {}, marks=pytest.mark.slow),
+    ],
+    ids=["offload-split-zero1", "masters-zero2", "masters-zero1"],
+)
+def test_bf16_true_host_split_and_fp32_masters(strategy, trainer):
+    """``bf16-true`` at ZeRO 1-2: fp32 masters on the device, or with ``offload="cpu"`` in host
+    memory (ZeRO-Offload's split: reduced parts land on the host during backward, the token
+    mean's factor and the clip scale reach the host gradients by a copy to the host). Catches a
+    host tensor in a collective there (seen: the host accumulator all-reduced as it lands)."""
+    trainer = {"precision": "bf16-true", **CLIP, **trainer}
+    _guarded(2, Run(strategy=strategy, devices=2, steps=STEPS, trainer=trainer))
 
 
 READ_STEPS = 4

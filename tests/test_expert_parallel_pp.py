@@ -162,7 +162,7 @@ def test_hf_ep2_pp2_matches_one_process(family):
     """Tiny Hugging Face MoE families at ep2 x pp2 (the model's own ``base_model_pp_plan``
     stages, its ``base_model_ep_plan`` experts; 1F1B, 2 micro-batches, ZeRO-1) against one
     process on the whole batch: their objective is the cross-entropy's token mean (the router
-    loss off: it does not cross a Hugging Face model's stages), exact over micro-batches."""
+    loss off here: with it on, ``tests/test_hf_moe_pipeline.py``), exact over micro-batches."""
     from tools.harness.hf_configs import tiny_config
 
     config = tiny_config(family, num_hidden_layers=4)

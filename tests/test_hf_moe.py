@@ -76,11 +76,20 @@ def test_bad_values_are_refused_on_construction(family, coef, why):
         _module(family, coef)
 
 
-def test_a_pipeline_is_refused_with_the_router_loss_on():
+def test_a_pipeline_carries_the_router_loss_only_where_it_is_on():
+    """With the loss on, every stage but the last returns its router sums beside its hidden
+    states (``models/hf_pipeline_router.py``); off, the pipeline's stages as before."""
+    from lightning_3d.models.hf_pipeline import run_in_turn, stages_in_one_process
+
+    torch.manual_seed(0)
     module = _module("mixtral", **ON)
-    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.5 with a pipeline"):
-        module.pipeline_spec()
-    _module("mixtral", 0.0, **ON).pipeline_spec()  # off: the pipeline as before
+    ids = torch.randint(0, module.model.config.vocab_size, (2, 8))
+    stages = stages_in_one_process(module, 2)
+    first = stages[0](ids)
+    assert isinstance(first, tuple) and first[1].shape == (3 * 4 + 1,)  # 3E + 1, E = 4
+    torch.testing.assert_close(run_in_turn(stages, ids), module(ids))
+    off = stages_in_one_process(_module("mixtral", 0.0, **ON), 2)
+    assert isinstance(off[0](ids), torch.Tensor)
 
 
 def _run(strategy: dict | None, world: int = 1, family: str = "mixtral", **model) -> Run:

@@ -126,6 +126,20 @@ def test_bias_stays_fp32_in_a_bf16_module_so_small_steps_move_it():
     torch.testing.assert_close(layer.expert_bias, torch.tensor([0.15, 0.35, 0.35, 0.35]))
 
 
+def test_a_layer_trains_under_autocast_as_bf16_mixed_runs_it():
+    """``precision="bf16-mixed"``: the experts' matmuls run in bf16 while the tokens stay fp32.
+    Catches: bf16 outputs added into an fp32 sum (``index_add`` raised a dtype error)."""
+    layer = _layer(capacity_factor=1.0)
+    x = torch.randn(2, 6, 16)
+    want = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(x)
+    assert got.dtype == torch.float32
+    got.sum().backward()
+    assert all(p.grad is not None for p in layer.experts.parameters())
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [

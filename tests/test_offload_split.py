@@ -337,16 +337,15 @@ def test_bytes_by_place_follow_the_split(tmp_path, device):
 
 
 def test_what_the_split_does_not_take_is_refused_before_launch():
-    """Host masters with the delayed update, ZeRO-2's deferred reduction or sharded checkpoints:
-    a ValueError naming the values, before any rewrite; ``zero_master_weights=False`` (the
-    store keeps the masters) and ZeRO-3 run them as before."""
+    """Host masters with the delayed update or ZeRO-2's deferred reduction: a ValueError naming
+    the values, before any rewrite; ``zero_master_weights=False`` (the store keeps the masters)
+    and ZeRO-3 run them as before. Sharded checkpoints are not refused (they save the masters)."""
     from lightning_3d.options import Plan
     from lightning_3d.parallel.masters import refuse_master_combinations
 
     cases = {
         "offload_delay_update=True": dict(offload_delay_update=True),
         "zero2_defer_reduce=True": dict(zero_stage=2, zero2_defer_reduce=True),
-        "checkpoint_format='sharded'": dict(checkpoint_format="sharded"),
     }
     for name, options in cases.items():
         options = {"zero_stage": 1, "offload": "cpu", **options}
@@ -357,6 +356,8 @@ def test_what_the_split_does_not_take_is_refused_before_launch():
         refuse_master_combinations(no_masters, "bf16-true")
     zero3 = Plan.from_options(zero_stage=3, offload="cpu", offload_delay_update=True)
     refuse_master_combinations(zero3, "bf16-true")
+    sharded = Plan.from_options(zero_stage=1, offload="cpu", checkpoint_format="sharded")
+    refuse_master_combinations(sharded, "bf16-true")
 
 
 @pytest.fixture(scope="module")

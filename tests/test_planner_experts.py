@@ -222,7 +222,7 @@ def test_bench_moe_rows_measure_their_theory(tmp_path):
 def test_cli_summary_proposes_the_expert_axis_that_fits():
     """The planner CLI's MoE lines: every size that divides data and the experts, the ones whose
     state does not fit beside the layout's activations marked, and the size the search chose;
-    none beside tensor parallelism (the search tries an expert axis beside data alone)."""
+    beside tensor parallelism the size the search chose alone (its table ranks the others)."""
     from lightning_3d.planner import Choice, MemorySplit
     from lightning_3d.planner.experts import expert_summary
 
@@ -235,9 +235,10 @@ def test_cli_summary_proposes_the_expert_axis_that_fits():
     # ep4: ZeRO-1 dense 8*200 + 8*200/4 + experts 16*800/4; all-to-all 4*2*(2*10)*64*4 * 3/4
     assert "expert=4: 5.2 kB, 61.4 kB\n" in text and "expert=1: 10.0 kB, 0 B (does not fit)" in text
     assert text.endswith("chosen by the search: expert=4 (fastest predicted step)")
-    tp = Choice(data=2, tensor=2, pipeline=1, zero_stage=1)
-    assert "none (the search tries expert > 1 beside data and ZeRO only)" in expert_summary(
-        facts, tp, memory, 1e9, 10
+    tp = Choice(data=2, tensor=2, pipeline=1, zero_stage=1, expert=2)
+    assert expert_summary(facts, tp, memory, 1e9, 10).endswith(
+        "tensor=2, pipeline=1, context=1: chosen by the search: expert=2 (fastest predicted step; "
+        "every size is in the table above)"
     )
 
 

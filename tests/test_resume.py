@@ -271,7 +271,8 @@ BF16_OFFLOAD = {  # name: (strategy, world)
         {"zero_stage": 2, "offload": "nvme", "offload_path": "/tmp", "offload_chunk_mb": 0.01},
         2,
     ),
-    # The sharded writer saves the bf16 buckets: the masters stay in the offload store.
+    # Without engine masters they stay in the offload store (its state, saved as "master");
+    # the engine's host masters in a sharded checkpoint: tests/test_sharded_masters.py.
     "sharded_cpu_zero1_dp2": (
         {**SHARDED, "zero_stage": 1, "offload": "cpu", "zero_master_weights": False},
         2,

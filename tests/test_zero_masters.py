@@ -297,24 +297,6 @@ def test_masters_with_tensor_parallel_match_one_process(runs, stage):
     _assert_updates_match(world[0], reference)
 
 
-def test_sharded_checkpoints_are_refused_before_any_rewrite():
-    """The sharded writer saves the bf16 buckets' slices: with masters it is refused, naming the
-    precision, the stage and the format; without masters (or fp32 weights) it is not."""
-    from lightning_3d.options import Plan
-    from lightning_3d.parallel.masters import refuse_master_combinations
-
-    options = {"checkpoint_format": "sharded"}
-    plan = Plan.from_options(zero_stage=1, **options)
-    with pytest.raises(
-        ValueError, match="precision='bf16-true' with zero_stage=1 .*checkpoint_format='sharded'"
-    ):
-        refuse_master_combinations(plan, "bf16-true")
-    refuse_master_combinations(plan, "bf16-mixed")  # fp32 weights: no masters, nothing refused
-    no_masters = Plan.from_options(zero_stage=1, zero_master_weights=False, **options)
-    refuse_master_combinations(no_masters, "bf16-true")
-    refuse_master_combinations(Plan.from_options(zero_stage=3, **options), "bf16-true")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [1, 2])
 def test_masters_with_context_parallel_match_one_process(runs, stage):

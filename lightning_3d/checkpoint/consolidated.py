@@ -168,6 +168,8 @@ def full_optimizer_state(
     index_of, sizes = _param_layout(view, groups, pp_group, order)
     if state_in_slices(engine):
         per_param = engine.gather_param_states(optimizer)
+        if engine.experts is not None:  # expert weights in their own engine (expert_zero.py)
+            per_param.update(engine.experts.gather_param_states(optimizer))
         # Parameters in no bucket (expert weights, parallel/expert.py) keep their own state.
         per_param.update({id(p): optimizer.state[p] for p in params if p in optimizer.state})
     else:
@@ -229,8 +231,12 @@ def load_full_optimizer_state(
             per_param[id(p)] = {k: view.local_like(p, v, dtype) for k, v in entry.items()}
     if state_in_slices(engine):
         engine.load_param_states(optimizer, per_param)
+        experts = engine.experts  # expert weights in their own engine (expert_zero.py)
+        if experts is not None:
+            experts.load_param_states(optimizer, per_param)
         for p in params:  # in no bucket (expert weights): their own state, as saved
-            if id(p) in per_param and engine.slice_of(p) is None:
+            owners = [e for e in (engine, experts) if e is not None and e.slice_of(p) is not None]
+            if id(p) in per_param and not owners:
                 optimizer.state[p] = per_param[id(p)]
     else:
         for p in params:

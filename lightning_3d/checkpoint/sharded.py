@@ -18,7 +18,7 @@ stage, offload).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -61,16 +61,75 @@ def _param_pieces(param: Tensor, flat: Tensor, start: int, stop: int, base: int)
 
 
 # ------------------------------------------------------------------------------ save
-def model_state(module: nn.Module, keep: Optional[Callable[[str], bool]] = None) -> dict[str, Any]:
+def model_state(
+    module: nn.Module,
+    keep: Optional[Callable[[str], bool]] = None,
+    engines: Sequence[ZeroDataParallel] = (),
+) -> dict[str, Any]:
     """``module.state_dict()`` ready for DCP: DTensors and plain tensors as they are (no copy),
-    fused tensor-parallel projections whole; ``keep(name)``: only those. A collective only when
-    fused projections exist."""
+    fused tensor-parallel projections whole; ``keep(name)``: only those. Parameters whose bucket
+    in one of the ZeRO 0-2 ``engines`` keeps an fp32 master are saved as that master
+    (:func:`_master_weights`), as the consolidated writer does. A collective only when fused
+    projections exist."""
+    masters = _master_weights(module, engines, keep)
     fused = StateView(module).fused_by_name()
-    return {
-        name: to_full(value, fused[name]) if fused.get(name) else value
-        for name, value in module.state_dict().items()
-        if keep is None or keep(name)
-    }
+    state = {}
+    for name, value in module.state_dict().items():
+        if keep is not None and not keep(name):
+            continue
+        if name in masters:
+            state[name] = masters[name]
+        else:
+            state[name] = to_full(value, fused[name]) if fused.get(name) else value
+    return state
+
+
+def _names_of(module: nn.Module) -> dict[int, list[str]]:
+    """``id(parameter) -> its names in state_dict()`` (a weight tied inside this module has two)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def _master_slices(engines: Sequence[ZeroDataParallel]) -> list[tuple[ZeroDataParallel, Any]]:
+    """``(engine, owned slice)`` for every bucket slice that is an fp32 master (the optimizer's
+    slice wraps the master itself: its local tensor is the master)."""
+    out = []
+    for engine in engines:
+        with_master = {id(p) for p in engine.master_params()}
+        out += [(engine, s) for s in engine.owned_slices() if id(s.params[0]) in with_master]
+    return out
+
+
+def _master_weights(
+    module: nn.Module,
+    engines: Sequence[ZeroDataParallel],
+    keep: Optional[Callable[[str], bool]] = None,
+) -> dict[str, Any]:
+    """The weights to save for parameters with fp32 masters, under each of their names: this
+    rank's elements of the master as :class:`Pieces` at the parameter's global shape, in fp32, so
+    the stored weight is the value the optimizer stepped, not its bf16 rounding. At stage 0 every
+    data rank holds the whole master and lists the same boxes: DCP's save planner keeps one copy
+    of items with the same name and offsets. A fused tensor-parallel projection (rows regrouped
+    per rank) is saved whole, gathered over dp and tp as the consolidated writer does: a
+    collective over dp when the engines hold one (every data rank holds the same parameters)."""
+    view, names = StateView(module), _names_of(module)
+    out: dict[str, Any] = {}
+    fused: dict[ZeroDataParallel, set[int]] = {}
+    for engine, owned in _master_slices(engines):
+        master = local_tensor(owned.param)
+        for p, (start, stop, base) in zip(owned.params, owned.ranges):
+            if id(p) in view.fused:
+                fused.setdefault(engine, set()).add(id(p))
+                continue
+            value = Pieces(p.shape, _param_pieces(p, master, start, stop, base))
+            out.update(dict.fromkeys(names.get(id(p), ()), value))
+    for engine, ids in fused.items():
+        for p, master in engine.master_weights(only=ids):
+            if id(p) in ids:
+                out.update(dict.fromkeys(names.get(id(p), ()), view.full(p, master)))
+    return {name: value for name, value in out.items() if keep is None or keep(name)}
 
 
 def optimizer_state(
@@ -95,10 +154,10 @@ def optimizer_state(
         else:
             extras[fqn] = value
 
-    if state_in_slices(engine):
-        slices = engine.owned_slices()
+    for part in _slicing_engines(engine):
+        slices = part.owned_slices()
         has_fused = any(id(p) in fused for owned in slices for p in owned.params)
-        gathered = engine.gather_param_states(optimizer) if has_fused else {}
+        gathered = part.gather_param_states(optimizer) if has_fused else {}
         for owned in slices:
             for key, value in optimizer.state.get(owned.param, {}).items():
                 flat = isinstance(value, Tensor) and value.dim() == 1
@@ -151,10 +210,20 @@ def optimizer_state(
     }
 
 
+def _slicing_engines(engine: Optional[ZeroDataParallel]) -> list[ZeroDataParallel]:
+    """The engines whose slices hold ``engine``'s optimizer's state: it (ZeRO 1-2, or fp32
+    masters) and its expert weights' (``parallel/expert_zero.py``), whose slices are
+    ``DTensor`` s on (replica, ``ep``) and whose pieces sit at the expert weights' global
+    offsets like any other's."""
+    if not state_in_slices(engine):
+        return []
+    return [engine] + ([engine.experts] if engine.experts is not None else [])
+
+
 def _set_aside(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    """The module's own parameters among a ZeRO 1-2 optimizer's (whose others are the engine's
-    flat slices): those the engine left to another reduction (expert weights sharded over
-    ``ep``, ``parallel/expert.py``), stepped and saved whole, as without an engine."""
+    """The module's own parameters among a ZeRO 1-2 optimizer's (whose others are the engines'
+    flat slices): those no engine buckets (expert weights sharded over ``ep`` whose replica
+    group is one rank, ``parallel/expert.py``), stepped and saved whole, as without an engine."""
     own = {id(p) for p in module.parameters()}
     return [p for group in optimizer.param_groups for p in group["params"] if id(p) in own]
 
@@ -170,16 +239,45 @@ def _scalar(fqn: str, value: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------ load
-def model_targets(module: nn.Module, names: Iterable[str]) -> tuple[dict[str, Any], list]:
+def model_targets(
+    module: nn.Module, names: Iterable[str], engines: Sequence[ZeroDataParallel] = ()
+) -> tuple[dict[str, Any], list]:
     """DCP targets for ``module``'s state (its own storage, so loading is in place), and the
-    fused projections to copy in afterwards."""
-    fused = StateView(module).fused_by_name()
+    fused projections to copy in afterwards (:func:`finish_model`).
+
+    A parameter whose bucket in one of the ZeRO 0-2 ``engines`` keeps an fp32 master is read
+    into the master only: :class:`Pieces` over this rank's owned elements of it, which DCP fills
+    with the stored values cast by its copy (fp32 as saved with masters; bf16 upcast from a
+    checkpoint saved without). :func:`finish_model` then rounds each master into its bucket and
+    gathers the other ranks' parts, as after a step. This is the cheapest exact way: each rank
+    reads 4 bytes a parameter over N data ranks instead of every whole weight (what a direct read
+    into the bf16 parameters takes) plus its master slice in a second pass, and the data ranks
+    exchange the bf16 weights in memory, 2 bytes a parameter, once. A tied weight is read once."""
+    view, names_of = StateView(module), _names_of(module)
+    fused = view.fused_by_name()
     own = module.state_dict()
+    names = list(names)
+    wanted = set(names)
+    masters: dict[str, Any] = {}  # name -> master Pieces, or the fp32 dtype of a fused one's
+    for _, owned in _master_slices(engines):
+        master = local_tensor(owned.param)
+        for p, (start, stop, base) in zip(owned.params, owned.ranges):
+            first = next((n for n in names_of.get(id(p), ()) if n in wanted), None)
+            if first is None:
+                continue
+            masters[first] = (
+                master.dtype
+                if id(p) in view.fused
+                else Pieces(p.shape, _param_pieces(p, master, start, stop, base))
+            )
+            wanted -= set(names_of[id(p)]) - {first}  # a tie's other names: the same master
     targets, after = {}, []
-    for name in names:
+    for name in [n for n in names if n in wanted]:
         value = own[name]
-        if fused.get(name):
-            whole = torch.zeros(value.shape, dtype=value.dtype)
+        if isinstance(masters.get(name), Pieces):
+            targets[MODEL + name] = masters[name]
+        elif fused.get(name):
+            whole = torch.zeros(value.shape, dtype=masters.get(name, value.dtype))
             after.append((name, whole))
             targets[MODEL + name] = whole
         else:
@@ -188,11 +286,22 @@ def model_targets(module: nn.Module, names: Iterable[str]) -> tuple[dict[str, An
 
 
 @torch.no_grad()
-def finish_model(module: nn.Module, after: list) -> None:
+def finish_model(module: nn.Module, after: list, engines: Sequence[ZeroDataParallel] = ()) -> None:
+    """After DCP's read: the fused projections copied in (with masters: into the fp32 master
+    too), and every bucket with masters rounded from them and gathered (a collective over dp
+    from stage 1, :meth:`~lightning_3d.parallel.zero_state.ZeroState.refresh_from_masters`)."""
     view = StateView(module)
-    params = dict(module.named_parameters())
+    params = dict(module.named_parameters(remove_duplicate=False))
+    with_master = {id(p) for engine in engines for p in engine.master_params()}
+    values = {}  # a fused projection's master: its fp32 whole, cut to this rank's part
     for name, whole in after:
         view.copy_into(params[name], whole)
+        if id(params[name]) in with_master:
+            values[id(params[name])] = view.local_like(params[name], whole, whole.dtype)
+    for engine in {id(e): e for e, _ in _master_slices(engines)}.values():
+        if values:
+            engine.load_master_weights(values)  # only its own; the others keep theirs
+        engine.refresh_from_masters()
 
 
 def optimizer_targets(
@@ -226,8 +335,8 @@ def optimizer_targets(
         targets[prefix + fqn] = torch.zeros(md.size, dtype=md.properties.dtype)
         return targets[prefix + fqn]
 
-    if state_in_slices(engine):
-        for owned in engine.owned_slices():
+    for part in _slicing_engines(engine):
+        for owned in part.owned_slices():
             names = [name_of[id(p)] for p in owned.params]
             keys = {k: md for n in names for k, md in keys_of.get(n, {}).items()}
             if not keys:
@@ -251,7 +360,8 @@ def optimizer_targets(
                         targets[prefix + f"{name}.{key}"] = Pieces(
                             p.shape, _param_pieces(p, flat, start, stop, base)
                         )
-                state[key] = engine.slice_dtensor(flat, owned.params[0])
+                # Placed as the slice it belongs to (a stage-0 master is replicated over dp).
+                state[key] = part.slice_dtensor(flat, owned.params[0], sharded=part.stage >= 1)
             installs.append((owned.param, state, [], in_slice))
     whole_params = (
         _set_aside(module, optimizer)

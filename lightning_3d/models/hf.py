@@ -39,10 +39,10 @@ from lightning_3d.models.hf_moe import (
     ExpertLoads,
     bias_problems,
     global_router_loss,
-    pipeline_problems,
     router_logits_kwargs,
     router_loss_of,
 )
+from lightning_3d.models.hf_pipeline_router import carry_router_loss, log_step_router_aux
 from lightning_3d.models.lit_gpt import check_training_options, warmup_cosine_factor
 from lightning_3d.parallel.chunked_loss import chunked_cross_entropy, head_input, head_problems
 from lightning_3d.parallel.materialize import has_meta, materialize
@@ -263,6 +263,8 @@ class HFCausalLM(pl.LightningModule):
         # The router's load-balancing loss (None: none); its logits, set by each training forward.
         self.router_loss = router_loss_of(self.model, router_aux_loss_coef)
         self.router_logits: Optional[tuple] = None
+        # Under a pipeline: a micro-batch's loss weight, set by the strategy (hf_pipeline_router).
+        self.aux_weight: Optional[Callable[[], torch.Tensor]] = None
         # A mixture-of-experts model's expert loads (None: no experts modules), and the bias step.
         self.expert_loads = _expert_loads(self.model)
         problems = bias_problems(
@@ -408,6 +410,8 @@ class HFCausalLM(pl.LightningModule):
             aux = global_router_loss(self.router_logits, self.router_loss, mask)
             self.router_logits = None
             self.log("router_aux_loss", aux.detach())
+            if self.expert_loads is not None:
+                self.expert_loads.add_aux(aux)
             loss = loss + aux
         return loss, (targets != IGNORE_INDEX).sum()
 
@@ -421,9 +425,11 @@ class HFCausalLM(pl.LightningModule):
         return loss
 
     def pipeline_training_step_end(self, loss: torch.Tensor, batch: Any, batch_idx: int) -> None:
-        """Under a pipeline, which runs the batch in place of ``training_step``: what
-        ``training_step`` logs, from the schedule's loss (docs/parallelism.md)."""
+        """Under a pipeline, which runs the batch in place of ``training_step``: what it logs, from
+        the schedule's loss, and the router loss gathered over the stages (docs/parallelism.md)."""
         self.log("train_loss", loss, prog_bar=True)
+        if self.router_loss is not None:
+            log_step_router_aux(self, loss.device)
 
     def _evaluate(self, batch: Any, metric: torchmetrics.MeanMetric, name: str) -> None:
         loss, tokens = self._loss(batch)
@@ -439,39 +445,44 @@ class HFCausalLM(pl.LightningModule):
         self._evaluate(batch, self.test_loss, "test_loss")
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """The most likely next token at every position, ``(B, T)``."""
+        """The most likely next token at every position, ``(B, T)``; ``IGNORE_INDEX`` where the
+        attention mask is 0. A padded position predicts nothing, and what its logits say depends
+        on the layout: a pipeline's stages see the causal mask only (``hf_pipeline``)."""
         ids, mask, _ = (
             self.split_batch(batch) if not isinstance(batch, torch.Tensor) else (batch, None, None)
         )
         logits = self(ids, mask, self.positions_of(batch), self.documents_of(batch))
         if hasattr(logits, "full_tensor"):  # vocab-parallel logits under tensor parallelism
             logits = logits.full_tensor()
-        return logits.argmax(-1)
+        predicted = logits.argmax(-1)
+        return predicted if mask is None else predicted.masked_fill(mask == 0, IGNORE_INDEX)
 
     def pipeline_spec(self) -> Any:
         """How ``ThreeDStrategy(pipeline=...)`` splits this model (see ``hf_pipeline``)."""
-        problems = pipeline_problems(self.router_loss)
         if self.router_bias_update_rate > 0:
-            problems.append(
+            raise ValueError(
                 f"router_bias_update_rate={self.router_bias_update_rate} with a pipeline: the "
                 "expert loads of other stages are not gathered; set it to 0"
             )
-        if problems:
-            raise ValueError("; ".join(problems))
         from lightning_3d.models.hf_pipeline import hf_pipeline_spec
 
-        return hf_pipeline_spec(self, lambda model: HFCausalLM(model=model))
+        spec = hf_pipeline_spec(self, lambda model: HFCausalLM(model=model))
+        # The router loss pools every layer's sums: they travel with the activations.
+        return spec if self.router_loss is None else carry_router_loss(self, spec, self.router_loss)
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         """Lightning's step, then the balancing bias moved by the step's global loads."""
         super().optimizer_step(*args, **kwargs)
         if self.expert_loads is not None:
-            self.expert_loads.finish_step(self.router_bias_update_rate)
+            rate = self.router_bias_update_rate
+            # A skipped step (non-finite, a grad-scaler overflow) applied nothing: no bias move.
+            skipped = rate > 0 and getattr(self.trainer.strategy, "step_skipped", False)
+            self.expert_loads.finish_step(0.0 if skipped else rate)
 
     def step_figures(self) -> dict[str, torch.Tensor]:
-        """A mixture-of-experts model's last optimizer step, over the global batch:
-        ``tokens_per_expert`` (layers, experts) and ``expert_imbalance`` (layers,) (the busiest
-        expert's slots over the mean); empty for a dense model (``summary.json``)."""
+        """A mixture-of-experts model's last optimizer step, global: ``tokens_per_expert`` (layers,
+        experts), ``expert_imbalance`` (layers,) (not under a pipeline), ``router_aux_loss`` (mean
+        over micro-batches); empty for a dense model (``summary.json``)."""
         return {} if self.expert_loads is None else dict(self.expert_loads.finished)
 
     def configure_optimizers(self) -> dict[str, Any]:

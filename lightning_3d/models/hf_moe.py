@@ -18,7 +18,9 @@ gradient is that of ``G`` times this rank's share of ``P_e``, which the data-par
 (over ``G`` ranks) turns into the global gradient, as the token-mean objective does for the
 cross-entropy and the reference MoE does for its own loss (``models/moe.py``). Under gradient
 accumulation the objective's per-step factor rescales this term's gradient with the rest: exact
-for one micro-batch per step, or micro-batches with equal numbers of counted tokens.
+for one micro-batch per step, or micro-batches with equal numbers of counted tokens. Under a
+pipeline the sums travel with the activations and the last stage carries the loss
+(``models/hf_pipeline_router.py``).
 
 What is taken from ``transformers``: whether the family has the loss (its modeling module's
 ``load_balancing_loss_func`` with Switch's signature), the number of experts and the top-k
@@ -43,8 +45,9 @@ to the router's scores to choose the top-k and never to the gating weights; ``tr
 only reads it (a released checkpoint's values). Trained here as DeepSeek-V3's paper and the
 reference MoE (``models/moe.py``) do: after each optimizer step each expert's bias moves by
 ``+rate`` if its layer sent it fewer slots than the mean over experts during the step, ``-rate``
-if more, from the global batch's loads, so every rank moves its copy the same way. The bias is a
-buffer: saved in checkpoints, exported with the model.
+if more, from the global batch's loads, so every rank moves its copy the same way; not after a
+step the non-finite check (``nonfinite="skip"``) or the grad scaler (an fp16 overflow) skips:
+nothing applied. The bias is a buffer: saved in checkpoints, exported with the model.
 """
 
 from __future__ import annotations
@@ -125,6 +128,17 @@ def global_router_loss(
     """``loss.coef`` times Switch's load-balancing loss of every layer's ``router_logits``
     ((rows, experts) each, rows = this rank's tokens) over the global batch (the module
     docstring). ``attention_mask``: (B, T) of the rows, 0 on padding, or ``None``."""
+    probs, stats = router_sums(router_logits, loss, attention_mask)
+    stats, size = batch_sum(stats)
+    return pooled_router_loss(stats, probs, size, loss)
+
+
+def router_sums(
+    router_logits: tuple[Tensor, ...], loss: RouterLoss, attention_mask: Optional[Tensor] = None
+) -> tuple[Tensor, Tensor]:
+    """This rank's sums over the layers of ``router_logits``: the router probabilities per
+    expert (E,), with their gradient, and ``(counts, probabilities, rows)`` (2E + 1,) without,
+    to be summed over the ranks (:func:`batch_sum`) before :func:`pooled_router_loss`."""
     E, k = loss.experts, loss.top_k
     device = router_logits[0].device
     weight = None if attention_mask is None else attention_mask.reshape(-1, 1).to(device).float()
@@ -142,7 +156,15 @@ def global_router_loss(
         counts = counts.scatter_add(0, chosen.reshape(-1), slots.reshape(-1))
         probs = probs + (p if weight is None else p * weight).sum(0)
         rows = rows + (p.shape[0] if weight is None else weight.sum())
-    stats, size = batch_sum(torch.cat([counts, probs.detach(), rows]))
+    return probs, torch.cat([counts, probs.detach(), rows])
+
+
+def pooled_router_loss(stats: Tensor, probs: Tensor, size: int, loss: RouterLoss) -> Tensor:
+    """``loss.coef`` times Switch's loss from the global ``stats`` (counts, probabilities, rows)
+    (2E + 1,) and this rank's probability sums ``probs`` (E,) with their gradient, ``size`` the
+    ranks summed over: the global value, ``size`` times this rank's share of the gradient."""
+    E = loss.experts
+    stats = stats.detach()
     total, mass, n = stats[:E], stats[E : 2 * E], stats[2 * E].clamp(min=1)
     share = probs * size / n  # gradient: G times this rank's part of P_e
     mean_prob = mass / n + share - share.detach()  # value: the global P_e
@@ -160,17 +182,6 @@ def router_logits_kwargs(model: nn.Module, loss: Optional[RouterLoss], training:
     # A wrapper that passes keywords on (peft's model): asked for only where it is needed.
     passes_on = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     return {"output_router_logits": True} if wanted and passes_on else {}
-
-
-def pipeline_problems(loss: Optional[RouterLoss]) -> list[str]:
-    """Why a pipeline cannot train ``loss``: its stages end at tensors, not at the model's
-    outputs, so the router logits of every stage never reach the loss."""
-    if loss is None:
-        return []
-    return [
-        f"router_aux_loss_coef={loss.coef} with a pipeline: the router loss is not carried "
-        "across a Hugging Face model's pipeline stages; set model.router_aux_loss_coef=0"
-    ]
 
 
 BIAS_BUFFER = "e_score_correction_bias"
@@ -199,6 +210,7 @@ class ExpertLoads:
     def __init__(self, model: nn.Module, experts_modules: list[tuple[str, nn.Module]]) -> None:
         self._latest: list[Optional[Tensor]] = [None] * len(experts_modules)
         self._step: Optional[Tensor] = None
+        self._aux: Optional[tuple[Tensor, int]] = None  # the step's router loss: sum, micro-batches
         self.finished: dict[str, Tensor] = {}
         modules = dict(model.named_modules())
         self.biases: list[Optional[Tensor]] = []
@@ -238,15 +250,22 @@ class ExpertLoads:
         self._step = counts if self._step is None else self._step + counts
         return counts
 
+    def add_aux(self, value: Tensor, micro_batches: int = 1) -> None:
+        """Add the router loss of ``micro_batches`` micro-batches (their sum) to the step's."""
+        total, count = self._aux if self._aux is not None else (0.0, 0)
+        self._aux = (value.detach() + total, count + micro_batches)
+
     def finish_step(self, rate: float) -> None:
         """An optimizer step ended: keep its figures, move each bias by ``rate`` (0: none)."""
         counts, self._step = self._step, None
+        aux, self._aux = self._aux, None
+        self.finished = {} if aux is None else {"router_aux_loss": aux[0] / aux[1]}
         if counts is None:
             return
-        self.finished = {
-            "tokens_per_expert": counts,
-            "expert_imbalance": counts.max(-1).values / counts.mean(-1).clamp(min=1e-12),
-        }
+        self.finished.update(
+            tokens_per_expert=counts,
+            expert_imbalance=counts.max(-1).values / counts.mean(-1).clamp(min=1e-12),
+        )
         if rate <= 0:
             return
         with torch.no_grad():

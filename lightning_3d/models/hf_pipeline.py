@@ -412,7 +412,7 @@ def run_in_turn(stages: list[Any], ids: torch.Tensor) -> torch.Tensor:
     """``ids`` through ``stages`` one after the other: what a pipeline's last stage outputs."""
     x = ids
     for stage in stages:
-        x = stage(x)
+        x = stage(*x) if isinstance(x, tuple) else stage(x)  # a tuple: what a stage carries on
     return x
 
 

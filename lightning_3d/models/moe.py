@@ -27,7 +27,8 @@ the router's probabilities to pick the top-k, never to the gating weights. After
 step :class:`LitMoEGPT` moves each expert's bias by ``+rate`` if it received fewer token slots
 than the mean over experts during the step, ``-rate`` if more (``sign(mean - load)``). The loads
 are the global batch's, summed over the step's micro-batches, so every rank moves its copy the
-same way; the bias is a buffer, saved in checkpoints.
+same way; a step the non-finite check (``nonfinite="skip"``) or the grad scaler (an fp16
+overflow) skips applied nothing and moves no bias. The bias is a buffer, saved in checkpoints.
 
 Capacity (``capacity_factor``; ``None``: dropless): an expert takes at most
 ``capacity = ceil(capacity_factor * tokens * top_k / n_experts)`` token slots per forward, where
@@ -188,7 +189,9 @@ class MoE(nn.Module):
             out = self.experts(routed[: sum(sizes)], sizes)  # (n kept, C)
         n = out.shape[0]
         out = out * weights.reshape(-1)[order[:n], None].to(out.dtype)
-        y = torch.zeros_like(tokens).index_add(0, source[:n], out)  # (N, C)
+        # Under autocast the experts compute in bf16/fp16 while the tokens stay fp32: the
+        # outputs add up in the tokens' dtype, as the residual stream they join.
+        y = torch.zeros_like(tokens).index_add(0, source[:n], out.to(tokens.dtype))  # (N, C)
         if self.shared is not None:
             y = y + self.shared(tokens)
         self._balance(probs, counts)
@@ -378,7 +381,8 @@ class LitMoEGPT(LitGPT):
             "expert_imbalance": counts.max(-1).values / counts.mean(-1),
         }
         rate = self.config.bias_update_rate
-        if rate > 0:
+        # A skipped step (non-finite, a grad-scaler overflow) applied nothing: no bias move.
+        if rate > 0 and not getattr(self.trainer.strategy, "step_skipped", False):
             # By block index: under a pipeline this rank holds some layers, the counts all.
             for index, layer in self._indexed_layers():
                 layer.update_bias(counts[index], rate)

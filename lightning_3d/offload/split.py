@@ -31,7 +31,8 @@ def split_state_bytes(
     buffers the engine keeps on the device between steps, and any ``.grad`` of the module's
     parameters), ``device_staging_peak`` (the most gradient staging the engine held at once during
     a backward: a few buckets, freed as they land), ``host_masters`` and ``host_grads`` (fp32
-    masters and their gradient accumulators in host memory), ``store`` (the offloaded optimizer's
+    masters and their gradient accumulators in host memory), ``host_landing`` (the pinned
+    buffers parts of buckets land through), ``store`` (the offloaded optimizer's
     state: moments, and masters where it keeps its own) and ``store_on_drive`` (1 under
     ``"nvme"``, where the store is a file)."""
     count = storage_counter()
@@ -54,6 +55,7 @@ def split_state_bytes(
         "device_staging_peak": engine.staging_peak_bytes if engine is not None else 0,
         "host_masters": host_masters,
         "host_grads": host_grads,
+        "host_landing": engine.landing_bytes if engine is not None else 0,
         "store": int(store),
         "store_on_drive": int(getattr(optimizer, "device", "cpu") == "nvme"),
     }

@@ -26,10 +26,15 @@ is ``layout.shard_mesh``: the router's statistics and the capacity line are the 
 there too); tensor ranks compute the same experts on the same replicated tokens
 (``parallel/plans/moe.py``) and need no reduction. The expert weights are ``DTensor`` s
 sharded on ``ep`` (dim 0, the expert), so full state dicts and the global gradient norm count
-each expert once; the ZeRO engines leave them to this module's gradient hook (ZeRO 0-2: set
-aside while the engine attaches, :func:`set_aside`; ZeRO-3: FSDP2's ``ignored_params``), so
-their optimizer state is not sharded over ``dp_replica`` (with ``expert`` = data there is
-nothing to shard it over).
+each expert once. The data-parallel ZeRO 0-2 engine never buckets them (set aside while it
+attaches, :func:`set_aside`): ZeRO-0 leaves them to this module's gradient hook; ZeRO 1-2 bucket
+them in a second engine over ``dp_replica`` (× ``cp``) on the same optimizer, which
+reduce-scatters their gradients there, divides by ``G`` and removes the hook
+(``parallel/expert_zero.py``), so their optimizer state is 1/G of theirs per rank. ZeRO-3
+shards them over ``dp_replica`` (× ``cp``) too: each experts module an FSDP2 unit there,
+whose reduce-scatter sums over the replicas and divides by ``G`` (``parallel/expert_fsdp.py``;
+it replaces the parameters, so this hook no longer runs). With
+``expert`` = data there is nothing to shard them over: FSDP2's ``ignored_params``.
 """
 
 from __future__ import annotations
@@ -227,7 +232,9 @@ def shard_expert_weight(
         dist.broadcast(full.data, src=dist.get_global_rank(data_group, 0), group=data_group)
     local = full.detach().chunk(ep_mesh.size(), dim=0)[ep_mesh.get_local_rank()].clone()
     param = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False))
-    param.register_hook(_sum_over_replicas(replica_group, data_size))
+    # Kept on the parameter: a ZeRO 1-2 engine that buckets it over the replica group takes the
+    # reduction over and removes the hook (parallel/expert_zero.py).
+    param.replica_sum = param.register_hook(_sum_over_replicas(replica_group, data_size))
     return param
 
 

@@ -61,9 +61,13 @@ def carry_loss(x: Tensor, loss: Tensor, weight: Tensor) -> Tensor:
 def carry_aux_losses(module: nn.Module, weight: Callable[[], Tensor]) -> int:
     """Give every mixture-of-experts layer of ``module`` that computes a load-balancing loss
     (an ``aux_loss_coef`` attribute: the reference MoE) the pipeline's loss weight; each then
-    carries ``aux_loss_coef * aux_loss`` on its output (:func:`carry_loss`). ``weight()``: a 0-d
-    device tensor, read at every forward. Returns the number of layers given it. In place."""
+    carries ``aux_loss_coef * aux_loss`` on its output (:func:`carry_loss`); so does ``module``
+    itself where it has an ``aux_weight`` attribute (a loss of all its layers together, carried
+    by its last stage: a Hugging Face family's router loss, ``models/hf_pipeline_router.py``).
+    ``weight()``: a 0-d device tensor, read at every forward. Returns the number of carriers
+    given it. In place."""
     layers = [layer for layer in moe_layers(module) if hasattr(layer, "aux_loss_coef")]
-    for layer in layers:
-        layer.aux_weight = weight
-    return len(layers)
+    carriers = layers + ([module] if hasattr(module, "aux_weight") else [])
+    for carrier in carriers:
+        carrier.aux_weight = weight
+    return len(carriers)

@@ -78,6 +78,11 @@ def end_accumulation(module: nn.Module) -> None:
     blocks = [b for b in find_blocks(module) if isinstance(b, FSDPModule)]
     for block in blocks[:-1]:
         block.set_reshard_after_forward(True, recurse=False)
+    # A unit inside a block (its experts: parallel/expert_fsdp.py) always reshards.
+    for block in blocks:
+        for inner in block.modules():
+            if inner is not block and isinstance(inner, FSDPModule):
+                inner.set_reshard_after_forward(True, recurse=False)
 
 
 def find_blocks(module: nn.Module) -> list[nn.Module]:

@@ -57,11 +57,11 @@ def master_options(optimizer: torch.optim.Optimizer, plan: Any) -> dict[str, Any
 
 def refuse_master_combinations(plan: Any, precision: str) -> None:
     """``ValueError`` before any rewrite when fp32 masters would meet what they were not built
-    and tested with: sharded checkpoints (their writer saves slices of the bf16 buckets;
-    consolidated ones save the masters). With an offload device (host masters) also: the
-    delayed update (its worker would step the masters the engine rounds into the weights) and
-    ZeRO-2's deferred reduction (host masters reduce every micro-batch). ``zero_master_weights=False``
-    runs them as before (the offloaded optimizer then keeps the masters in its store)."""
+    and tested with. With an offload device (host masters): the delayed update (its worker
+    would step the masters the engine rounds into the weights) and ZeRO-2's deferred reduction
+    (host masters reduce every micro-batch). ``zero_master_weights=False`` runs them as before
+    (the offloaded optimizer then keeps the masters in its store). Both checkpoint formats save
+    the masters as the model's weights."""
     layout = plan.layout
     if not (plan.zero.master_weights and str(precision) in LOW_PRECISION_MODULES):
         return
@@ -80,13 +80,6 @@ def refuse_master_combinations(plan: Any, precision: str) -> None:
                     f"use zero_master_weights=False (masters in the offload store, bf16 "
                     f"gradients on the device) or {name}=False"
                 )
-    if plan.checkpoint.format == "sharded":  # its writer saves slices of the bf16 buckets
-        raise ValueError(
-            f"precision={precision!r} with zero_stage={layout.zero_stage} keeps fp32 master weights "
-            "(zero_master_weights=True), which do not support checkpoint_format='sharded' yet: use "
-            "checkpoint_format='consolidated', precision='bf16-mixed', zero_stage=3, or "
-            "zero_master_weights=False"
-        )
 
 
 class HostLanding:
@@ -110,6 +103,11 @@ class HostLanding:
         self._stream = torch.cuda.Stream(device) if cuda else None
         self._pending: list[tuple[Tensor, Tensor, Any, bool]] = []
         self._next = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers (pinned host memory on a GPU)."""
+        return sum(b.nbytes for b in self._buffers)
 
     def send(self, reduced: Tensor, host: Tensor, fresh: bool) -> None:
         """Copy ``reduced`` (on the device) towards ``host`` (fp32, host memory): it replaces

@@ -118,6 +118,9 @@ class PipelineRuntime:
         self._outputs_only = False
         self._grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self._clock = _Clock()
+        # The shape of the first batch the schedule ran: torch infers the shapes the stages
+        # exchange once, from it, and receives every later micro-batch into buffers of them.
+        self._first_shape: Optional[tuple[int, ...]] = None
         self.schedule, _ = build_schedule(
             stages,
             indices,
@@ -171,6 +174,13 @@ class PipelineRuntime:
         micro-batch); returns the batch's mean loss on every rank of the pipeline group."""
         inputs, targets = self.spec.split_batch(batch)
         self._check_batch(inputs)
+        if tuple(inputs.shape) != self._shape_of(inputs):
+            raise ValueError(
+                f"a training batch of inputs {tuple(inputs.shape)} after batches of "
+                f"{self._first_shape}: a pipeline's stages exchange the shapes of the first "
+                "batch they ran; give every training batch one shape (drop_last=True, rows of "
+                "one length)"
+            )
         args = (inputs,) if self.is_first else ()
         losses: list[torch.Tensor] = []
         clock = self._clock
@@ -289,7 +299,42 @@ class PipelineRuntime:
         again), sent to every rank of the pipeline group so each can run the module's own
         validation / test / predict step on them."""
         inputs = self.spec.inputs(batch)
-        self._check_batch(inputs)
+        if self._first_shape is None:
+            self._check_batch(inputs)
+        first = self._shape_of(inputs)
+        if tuple(inputs.shape) == first:
+            return self._outputs_of(inputs)
+        # Another size (predict's last, partial batch; another batch size for evaluation): in
+        # pieces of the first shape, the last one padded with zeros, outputs cut back. Exact:
+        # rows do not meet, and under the causal mask a position sees none after it.
+        rows, length = inputs.shape[0], inputs.shape[1]
+        if inputs.shape[2:] != first[2:] or length > first[1]:
+            raise ValueError(
+                f"an evaluation batch of inputs {tuple(inputs.shape)} after batches of {first}: "
+                "a pipeline runs batches of rows up to the first one's length only"
+            )
+        pieces = []
+        for start in range(0, rows, first[0]):
+            piece = inputs[start : start + first[0]]
+            padded = piece.new_zeros(first)
+            padded[: piece.shape[0], :length] = piece
+            output = self._outputs_of(padded)
+            if not isinstance(output, torch.Tensor):
+                raise ValueError(
+                    f"an evaluation batch of inputs {tuple(inputs.shape)} after batches of "
+                    f"{first}: the last stage's outputs ({type(output).__name__}) cannot be cut "
+                    "back to the batch; give every batch one shape"
+                )
+            pieces.append(output[: piece.shape[0], :length])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _shape_of(self, inputs: torch.Tensor) -> tuple[int, ...]:
+        """The first batch's input shape (this one's, if it is the first)."""
+        if self._first_shape is None:
+            self._first_shape = tuple(inputs.shape)
+        return self._first_shape
+
+    def _outputs_of(self, inputs: torch.Tensor) -> Any:
         args = (inputs,) if self.is_first else ()
         self._outputs_only = True
         try:

@@ -249,9 +249,10 @@ class StageModule(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         self.sequence_shards = sequence_shards
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: Any, *carried: Any) -> Any:
+        # carried: what a stage_forward returned beside its activations (a tuple), sent along.
         if self._stage_forward is not None:
-            return self._stage_forward(self, x)
+            return self._stage_forward(self, x, *carried)
         if self._embed is not None:
             x = self._embed(x)
         for block in self.blocks:

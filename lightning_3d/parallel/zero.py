@@ -203,6 +203,7 @@ class ZeroDataParallel(ZeroState):
         grad_dtype: Optional[torch.dtype] = None,
         defer_reduce: bool = False,
         master_device: Optional[str] = None,
+        divide: Optional[int] = None,
     ) -> None:
         """``mesh`` is the data axis, or the (data, tensor) mesh when parameters are tensor-parallel.
 
@@ -233,6 +234,10 @@ class ZeroDataParallel(ZeroState):
         reduces (micro-batches accumulate on the host, in the masters' dtype), and a bucket's
         device staging is freed once its part has landed, during backward: the device keeps the
         low-precision weights and at most ``HOST_IN_FLIGHT + 1`` buckets of gradient.
+
+        ``divide``: what the summed gradients are divided by (default: the ranks summed over, a
+        mean). Expert weights are summed over the ranks holding the same experts and divided by
+        the whole data size (``parallel/expert_zero.py``).
         """
         if scatter not in SCATTER_MODES:
             raise ValueError(f"scatter must be one of {list(SCATTER_MODES)}, got {scatter!r}")
@@ -263,6 +268,10 @@ class ZeroDataParallel(ZeroState):
         self.group = dp_mesh.get_group()
         self.size = dp_mesh.size()
         self.rank = dp_mesh.get_local_rank()
+        self.divide = self.size if divide is None else divide
+        # The same optimizer's expert weights, bucketed over their replica group by a second
+        # engine (parallel/expert_zero.py): stepped with this one, so its after_step follows.
+        self.experts: Optional[ZeroDataParallel] = None
         self._point_to_point = use_point_to_point(self.group, scatter)  # see point_to_point.py
         self.buckets: list[_Bucket] = []
         self.original_groups: list[list[nn.Parameter]] = []  # each param group as the user built it
@@ -287,6 +296,12 @@ class ZeroDataParallel(ZeroState):
         """Whether the optimizer steps the engine's slices (stages 1-2, or fp32 masters at any
         stage) rather than the model's parameters: its state is keyed by them."""
         return self.stage >= 1 or any(b.slice is not None for b in self.buckets)
+
+    @property
+    def landing_bytes(self) -> int:
+        """Host bytes of the split's landing buffers (:class:`HostLanding`, made at the first
+        landing; 0 before it or without host masters), which the planner counts as host memory."""
+        return self._landing.nbytes if self._landing is not None else 0
 
     @property
     def state_dtype(self) -> Optional[torch.dtype]:
@@ -561,7 +576,7 @@ class ZeroDataParallel(ZeroState):
         # Collectives must start in the same order on every rank; buckets fill in backward order,
         # which is the same on every rank for the same model, so this holds without a barrier.
         full = self._fill_unwritten(bucket)  # e.g. a stage 2 bucket given no gradient at all
-        full.div_(self.size)  # SUM then mean: gloo has no AVG
+        full.div_(self.divide)  # SUM then mean: gloo has no AVG
         if self.stage == 0:
             bucket.work = dist.all_reduce(full, group=self.group, async_op=True)
         else:
@@ -721,6 +736,8 @@ class ZeroDataParallel(ZeroState):
                 bucket.slice.grad = None
             for p in bucket.params:
                 p.grad = None
+        if self.experts is not None:
+            self.experts.after_step()
 
     def _gather_slices(self) -> list:
         """Start the all-gather of every bucket's stepped slices into its flat buffer (in place):

@@ -5,13 +5,14 @@ on a load).
 
 :class:`ZeroState` is the engine's checkpoint half, kept apart so that ``zero.py`` holds the
 reduction and the step: it reads the engine's ``buckets``, ``stage``, ``rank`` and ``group``
-and its slice helpers (``_part``, ``_as_slice``), and holds no state of its own.
+and its slice helpers (``_part``, ``_as_slice``, ``_gather_slices``), and holds no state of
+its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -110,14 +111,18 @@ class ZeroState:
             optimizer.state[bucket.slice] = slice_state
 
     # ---------------------------------------------------------------- master weights
-    def master_weights(self) -> list[tuple[nn.Parameter, Tensor]]:
+    def master_weights(self, only: Optional[set[int]] = None) -> list[tuple[nn.Parameter, Tensor]]:
         """``(parameter, its fp32 master)`` for every parameter with one, the master shaped like
         the parameter's local data (a DTensor when the parameter is one): what a checkpoint saves
         as the model's weights, so that a resume starts from the fp32 values, not from their bf16
-        roundings. A collective over dp (stages 1-2: the masters are sharded)."""
+        roundings. ``only``: ids of parameters; only the buckets holding one are gathered (every
+        data rank must name the same ones). A collective over dp (stages 1-2: the masters are
+        sharded)."""
         out = []
         for bucket in self.buckets:
             if bucket.master is None:
+                continue
+            if only is not None and not any(id(p) in only for p in bucket.params):
                 continue
             full = torch.empty_like(bucket.flat, dtype=bucket.master.dtype)
             if self.stage == 0:
@@ -150,6 +155,19 @@ class ZeroState:
                 full[lo - start : hi - start].copy_(flat_value[lo - offset : hi - offset])
             bucket.master.copy_(full)
             self._part(bucket.flat, bucket).copy_(full)
+
+    @torch.no_grad()
+    def refresh_from_masters(self) -> None:
+        """Every bucket's low-precision weights from the masters, as after a step: this rank's
+        part rounded from its master, the other ranks' parts gathered (stages 1-2). For a load
+        that read only the masters (``checkpoint/sharded.py``: each rank reads its fp32 slice, not
+        every whole weight). A collective over dp from stage 1."""
+        for bucket in self.buckets:
+            if bucket.master is not None:
+                self._part(bucket.flat, bucket).copy_(bucket.master)
+        if self.stage >= 1:
+            for work in self._gather_slices():
+                work.wait()
 
 
 def like_param(p: Tensor, flat_view: Tensor) -> Tensor:

@@ -142,9 +142,14 @@ class Choice:
         kit = f" {self.kit_label()}" if self.kit_label() else ""
         return (
             f"{method}dp={self.data}{cp} tp={self.tensor}{sp} pp={self.pipeline} "
-            f"zero={self.zero_stage} "
+            f"zero={self.zero_stage}{self.masters_label()} "
             f"{sched} mb={self.micro_batch_size} ac={self.ac_policy} offload={self.offload}{kit}"
         )
+
+    def masters_label(self) -> str:
+        """`` no-masters`` where ZeRO 0-2 step a low-precision module's own weights
+        (``zero_master_weights=False``: bf16 moments, no fp32 masters); empty otherwise."""
+        return " no-masters" if not self.zero_master_weights and self.zero_stage < 3 else ""
 
     def kit_label(self) -> str:
         """The memory savings this layout runs with (``loss_chunks=32 adamw8bit

@@ -7,10 +7,12 @@ ranks carved from the data axis. Per rank, with ``Ψ_e`` the parameters of all e
 
 - ``expert`` = 1: every expert is an ordinary data-parallel parameter, so the whole model
   follows the ZeRO formula (``observe.memory.zero_formula_bytes``) over the ``N`` data ranks;
-- ``expert`` > 1: the dense part follows ZeRO over ``N``; the experts are left to the expert
-  axis (the ZeRO engines set them aside, FSDP2 ignores them), so each rank holds
-  ``16 Ψ_e / expert`` bytes whatever the ZeRO stage: their state is not sharded again over
-  the ``N / expert`` ranks that hold the same experts.
+- ``expert`` > 1: the dense part follows ZeRO over ``N``; each rank holds ``Ψ_e / expert`` of
+  the experts, and their state follows ZeRO over the ``R = N / expert`` ranks that hold the
+  same experts (whole, ``16 Ψ_e / expert``, at ZeRO-0 or ``R`` = 1, or where
+  :func:`~lightning_3d.planner.expert_memory.experts_sharded_over_replicas` says the strategy
+  keeps them whole). Beside tensor, context and pipeline parallelism:
+  :mod:`lightning_3d.planner.expert_memory`.
 
 All-to-all per micro-batch and rank: each of the ``L`` MoE layers sends every routed token slot
 (``top_k × tokens`` rows of ``hidden`` elements) to its expert's rank and the outputs back
@@ -22,8 +24,8 @@ travel too and are left out: a rounding error next to the tokens.
 
 In the search (:func:`lightning_3d.planner.search.plan_layouts`, sizes from
 ``PlannerOptions.expert_sizes``) an ``expert`` > 1 layout's model state is the above
-(``planner/memory.py``), its ZeRO traffic the dense part's plus the experts' all-reduce over
-their replicas (:func:`expert_traffic`), and its exchange time :func:`all_to_all_time`; a
+(``planner/memory.py``), its ZeRO traffic the dense part's plus the experts' own collectives
+over their replicas (:func:`expert_traffic`), and its exchange time :func:`all_to_all_time`; a
 token's FLOPs count ``top_k`` experts, not all (:func:`inactive_flop_params`).
 
 Where the expert axis is faster (the same FLOPs either way): ``expert`` = ``N`` moves
@@ -44,13 +46,15 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from torch import nn
 
 from lightning_3d.observe.memory import zero_formula_bytes
+from lightning_3d.parallel.activation_checkpoint import transformer_blocks
 from lightning_3d.parallel.expert import moe_layers
+from lightning_3d.planner.expert_memory import replica_size, resolve, stage_expert_parts
 from lightning_3d.planner.facts import Part
 from lightning_3d.planner.memory import human, stage_parts
 from lightning_3d.planner.traffic import DataTraffic, data_traffic, kept_elements
@@ -78,6 +82,9 @@ class ExpertFacts:
         part: The experts' parameters as the planner's :class:`~lightning_3d.planner.facts.Part`
             (shapes for ZeRO-3's chunks), taken out of a block's at ``expert`` > 1, where the
             expert axis holds them instead of ZeRO; ``None``: counted from ``expert_params``.
+        blocks: The experts' parameters in each transformer block, in the model's order (an
+            empty ``Part`` for a dense block): what a pipeline stage holds of them. Empty: spread
+            evenly over the blocks.
     """
 
     moe_layers: int
@@ -88,6 +95,7 @@ class ExpertFacts:
     dense_params: int
     capacity_factor: Optional[float] = None
     part: Optional[Part] = None
+    blocks: tuple[Part, ...] = ()
 
     @property
     def expert_part(self) -> Part:
@@ -124,9 +132,11 @@ def expert_facts(module: nn.Module) -> Optional[ExpertFacts]:
     total = sum(p.numel() for p in module.parameters())
     weights = [p for layer in layers for p in layer.experts.parameters()]
     experts = sum(p.numel() for p in weights)
-    # Shapes keyed as model_facts keys a block's (rows, elements, no tensor split): every expert
-    # weight runs in a matmul.
-    shapes = Counter((p.shape[0] if p.dim() else 1, p.numel(), -1) for p in weights)
+    shapes = _shapes(weights)
+    per_block = tuple(
+        _experts_part([p for layer in moe_layers(block) for p in layer.experts.parameters()])
+        for _, block in transformer_blocks(module)
+    )
     first = layers[0]
     hidden = first.router.in_features if hasattr(first, "router") else first.experts.w_in.shape[1]
     return ExpertFacts(
@@ -137,17 +147,43 @@ def expert_facts(module: nn.Module) -> Optional[ExpertFacts]:
         expert_params=experts,
         dense_params=total - experts,
         capacity_factor=getattr(first, "capacity_factor", None),
-        part=Part(experts, 0, experts, tuple(sorted(shapes.items()))),
+        part=Part(experts, 0, experts, shapes),
+        blocks=per_block,
     )
 
 
-def expert_state_bytes(facts: ExpertFacts, expert: int, data: int, zero_stage: int) -> float:
-    """Model-state bytes per rank (fp32 AdamW) at ``expert`` × ``data`` (module docstring)."""
+def _shapes(weights: list) -> tuple:
+    # Keyed as model_facts keys a block's (rows, elements, no tensor split: the plans replicate
+    # the experts over the tensor ranks); every expert weight runs in a matmul.
+    return tuple(
+        sorted(Counter((p.shape[0] if p.dim() else 1, p.numel(), -1) for p in weights).items())
+    )
+
+
+def _experts_part(weights: list) -> Part:
+    n = sum(p.numel() for p in weights)
+    return Part(n, 0, n, _shapes(weights))
+
+
+def expert_state_bytes(
+    facts: ExpertFacts,
+    expert: int,
+    data: int,
+    zero_stage: int,
+    experts_sharded_over_replicas: Optional[bool] = None,
+) -> float:
+    """Model-state bytes per rank (fp32 AdamW) at ``expert`` × ``data`` (module docstring;
+    ``data``: ZeRO's axis, data × context): the dense part by ZeRO over ``data``, the rank's
+    ``Ψ_e / expert`` by ZeRO over the ``data / expert`` replicas, or whole
+    (:func:`~lightning_3d.planner.expert_memory.experts_sharded_over_replicas`)."""
     _refuse(facts, expert, data)
     if expert == 1:
         return zero_formula_bytes(facts.dense_params + facts.expert_params, zero_stage, data)
     dense = zero_formula_bytes(facts.dense_params, zero_stage, data)
-    return dense + STATE_BYTES * facts.expert_params / expert
+    replicas = data // expert
+    if not resolve(experts_sharded_over_replicas, zero_stage) or replicas == 1:
+        return dense + STATE_BYTES * facts.expert_params / expert
+    return dense + zero_formula_bytes(facts.expert_params / expert, zero_stage, replicas)
 
 
 def all_to_all_bytes(
@@ -216,7 +252,13 @@ def expert_summary(
         f"top-{facts.top_k}; expert axis on data={choice.data}, ZeRO-{choice.zero_stage}"
     )
     if (choice.tensor, choice.pipeline, getattr(choice, "context", 1)) != (1, 1, 1):
-        return f"{head}: none (the search tries expert > 1 beside data and ZeRO only)"
+        # The per-size figures below are the whole model's on the data axis; beside tensor,
+        # pipeline or context the search's own memory model ranked the sizes (the table above).
+        return (
+            f"{head}, tensor={choice.tensor}, pipeline={choice.pipeline}, context="
+            f"{getattr(choice, 'context', 1)}: chosen by the search: expert={choice.expert} "
+            "(fastest predicted step; every size is in the table above)"
+        )
     tokens = max(choice.batch_per_rank // choice.micro_batches, 1) * seq_len
     budget = device_bytes - (memory.total - memory.model_state)
     options = propose_expert_sizes(facts, choice.data, choice.zero_stage, tokens, budget)
@@ -241,26 +283,41 @@ def inactive_flop_params(facts: ModelFacts, blocks: int) -> float:
     return flops * blocks / facts.n_layer
 
 
-def expert_traffic(facts: ModelFacts, choice: Choice) -> DataTraffic:
-    """Bytes a rank sends per step over the data axis at ``expert`` > 1 (no pipeline, no tensor
-    split: the axes expert parallelism combines with): ZeRO's collectives over the dense part
+def expert_traffic(
+    facts: ModelFacts, choice: Choice, experts_sharded_over_replicas: Optional[bool] = None
+) -> DataTraffic:
+    """Bytes a rank sends per step over the data axis at ``expert`` > 1, on the pipeline rank
+    that sends the most: ZeRO's collectives over the dense part on data × context
     (:func:`~lightning_3d.planner.traffic.data_traffic`: the experts are not in ZeRO's buckets nor
-    FSDP2's units, so the last block's kept units hold its dense part only), and the experts'
-    gradients all-reduced over the ``data / expert`` ranks holding the same experts, once a step."""
-    experts = facts.experts
+    FSDP2's dense units, so the last block's kept units hold its dense part only), and the rank's
+    ``1 / expert`` of its stage's experts over their replica group (``R`` ranks,
+    :func:`~lightning_3d.planner.expert_memory.replica_size`): ZeRO's collectives at the same
+    stage over ``R`` where their state is sharded over the replicas, one all-reduce a step where
+    it is kept whole. The experts are whole on every tensor rank (replicated, not split)."""
     p_b, g_b, _, act = facts.bytes
     gathered = act if facts.precision.endswith("mixed") else p_b
-    tp = choice.tensor
-    whole = stage_parts(facts, 1)[0][0].local(tp)
-    dense = whole - experts.expert_params
-    kept = kept_elements(facts, choice, whole, tp) - experts.expert_params / experts.moe_layers
-    base = data_traffic(choice, dense * g_b, dense * p_b, dense * gathered, kept * gathered)
-    replicas = choice.data // choice.expert
-    ring = (replicas - 1) / replicas
-    held = experts.expert_params / choice.expert
-    return DataTraffic(
-        base.all_reduce + 2 * ring * held * g_b, base.reduce_scatter, base.all_gather
-    )
+    tp, pp, v = choice.tensor, choice.pipeline, choice.virtual_stages
+    replicas = replace(choice, data=replica_size(choice), context=1)
+    if not resolve(experts_sharded_over_replicas, choice.zero_stage):
+        replicas = replace(replicas, zero_stage=0)
+    last_block = facts.experts.expert_params / facts.experts.moe_layers
+    best = DataTraffic()
+    for (part, _), experts in zip(stage_parts(facts, pp, v), stage_expert_parts(facts, pp, v)):
+        whole = part.local(tp)
+        dense = whole - experts.params
+        kept = kept_elements(facts, choice, whole, tp) - (last_block if pp == 1 else 0.0)
+        base = data_traffic(choice, dense * g_b, dense * p_b, dense * gathered, kept * gathered)
+        held = experts.params / choice.expert
+        # FSDP2 over the replicas reshards the experts after forward: none of them kept.
+        own = data_traffic(replicas, held * g_b, held * p_b, held * gathered, 0.0)
+        traffic = DataTraffic(
+            base.all_reduce + own.all_reduce,
+            base.reduce_scatter + own.reduce_scatter,
+            base.all_gather + own.all_gather,
+        )
+        if traffic.total > best.total:
+            best = traffic
+    return best
 
 
 def all_to_all_time(facts: ModelFacts, choice: Choice, cluster: Cluster, latency: float) -> float:
@@ -268,17 +325,25 @@ def all_to_all_time(facts: ModelFacts, choice: Choice, cluster: Cluster, latency
     MoE layer's ``top_k × tokens × hidden`` rows to their experts' ranks and back (2 directions),
     forward and backward (2 passes), the ``(expert - 1) / expert`` that leave the rank
     (:func:`all_to_all_bytes`), over the expert group's link (inside a node where the group fits
-    in one), and per layer and pass two calls' latency each. The rows travel at the parameters'
-    width (a norm's output, fp32 under mixed precision). None of it hides behind compute: the
-    experts wait for their tokens, the next layer for their outputs."""
+    in one: its ranks are ``context × tensor`` apart, the data axis's stride), and per layer and
+    pass two calls' latency each. A rank's tokens are its share of the sequence (``seq_len /
+    context``), not divided by ``tensor``: the tensor ranks all route the same tokens, each in
+    its own ep group. Under a pipeline each rank exchanges for its own stage's MoE layers only
+    (the stage with the most of them is counted). The rows travel at the parameters' width (a
+    norm's output, fp32 under mixed precision). None of it hides behind compute: the experts wait
+    for their tokens, the next layer for their outputs."""
     experts = facts.experts
     if choice.expert == 1 or experts is None:
         return 0.0
     tokens = choice.micro_batch_size * facts.seq_len // choice.context
-    sent = all_to_all_bytes(experts, tokens, choice.expert, facts.bytes[0])["sent"]
-    inside = choice.expert * choice.tensor <= cluster.devices_per_node or cluster.nodes == 1
+    parts = stage_expert_parts(facts, choice.pipeline, choice.virtual_stages)
+    layers = round(experts.moe_layers * max(p.params for p in parts) / experts.expert_params)
+    stage = replace(experts, moe_layers=layers)
+    sent = all_to_all_bytes(stage, tokens, choice.expert, facts.bytes[0])["sent"]
+    span = choice.expert * choice.context * choice.tensor
+    inside = span <= cluster.devices_per_node or cluster.nodes == 1
     link = (cluster.intra_node_gbps if inside else cluster.inter_node_gbps) * 1e9
-    calls = 4 * experts.moe_layers
+    calls = 4 * layers
     return choice.micro_batches * (sent / link + calls * latency)
 
 

@@ -16,7 +16,9 @@ Under ``bf16-true`` at ZeRO 0-2 offload is ZeRO-Offload's split (:func:`offload_
 keeps the bf16 weights and a few buckets of gradient staging (a buffer), host memory the fp32
 masters and their fp32 gradients (8 B, sharded from stage 1), the store Adam's moments (8 B).
 ``zero_master_weights=False`` (:func:`keeps_masters`) keeps no masters at ZeRO 0-2: bf16 moments
-(4 B) without offload, the offloaded optimizer's own masters with it (no split).
+(4 B) without offload, the offloaded optimizer's own masters with it (no split). The split's
+pinned landing buffers are host memory too (:func:`host_landing_bytes`). An MoE model's experts
+at ``expert`` > 1: :mod:`lightning_3d.planner.expert_memory`.
 
 A fine-tune method (``Choice.adapter``: LoRA, QLoRA) trains its adapters alone: the frozen base
 counts as parameters only, and gradients, optimizer state and offload follow the adapters
@@ -46,13 +48,16 @@ activations.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
 from lightning_3d.offload.optimizer import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW
 from lightning_3d.offload.storage import pinned_bytes
 from lightning_3d.parallel.optimizers import STOCHASTIC_ROUNDING
 from lightning_3d.parallel.stages import stage_blocks, stage_ids
+from lightning_3d.parallel.zero import HOST_IN_FLIGHT, MIN_BUCKET_BYTES, MIN_BUCKETS
 from lightning_3d.planner.activations import head_loss_bytes
 from lightning_3d.planner.choice import Choice, PlannerOptions
+from lightning_3d.planner.expert_memory import expert_state, gathered_experts, stage_expert_parts
 from lightning_3d.planner.facts import (
     MASTER_STATE_BYTES,
     ModelFacts,
@@ -164,13 +169,21 @@ def model_state(
     dp_rank: int = 0,
     blocks: Part | None = None,
     lora_r: int = 8,
+    stage: int = 0,
+    experts_sharded_over_replicas: Optional[bool] = None,
 ) -> tuple[float, float, float, float, float]:
     """(params, grads, optimizer, host, disk) bytes of data rank ``dp_rank`` holding ``part`` of
-    the model (``blocks``: its blocks' share, which an adapter method needs). ZeRO 1-2 slice flat
-    buckets evenly; ZeRO-3 chunks each parameter's dim 0 (:meth:`Part.sharded`: rank 0, the
-    default, holds the most), the frozen base's like the rest."""
+    the model, pipeline rank ``stage``'s (``blocks``: its blocks' share, which an adapter method
+    needs). ZeRO 1-2 slice flat buckets evenly; ZeRO-3 chunks each parameter's dim 0
+    (:meth:`Part.sharded`: rank 0, the default, holds the most), the frozen base's like the
+    rest. ``experts_sharded_over_replicas``: an MoE model's rule
+    (:mod:`lightning_3d.planner.expert_memory`; ``None``: the strategy's)."""
     if choice.expert > 1 and facts.experts is not None:
-        return _expert_state(facts, choice, part, dp_rank)
+        experts = stage_expert_parts(facts, choice.pipeline, choice.virtual_stages)[stage]
+        dense = model_state(facts, replace(choice, expert=1), part - experts, dp_rank)
+        masters = keeps_masters(facts, choice)
+        held = expert_state(facts, choice, experts, dp_rank, masters, experts_sharded_over_replicas)
+        return held.added_to(dense)
     p_b, g_b, o_b, _ = facts.bytes
     # ZeRO shards over data × context: those ranks hold the same layers.
     dp, z, tp = choice.data * choice.context, choice.zero_stage, choice.tensor
@@ -210,22 +223,6 @@ def model_state(
     return params, grads, optimizer, host, disk
 
 
-def _expert_state(
-    facts: ModelFacts, choice: Choice, part: Part, dp_rank: int
-) -> tuple[float, float, float, float, float]:
-    """:func:`model_state` at ``expert`` > 1 (planner/experts.py): the experts leave the ZeRO
-    engines (parallel/expert.py), so each rank holds ``1 / expert`` of them whole, with their
-    gradients and the optimizer's moments (no masters: they are not in ZeRO's buckets); the rest
-    of ``part`` follows ZeRO on the data ranks as without experts."""
-    experts = facts.experts
-    dense = model_state(facts, replace(choice, expert=1), part - experts.expert_part, dp_rank)
-    p_b, g_b, o_b, _ = facts.bytes
-    held = experts.expert_params / choice.expert
-    moments = sum(optimizer_state_bytes(choice.optimizer, o_b).values())
-    params, grads, optimizer, host, disk = dense
-    return params + held * p_b, grads + held * g_b, optimizer + held * moments, host, disk
-
-
 def keeps_masters(facts: ModelFacts, choice: Choice) -> bool:
     """Whether ZeRO 0-2 keep fp32 masters of a module held in bf16 (``MASTER_STATE_BYTES``),
     stepped in each rank's slice (stage 0: whole): ``zero_master_weights`` (the default; False
@@ -251,15 +248,43 @@ def offload_split(facts: ModelFacts, choice: Choice) -> bool:
     return choice.offload != "none" and choice.zero_stage < 3 and held_in_bf16 and masters
 
 
-def predicted_rank(facts: ModelFacts, choice: Choice, rank: int) -> dict[str, float]:
+def host_landing_bytes(
+    facts: ModelFacts, choice: Choice, options: PlannerOptions, trained: float
+) -> float:
+    """The split's pinned landing buffers (``HostLanding``): ``HOST_IN_FLIGHT + 1`` of the
+    largest bucket part a rank lands (its slice from stage 1), in the gradients' dtype. A bucket
+    of ``trained`` elements (one param group: an upper bound) is ``bucket_size_mb``, or a
+    quarter of a smaller one, not under 1 MiB (``ZeroDataParallel._bucket_limit``)."""
+    if not offload_split(facts, choice):
+        return 0.0
+    p_b, g_b = facts.bytes[0], facts.bytes[1]
+    floor = MIN_BUCKET_BYTES // p_b
+    limit = min(options.bucket_size_mb * 2**20 // p_b, max(floor, -(-int(trained) // MIN_BUCKETS)))
+    bucket = min(limit, trained)
+    part = bucket / (choice.data * choice.context) if choice.zero_stage >= 1 else bucket
+    return (HOST_IN_FLIGHT + 1) * pinned_bytes(part * g_b)
+
+
+def predicted_rank(
+    facts: ModelFacts,
+    choice: Choice,
+    rank: int,
+    experts_sharded_over_replicas: Optional[bool] = None,
+) -> dict[str, float]:
     """What the planner predicts ``rank`` holds (mesh ``(pp, dp, cp, tp)``, tensor innermost).
 
     ZeRO shards over data x context flattened (``dp_cp``, data outer), so the rank's index on
-    that axis is its index over the ranks of its stage, tensor ranks aside."""
+    that axis is its index over the ranks of its stage, tensor ranks aside. ``buffer_bytes``: the
+    module's registered buffers, which no plan splits or shards; under a pipeline a stage keeps
+    only its own modules' (and those every stage runs), which the facts do not tell apart: the
+    whole model's there is an upper bound."""
     shards = choice.data * choice.context
     stage, dp_rank = rank // (shards * choice.tensor), rank // choice.tensor % shards
     part, _ = stage_parts(facts, choice.pipeline, choice.virtual_stages)[stage]
-    params, grads, optimizer, _, _ = model_state(facts, choice, part, dp_rank)
+    sharded = {"experts_sharded_over_replicas": experts_sharded_over_replicas}
+    params, grads, optimizer, _, _ = model_state(
+        facts, choice, part, dp_rank, stage=stage, **sharded
+    )
     # The run's meter adds up every micro-batch of the step: the whole per-rank batch.
     fit = facts.activation(choice.ac_policy, choice.tensor, choice.sequence_parallel)
     act = fit.bytes_per_sample(facts.seq_len) * choice.batch_per_rank
@@ -268,6 +293,7 @@ def predicted_rank(facts: ModelFacts, choice: Choice, rank: int) -> dict[str, fl
         "grad_bytes": grads,
         "optimizer_state_bytes": optimizer,
         "activation_bytes_per_block": act,
+        "buffer_bytes": float(facts.buffer_bytes),
     }
 
 
@@ -353,8 +379,10 @@ def buffer_bytes(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> 
         if choice.adapter == "none":
             gathered = max(b.local(tp) for b in facts.blocks)
             if choice.expert > 1 and facts.experts is not None:
-                # FSDP2 leaves the experts to the expert axis: a block gathers its dense part.
+                # A block gathers its dense part, and its rank's experts only where FSDP2 shards
+                # them over their replica group (planner/expert_memory.py).
                 gathered -= facts.experts.expert_params / facts.experts.moe_layers
+                gathered += gathered_experts(facts, choice)
             total += gathered * (2 * compute + g_b)
         else:
             block = max(facts.blocks, key=lambda b: b.params)
@@ -400,7 +428,7 @@ def _gathered_with_grads(
 
 
 def pipeline_held_bytes(
-    facts: ModelFacts, choice: Choice, part: Part, blocks: Part, lora_r: int = 8
+    facts: ModelFacts, choice: Choice, part: Part, blocks: Part, lora_r: int = 8, stage: int = 0
 ) -> float:
     """What ZeRO-3 under a pipeline holds on a rank holding ``part`` (``blocks``: its blocks'
     share) beside its shards: torch's stage runs every backward with
@@ -411,12 +439,20 @@ def pipeline_held_bytes(
     (a later forward reshards it, the next backward gathers it again): the peak, at the last
     backward, holds the stage's whole weights in the compute dtype and its whole gradients in
     the reduce dtype. With several stages per rank each reduces after its own last backward:
-    counted as all of the rank's at once (an upper bound). Nothing without a pipeline, or where
-    FSDP2 does not shard (one data rank, no ``offload_params``)."""
+    when the rank's later stage reduces, its earlier one has run a backward since its last
+    forward and holds its whole weights and gradients too, so all of the rank's stages at once
+    are the peak (counted on pp2 x dp2 under Interleaved1F1B). Nothing without a pipeline, or where
+    FSDP2 does not shard (one data rank, no ``offload_params``). At ``expert`` > 1 pipeline rank
+    ``stage``'s experts are held as its model state counts them, outside FSDP2's units, or
+    gathered ``1 / expert`` of them where FSDP2 shards them over their replicas."""
     shards = choice.data * choice.context
     sharded = shards > 1 or choice.offload_params
     if choice.zero_stage != 3 or choice.pipeline == 1 or not sharded:
         return 0.0
+    if choice.expert > 1 and facts.experts is not None:
+        experts = stage_expert_parts(facts, choice.pipeline, choice.virtual_stages)[stage]
+        layers = experts.params * facts.experts.moe_layers / facts.experts.expert_params
+        part = part - experts + Part(round(gathered_experts(facts, choice) * layers))
     return _gathered_with_grads(facts, choice, part, blocks, lora_r)
 
 
@@ -444,9 +480,11 @@ def rank_memory(facts: ModelFacts, choice: Choice, options: PlannerOptions) -> M
     for stage in _first_of_each_kind(facts, choice.pipeline, choice.virtual_stages):
         part, blocks = stages[stage]
         params, grads, optimizer, host, disk = model_state(
-            facts, choice, part, blocks=block_parts[stage], lora_r=options.lora_r
+            facts, choice, part, blocks=block_parts[stage], lora_r=options.lora_r, stage=stage
         )
-        held = pipeline_held_bytes(facts, choice, part, block_parts[stage], options.lora_r)
+        held = pipeline_held_bytes(facts, choice, part, block_parts[stage], options.lora_r, stage)
+        trained = trained_part(choice.adapter, part, block_parts[stage], options.lora_r)
+        host += host_landing_bytes(facts, choice, options, trained.local(choice.tensor))
         split = MemorySplit(
             params,
             grads,

@@ -59,10 +59,11 @@ from lightning_3d.planner.timing import StepTime, mfu
 
 Check = Callable[[Plan, int], None]  # raises ValueError for a plan the model cannot take
 
-# The split axes an expert axis is tried beside: it is carved from the data ranks and shards
-# with ZeRO on them; a split with any other axis above 1 is planned without one. Widened here as
-# parallel/expert.py learns to combine with tensor, pipeline or context parallelism.
-EXPERT_COMBINES = ("data",)
+# The split axes an expert axis is tried beside (it is carved from the data ranks at a fixed
+# pipeline, context and tensor coordinate: parallel/expert.py); a split with any other axis above
+# 1 would be planned without one. Every axis the strategy has: planner/expert_memory.py prices
+# each combination.
+EXPERT_COMBINES = ("data", "tensor", "context", "pipeline")
 
 
 @dataclass(frozen=True)

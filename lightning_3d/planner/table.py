@@ -44,7 +44,7 @@ def ranked_table(candidates: list[Candidate], top: int = 10) -> str:
         kit = f" + {ch.kit_label()}" if ch.kit_label() else ""
         rows.append(
             f"| {i} | {ch.adapter} | {ch.data}{cp}×{ch.tensor}{sp}×{ch.pipeline} | "
-            f"{ch.zero_stage} | "
+            f"{ch.zero_stage}{ch.masters_label()} | "
             f"{micro} | {ch.ac_policy} | "
             f"{ch.offload}{kit} | "
             f"{_gb(m.params)} | {_gb(m.grads)} | {_gb(m.optimizer)} | {_gb(m.activations)} | {_gb(m.buffers)} | "

@@ -106,6 +106,7 @@ from dataclasses import dataclass
 from lightning_3d.parallel.stages import stage_blocks, stage_ids
 from lightning_3d.planner.choice import Choice, PlannerOptions
 from lightning_3d.planner.cluster import Cluster
+from lightning_3d.planner.expert_memory import expert_shards
 from lightning_3d.planner.experts import all_to_all_time, expert_traffic, inactive_flop_params
 from lightning_3d.planner.facts import ModelFacts, Part, offloaded_state_bytes
 from lightning_3d.planner.memory import stage_block_parts, stage_parts
@@ -374,10 +375,12 @@ def step_time(
     optimizer = 0.0
     if choice.offload == "none":  # the optimizer's pass over this rank's (ZeRO: sharded) parameters
         owned = elements / (shards if choice.zero_stage >= 1 else 1)
-        # The experts are stepped 1/expert on each rank, outside ZeRO's shards.
+        # The experts are stepped 1/expert on each rank, sharded over their replica group or
+        # whole (planner/expert_memory.py), not over ZeRO's data x context shards.
         if choice.expert > 1 and facts.experts is not None:
             held = facts.experts.expert_params
-            owned += held / choice.expert - held / (shards if choice.zero_stage >= 1 else 1)
+            owned += held / choice.expert / expert_shards(choice)
+            owned -= held / (shards if choice.zero_stage >= 1 else 1)
         optimizer = owned / options.adam_params_per_s
     offload = 0.0
     if choice.offload != "none":

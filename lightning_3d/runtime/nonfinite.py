@@ -137,6 +137,19 @@ class NonFiniteGuard:
         self._grads_device: Optional[torch.device] = None
         self._norm: Optional[torch.Tensor] = None  # a global norm noted by flag_norm
         self._folded = False  # the norm's partial sums ride in this step's ballot
+        # Under 16-mixed: the grad scaler's agreed found-inf flag of the step (0-d, on the device).
+        self.scaler_overflow: Optional[torch.Tensor] = None
+
+    @property
+    def skipped_step(self) -> bool:
+        """Whether the step numbered :attr:`step` (the one under way, or the last one) was
+        skipped, here or by the grad scaler (an overflow under 16-mixed): what a module moves
+        after each applied step (a balancing bias fed by the step's loads) must then stay put,
+        as the weights do. Reads the scaler's flag from the device (after the scaler's own read
+        of it: no wait of its own)."""
+        if self.skipped and self.skipped[-1] == self.step:
+            return True
+        return self.scaler_overflow is not None and bool(self.scaler_overflow.item())
 
     def check_step(self, loss: Any, grads: Sequence[torch.Tensor], device: torch.device) -> None:
         """After training step and backward: stop or skip (on every rank alike) if any rank's

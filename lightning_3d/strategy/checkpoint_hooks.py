@@ -56,9 +56,10 @@ class CheckpointHooks:
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # A module may save only part of itself (LoRA: the adapters): the rest is never gathered.
         keep = getattr(self.lightning_module, "keeps_in_checkpoint", None)
-        if self.checkpoint_format == "sharded":
-            return sharded.model_state(self.lightning_module, keep)
         recipe = self.parallelized
+        if self.checkpoint_format == "sharded":
+            # fp32 masters (ZeRO 0-2 under bf16-true) are saved as the weights, as consolidated.
+            return sharded.model_state(self.lightning_module, keep, recipe.engines)
         return full_model_state(
             self.lightning_module, recipe.pp_group, recipe.full_names, keep, recipe.engines
         )
@@ -120,8 +121,10 @@ class CheckpointHooks:
             distributed=dist.is_available() and dist.is_initialized(),
         )
         meta.pop(CHECKSUMS, None)
+        # fp32 masters (ZeRO 0-2 under bf16-true) are read from the saved weights exactly.
+        engines = self.parallelized.engines
         targets, after = sharded.model_targets(
-            module, [n for n in module.state_dict() if n in saved]
+            module, [n for n in module.state_dict() if n in saved], engines
         )
         installs = []
         if fitting and "optimizer_states" in meta:
@@ -143,7 +146,7 @@ class CheckpointHooks:
                 targets.update(found)
                 installs.append(install)
         sharded_files.load(targets, path, metadata)
-        sharded.finish_model(module, after)
+        sharded.finish_model(module, after, engines)
         for install in installs:
             install()
         return meta

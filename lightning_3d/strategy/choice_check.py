@@ -291,12 +291,19 @@ def _shape_problems(
             f"{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}"
         )
     tp_axis, dp_axis = MeshAxis.TENSOR.value, _shard_axis(choice)
+    experts = _expert_params(module, choice)
     for name, p in module.named_parameters():
         if name not in ref.shapes:
             continue
         full, placements = ref.shapes[name], _axis_placements(p)
         if tuple(p.shape) != full:
             yield f"{where}: {name} has global shape {tuple(p.shape)}, the model's is {full}"
+            continue
+        if id(p) in experts:
+            # The activations were measured on the whole block: the expert axis moves token
+            # rows between ranks, not the bytes a rank keeps of them (an even router).
+            tp_local[name] = full
+            yield from _expert_problems(where, name, p, full, choice, kind)
             continue
         local = list(full)
         on_tp = placements.get(tp_axis)
@@ -328,6 +335,39 @@ def _shape_problems(
             continue
         if tuple(_local(p).shape) != tuple(local):
             yield f"{where}: {name} has local shape {tuple(_local(p).shape)}, the planner assumes {tuple(local)}"
+
+
+def _expert_params(module: nn.Module, choice: Choice) -> set[int]:
+    """Ids of the expert weights an expert axis splits (none at ``expert`` = 1)."""
+    from lightning_3d.parallel.expert import moe_layers
+
+    if choice.expert == 1:
+        return set()
+    return {id(p) for layer in moe_layers(module) for p in layer.experts.parameters()}
+
+
+def _expert_problems(
+    where: str, name: str, p: torch.Tensor, full: tuple, choice: Choice, kind: RankKind
+) -> Iterator[str]:
+    """An expert weight against ``planner/expert_memory.py``: dim 0 (the expert) split over
+    ``ep``, never over the tensor ranks, and at ZeRO-3, where the planner's rule shards the
+    experts over their replica group, chunked over it as FSDP2 chunks it (dim 0 where this
+    rank's experts divide over the replicas, else dim 1: ``parallel/expert_fsdp.py``)."""
+    from lightning_3d.planner.expert_memory import replica_rank, replica_size, resolve
+
+    on_ep = _axis_placements(p).get("ep")
+    if _shard_dim(on_ep) != 0:
+        yield f"{where}: {name} is an expert weight placed {on_ep} on ep, not sharded on dim 0"
+        return
+    local = [full[0] // choice.expert, *full[1:]]
+    replicas = replica_size(choice)
+    if choice.zero_stage == 3 and resolve(None, 3) and replicas > 1:
+        dim = 0 if local[0] % replicas == 0 else 1
+        chunk = math.ceil(local[dim] / replicas)
+        at = replica_rank(choice, kind.shard_rank) * chunk
+        local[dim] = max(0, min(chunk, local[dim] - at))
+    if tuple(_local(p).shape) != tuple(local):
+        yield f"{where}: {name} has local shape {tuple(_local(p).shape)}, the planner assumes {tuple(local)}"
 
 
 def _block_problems(
@@ -371,24 +411,29 @@ def _bucket_problems(made: Any, module: nn.Module, choice: Choice) -> list[str]:
         return []
     count: dict[int, int] = {}
     out = []
+    # The expert weights' engines (parallel/expert_zero.py) shard over the experts' replicas.
+    of_experts = {id(e.experts) for e in engines if e.experts is not None}
     for engine in engines:
+        axis, shards = _shard_axis(choice), choice.data * choice.context
+        if id(engine) in of_experts:
+            axis, shards = engine.mesh.mesh_dim_names[0], engine.size
         for b in engine.buckets:
             for p in b.params:
                 count[id(p)] = count.get(id(p), 0) + 1
             if choice.zero_stage >= 1:
-                on_dp = _axis_placements(b.slice).get(_shard_axis(choice))
+                on_dp = _axis_placements(b.slice).get(axis)
                 if _shard_dim(on_dp) != 0:
                     out.append(
-                        f"a ZeRO-{choice.zero_stage} slice is placed {on_dp} on {_shard_axis(choice)}, not Shard(0)"
+                        f"a ZeRO-{choice.zero_stage} slice is placed {on_dp} on {axis}, not Shard(0)"
                     )
-                shards = choice.data * choice.context
                 if _local(b.slice).numel() * shards != b.flat.numel():
                     out.append(
                         f"a ZeRO-{choice.zero_stage} slice holds {_local(b.slice).numel()} of "
                         f"{b.flat.numel()} elements, not 1/{shards}"
                     )
+    experts = _expert_params(module, choice)  # stepped by the expert axis's own engines
     for name, p in module.named_parameters():
-        if p.requires_grad and count.get(id(p), 0) != 1:
+        if p.requires_grad and count.get(id(p), 0) != 1 and id(p) not in experts:
             out.append(f"{name} is in {count.get(id(p), 0)} ZeRO buckets, not 1")
     return out
 
@@ -430,6 +475,8 @@ def _rank_bytes(
         "param_bytes": param_bytes,
         "grad_bytes": grad_bytes,
         "optimizer_state_bytes": _nbytes(state, seen),
+        # Beside the model state, not held against the prediction (predicted_rank's docstring).
+        "buffer_bytes": _nbytes(module.buffers(), seen),
     }
 
 

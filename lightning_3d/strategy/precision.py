@@ -117,6 +117,7 @@ class GlobalNormClipping(_Adapted):
     ) -> Any:
         guard = self.nonfinite
         guard.step = model.trainer.global_step
+        guard.scaler_overflow = None
         # Manual steps run no training closure.
         check = getattr(model, "automatic_optimization", False)
 
@@ -156,6 +157,12 @@ class GlobalNormClipping(_Adapted):
         # noted on the way are read here together, in one host sync.
         super()._after_closure(model, optimizer)  # type: ignore[misc]
         self.nonfinite.resolve()
+        # Under 16-mixed: the agreed overflow flag, with which the scaler skips the step (kept on
+        # the device: read only by what asks whether the step was skipped, after the scaler's read).
+        found = self._found_inf(optimizer)
+        if found:
+            flags = [f.reshape(()).to(found[0].device) for f in found]
+            self.nonfinite.scaler_overflow = torch.stack(flags).amax()
         self._before_step(optimizer)
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:

@@ -12,8 +12,9 @@ cases):
    (``parallel/replicas.py``), before anything shards them.
    Then, for a mixture-of-experts model, **expert parallelism** (``parallel/expert.py``; a
    Hugging Face family's experts found by its ``base_model_ep_plan``, ``expert_hf.py``): each
-   rank keeps its ``ep`` slice of those experts; the ZeRO engines (11, and FSDP2 in 8) leave
-   the expert weights to its own gradient reduction.
+   rank keeps its ``ep`` slice of those experts, with a gradient reduction of its own; ZeRO
+   splits them further over the ranks holding the same ones (8: FSDP2 units of their own;
+   11: a second flat-bucket engine, ``expert_zero.py``).
 4. **Tensor parallelism** on the ``tp`` axis (``parallel/tensor.py``): weights become
    tp-sharded DTensors; ties re-made.
 5. With ``context`` > 1, **context parallelism** (``parallel/context/``): attention layers run
@@ -24,7 +25,9 @@ cases):
 7. Optionally **torch.compile** of each block: it traces the TP layers and the checkpointed
    region; FSDP2's hooks stay outside.
 8. **ZeRO-3**: FSDP2 on the ``dp`` axis (``dp`` × ``cp`` with context parallelism: those ranks
-   hold the same layers), with precision and offload policies (``parallel/fsdp.py``).
+   hold the same layers), with precision and offload policies (``parallel/fsdp.py``); a MoE
+   model's experts modules first, each a unit over the ranks holding the same experts
+   (``parallel/expert_fsdp.py``).
 9. For a module built on ``meta`` (``LitGPT(deferred_init=True)``), **materialisation**: each
    parameter filled once in its final dtype, device and shard (``parallel/materialize.py``).
 10. **Pipeline runtime**: the schedule over this rank's stages.
@@ -56,6 +59,7 @@ from lightning_3d.parallel.chunked_loss import apply_chunked_loss
 from lightning_3d.parallel.compile import compile_blocks
 from lightning_3d.parallel.expert import moe_layers, set_aside
 from lightning_3d.parallel.expert_pipeline import carry_aux_losses
+from lightning_3d.parallel.expert_zero import attach_expert_zero, build_expert_zero_mesh
 from lightning_3d.parallel.foreach import step_shards_together
 from lightning_3d.parallel.fsdp import apply_zero3, fsdp_policies, keep_head_gathered
 from lightning_3d.parallel.masters import master_options, refuse_master_combinations
@@ -85,9 +89,10 @@ class Parallelized:
     stages: Optional[list] = None  # this rank's pipeline stages (None without a pipeline)
     runtime: Optional[PipelineRuntime] = None  # the pipeline schedule runner
     tied: Optional[TiedGroups] = None  # tied weights with a copy on several pipeline ranks
-    engines: list[ZeroDataParallel] = field(default_factory=list)  # ZeRO 0-2, one per optimizer
+    # ZeRO 0-2: one per optimizer, each followed by its expert weights' (expert_zero.py), if any
+    engines: list[ZeroDataParallel] = field(default_factory=list)
     tp_plan: dict = field(default_factory=dict)  # module name -> its tensor-parallel style
-    experts: list = field(default_factory=list)  # ep-sharded expert weights (no ZeRO engine)
+    experts: list = field(default_factory=list)  # ep-sharded expert weights (ZeRO 1-2: own engine)
     _bound: dict[int, ZeroDataParallel] = field(default_factory=dict)  # id(optimizer) -> its engine
 
     @classmethod
@@ -258,6 +263,15 @@ def parallelize(
     if layout.zero_stage == 3:
         # Last of the wrappers: per-block gather and reshard hooks around all of the above.
         policies = fsdp_policies(precision, plan.offload.params, device.type)
+        if made.experts:
+            # Loaded here, not with the package, as expert_hf.py is.
+            from lightning_3d.parallel.expert_fsdp import apply_expert_zero3
+
+            # First the experts, each a unit over the ranks holding the same ones (inside out:
+            # the blocks' units then skip them); left to their own hook when no rank shares them.
+            made.experts = apply_expert_zero3(
+                module, made.experts, shard_mesh(mesh).size(), **policies
+            )
         ignored = {"ignored_params": set(made.experts)} if made.experts else {}
         apply_zero3(module, shard_mesh(mesh), roots=made.stages, **policies, **ignored)
         # A pipeline's chunked loss reads the last stage's head after its forward: kept whole.
@@ -299,17 +313,26 @@ def attach_optimizers(
     if plan.layout.zero_stage < 3:
         mesh = shard_mesh(parallelized.mesh, tensor=True)
         tied = {id(p): group for p, group, _ in parallelized.tied_copies()}
+        # ZeRO 1-2: the mesh of the ranks holding the same experts (a collective; None: none do).
+        stage, expert = plan.layout.zero_stage, plan.layout.expert
+        expert_mesh = build_expert_zero_mesh(parallelized.mesh, expert) if stage else None
         for optimizer in optimizers:
-            engine = ZeroDataParallel(
-                mesh,
-                plan.layout.zero_stage,
-                bucket_numel=_bucket_numel(optimizer, plan),
+            options = {
+                "bucket_numel": _bucket_numel(optimizer, plan),
                 **master_options(optimizer, plan),
-            )
-            # Expert weights: reduced by their own hook (parallel/expert.py), in no bucket.
+            }
+            engine = ZeroDataParallel(mesh, plan.layout.zero_stage, **options)
+            # Expert weights: not in the data-parallel buckets (their gradient is no data mean).
             with set_aside(optimizer, parallelized.experts, engine.original_groups):
                 engine.attach(optimizer, tied=tied)
             parallelized.bind(optimizer, engine)
+            # ZeRO 1-2: in buckets of their own over the ranks holding the same experts
+            # (parallel/expert_zero.py); where none share them, left to their own hook.
+            experts = attach_expert_zero(
+                optimizer, engine, parallelized.experts, expert_mesh, **options
+            )
+            if experts is not None:
+                parallelized.engines.append(experts)
     if plan.offload.device == "none":
         for optimizer in optimizers:  # ZeRO 1-2's slices and ZeRO-3's shards are DTensors
             step_shards_together(optimizer)

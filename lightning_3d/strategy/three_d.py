@@ -207,6 +207,14 @@ class ThreeDStrategy(CheckpointHooks, Collectives, ParallelStrategy):
         return self.parallelized.runtime if self.parallelized is not None else None
 
     @property
+    def step_skipped(self) -> bool:
+        """Whether the last optimizer step was skipped (``nonfinite="skip"``: nothing applied).
+        A module that moves state by each applied step's figures (a balancing bias) reads it
+        after the step."""
+        guard = getattr(self.precision_plugin, "nonfinite", None)
+        return guard is not None and guard.skipped_step
+
+    @property
     def device_mesh(self) -> DeviceMesh:
         if self._device_mesh is None:
             raise RuntimeError(

@@ -18,7 +18,17 @@ marked tensor with unmarked ones, and counts host reads of unmarked tensors (per
 Torch's own code is trusted to choose devices for the backend it runs on (on gloo it picks the
 host, on NCCL the device): tensors it makes are not marked. A device given as a ``torch.device``
 object counts as the device, since on a CPU the strategy's root device *is* ``cpu``; only the
-string ``"cpu"`` or no device at all count as the host.
+string ``"cpu"``, no device at all, or the ``.device`` read off a host-born tensor (code that
+groups tensors by device and moves a scalar to each group's: ``factor.to(host.device)``) count
+as the host.
+
+Both modes are thread-local and stay on through backward, but a function mode is off inside
+its own ``__torch_function__``, and the autograd engine runs the whole backward inside the
+call to ``Tensor.backward`` / ``torch.autograd.backward`` / ``torch.autograd.grad``. So those
+three are passed on with the mode back on (``torch.overrides.redispatch_function``): tensors
+made in tensor and post-accumulate-grad hooks, ``autograd.Function.backward``, module backward
+hooks, FSDP2's and the pipeline's backward and activation checkpointing's recompute are marked
+as anywhere else.
 
 Use it around a rank's work; it records and lets the work go on (a raise in one rank's
 collective would leave the others waiting), so one run lists every site::
@@ -81,6 +91,16 @@ _LIKE = {
     torch.Tensor.new_empty,
     torch.Tensor.new_full,
 }
+# Entries to the autograd engine: the user code it calls (tensor and post-accumulate-grad hooks,
+# autograd.Function.backward, module backward hooks, FSDP2's and the pipeline's backward, queued
+# callbacks) runs inside them.
+_ENGINE_ENTRIES = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
+# Calls a function past one level of ``__torch_function__`` (absent from older torch: there the
+# backward stays unseen by the function mode).
+_REDISPATCH = getattr(torch.overrides, "redispatch_function", None)
+# ``Tensor.device``: a mode sees the attribute's ``__get__``, whose ``__self__`` this is.
+_DEVICE_ATTRIBUTE = torch.Tensor.device
+_HELD_DEVICES = 100_000
 # Reads of a tensor's values on the host: on a GPU each waits for the device's queue.
 _READS = {
     torch.Tensor.item,
@@ -167,12 +187,15 @@ def made_at(t: Any) -> Optional[str]:
     return getattr(t, _MARK, None) if isinstance(t, torch.Tensor) else None
 
 
-def _host_device(device: Any) -> Optional[bool]:
-    """True: the argument names the host; False: a device; None: not a device argument."""
+def _host_device(device: Any, read_off_host: dict) -> Optional[bool]:
+    """True: the argument names the host; False: a device; None: not a device argument.
+    ``read_off_host``: the ``torch.device`` objects read off host-born tensors, by id."""
     if isinstance(device, str):
         return device.split(":")[0] == "cpu"
     if isinstance(device, torch.device):
-        return False  # the strategy's root device (on a CPU, cpu) or any other torch.device
+        # ``host.device`` is the host on a GPU too; any other torch.device is the strategy's
+        # root device (on a CPU, cpu) or another device.
+        return id(device) in read_off_host
     return None
 
 
@@ -199,12 +222,29 @@ class _Provenance(TorchFunctionMode):
     def __init__(self, guard: DeviceGuard) -> None:
         super().__init__()
         self.guard = guard
+        # ``host.device`` of host-born tensors, held (so that their ids stay theirs), oldest
+        # first: code that groups tensors by device and moves a device scalar to each group's
+        # device (``factor.to(grad.device)``) moves it to the host on a GPU.
+        self.read_off_host: collections.OrderedDict = collections.OrderedDict()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _DEVICE_ATTRIBUTE:  # t.device
+            out = func(*args, **kwargs)
+            if made_at(args[0]) is not None:
+                self.read_off_host[id(out)] = out
+                if len(self.read_off_host) > _HELD_DEVICES:
+                    self.read_off_host.popitem(last=False)
+            return out
+        if func in _ENGINE_ENTRIES and _REDISPATCH is not None:
+            # A mode is off inside its own handler, and the autograd engine keeps the mode
+            # stack it was entered with: without ``with self`` every hook, Function.backward
+            # and checkpoint recompute of the backward would make host tensors unseen.
+            with self:
+                return _REDISPATCH(func, types, args, kwargs)
         out = func(*args, **kwargs)
         if func in _FACTORIES or func in _LIKE:
-            host = _host_device(kwargs.get("device"))
+            host = _host_device(kwargs.get("device"), self.read_off_host)
             if host is None and func in _FACTORIES:
                 host = True
             if kwargs.get("pin_memory"):
@@ -221,7 +261,7 @@ class _Provenance(TorchFunctionMode):
                 self.guard._read()
         elif func is torch.Tensor.to:
             target = kwargs.get("device", args[1] if len(args) > 1 else None)
-            host = _host_device(target)
+            host = _host_device(target, self.read_off_host)
             if isinstance(target, torch.Tensor):
                 host = made_at(target) is not None
             if host and not _caller_in_torch():

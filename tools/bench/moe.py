@@ -16,8 +16,9 @@ layers, ``k`` experts per token, ``n`` tokens per rank and step, C the width):
 - bytes sent per step: the data-parallel term of the row's ZeRO stage over Ψ_d (over Ψ at
   ``ep`` = 1), less at ZeRO-3 one all-gather of what ``parallel/fsdp.py`` keeps gathered from
   forward to backward (the last block and the outer unit, Ψ_kept); the expert gradients'
-  all-reduce over the ``r`` replicas, 2(r-1)/r·EΨ_e/ep; the all-to-all, ``4 L k n C E
-  (ep-1)/ep`` (2 directions × forward and backward) plus the counts (one int64 per expert,
+  all-reduce over the ``r`` replicas, 2(r-1)/r·EΨ_e/ep (at ZeRO-3, where their own units split
+  them over the replicas, two gathers and a reduce-scatter: 3(r-1)/r·EΨ_e/ep); the all-to-all,
+  ``4 L k n C E (ep-1)/ep`` (2 directions × forward and backward) plus the counts (one int64 per expert,
   layer and forward, (ep-1)/ep of them sent); the router's load statistics, an all-reduce of
   2·experts + 1 floats per layer and forward.
 
@@ -81,7 +82,10 @@ def moe_theory(cfg: dict[str, Any], world: int, options: dict[str, Any]) -> dict
         sent -= (n - 1) / n * E * kept_gathered_params(cfg, ep)
     if ep > 1:
         replicas = n // ep
-        sent += 2 * (replicas - 1) / replicas * E * facts.expert_params / ep
+        # ZeRO-3 with replicas: the experts' own FSDP2 units (parallel/expert_fsdp.py) gather for
+        # forward and again for backward, and reduce-scatter; else their gradient's all-reduce.
+        passes = 3 if stage == 3 and replicas > 1 else 2
+        sent += passes * (replicas - 1) / replicas * E * facts.expert_params / ep
     tokens = cfg["data"]["batch_size"] // n * cfg["model"]["block_size"]
     sent += all_to_all_bytes(facts, tokens, ep)["sent"]
     if ep > 1:
@@ -101,7 +105,11 @@ def moe_formula(options: dict[str, Any], world: int) -> str:
     dp = f"{DP_FACTOR[stage]}(N-1)/N·E{psi}" if stage < 3 else f"(N-1)/N·E(3{psi}-Ψ_kept)"
     if ep == 1:
         return f"ZeRO-{stage}(Ψ, N={world}); {dp} + AR stats"
+    replicas = world // ep
+    split = stage == 3 and replicas > 1  # the experts' own FSDP2 units over the replicas
+    experts = f"RS+2AG(r={replicas})" if split else f"AR(r={replicas})"
+    held = f"16Ψ_e/{world}" if split else f"16Ψ_e/{ep}"
     return (
-        f"ZeRO-{stage}(Ψ_d, N={world}) + 16Ψ_e/{ep}; {dp} + AR(r={world // ep})·EΨ_e/{ep}"
+        f"ZeRO-{stage}(Ψ_d, N={world}) + {held}; {dp} + {experts}·EΨ_e/{ep}"
         f" + 4Lkn·C·E·{ep - 1}/{ep} + AR stats"
     )

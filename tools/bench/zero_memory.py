@@ -14,6 +14,11 @@ layout, its bytes counted from the tensors after the step (bf16 weights and grad
 masters and moments; the masters' fp32 gradients, made for the step only, in their own column)
 against the paper's mixed-precision formula (16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N).
 
+Beside it, the same bf16 module without masters (``zero_master_weights=False``): the optimizer
+steps the bf16 weights with bf16 moments, 2 + 2 + 4 bytes a parameter, the moments sharded from
+stage 1 and the gradients from stage 2 (8Ψ, 4Ψ + 4Ψ/N, 2Ψ + 6Ψ/N: :func:`no_masters_bytes`),
+counted the same way.
+
 A third table is ZeRO-Offload's split (``precision="bf16-true"`` with ``offload=cpu`` / ``nvme``,
 ``lightning_3d.offload.split``): the engine and the offloaded AdamW as the recipe builds them, two
 accumulated micro-batches and a step per layout, bytes by place counted from the tensors (device:
@@ -48,8 +53,9 @@ def measure(data: int, stage: int, model: dict) -> dict:
     return {"num_params": summary["num_params"], **summary["ranks"][0]}
 
 
-def _masters_rank(rank: int, data: int, stage: int, model: dict) -> dict:
-    """One AdamW step of the bf16 GPT under the ZeRO engine with fp32 masters; bytes counted."""
+def _masters_rank(rank: int, data: int, stage: int, model: dict, masters: bool = True) -> dict:
+    """One AdamW step of the bf16 GPT under the ZeRO engine, with fp32 masters or (``masters``
+    False) stepping the bf16 weights themselves; bytes counted."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -61,7 +67,7 @@ def _masters_rank(rank: int, data: int, stage: int, model: dict) -> dict:
     torch.manual_seed(1234)
     module = LitGPT(**{**TINY_MODEL, **model}).bfloat16()
     optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
-    engine = ZeroDataParallel(mesh, stage, master_dtype=MASTER_DTYPE)
+    engine = ZeroDataParallel(mesh, stage, master_dtype=MASTER_DTYPE if masters else None)
     engine.attach(optimizer)
     vocab = {**TINY_MODEL, **model}["vocab_size"]
     tokens = torch.randint(0, vocab, (2, model["block_size"]))
@@ -93,6 +99,37 @@ def masters_table(data_sizes: list[int], model: dict) -> None:
                 flush=True,
             )
     print(f"\nΨ = {row['num_params']:,} parameters (bf16 + fp32 masters, AdamW); rank 0.")
+
+
+def no_masters_bytes(num_params: int, stage: int, data: int) -> float:
+    """Model-state bytes per rank of a bf16 module stepped without masters (AdamW's moments in
+    bf16): 2 bytes of weight, 2 of gradient, 4 of moments a parameter, the moments divided by
+    ``data`` from stage 1, the gradients from stage 2."""
+    psi, n = num_params, data
+    return {0: 8 * psi, 1: 4 * psi + 4 * psi / n, 2: 2 * psi + 6 * psi / n}[stage]
+
+
+def no_masters_table(data_sizes: list[int], model: dict) -> None:
+    print(
+        "\n| N | stage | bf16 params MB | bf16 grads MB | bf16 moments MB | total MB | formula MB "
+        "| total/formula |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for data in data_sizes:
+        for stage in (0, 1, 2):
+            row = run_world(_masters_rank, data, data, stage, model, False)[0]
+            keys = ("params", "grads", "optimizer_state")
+            total = sum(row[k] for k in keys) + row["masters"]  # no masters: 0
+            formula = no_masters_bytes(row["num_params"], stage, data)
+            mb = lambda b: f"{b / 2**20:.2f}"  # noqa: E731
+            print(
+                f"| {data} | {stage} | {' | '.join(mb(row[k]) for k in keys)} | {mb(total)} | "
+                f"{mb(formula)} | {total / formula:.3f} |",
+                flush=True,
+            )
+    print(
+        f"\nΨ = {row['num_params']:,} parameters (bf16, zero_master_weights=False, AdamW); rank 0."
+    )
 
 
 def _offload_rank(rank: int, data: int, stage: int, model: dict, device: str, path: str) -> dict:
@@ -198,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
             )
     print(f"\nΨ = {row['num_params']:,} parameters (fp32 AdamW); rank 0 of each layout.")
     masters_table(args.data, model)
+    no_masters_table(args.data, model)
     if args.offload:
         offload_table(args.data, model, args.offload)
 

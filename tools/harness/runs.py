@@ -30,7 +30,7 @@ class Run:
     (tiny test models) or ``"hf_llama"`` / ``"hf_qwen2"`` / ``"hf_gpt2"`` (tiny ``transformers``
     models, ``HFCausalLM``). ``validate=True`` also runs ``trainer.validate``, ``trainer.test``
     and ``trainer.predict`` on 2 batches afterwards (``val`` and ``test`` metrics,
-    ``predictions`` of the first batch). ``resume_from`` is a checkpoint to resume from;
+    ``predictions`` of the first batch, ``all_predictions`` of each). ``resume_from`` is a checkpoint to resume from;
     ``save_to`` a ``.ckpt`` path that a ``ModelCheckpoint`` writes at the end of every training
     epoch (the usual user path), or, with ``save_every_n_steps=n``, after every n-th optimizer
     step as ``<stem>-step=<global step>.ckpt``. ``rank_state=True``: every rank also returns the
@@ -157,11 +157,12 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
             **(run.trainer or {}),
         )
         fit.fit(module, datamodule, ckpt_path=run.resume_from)
-        val, test, predictions = {}, {}, None
+        val, test, predictions, all_predictions = {}, {}, None, None
         if run.validate:
             val = fit.validate(module, datamodule, verbose=False)[0]
             test = fit.test(module, datamodule, verbose=False)[0]
-            predictions = fit.predict(module, datamodule)[0]
+            all_predictions = fit.predict(module, datamodule)
+            predictions = all_predictions[0]
     state = (
         fit.strategy.full_state_dict()
         if isinstance(fit.strategy, ThreeDStrategy)
@@ -178,6 +179,7 @@ def fit_gpt(rank: int, run: Run) -> dict[str, Any]:
         "val": val,
         "test": test,
         "predictions": predictions,
+        "all_predictions": all_predictions,
         "loss_scale": float(scaler.get_scale()) if scaler is not None else None,
         "local_losses": summary.local_losses,
         "initial_state": initial_state,
