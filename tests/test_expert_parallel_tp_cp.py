@@ -192,7 +192,7 @@ def test_collectives_take_device_tensors_and_read_once_a_layer(name):
     the global norm) takes tensors made on the device; from the second step on lightning_3d reads
     one device value per MoE layer and forward (the all-to-all's split sizes) besides the step
     agreement's verdict, as at ep2 alone."""
-    from support.guarded_runs import counted_fit
+    from support.guarded_runs import check_moe_reads
 
     strategy, _ = LAYOUTS[name]
     run = Run(
@@ -203,12 +203,7 @@ def test_collectives_take_device_tensors_and_read_once_a_layer(name):
         model=MOE,
         trainer={"gradient_clip_val": 0.5},
     )
-    for result in run_world(counted_fit, 4, run):
-        assert not result["violations"], result["violations"]
-        ours = {site: n for site, n in result["reads"].items() if site.startswith("lightning_3d/")}
-        layers = 2
-        assert sum(ours.values()) == (STEPS - 1) * (1 + layers), ours
-        assert all("agreement.py" in site or "expert.py" in site for site in ours), ours
+    check_moe_reads(run, 4, 2)
 
 
 # ------------------------------------------------------------------ Hugging Face families

@@ -219,7 +219,7 @@ def test_zero3_expert_units_take_device_tensors_and_read_once_a_layer():
     4-rank layout, the experts' gathers and reduce-scatters over their replicas and the clipping
     norm over the 2-D mesh included, takes tensors made on the device; from the second step on,
     lightning_3d reads one device value per MoE layer and forward besides the step agreement's."""
-    from support.guarded_runs import counted_fit
+    from support.guarded_runs import check_moe_reads
 
     steps, layers = 3, 2
     run = Run(
@@ -230,10 +230,7 @@ def test_zero3_expert_units_take_device_tensors_and_read_once_a_layer():
         model=MOE,
         trainer={"gradient_clip_val": 0.5},
     )
-    for result in run_world(counted_fit, 4, run):
-        assert not result["violations"], result["violations"]
-        ours = {site: n for site, n in result["reads"].items() if site.startswith("lightning_3d/")}
-        assert sum(ours.values()) == (steps - 1) * (1 + layers), ours
+    check_moe_reads(run, 4, layers)
 
 
 @pytest.mark.slow

@@ -53,6 +53,20 @@ def counted_fit(rank: int, run: Run) -> dict[str, Any]:
     return result
 
 
+def check_moe_reads(run: Run, world: int, layers: int) -> None:
+    """Run ``run`` (a mixture-of-experts model with ``layers`` MoE layers) on ``world`` ranks
+    under the guard: every collective takes device tensors, and from the second step on
+    lightning_3d reads one device value per MoE layer and forward (the all-to-all's split sizes)
+    besides the step agreement's verdict, nowhere else."""
+    from tools.harness.world import run_world
+
+    for result in run_world(counted_fit, world, run):
+        assert not result["violations"], result["violations"]
+        ours = {site: n for site, n in result["reads"].items() if site.startswith("lightning_3d/")}
+        assert sum(ours.values()) == (run.steps - 1) * (1 + layers), ours
+        assert all("agreement.py" in site or "expert.py" in site for site in ours), ours
+
+
 def guarded_preemption(rank: int, root: str) -> dict[str, Any]:
     """SIGTERM to rank 1 during step 2 of a dp2 ZeRO-2 run (``support.faults``) under the guard:
     the signal's agreement, the stop on every rank and the preemption checkpoint."""
